@@ -1,0 +1,442 @@
+"""The streaming engine: host-resident units, device slots, gradient shipping and the host worker.
+
+The engine is applied to an ordinary, built model (it imports no Lightning):
+
+- every decoder block's parameters move into one :class:`HostUnit` (flat fp32 master, Adam moments,
+  pinned compute copy and gradient slab) and the block's ``forward`` becomes a :class:`BlockRunner`;
+  the block's parameters stay registered, as fp32 views of the master, so names and ``state_dict``
+  keys do not change;
+- every parameter outside the blocks (embedding, final norm, head) gets a unit of its own. Its compute
+  copy lives on the device for the whole run (it does not grow with depth) and is rewritten after each
+  optimizer step; a post-accumulate-grad hook ships its gradient to host as soon as autograd has it;
+- one host worker thread does all host-side arithmetic in submission order: landing gradients
+  (accumulating in fp32), norms for clipping, and optimizer steps. A unit's ``future`` is its last job;
+  nothing reads or overwrites a unit's buffers before that future and the copy events it waits on.
+"""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from megatrain_lightning.engine.block_fn import BlockRunner, CallState
+from megatrain_lightning.engine.discover import find_blocks
+from megatrain_lightning.engine.host import (
+    GradState,
+    HostUnit,
+    available_host_bytes,
+    host_bytes_per_param,
+)
+from megatrain_lightning.engine.streams import SlotPool, Streams
+from megatrain_lightning.optim import kernels
+from megatrain_lightning.optim.kernels import AdamHyper
+
+
+class HostMemoryError(MemoryError):
+    """The model's host-resident training state does not fit in this machine's memory."""
+
+
+class StreamingEngine:
+    """Streams a model's decoder blocks through device slots; all persistent state stays on the host."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        device: torch.device | str,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        num_slots: int = 2,
+        groups: dict[int, int] | None = None,
+        training: bool = True,
+        pin_memory: bool | None = None,
+        preserve_rng_state: bool = True,
+        available_bytes: Callable[[], int] = available_host_bytes,
+    ) -> None:
+        if compute_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"compute_dtype={compute_dtype}: the engine computes in torch.float32 or torch.bfloat16")
+        self.model = model
+        self.device = torch.device(device)
+        self.compute_dtype = compute_dtype
+        self.preserve_rng_state = preserve_rng_state
+        self.blocks_name, self.blocks = find_blocks(model)
+        groups = groups or {}
+        pin = self.device.type == "cuda" if pin_memory is None else pin_memory
+        block_params = [list(b.named_parameters()) for b in self.blocks]
+        in_blocks = {id(p) for params in block_params for _, p in params}
+        outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
+        self._check_host_memory(block_params, outer, training, available_bytes)
+
+        self.streams = Streams(self.device)
+        self._skeletons = [_meta_skeleton(b) for b in self.blocks]
+        self.units: list[HostUnit] = []
+        for i, (blk, params) in enumerate(zip(self.blocks, block_params)):
+            self.units.append(HostUnit(f"{self.blocks_name}.{i}", params, groups, compute_dtype, pin))
+            _bind(self.units[-1], self.units[-1].master)  # frees the block's own storage right away
+            blk.forward = BlockRunner(self, i)
+        self.outer_units = [HostUnit(n, [(n, p)], groups, compute_dtype, pin) for n, p in outer]
+        self._refresh_block_buffers()
+        self._outer_buffers_to(self.device)
+        self._outer_device: list[torch.Tensor] = []
+        for unit in self.outer_units:
+            self._outer_device.append(torch.empty(unit.numel, dtype=compute_dtype, device=self.device))
+            self._upload_outer(unit, self._outer_device[-1])
+        self._hooks = [
+            e.param.register_post_accumulate_grad_hook(self._outer_grad_hook(u)) for u in self.outer_units for e in u.entries
+        ]
+
+        max_numel = max(u.numel for u in self.units)
+        self.pool = SlotPool(self.streams, num_slots, max_numel, compute_dtype)
+        self._grad_slots = [torch.empty(max_numel, dtype=compute_dtype, device=self.device) for _ in range(2)]
+        self._grad_slot_free: list[object | None] = [None, None]
+        self._next_grad_slot = 0
+        self.grad_anchor = torch.empty(0, requires_grad=True)
+
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host")
+        self.backward_mode: str | None = None  # None | "accumulate" | "step": set by the trainer glue
+        self.hyper: Callable[[], list[AdamHyper]] | None = None  # the attached optimizer's groups, now
+        self.param_order: list[int] = []  # ids of the optimizer's parameters in group order
+        self.overlap_optimizer = True
+        self.want_norms = False
+        self._pending: set[HostUnit] = set()  # units with gradients not yet stepped
+        self._eager: set[HostUnit] = set()  # units stepped during this backward already
+        self._clip: float | None = None  # global-norm clipping requested for the next step
+        self.optimizer_steps = 0
+
+    # -- construction helpers -------------------------------------------------------------------
+    def _check_host_memory(self, block_params, outer, training: bool, available_bytes) -> None:
+        numel = sum(p.numel() for params in block_params for _, p in params) + sum(p.numel() for _, p in outer)
+        need = numel * host_bytes_per_param(self.compute_dtype, training)
+        # The model's own parameters are released unit by unit as they move into flat buffers.
+        reclaim = sum(p.numel() * p.element_size() for params in block_params for _, p in params if p.device.type == "cpu")
+        have = available_bytes() + reclaim
+        if need > have:
+            raise HostMemoryError(
+                f"the model's {numel / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB of host memory "
+                f"({host_bytes_per_param(self.compute_dtype, training)} bytes/param: fp32 master, Adam m and v, "
+                f"transfer copy and gradient slab) but about {have / 2**30:.1f} GiB is available. Use a machine "
+                "with more host memory, a smaller model, or check the size first with the memory planner."
+            )
+
+    def _refresh_block_buffers(self) -> None:
+        self._block_buffers = [{n: b.to(self.device) for n, b in blk.named_buffers()} for blk in self.blocks]
+
+    def _outer_buffers_to(self, device: torch.device) -> None:
+        in_blocks = {id(m) for b in self.blocks for m in b.modules()}
+        for module in self.model.modules():
+            if id(module) in in_blocks:
+                continue
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.to(device)
+
+    # -- optimizer attachment -------------------------------------------------------------------
+    def attach_optimizer(
+        self, groups: dict[int, int], hyper: Callable[[], list[AdamHyper]], param_order: list[int]
+    ) -> None:
+        """Map parameters (by id) to param groups and allocate Adam moments (first time only)."""
+        self.flush()
+        self.param_order = param_order
+        for unit in self.all_units():
+            unit.set_groups(groups)
+            unit.alloc_optimizer_state()
+        self.hyper = hyper
+
+    def all_units(self) -> list[HostUnit]:
+        # Outer units first: the embedding is the first thing the next forward needs.
+        return self.outer_units + self.units
+
+    # -- forward / backward of one block ---------------------------------------------------------
+    def forward_block(self, idx: int, state: CallState, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self._run(idx, +1, lambda params: state.split(state.call(self._skeletons[idx], params, hidden)))
+
+    def backward_block(
+        self, idx: int, state: CallState, hidden: torch.Tensor, grad_out: torch.Tensor, need_input_grad: bool
+    ) -> torch.Tensor | None:
+        unit = self.units[idx]
+
+        def recompute(params: dict[str, torch.Tensor]) -> tuple:
+            leaves = {e.name: params[e.name].detach().requires_grad_(True) for e in unit.entries}
+            x = hidden.detach().requires_grad_(need_input_grad)
+            with torch.enable_grad(), state.replay():
+                out = state.split(state.call(self._skeletons[idx], {**params, **leaves}, x))
+            inputs = ([x] if need_input_grad else []) + list(leaves.values())
+            return torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+
+        grads = self._run(idx, -1, recompute)
+        param_grads = grads[1:] if need_input_grad else grads
+        flat, grad_slot = self._pack_grads(unit, param_grads)
+        self._ship(unit, flat, block_idx=idx, grad_slot=grad_slot)
+        return grads[0] if need_input_grad else None
+
+    def _run(self, idx: int, direction: int, fn: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
+        """Bind block `idx`'s weights from a slot, enqueue `fn`, then prefetch the next blocks."""
+        unit = self.units[idx]
+        slot = self._load(idx, {idx})
+        params = {**unit.views(self.pool.acquire(slot, unit.numel)), **self._block_buffers[idx]}
+        out = fn(params)
+        self.pool.release(slot)
+        # Prefetch after enqueueing the compute, so waiting for a pending host step never delays it.
+        ahead = [idx + direction * k for k in range(1, self.pool.num_slots)]
+        for j in ahead:
+            if 0 <= j < len(self.units):
+                self._load(j, {idx, *ahead})
+        return out
+
+    def _load(self, idx: int, protect: set[int]) -> int:
+        unit = self.units[idx]
+        if self.pool.slot_of(idx) is None:
+            unit.wait()  # a pending optimizer step is still rewriting the copy
+        slot = self.pool.load(idx, unit.copy, protect)
+        unit.upload_done = self.pool.ready[slot]
+        return slot
+
+    # -- gradients --------------------------------------------------------------------------------
+    def _pack_grads(self, unit: HostUnit, grads: tuple) -> tuple[torch.Tensor, int]:
+        """Write a block's parameter gradients into a free device grad slot, flat in the unit's layout."""
+        k = self._next_grad_slot
+        self._next_grad_slot = 1 - k
+        self.streams.wait(None, self._grad_slot_free[k])  # its previous download must have finished
+        flat = self._grad_slots[k][: unit.numel]
+        parts = [
+            (g if g is not None else torch.zeros(e.shape, dtype=self.compute_dtype, device=self.device)).reshape(-1)
+            for e, g in zip(unit.entries, grads)
+        ]
+        torch.cat([p.to(self.compute_dtype) for p in parts], out=flat)
+        return flat, k
+
+    def _outer_grad_hook(self, unit: HostUnit) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            grad, param.grad = param.grad, None
+            self._ship(unit, grad.reshape(-1))
+
+        return hook
+
+    def _ship(
+        self, unit: HostUnit, flat: torch.Tensor, block_idx: int | None = None, grad_slot: int | None = None
+    ) -> None:
+        """Download a unit's gradient into its pinned slab and hand it to the host worker."""
+        if unit in self._eager:
+            raise RuntimeError(
+                f"{unit.name} got a second gradient after it was already stepped during this backward; "
+                "gradients must reach a unit once per optimizer step when the optimizer overlaps backward"
+            )
+        unit.wait()  # the worker must be done reading the slab before it is overwritten
+        if unit.grad_state is GradState.SLAB:
+            self._promote(unit)
+        slab = unit.ensure_slab()
+        produced = self.streams.event()
+        self.streams.wait(self.streams.d2h, produced)
+        with self.streams.on(self.streams.d2h):
+            slab.copy_(flat, non_blocking=True)
+        done = self.streams.event(self.streams.d2h)
+        if grad_slot is not None:
+            self._grad_slot_free[grad_slot] = done
+        elif self.streams.is_cuda:
+            flat.record_stream(self.streams.d2h)  # autograd's grad buffer lives until the copy has read it
+        accumulate = self.backward_mode == "accumulate"
+        eager = self._eager_ok()
+        hyper = self.hyper() if eager else None
+        want_norm = self.want_norms and not accumulate
+        self._submit(unit, lambda: self._land(unit, done, accumulate, want_norm, hyper))
+        if eager:
+            self._eager.add(unit)
+            self._pending.discard(unit)  # earlier micro-batches' sum is consumed by this step
+            if block_idx is not None:
+                self.pool.invalidate(block_idx)
+        else:
+            self._pending.add(unit)
+
+    def _eager_ok(self) -> bool:
+        """Step a unit the moment its last gradient lands: the optimizer overlaps the rest of backward."""
+        return (
+            self.backward_mode == "step" and self.overlap_optimizer and not self.want_norms and self.hyper is not None
+        )
+
+    def _land(self, unit: HostUnit, done: Any, accumulate: bool, want_norm: bool, hyper: list[AdamHyper] | None) -> None:
+        done.synchronize()  # never read pinned memory before its copy has finished
+        if accumulate or unit.grad_state is GradState.ACC:
+            first = unit.grad_state is GradState.EMPTY
+            if unit.acc is None:
+                unit.acc = torch.empty(unit.numel, dtype=torch.float32)
+            kernels.accumulate_(unit.acc, unit.slab, first)
+            unit.grad_state = GradState.ACC
+        else:
+            unit.grad_state = GradState.SLAB
+        # A norm is only meaningful for the complete gradient; a later micro-batch makes it stale.
+        unit.norms = self._norms(unit) if want_norm else None
+        if hyper is not None:
+            self._step_unit(unit, hyper, 1.0)
+
+    def _promote(self, unit: HostUnit) -> None:
+        """A second gradient arrives while the first still sits in the slab: move the first to fp32."""
+        if unit.acc is None:
+            unit.acc = torch.empty(unit.numel, dtype=torch.float32)
+        kernels.accumulate_(unit.acc, unit.slab, True)
+        unit.grad_state = GradState.ACC
+
+    def _norms(self, unit: HostUnit) -> list[torch.Tensor]:
+        return kernels.param_norms(self._grad_of(unit), [(e.offset, e.numel) for e in unit.entries])
+
+    def _grad_of(self, unit: HostUnit) -> torch.Tensor:
+        return unit.acc if unit.grad_state is GradState.ACC else unit.slab
+
+    def _step_unit(self, unit: HostUnit, hyper: list[AdamHyper], scale: float) -> None:
+        if unit.upload_done is not None:
+            unit.upload_done.synchronize()  # an in-flight upload may still be reading the copy
+        grad = self._grad_of(unit)
+        copy_out = None if unit.copy is unit.master else unit.copy
+        unit.step += 1
+        for group, start, end in unit.segments():
+            seg_copy = None if copy_out is None else copy_out[start:end]
+            kernels.adam_step_(
+                unit.master[start:end], unit.m[start:end], unit.v[start:end], grad[start:end], seg_copy,
+                hyper[group], unit.step, scale,
+            )  # fmt: skip
+        unit.grad_state, unit.norms = GradState.EMPTY, None
+
+    def _submit(self, unit: HostUnit, job: Callable[[], None]) -> None:
+        unit.future = self._worker.submit(job)
+
+    # -- optimizer step / zero_grad ---------------------------------------------------------------
+    def request_clip(self, max_norm: float) -> None:
+        """Clip the global gradient norm to `max_norm` in the next optimizer step (exactly, over all units)."""
+        if self._eager:
+            raise RuntimeError(
+                f"gradient clipping to {max_norm} was requested after the optimizer already stepped during backward. "
+                "Set Trainer(gradient_clip_val=...) so the strategy knows before backward, or pass "
+                "MegatrainStrategy(overlap_optimizer=False)."
+            )
+        self._clip = float(max_norm)
+
+    def optimizer_step(self) -> None:
+        """Step every unit holding gradients; blocks step in the background in forward order."""
+        if self.hyper is None:
+            raise RuntimeError("no optimizer is attached to the engine")
+        clip_val, self._clip = self._clip, None
+        hyper = self.hyper()
+        todo = [u for u in self.all_units() if u in self._pending]
+        scale = self._clip_scale(todo, clip_val) if clip_val else 1.0
+        block_of = {id(u): i for i, u in enumerate(self.units)}
+        for unit in todo:
+            self._submit(unit, lambda unit=unit: self._step_unit(unit, hyper, scale))
+            if id(unit) in block_of:
+                self.pool.invalidate(block_of[id(unit)])
+        stepped = set(todo) | self._eager
+        for unit, dev in zip(self.outer_units, self._outer_device):
+            if unit in stepped:
+                unit.wait()
+                self._upload_outer(unit, dev)
+        self._pending.clear()
+        self._eager.clear()
+        self.optimizer_steps += 1
+
+    def _clip_scale(self, todo: list[HostUnit], clip_val: float) -> float:
+        by_param: dict[int, torch.Tensor] = {}
+        for unit in todo:
+            unit.wait()
+            if unit.norms is None:
+                unit.norms = self._norms(unit)
+            by_param.update((id(e.param), n) for e, n in zip(unit.entries, unit.norms))
+        # clip_grad_norm_ walks the optimizer's parameters in group order; so does this.
+        return kernels.clip_coefficient([by_param[i] for i in self.param_order if i in by_param], clip_val)
+
+    def zero_grad(self) -> None:
+        self.flush()
+        for unit in self.all_units():
+            unit.grad_state, unit.norms = GradState.EMPTY, None
+            for e in unit.entries:
+                e.param.grad = None
+        self._pending.clear()
+
+    def flush(self) -> None:
+        """Wait for every host job (landing, steps) to finish."""
+        for unit in self.all_units():
+            unit.wait()
+
+    # -- outer parameters --------------------------------------------------------------------------
+    def _upload_outer(self, unit: HostUnit, dev: torch.Tensor) -> None:
+        """Refresh the device copy of an outer parameter from its host copy and bind the parameter to it."""
+        self.streams.wait(self.streams.h2d, self.streams.event())  # earlier compute may still read it
+        with self.streams.on(self.streams.h2d):
+            dev.copy_(unit.copy, non_blocking=True)
+        unit.upload_done = self.streams.event(self.streams.h2d)
+        self.streams.wait(None, unit.upload_done)
+        _bind(unit, dev)
+
+    # -- state exchange ----------------------------------------------------------------------------
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with every parameter as its fp32 host master (views, no copies)."""
+        self.flush()
+        for unit in self.outer_units:
+            _bind(unit, unit.master)
+        try:
+            return self.model.state_dict()
+        finally:
+            for unit, dev in zip(self.outer_units, self._outer_device):
+                _bind(unit, dev)
+
+    def load_master_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load weights into the fp32 masters and refresh every compute copy."""
+        self.flush()
+        for unit in self.outer_units:
+            _bind(unit, unit.master)
+        self.model.load_state_dict(state_dict, strict=strict)
+        for unit in self.all_units():
+            unit.refresh_copy()
+        self._refresh_block_buffers()
+        for unit, dev in zip(self.outer_units, self._outer_device):
+            self._upload_outer(unit, dev)
+        self.pool.invalidate()
+
+    # -- accounting and teardown -------------------------------------------------------------------
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes the engine holds on the device: they do not grow with the number of blocks."""
+        grad_slots = sum(g.numel() * g.element_size() for g in self._grad_slots)
+        outer = sum(d.numel() * d.element_size() for d in self._outer_device)
+        return {"weight_slots": self.pool.nbytes(), "grad_slots": grad_slots, "outer": outer}
+
+    def host_bytes(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for unit in self.all_units():
+            for kind, n in unit.nbytes().items():
+                total[kind] = total.get(kind, 0) + n
+        return total
+
+    def num_parameters(self) -> int:
+        return sum(u.numel for u in self.all_units())
+
+    def release(self) -> None:
+        """Give the model back as an ordinary fp32 host model (parameters are views of the masters)."""
+        self.flush()
+        self._worker.shutdown(wait=True)
+        for handle in self._hooks:
+            handle.remove()
+        for blk in self.blocks:
+            blk.__dict__.pop("forward", None)
+        for unit in self.all_units():
+            _bind(unit, unit.master)
+        self._outer_buffers_to(torch.device("cpu"))
+        self._outer_device.clear()
+        self.pool.buffers.clear()
+        self._grad_slots.clear()
+
+
+def _bind(unit: HostUnit, flat: torch.Tensor) -> None:
+    """Point each parameter of `unit` at its slice of `flat` (no copy)."""
+    for e in unit.entries:
+        e.param.data = flat[e.offset : e.offset + e.numel].view(e.shape)
+
+
+def _meta_skeleton(block: nn.Module) -> nn.Module:
+    """A copy of `block` with meta tensors: structure and attributes (e.g. layer_idx) at no memory cost.
+    Weights are bound per call from a slot with torch.func.functional_call."""
+    memo = {id(t): torch.empty_like(t, device="meta") for t in (*block.parameters(), *block.buffers())}
+    memo.update({id(p): nn.Parameter(memo[id(p)], requires_grad=p.requires_grad) for p in block.parameters()})
+    skeleton = copy.deepcopy(block, memo)
+    skeleton.__dict__.pop("forward", None)
+    return skeleton

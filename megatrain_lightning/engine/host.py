@@ -1,0 +1,166 @@
+"""Host-resident state of one streamed unit: flat buffers allocated once, parameters as views.
+
+A unit is a decoder block, or one parameter outside the blocks (embedding, final norm, head). Its
+parameters are laid out back to back in every buffer, ordered by optimizer param group so that a group
+is one contiguous segment and the optimizer runs one fused pass per segment.
+
+| buffer | dtype          | bytes/param | note                                                 |
+|--------|----------------|-------------|------------------------------------------------------|
+| master | fp32           | 4           | the truth; pinned and doubling as the copy in fp32   |
+| m, v   | fp32           | 8           | only once an optimizer is attached                   |
+| copy   | compute dtype  | 2 (bf16)    | pinned DMA source, rewritten by every optimizer step |
+| slab   | compute dtype  | 2 / 4       | pinned DMA target for gradients, from first backward |
+| acc    | fp32           | 4           | only while gradients are being accumulated          |
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class GradState(enum.Enum):
+    EMPTY = "empty"  # no gradient since the last step / zero_grad
+    SLAB = "slab"  # one gradient, still in the transfer slab
+    ACC = "acc"  # a sum of gradients in the fp32 accumulator
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """Where one parameter lives inside its unit's flat buffers."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+    group: int | None  # optimizer param group, None when the optimizer does not own it
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host buffer; page-locked when it is a DMA source or target so copies can be asynchronous."""
+    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+
+class HostUnit:
+    """fp32 master, Adam moments, compute copy and gradient slab of one unit, each one flat buffer."""
+
+    def __init__(
+        self,
+        name: str,
+        params: list[tuple[str, nn.Parameter]],
+        groups: dict[int, int],
+        compute_dtype: torch.dtype,
+        pin: bool,
+    ) -> None:
+        self.name = name
+        self.compute_dtype = compute_dtype
+        self.pin = pin
+        # Stable sort by group: each group becomes one contiguous segment; unowned params go last.
+        order = sorted(params, key=lambda kv: _group_key(groups.get(id(kv[1]))))
+        entries, offset = [], 0
+        for pname, p in order:
+            entries.append(ParamEntry(pname, p, offset, p.numel(), p.shape, groups.get(id(p))))
+            offset += p.numel()
+        self.entries: list[ParamEntry] = entries
+        self.numel = offset
+        fp32_copy = compute_dtype == torch.float32
+        # In fp32 the master is the DMA source itself, so it is the one buffer that must be pinned.
+        self.master = host_empty(self.numel, torch.float32, pin and fp32_copy)
+        for e in entries:
+            self.master[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+        self.copy = self.master if fp32_copy else host_empty(self.numel, compute_dtype, pin)
+        if not fp32_copy:
+            self.copy.copy_(self.master)
+        self.m: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.slab: torch.Tensor | None = None
+        self.acc: torch.Tensor | None = None
+        self.grad_state = GradState.EMPTY
+        self.norms: list[torch.Tensor] | None = None  # per-parameter norms of the complete gradient
+        self.step = 0  # optimizer steps taken (Adam bias correction)
+        self.future: Future | None = None  # last host job touching this unit
+        self.upload_done: object | None = None  # event: the last H2D read of `copy` finished
+
+    # -- layout ---------------------------------------------------------------------------------
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-parameter views (named relative to the unit) of a flat buffer laid out like this unit."""
+        return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
+
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(group, start, end) runs of parameters owned by one optimizer param group."""
+        runs: list[tuple[int, int, int]] = []
+        for e in self.entries:
+            if e.group is None:
+                continue
+            if runs and runs[-1][0] == e.group and runs[-1][2] == e.offset:
+                runs[-1] = (e.group, runs[-1][1], e.offset + e.numel)
+            else:
+                runs.append((e.group, e.offset, e.offset + e.numel))
+        return runs
+
+    def set_groups(self, groups: dict[int, int]) -> None:
+        """Re-map parameters to param groups (a new optimizer on an existing layout)."""
+        self.entries = [
+            ParamEntry(e.name, e.param, e.offset, e.numel, e.shape, groups.get(id(e.param))) for e in self.entries
+        ]
+
+    # -- allocation -----------------------------------------------------------------------------
+    def alloc_optimizer_state(self) -> None:
+        if self.m is None:
+            self.m = torch.zeros(self.numel, dtype=torch.float32)
+            self.v = torch.zeros(self.numel, dtype=torch.float32)
+
+    def ensure_slab(self) -> torch.Tensor:
+        if self.slab is None:
+            self.slab = host_empty(self.numel, self.compute_dtype, self.pin)
+        return self.slab
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held per buffer kind (the copy counts zero when it is the master itself)."""
+        out = {"master": _nb(self.master), "copy": 0 if self.copy is self.master else _nb(self.copy)}
+        out.update(adam=_nb(self.m) + _nb(self.v), slab=_nb(self.slab), acc=_nb(self.acc))
+        return out
+
+    # -- host jobs --------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Block until the last host job on this unit has finished (re-raising its error)."""
+        if self.future is not None:
+            self.future.result()
+
+    def refresh_copy(self) -> None:
+        """Rewrite the compute copy from the master (after loading weights)."""
+        if self.copy is not self.master:
+            self.copy.copy_(self.master)
+
+
+def _group_key(group: int | None) -> int:
+    return group if group is not None else 1 << 30
+
+
+def _nb(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def available_host_bytes() -> int:
+    """Memory the OS can still hand out (MemAvailable), falling back to physical pages when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_bytes_per_param(compute_dtype: torch.dtype, training: bool) -> int:
+    """Bytes the engine allocates per parameter (master, copy, and when training m, v and the slab)."""
+    elt = torch.tensor([], dtype=compute_dtype).element_size()
+    copy = 0 if compute_dtype == torch.float32 else elt
+    return 4 + copy + ((8 + elt) if training else 0)

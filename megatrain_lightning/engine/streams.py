@@ -1,0 +1,150 @@
+"""Streams, events and the GPU weight slots that blocks are streamed through.
+
+On CUDA there are three streams: the compute stream (whatever stream is current when a block runs),
+one for host-to-device weight uploads and one for device-to-host gradient downloads. On the CPU (no
+GPU) the same code runs with synchronous stand-ins, so every scheduling decision below is exercised
+by the CPU test suite; only the asynchrony is missing.
+
+Forward with S = 2 slots (slot a, slot b), block i computing while block i+1 uploads::
+
+    H2D     | up 0 -> a |        | up 1 -> b |        | up 2 -> a |      ...
+    compute |           | fwd 0 (a)          | fwd 1 (b)          | fwd 2 (a)
+                          ^ waits ready[a]     ^ waits ready[b]
+                                               ^ up 2 -> a waits free[a] (recorded after fwd 0)
+
+Backward starts with the last S blocks still resident, so they are not uploaded again::
+
+    H2D     |                     | up L-3 -> b |            ...
+    compute | bwd L-1 (b) | bwd L-2 (a)         | bwd L-3 (b)
+    D2H     |             | grads L-1 -> host   | grads L-2 -> host
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
+
+import torch
+
+
+class _DoneEvent:
+    """CPU stand-in for a CUDA event: work on the CPU is finished when it has been issued."""
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class Streams:
+    """The H2D and D2H copy streams beside the compute stream, or synchronous stand-ins on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.h2d = torch.cuda.Stream(device) if self.is_cuda else None
+        self.d2h = torch.cuda.Stream(device) if self.is_cuda else None
+
+    def compute(self) -> torch.cuda.Stream | None:
+        # The compute stream is looked up each time: autograd runs a node's backward on the stream its
+        # forward used, which need not be the stream that was current when the engine was built.
+        return torch.cuda.current_stream(self.device) if self.is_cuda else None
+
+    def event(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | _DoneEvent:
+        """An event recorded now on `stream` (the compute stream when None)."""
+        if not self.is_cuda:
+            return _DoneEvent()
+        ev = torch.cuda.Event()
+        ev.record(stream if stream is not None else self.compute())
+        return ev
+
+    def wait(self, stream: torch.cuda.Stream | None, event: torch.cuda.Event | _DoneEvent | None) -> None:
+        """Make `stream` (the compute stream when None) wait for `event` without blocking the host."""
+        if self.is_cuda and event is not None:
+            (stream if stream is not None else self.compute()).wait_event(event)
+
+    @contextmanager
+    def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+        with torch.cuda.stream(stream) if self.is_cuda else nullcontext():
+            yield
+
+
+class SlotPool:
+    """S flat device buffers, each sized to the largest block, that block weights are uploaded into.
+
+    Each slot remembers which block it holds, when that block's upload finished (`ready`) and when the
+    compute stream last finished reading it (`free`). A slot is only overwritten after its `free` event,
+    and compute only reads it after its `ready` event. Eviction is least-recently-used among slots not
+    protected by the caller, which is what keeps the last blocks of forward resident for backward.
+    """
+
+    def __init__(self, streams: Streams, num_slots: int, numel: int, dtype: torch.dtype) -> None:
+        if num_slots < 2:
+            raise ValueError(f"num_slots={num_slots}: streaming needs at least 2 slots (one computing, one loading)")
+        self.streams = streams
+        self.buffers = [torch.empty(numel, dtype=dtype, device=streams.device) for _ in range(num_slots)]
+        self.holder: list[int | None] = [None] * num_slots
+        self.ready: list[object | None] = [None] * num_slots
+        self.free: list[object | None] = [None] * num_slots
+        self.last_use = [0] * num_slots
+        self._clock = 0
+        self.uploads = 0  # blocks uploaded since construction (tests read this)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.buffers)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def slot_of(self, idx: int) -> int | None:
+        return self.holder.index(idx) if idx in self.holder else None
+
+    def invalidate(self, idx: int | None = None) -> None:
+        """Forget that a slot holds block `idx` (all blocks when None): its host weights changed."""
+        for s, held in enumerate(self.holder):
+            if idx is None or held == idx:
+                self.holder[s] = None
+
+    def load(self, idx: int, source: torch.Tensor, protect: set[int]) -> int:
+        """Make sure block `idx` is resident or on its way; returns its slot. `source` is its host copy."""
+        s = self.slot_of(idx)
+        if s is not None:
+            return s
+        s = self._victim(protect | {idx})
+        dst = self.buffers[s][: source.numel()]
+        self.streams.wait(self.streams.h2d, self.free[s])  # never overwrite weights still being read
+        with self.streams.on(self.streams.h2d):
+            dst.copy_(source, non_blocking=True)
+        self.ready[s] = self.streams.event(self.streams.h2d)
+        self.holder[s] = idx
+        self.last_use[s] = self._tick()
+        self.uploads += 1
+        return s
+
+    def acquire(self, s: int, numel: int) -> torch.Tensor:
+        """The flat weights of slot `s`, safe to read on the compute stream from now on."""
+        self.streams.wait(None, self.ready[s])
+        self.last_use[s] = self._tick()
+        return self.buffers[s][:numel]
+
+    def release(self, s: int) -> None:
+        """Compute has issued its last read of slot `s` for now."""
+        self.free[s] = self.streams.event()
+
+    def _victim(self, protect: set[int]) -> int:
+        candidates = [s for s, held in enumerate(self.holder) if held is None or held not in protect]
+        if not candidates:
+            raise RuntimeError(
+                f"all {self.num_slots} weight slots hold protected blocks {sorted(protect)}; "
+                "increase num_slots or prefetch fewer blocks"
+            )
+        return min(candidates, key=lambda s: (self.holder[s] is not None, self.last_use[s]))
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock

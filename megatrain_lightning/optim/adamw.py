@@ -1,0 +1,136 @@
+"""HostAdamW: takes over a user's ``torch.optim.AdamW``/``Adam`` and steps it on the host flat buffers.
+
+It shares the user's ``param_groups`` (the same list of the same dicts), so LR schedulers built on the
+user's optimizer keep changing the learning rate this optimizer reads. Its state dict has the layout of
+``torch.optim.AdamW.state_dict()`` (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints
+move between this strategy and ordinary training.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from megatrain_lightning.engine.engine import StreamingEngine
+from megatrain_lightning.engine.host import ParamEntry
+from megatrain_lightning.optim.kernels import AdamHyper
+
+SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
+
+
+def check_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """Refuse what the host step cannot reproduce, naming the value and the fix."""
+    if type(optimizer) not in SUPPORTED:
+        raise ValueError(
+            f"strategy='megatrain' steps the optimizer on the host and supports torch.optim.AdamW and "
+            f"torch.optim.Adam; configure_optimizers returned {type(optimizer).__module__}.{type(optimizer).__name__}. "
+            "Return one of those (its param groups, learning rates and schedulers are kept)."
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize", "differentiable"):
+            if group.get(flag):
+                raise ValueError(f"param group {i} sets {flag}=True, which the host AdamW does not implement; drop it")
+        if isinstance(group["betas"][0], torch.Tensor) and group["betas"][0].requires_grad:
+            raise ValueError(f"param group {i}: tensor betas that require grad are not supported")
+    return optimizer
+
+
+class HostAdamW(torch.optim.Optimizer):
+    """An optimizer whose ``step`` runs the engine's host step over all units."""
+
+    def __init__(self, source: torch.optim.Optimizer, engine: StreamingEngine) -> None:
+        # Optimizer.__init__ is skipped on purpose: it would copy the groups, and the point is to share them.
+        self._source = check_optimizer(source)
+        self.defaults = source.defaults
+        self.param_groups = source.param_groups
+        self.state: dict = {}
+        self._optimizer_step_pre_hooks: dict = {}
+        self._optimizer_step_post_hooks: dict = {}
+        self._optimizer_state_dict_pre_hooks: dict = {}
+        self._optimizer_state_dict_post_hooks: dict = {}
+        self._optimizer_load_state_dict_pre_hooks: dict = {}
+        self._optimizer_load_state_dict_post_hooks: dict = {}
+        self._zero_grad_profile_name = "megatrain.HostAdamW.zero_grad"
+        self.engine = engine
+        groups = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        known = {id(e.param) for unit in engine.all_units() for e in unit.entries}
+        stray = [g for g, group in enumerate(self.param_groups) for p in group["params"] if id(p) not in known]
+        if stray:
+            raise ValueError(
+                f"param group {stray[0]} holds tensors that are not parameters of the trained model; "
+                "the host optimizer can only step the model's own parameters"
+            )
+        order = [id(p) for group in self.param_groups for p in group["params"]]
+        engine.attach_optimizer(groups, self.hyper, order)
+
+    def hyper(self) -> list[AdamHyper]:
+        """Each group's hyper-parameters as they are now (a scheduler may have just changed lr)."""
+        decoupled_default = isinstance(self._source, torch.optim.AdamW)
+        return [
+            AdamHyper(
+                lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]), eps=float(g["eps"]),
+                weight_decay=float(g["weight_decay"]),
+                decoupled=bool(g.get("decoupled_weight_decay", decoupled_default)),
+            )  # fmt: skip
+            for g in self.param_groups
+        ]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.engine.optimizer_step()
+        self._source._opt_called = True  # tells LR schedulers built on the source that a step happened
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    # -- state dict in torch.optim layout ---------------------------------------------------------
+    def _entries(self) -> dict[int, tuple[Any, ParamEntry]]:
+        return {id(e.param): (u, e) for u in self.engine.all_units() for e in u.entries}
+
+    def state_dict(self) -> dict[str, Any]:
+        self.engine.flush()
+        where, state, index, groups = self._entries(), {}, 0, []
+        for group in self.param_groups:
+            ids = []
+            for p in group["params"]:
+                unit, e = where[id(p)]
+                sl = slice(e.offset, e.offset + e.numel)
+                if unit.step > 0:
+                    state[index] = {
+                        "step": torch.tensor(float(unit.step)),
+                        "exp_avg": unit.m[sl].view(e.shape),
+                        "exp_avg_sq": unit.v[sl].view(e.shape),
+                    }
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.engine.flush()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError(
+                "the optimizer state in the checkpoint has a different number of param groups or parameters "
+                "than configure_optimizers returned; resume with the same optimizer configuration"
+            )
+        where = self._entries()
+        for saved, group in zip(saved_groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            for idx, p in zip(saved["params"], group["params"]):
+                unit, e = where[id(p)]
+                entry = state_dict["state"].get(idx)
+                if entry is None:
+                    continue
+                sl = slice(e.offset, e.offset + e.numel)
+                unit.m[sl].copy_(entry["exp_avg"].reshape(-1))
+                unit.v[sl].copy_(entry["exp_avg_sq"].reshape(-1))
+                unit.step = int(entry["step"])
