@@ -1,3 +1,17 @@
-"""megatrain_lightning: train models larger than GPU memory on one GPU with host-resident state."""
+"""megatrain_lightning: train models larger than GPU memory on one GPU with host-resident state.
+
+Importing the package registers ``Trainer(strategy="megatrain")`` with Lightning.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from megatrain_lightning.engine.engine import HostMemoryError, StreamingEngine
+from megatrain_lightning.optim.adamw import HostAdamW
+from megatrain_lightning.precision import MegatrainPrecision
+from megatrain_lightning.strategy import MegatrainStrategy
 
 __version__ = "0.1.0"
+
+MegatrainStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["HostAdamW", "HostMemoryError", "MegatrainPrecision", "MegatrainStrategy", "StreamingEngine"]

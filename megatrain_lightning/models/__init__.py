@@ -1,0 +1,24 @@
+"""Llama-family decoders (Llama 3.x, Qwen2.5) with Hugging Face checkpoint I/O.
+
+Nothing here imports ``transformers``: checkpoints are read and written as config.json plus
+safetensors files directly.
+"""
+
+from .config import PRESETS, LlamaConfig
+from .hf_io import from_pretrained, load_hf_config, load_hf_weights, save_hf_checkpoint, save_pretrained
+from .llama import DecoderLayer, LlamaForCausalLM, LlamaModel
+from .loss import chunked_cross_entropy
+
+__all__ = [
+    "PRESETS",
+    "DecoderLayer",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "LlamaModel",
+    "chunked_cross_entropy",
+    "from_pretrained",
+    "load_hf_config",
+    "load_hf_weights",
+    "save_hf_checkpoint",
+    "save_pretrained",
+]

@@ -1,0 +1,270 @@
+"""Read and write Hugging Face checkpoints (config.json + safetensors) without ``transformers``.
+
+Memory is the point of this package, so both directions stream: loading copies one tensor at a
+time from a memory-mapped shard into its parameter, and saving holds at most one shard's tensors.
+Every file is written under a temporary name and renamed into place, so a crash mid-save never
+leaves a truncated file under a name a loader would trust.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import LlamaConfig
+from .llama import LlamaForCausalLM
+
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+_TIED_KEY = "lm_head.weight"
+# Written by old transformers versions; derived from the config here, so safe to ignore.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def load_hf_config(directory: str | os.PathLike) -> LlamaConfig:
+    """The ``LlamaConfig`` described by ``directory/config.json``."""
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"No {CONFIG_NAME} in {directory}")
+    with open(path, encoding="utf-8") as f:
+        return LlamaConfig.from_hf_dict(json.load(f))
+
+
+def _weight_files(directory: Path) -> dict[str, list[str]]:
+    """Shard file name -> the tensor names it holds (from the index, or the single file's header)."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files: dict[str, list[str]] = {}
+        for key, file in weight_map.items():
+            files.setdefault(file, []).append(key)
+        return files
+    if (directory / SINGLE_FILE).is_file():
+        with safe_open(str(directory / SINGLE_FILE), framework="pt") as f:
+            return {SINGLE_FILE: list(f.keys())}
+    present = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else "directory missing"
+    raise FileNotFoundError(f"Neither {INDEX_FILE} nor {SINGLE_FILE} in {directory} (found: {present})")
+
+
+def _expected_tensors(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    # remove_duplicate=False lists a tied weight under both names, as HF state dicts do.
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    expected.update(model.named_buffers(remove_duplicate=False))
+    return expected
+
+
+def _plan_load(model: LlamaForCausalLM, directory: Path) -> dict[str, list[str]]:
+    """Validate every key and shape against the model before any copy: shard -> keys to load."""
+    expected = _expected_tensors(model)
+    tied = model.config.tie_word_embeddings
+    plan: dict[str, list[str]] = {}
+    seen: set[str] = set()
+    for file, keys in _weight_files(directory).items():
+        with safe_open(str(directory / file), framework="pt") as f:
+            present = set(f.keys())
+            for key in keys:
+                if key.endswith(_IGNORED_SUFFIXES) or (tied and key == _TIED_KEY):
+                    continue  # HF also ignores a stored lm_head when embeddings are tied
+                _check_key(key, expected, present, f, file)
+                plan.setdefault(file, []).append(key)
+                seen.add(key)
+    missing = sorted(set(expected) - seen - ({_TIED_KEY} if tied else set()))
+    if missing:
+        raise ValueError(f"Checkpoint {directory} lacks {len(missing)} tensors the model needs: {missing[:8]}")
+    return plan
+
+
+def _check_key(key: str, expected: dict[str, torch.Tensor], present: set[str], f, file: str) -> None:
+    if key not in expected:
+        raise ValueError(f"Unexpected tensor {key!r} in {file}: the model has no such parameter.")
+    if key not in present:
+        raise ValueError(f"Tensor {key!r} is listed in the index for {file} but that file lacks it.")
+    shape = tuple(f.get_slice(key).get_shape())
+    if shape != tuple(expected[key].shape):
+        raise ValueError(
+            f"Shape mismatch for {key!r} in {file}: checkpoint has {shape}, "
+            f"model expects {tuple(expected[key].shape)}."
+        )
+
+
+@torch.no_grad()
+def load_hf_weights(model: LlamaForCausalLM, directory: str | os.PathLike) -> None:
+    """Copy a HF safetensors checkpoint (single file or sharded) into ``model`` in place.
+
+    Keys and shapes are all checked first (a ValueError names the key, the shapes and the file),
+    so a bad checkpoint never leaves the model half-loaded. Tensors are then read one at a time
+    and copied (with dtype cast) into the existing parameters, so peak extra memory is one tensor.
+    """
+    directory = Path(directory)
+    expected = _expected_tensors(model)
+    for file, keys in _plan_load(model, directory).items():
+        with safe_open(str(directory / file), framework="pt", device="cpu") as f:
+            for key in keys:
+                tensor = f.get_tensor(key)
+                expected[key].copy_(tensor)
+                del tensor  # drop our only reference before reading the next one
+
+
+def from_pretrained(
+    directory: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LlamaForCausalLM:
+    """Build the model described by ``directory/config.json`` and load its weights.
+
+    The model is constructed on the meta device and materialized uninitialized with ``to_empty``,
+    so no time or memory goes into a random init that the checkpoint overwrites anyway.
+    """
+    config = load_hf_config(directory)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()  # to_empty re-creates each module's Parameter, which unties them
+    load_hf_weights(model, directory)
+    return model
+
+
+# ---------------------------------------------------------------------------- saving
+
+
+@contextmanager
+def _temporary_path(final: Path) -> Iterator[Path]:
+    """A sibling temp path that is renamed to ``final`` on success and deleted on failure."""
+    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_json(obj: dict, final: Path) -> None:
+    with _temporary_path(final) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _to_cpu(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    t = tensor.detach().to(device="cpu", dtype=dtype or tensor.dtype)
+    # safetensors refuses views that share storage with other tensors; copy only when needed.
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.contiguous().clone()
+    return t
+
+
+def _write_shards(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    directory: Path,
+    max_shard_bytes: int,
+    dtype: torch.dtype | None,
+    skip: set[str],
+    shards: list[tuple[Path, list[str]]],
+) -> tuple[int, torch.dtype | None]:
+    """Stream tensors into temp-named shards, appending (temp path, keys) to ``shards`` as each is
+    started (so the caller can clean up after a failure); returns total bytes and the first dtype."""
+    current: dict[str, torch.Tensor] = {}
+    current_bytes = total = 0
+    seen: set[str] = set()
+    saved_dtype = None
+
+    def flush() -> None:
+        nonlocal current, current_bytes
+        tmp = directory / f".shard-{len(shards):05d}-{uuid.uuid4().hex[:8]}.tmp"
+        shards.append((tmp, list(current)))  # recorded first so a failed write is cleaned up
+        save_file(current, str(tmp), metadata={"format": "pt"})
+        current, current_bytes = {}, 0  # release the shard's tensors before building the next
+
+    for name, tensor in named_tensors:
+        if name in skip:
+            continue
+        if name in seen:
+            raise ValueError(f"Tensor name {name!r} appears twice in the checkpoint stream.")
+        seen.add(name)
+        t = _to_cpu(tensor, dtype)
+        saved_dtype = saved_dtype or t.dtype
+        nbytes = t.numel() * t.element_size()
+        if current and current_bytes + nbytes > max_shard_bytes:
+            flush()
+        current[name], current_bytes, total = t, current_bytes + nbytes, total + nbytes
+    if current or not shards:
+        flush()
+    return total, saved_dtype
+
+
+def _finalize_shards(shards: list[tuple[Path, list[str]]], directory: Path, total: int) -> set[str]:
+    """Rename temp shards to HF's names (single file or indexed shards); returns the final names."""
+    if len(shards) == 1:
+        os.replace(shards[0][0], directory / SINGLE_FILE)
+        return {SINGLE_FILE}
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    for i, (tmp, keys) in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        os.replace(tmp, directory / name)
+        weight_map.update((key, name) for key in keys)
+    # The index goes last: once it exists, every shard it names is complete.
+    _write_json({"metadata": {"total_size": total}, "weight_map": weight_map}, directory / INDEX_FILE)
+    return set(weight_map.values()) | {INDEX_FILE}
+
+
+def _remove_stale(directory: Path, keep: set[str]) -> None:
+    """Delete weight files of an earlier save into the same directory that this save superseded."""
+    for path in directory.iterdir():
+        stale = _SHARD_RE.match(path.name) or path.name == INDEX_FILE
+        if stale and path.name not in keep:
+            path.unlink()
+
+
+def save_hf_checkpoint(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    config: LlamaConfig,
+    directory: str | os.PathLike,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write a HF checkpoint from a lazy stream of (HF name, tensor) pairs.
+
+    The shard count is only known at the end of a single pass over a stream that may not be
+    replayable (an engine paging weights in from host or disk), so shards are written under
+    temporary names as they fill up and renamed to ``model-0000k-of-0000n.safetensors`` once n is
+    known. At most one shard's tensors are held in memory. With one shard the file is
+    ``model.safetensors`` and no index is written, as HF does. ``lm_head.weight`` is skipped when
+    embeddings are tied. ``dtype`` casts every tensor (None keeps each tensor's own dtype).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    skip = {_TIED_KEY} if config.tie_word_embeddings else set()
+    shards: list[tuple[Path, list[str]]] = []
+    try:
+        total, saved_dtype = _write_shards(named_tensors, directory, max_shard_bytes, dtype, skip, shards)
+        keep = _finalize_shards(shards, directory, total)
+    finally:
+        for tmp, _ in shards:  # no-op after a successful rename
+            tmp.unlink(missing_ok=True)
+    _remove_stale(directory, keep)
+    _write_json(config.to_hf_dict(dtype=saved_dtype or torch.float32), directory / CONFIG_NAME)
+
+
+def save_pretrained(
+    model: LlamaForCausalLM,
+    directory: str | os.PathLike,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Save ``model`` as a HF checkpoint that ``transformers.AutoModelForCausalLM`` loads."""
+    save_hf_checkpoint(model.state_dict().items(), model.config, directory, max_shard_bytes, dtype)

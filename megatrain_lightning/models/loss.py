@@ -1,0 +1,113 @@
+"""Cross-entropy over a large vocabulary without materializing the full logits.
+
+For Llama 3 (128k vocabulary) the logits of 8k tokens in fp32 are 4 GiB, plus as much again for
+their gradient: often more than a whole decoder layer. ``chunked_cross_entropy`` walks the tokens in
+chunks, keeping only ``chunk_size x vocab`` logits alive at a time, and recomputes them in backward
+instead of saving them. Only the inputs and one fp32 log-sum-exp per token are kept for backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # The matmul runs in the compute dtype (bf16 tensor cores when training in bf16, as HF's
+    # lm_head does) and only its output is upcast, so no fp32 copy of the V x H weight is made.
+    return (hidden @ weight.t()).float()
+
+
+def _target_logits(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    # Ignored positions may hold any value (usually -100): gather at index 0 and mask afterwards.
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    return logits.gather(1, safe.unsqueeze(1)).squeeze(1)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index):
+        w = weight.to(hidden.dtype)  # no-op in the normal same-dtype case
+        valid = targets != ignore_index
+        # Clamped so that an all-ignored batch gives 0 / 1 = 0 rather than 0 / 0 = NaN. Kept as a
+        # tensor: calling .item() here would force a GPU sync every step.
+        n_valid = valid.sum().clamp_(min=1).to(torch.float32)
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = start + chunk_size
+            logits = _chunk_logits(hidden[start:end], w)
+            lse[start:end] = torch.logsumexp(logits, dim=-1)
+            nll = lse[start:end] - _target_logits(logits, targets[start:end], valid[start:end])
+            total += torch.where(valid[start:end], nll, torch.zeros_like(nll)).sum()
+        ctx.save_for_backward(hidden, weight, targets, lse, n_valid)
+        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        return total / n_valid
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        hidden, weight, targets, lse, n_valid = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w = weight.to(hidden.dtype)
+        valid = targets != ctx.ignore_index
+        # d(mean loss)/d(logit) = (softmax - onehot) * grad / n_valid, zero on ignored rows.
+        scale = (grad_loss.float() / n_valid)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = start + ctx.chunk_size
+            h, v = hidden[start:end], valid[start:end]
+            g = _logit_grad(_chunk_logits(h, w), lse[start:end], targets[start:end], v, scale)
+            g = g.to(hidden.dtype)
+            if need_h:
+                grad_h[start:end] = g @ w
+            if need_w:
+                # Each chunk's product may round to the compute dtype, but the running sum over
+                # chunks stays fp32 so long sequences do not lose small contributions.
+                grad_w32 += (g.t() @ h).float()
+        grad_w = grad_w32.to(weight.dtype) if need_w else None
+        return grad_h, grad_w, None, None, None
+
+
+def _logit_grad(logits, lse, targets, valid, scale):
+    """(softmax - onehot(target)) * scale for one chunk, zeroed on ignored rows; fp32, in place."""
+    probs = logits.sub_(lse.unsqueeze(1)).exp_()
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    probs[rows, safe] -= valid.to(probs.dtype)
+    return probs.mul_(torch.where(valid, scale, torch.zeros_like(scale)).unsqueeze(1))
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = 4096,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` over non-ignored tokens.
+
+    Args:
+        hidden: [N, H] final (normed) hidden states.
+        weight: [V, H] output projection (``lm_head.weight``).
+        targets: [N] int64 labels, already aligned with ``hidden``; ``ignore_index`` marks tokens
+            that do not count.
+        chunk_size: tokens whose logits are live at once; memory is ``chunk_size * V * 4`` bytes.
+
+    Returns a fp32 scalar. Unlike ``F.cross_entropy``, an all-ignored batch gives 0 (with zero
+    gradients) instead of NaN, so a fully padded micro-batch cannot poison an accumulated step.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
+        raise ValueError(
+            f"expected hidden [N,H], weight [V,H], targets [N]; got {tuple(hidden.shape)}, "
+            f"{tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+    if hidden.shape[0] != targets.shape[0] or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
+            f"targets {tuple(targets.shape)}"
+        )
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be positive")
+    return _ChunkedCrossEntropy.apply(hidden, weight, targets, int(chunk_size), int(ignore_index))

@@ -1,0 +1,70 @@
+"""Precision for strategy='megatrain': bf16 or fp32 compute, always fp32 master weights and optimizer."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, ContextManager
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+from torch import nn
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    from megatrain_lightning.engine.engine import StreamingEngine
+
+SUPPORTED = ("32-true", "bf16-mixed", "bf16-true")
+
+
+class MegatrainPrecision(Precision):
+    """Maps Lightning's precision flag onto the engine's compute dtype.
+
+    ``bf16-mixed`` and ``bf16-true`` both stream bf16 weights and compute in bf16 while the masters and
+    Adam state stay fp32 on the host; ``bf16-mixed`` additionally runs the step under ``torch.autocast``
+    (softmax and losses in fp32, as Lightning's AMP does). ``32-true`` streams fp32 weights.
+    """
+
+    def __init__(self, precision: str = "32-true") -> None:
+        if precision not in SUPPORTED:
+            raise ValueError(
+                f"precision={precision!r} is not supported by strategy='megatrain'; choose one of {', '.join(SUPPORTED)}. "
+                "fp16 needs loss scaling, which the host optimizer does not do: use 'bf16-mixed' instead."
+            )
+        self.precision = precision  # type: ignore[assignment]
+        self.device_type = "cpu"  # set by the strategy to its root device's type
+        self.engine: StreamingEngine | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float32 if self.precision == "32-true" else torch.bfloat16
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Leave dtypes alone: the engine keeps fp32 masters and makes compute copies itself."""
+        return module
+
+    @override
+    def forward_context(self) -> ContextManager:
+        if self.precision == "bf16-mixed":
+            return torch.autocast(self.device_type, dtype=torch.bfloat16, cache_enabled=False)
+        return nullcontext()
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Gradients never sit in ``.grad``; the engine clips the exact global norm inside the step."""
+        if clip_val is None or clip_val <= 0:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            raise ValueError(
+                f"gradient_clip_algorithm='value' (clip_val={clip_val}) is not supported by strategy='megatrain'; "
+                "use gradient_clip_algorithm='norm'"
+            )
+        if self.engine is None:
+            raise RuntimeError("clip_gradients was called before the megatrain strategy was set up")
+        self.engine.request_clip(float(clip_val))

@@ -1,0 +1,179 @@
+"""``Trainer(strategy="megatrain")``: Lightning glue around the streaming engine and the host optimizer.
+
+The strategy is an ordinary single-device strategy whose hooks hand the model to the engine instead of
+moving it to the device, replace the optimizer with :class:`HostAdamW`, tell the engine before each
+backward whether more micro-batches follow, and read/write checkpoints from the host masters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from megatrain_lightning.engine.engine import StreamingEngine
+from megatrain_lightning.optim.adamw import HostAdamW
+from megatrain_lightning.precision import MegatrainPrecision
+
+
+class MegatrainStrategy(SingleDeviceStrategy):
+    """Train on one device with parameters, fp32 masters and Adam state in host memory.
+
+    Args:
+        device: the compute device; by default the Trainer's device (the GPU when there is one).
+        num_slots: device weight slots blocks stream through (>= 2: one computing, one loading).
+        overlap_optimizer: step each block on the host as soon as its gradient lands, while backward goes
+            on (only when nothing needs the whole gradient first, i.e. no clipping).
+    """
+
+    strategy_name = "megatrain"
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        num_slots: int = 2,
+        overlap_optimizer: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if num_slots < 2:
+            raise ValueError(f"num_slots={num_slots}: the strategy needs at least 2 slots (one computing, one loading)")
+        super().__init__(device=device or "cpu", **kwargs)
+        self._device_arg = device
+        self.num_slots = num_slots
+        self.overlap_optimizer = overlap_optimizer
+        self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
+        self.engine: StreamingEngine | None = None
+
+    # -- device and precision ----------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self._device_arg is not None:
+            return torch.device(self._device_arg)
+        if self.parallel_devices:
+            return self.parallel_devices[0]
+        if isinstance(self.accelerator, CUDAAccelerator):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    @override
+    def precision_plugin(self) -> MegatrainPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else MegatrainPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        # Lightning builds a plugin from Trainer(precision=...); keep its flag, use our semantics.
+        if plugin is not None and not isinstance(plugin, MegatrainPrecision):
+            plugin = MegatrainPrecision(str(getattr(plugin, "precision", "32-true")))
+        self._precision_plugin = plugin
+
+    # -- setup / teardown -----------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Any) -> None:
+        """Build the engine over the module (no ``model.to(device)``) and take the optimizer over."""
+        assert self.accelerator is not None and self.lightning_module is not None
+        if self.parallel_devices and len(self.parallel_devices) > 1:
+            raise ValueError(
+                f"strategy='megatrain' trains on one device, got devices={self.parallel_devices}; "
+                "use Trainer(devices=1) (run several trainers for several GPUs, e.g. with ray_jobs)"
+            )
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_clipping(trainer)
+            self.setup_optimizers(trainer)
+        plugin = self.precision_plugin
+        plugin.device_type = self.root_device.type
+        if self.engine is None:
+            self.engine = StreamingEngine(
+                self.lightning_module, device=self.root_device, compute_dtype=plugin.compute_dtype,
+                num_slots=self.num_slots, groups=self._groups() if fitting else None, training=fitting,
+            )  # fmt: skip
+        self.engine.overlap_optimizer = self.overlap_optimizer
+        self.engine.want_norms = bool(fitting and trainer.gradient_clip_val)
+        plugin.engine = self.engine
+        self.precision_plugin = plugin
+        if fitting:
+            self.optimizers = [HostAdamW(self._single_optimizer(), self.engine)]
+        self.setup_precision_plugin()
+
+    def _check_clipping(self, trainer: Any) -> None:
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
+            raise ValueError(
+                f"gradient_clip_algorithm='value' (gradient_clip_val={trainer.gradient_clip_val}) is not supported "
+                "by strategy='megatrain'; use gradient_clip_algorithm='norm'"
+            )
+
+    def _single_optimizer(self) -> torch.optim.Optimizer:
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"strategy='megatrain' steps exactly one optimizer on the host; configure_optimizers returned "
+                f"{len(self.optimizers)}. Return a single torch.optim.AdamW (use param groups for different settings)."
+            )
+        opt = self.optimizers[0]
+        return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+
+    def _groups(self) -> dict[int, int]:
+        opt = self._single_optimizer()
+        return {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+
+    @override
+    def model_to_device(self) -> None:
+        """Nothing to move: the engine decides what lives on the device."""
+
+    @override
+    def teardown(self) -> None:
+        """Hand back an ordinary fp32 host model (its parameters are the trained masters)."""
+        if self.engine is not None:
+            self.engine.release()
+            self.engine = None
+        super().teardown()
+
+    # -- training hooks -------------------------------------------------------------------------
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Tell the engine whether this gradient completes an optimizer step, then run backward."""
+        assert self.engine is not None
+        self.engine.backward_mode = self._backward_mode()
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            self.engine.backward_mode = None
+
+    def _backward_mode(self) -> str | None:
+        module = self.lightning_module
+        if module is None or not module.automatic_optimization or module._trainer is None:
+            return None  # manual optimization: nothing is known about what follows
+        return "accumulate" if module.trainer.fit_loop._should_accumulate() else "step"
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # weights load into the host masters, which exist only after setup
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.engine is None:
+            return super().lightning_module_state_dict()
+        return self.engine.master_state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.engine is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self.engine.load_master_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
+            )
