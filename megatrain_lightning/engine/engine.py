@@ -54,7 +54,7 @@ class StreamingEngine:
         training: bool = True,
         pin_memory: bool | None = None,
         preserve_rng_state: bool = True,
-        available_bytes: Callable[[], int] = available_host_bytes,
+        available_bytes: Callable[[], int] | None = None,
     ) -> None:
         if compute_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"compute_dtype={compute_dtype}: the engine computes in torch.float32 or torch.bfloat16")
@@ -84,8 +84,11 @@ class StreamingEngine:
         for unit in self.outer_units:
             self._outer_device.append(torch.empty(unit.numel, dtype=compute_dtype, device=self.device))
             self._upload_outer(unit, self._outer_device[-1])
-        self._hooks = [
-            e.param.register_post_accumulate_grad_hook(self._outer_grad_hook(u)) for u in self.outer_units for e in u.entries
+        self._hooks = [  # a frozen parameter gets no gradient, hence no hook
+            e.param.register_post_accumulate_grad_hook(self._outer_grad_hook(u))
+            for u in self.outer_units
+            for e in u.entries
+            if e.param.requires_grad
         ]
 
         max_numel = max(u.numel for u in self.units)
@@ -112,7 +115,7 @@ class StreamingEngine:
         need = numel * host_bytes_per_param(self.compute_dtype, training)
         # The model's own parameters are released unit by unit as they move into flat buffers.
         reclaim = sum(p.numel() * p.element_size() for params in block_params for _, p in params if p.device.type == "cpu")
-        have = available_bytes() + reclaim
+        have = (available_bytes or available_host_bytes)() + reclaim
         if need > have:
             raise HostMemoryError(
                 f"the model's {numel / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB of host memory "

@@ -1,0 +1,161 @@
+"""The streaming engine on its own: memory accounting, upload schedule, saved tensors, RNG replay."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from megatrain_lightning import StreamingEngine
+from megatrain_lightning.engine.block_fn import CallState
+from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+from megatrain_lightning.optim.adamw import HostAdamW
+from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin
+
+
+def own_llama(layers: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig.from_preset("tiny")
+    cfg.num_hidden_layers = layers
+    return LlamaForCausalLM(cfg)
+
+
+def train_steps(engine: StreamingEngine, model: nn.Module, steps: int) -> list[float]:
+    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+    losses = []
+    for batch in token_batches(steps):
+        loss = model(batch, targets=batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_device_bytes_do_not_grow_with_depth():
+    """Weight slots, gradient slots and the outer parameters are the same for 4 and 16 blocks."""
+    shallow, deep = (StreamingEngine(own_llama(n), device="cpu") for n in (4, 16))
+    assert shallow.device_bytes() == deep.device_bytes()
+    assert deep.host_bytes()["master"] > 3 * shallow.host_bytes()["master"]  # the host holds the depth
+
+
+@pytest.mark.parametrize(("dtype", "per_param"), [(torch.bfloat16, 16), (torch.float32, 16)])
+def test_host_bytes_per_parameter(dtype, per_param):
+    """After a step: fp32 master 4 + Adam m, v 8 + bf16 copy 2 + bf16 slab 2 = 16 bytes/param;
+    in fp32 the master is the transfer copy itself, and the slab is fp32: 4 + 8 + 4 = 16."""
+    model = own_llama(4)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=dtype)
+    train_steps(engine, model, 1)
+    assert sum(engine.host_bytes().values()) == per_param * engine.num_parameters()
+    assert engine.host_bytes()["acc"] == 0  # the fp32 accumulator only exists while accumulating
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_backward_does_not_reupload_resident_blocks(slots):
+    """Each training step uploads every block for forward, then only the blocks forward evicted."""
+    layers = 6
+    model = own_llama(layers)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, num_slots=slots)
+    train_steps(engine, model, 3)
+    assert engine.pool.uploads == 3 * (layers + layers - slots)
+    before = engine.pool.uploads
+    with torch.no_grad():
+        model(token_batches(1)[0])
+    assert engine.pool.uploads - before == layers
+
+
+def count_saved(model: nn.Module, batch: torch.Tensor) -> int:
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model(batch, targets=batch)
+    return len(saved)
+
+
+def test_each_block_saves_only_its_input():
+    """Going from 2 to 6 blocks adds exactly 4 saved tensors (one block input each) to the graph."""
+    batch = token_batches(1)[0]
+    counts = []
+    for layers in (2, 6):
+        model = own_llama(layers)
+        StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+        counts.append(count_saved(model, batch))
+    assert counts[1] - counts[0] == 4
+
+
+def test_evaluation_builds_no_graph():
+    model = own_llama(3)
+    StreamingEngine(model, device="cpu")
+    batch = token_batches(1)[0]
+    with torch.no_grad():
+        out = model(batch)
+    assert out.grad_fn is None
+    saved = []
+    with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model(batch)
+    assert saved == []
+
+
+def test_release_returns_an_ordinary_model():
+    model = own_llama(3)
+    reference = copy.deepcopy(model)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+    engine.release()
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    batch = token_batches(1)[0]
+    assert torch.equal(model(batch), reference(batch))
+
+
+def test_three_slots_equal_ordinary_training(monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+    from megatrain_lightning import MegatrainStrategy
+
+    a, b = twin(hf_llama)
+    ref, mt = CausalLM(a), CausalLM(b)
+    batches = token_batches(8)
+    fit(ref, batches, strategy="auto")
+    fit(mt, batches, strategy=MegatrainStrategy(num_slots=3))
+    assert mt.losses == ref.losses
+    assert all(torch.equal(x, y) for x, y in zip(params_of(mt.model).values(), params_of(ref.model).values()))
+
+
+def test_dropout_is_replayed_in_the_recompute(monkeypatch):
+    """With attention dropout the recompute must draw the same masks as the forward: bitwise equal training."""
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+    a, b = twin(lambda: hf_llama(attention_dropout=0.3))
+    ref, mt = CausalLM(a), CausalLM(b)
+    batches = token_batches(6)
+    torch.manual_seed(123)
+    fit(ref, batches, strategy="auto")
+    torch.manual_seed(123)
+    fit(mt, batches, strategy="megatrain")
+    assert mt.losses == ref.losses
+    assert all(torch.equal(x, y) for x, y in zip(params_of(mt.model).values(), params_of(ref.model).values()))
+
+
+def test_frozen_embedding_still_trains_blocks(monkeypatch):
+    """A frozen embedding feeds the first block an input without grad; the blocks must train anyway."""
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+
+    class Frozen(CausalLM):
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-2)
+
+    a, b = twin(hf_llama)
+    for m in (a, b):
+        m.model.embed_tokens.weight.requires_grad_(False)
+    ref, mt = Frozen(a), Frozen(b)
+    start = params_of(b)
+    batches = token_batches(6)
+    fit(ref, batches, strategy="auto")
+    fit(mt, batches, strategy="megatrain")
+    end = params_of(mt.model)
+    assert torch.equal(end["model.embed_tokens.weight"], start["model.embed_tokens.weight"])
+    assert not torch.equal(end["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
+    assert mt.losses == ref.losses
+
+
+def test_grad_requiring_side_inputs_are_refused():
+    with pytest.raises(NotImplementedError, match="hidden state only"):
+        CallState((torch.zeros(2), torch.zeros(2, requires_grad=True)), {}, torch.device("cpu"), False)
