@@ -1,0 +1,3 @@
+from megatrain_lightning.demo import main
+
+main()
