@@ -34,6 +34,9 @@ def own_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 MODELS = {
     "own-llama": (own_llama, own_loss),
     "hf-llama": (hf_llama, None),
+    # Odd sizes (norms of 36, k/v 648, vocab 97x36): vector tails everywhere, in each tensor and segment.
+    "hf-llama-odd": (lambda: hf_llama(hidden_size=36, num_attention_heads=2, num_key_value_heads=1,
+                                      intermediate_size=70), None),  # fmt: skip
     "hf-qwen2-tied": (hf_qwen2, None),
 }
 

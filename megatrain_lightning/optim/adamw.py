@@ -64,6 +64,12 @@ class HostAdamW(torch.optim.Optimizer):
         order = [id(p) for group in self.param_groups for p in group["params"]]
         engine.attach_optimizer(groups, self.hyper, order)
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The user's optimizer this one stands in for (the wrapped-optimizer convention Lightning's
+        LearningRateMonitor follows, so its keys read e.g. ``lr-AdamW`` as in ordinary training)."""
+        return self._source
+
     def hyper(self) -> list[AdamHyper]:
         """Each group's hyper-parameters as they are now (a scheduler may have just changed lr)."""
         decoupled_default = isinstance(self._source, torch.optim.AdamW)
