@@ -159,3 +159,23 @@ def test_frozen_embedding_still_trains_blocks(monkeypatch):
 def test_grad_requiring_side_inputs_are_refused():
     with pytest.raises(NotImplementedError, match="hidden state only"):
         CallState((torch.zeros(2), torch.zeros(2, requires_grad=True)), {}, torch.device("cpu"), False)
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_blocks_step_during_backward_unless_clipping(clip):
+    """Without clipping every block is stepped by the time backward returns (the host step overlaps the
+    rest of backward); with clipping nothing steps before the global norm is known."""
+    model = own_llama(4)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+    engine.want_norms = clip is not None
+    batch = token_batches(1)[0]
+    engine.backward_mode = "step"
+    model(batch, targets=batch).backward()
+    engine.flush()
+    assert [u.step for u in engine.units] == [0 if clip else 1] * 4
+    if clip:
+        engine.request_clip(clip)
+    opt.step()
+    engine.flush()
+    assert [u.step for u in engine.all_units()] == [1] * len(engine.all_units())
