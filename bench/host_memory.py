@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     args = ap.parse_args()
-    print(f"| compute dtype | params | master | adam m+v | copy | grad slab | total (accounting) | allocated (RSS) |")
+    print("| compute dtype | params | master | adam m+v | copy | grad slab | total (accounting) | allocated (RSS) |")
     print("|---|---|---|---|---|---|---|---|")
     ctx = multiprocessing.get_context("spawn")  # a fresh process per run, so RSS figures don't mix
     for dtype in (torch.bfloat16, torch.float32):

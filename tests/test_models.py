@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -166,8 +164,19 @@ def test_generate_greedy_matches_argmax():
 
 
 def test_models_package_does_not_import_transformers():
-    code = "import sys, megatrain_lightning.models; assert 'transformers' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    """Checked statically: at run time Lightning's torchmetrics imports transformers whenever it is
+    installed, so sys.modules cannot tell whether *this* package needs it."""
+    import ast
+    from pathlib import Path
+
+    import megatrain_lightning.models as models
+
+    for path in Path(models.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.split(".")[0] == "transformers" for n in names), f"{path.name} imports transformers"
 
 
 # ---------------------------------------------------------------------------- chunked cross-entropy
