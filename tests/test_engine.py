@@ -179,3 +179,17 @@ def test_blocks_step_during_backward_unless_clipping(clip):
     opt.step()
     engine.flush()
     assert [u.step for u in engine.all_units()] == [1] * len(engine.all_units())
+
+
+def test_stats_count_transfers():
+    """Byte counters follow the upload schedule: per step L + (L - S) block uploads plus the outer copies."""
+    layers = 4
+    model = own_llama(layers)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+    start = dict(engine.stats)
+    train_steps(engine, model, 2)
+    block = engine.units[0].numel * 4
+    outer = sum(u.numel for u in engine.outer_units) * 4
+    assert engine.stats["h2d_bytes"] - start["h2d_bytes"] == 2 * ((2 * layers - 2) * block + outer)
+    assert engine.stats["d2h_bytes"] - start["d2h_bytes"] == 2 * (layers * block + outer)
+    assert engine.stats["host_step_seconds"] > 0

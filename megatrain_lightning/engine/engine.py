@@ -17,6 +17,7 @@ The engine is applied to an ordinary, built model (it imports no Lightning):
 from __future__ import annotations
 
 import copy
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -58,6 +59,14 @@ class StreamingEngine:
     ) -> None:
         if compute_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"compute_dtype={compute_dtype}: the engine computes in torch.float32 or torch.bfloat16")
+        # Cumulative counters for progress bars and benchmarks (seconds are wall time of the thread named).
+        self.stats = {
+            "h2d_bytes": 0,  # weights uploaded (blocks and outer parameters)
+            "d2h_bytes": 0,  # gradients downloaded
+            "host_step_seconds": 0.0,  # worker: Adam steps
+            "host_land_seconds": 0.0,  # worker: waiting for downloads, accumulating, norms
+            "host_wait_seconds": 0.0,  # compute-issuing thread blocked on a pending host job
+        }
         self.model = model
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
@@ -193,7 +202,8 @@ class StreamingEngine:
     def _load(self, idx: int, protect: set[int]) -> int:
         unit = self.units[idx]
         if self.pool.slot_of(idx) is None:
-            unit.wait()  # a pending optimizer step is still rewriting the copy
+            self._wait(unit)  # a pending optimizer step is still rewriting the copy
+            self.stats["h2d_bytes"] += unit.numel * unit.copy.element_size()
         slot = self.pool.load(idx, unit.copy, protect)
         unit.upload_done = self.pool.ready[slot]
         return slot
@@ -228,10 +238,11 @@ class StreamingEngine:
                 f"{unit.name} got a second gradient after it was already stepped during this backward; "
                 "gradients must reach a unit once per optimizer step when the optimizer overlaps backward"
             )
-        unit.wait()  # the worker must be done reading the slab before it is overwritten
+        self._wait(unit)  # the worker must be done reading the slab before it is overwritten
         if unit.grad_state is GradState.SLAB:
             self._promote(unit)
         slab = unit.ensure_slab()
+        self.stats["d2h_bytes"] += flat.numel() * flat.element_size()
         produced = self.streams.event()
         self.streams.wait(self.streams.d2h, produced)
         with self.streams.on(self.streams.d2h):
@@ -261,6 +272,7 @@ class StreamingEngine:
         )
 
     def _land(self, unit: HostUnit, done: Any, accumulate: bool, want_norm: bool, hyper: list[AdamHyper] | None) -> None:
+        t0 = time.perf_counter()
         done.synchronize()  # never read pinned memory before its copy has finished
         if accumulate or unit.grad_state is GradState.ACC:
             first = unit.grad_state is GradState.EMPTY
@@ -272,6 +284,7 @@ class StreamingEngine:
             unit.grad_state = GradState.SLAB
         # A norm is only meaningful for the complete gradient; a later micro-batch makes it stale.
         unit.norms = self._norms(unit) if want_norm else None
+        self.stats["host_land_seconds"] += time.perf_counter() - t0
         if hyper is not None:
             self._step_unit(unit, hyper, 1.0)
 
@@ -289,6 +302,7 @@ class StreamingEngine:
         return unit.acc if unit.grad_state is GradState.ACC else unit.slab
 
     def _step_unit(self, unit: HostUnit, hyper: list[AdamHyper], scale: float) -> None:
+        t0 = time.perf_counter()
         if unit.upload_done is not None:
             unit.upload_done.synchronize()  # an in-flight upload may still be reading the copy
         grad = self._grad_of(unit)
@@ -301,6 +315,16 @@ class StreamingEngine:
                 hyper[group], unit.step, scale,
             )  # fmt: skip
         unit.grad_state, unit.norms = GradState.EMPTY, None
+        self.stats["host_step_seconds"] += time.perf_counter() - t0
+
+    def _wait(self, unit: HostUnit) -> None:
+        """Block on `unit`'s last host job, counting the time the device queue may starve meanwhile."""
+        if unit.future is not None and not unit.future.done():
+            t0 = time.perf_counter()
+            unit.wait()
+            self.stats["host_wait_seconds"] += time.perf_counter() - t0
+        else:
+            unit.wait()
 
     def _submit(self, unit: HostUnit, job: Callable[[], None]) -> None:
         unit.future = self._worker.submit(job)
@@ -332,7 +356,7 @@ class StreamingEngine:
         stepped = set(todo) | self._eager
         for unit, dev in zip(self.outer_units, self._outer_device):
             if unit in stepped:
-                unit.wait()
+                self._wait(unit)
                 self._upload_outer(unit, dev)
         self._pending.clear()
         self._eager.clear()
@@ -367,6 +391,7 @@ class StreamingEngine:
         self.streams.wait(self.streams.h2d, self.streams.event())  # earlier compute may still read it
         with self.streams.on(self.streams.h2d):
             dev.copy_(unit.copy, non_blocking=True)
+        self.stats["h2d_bytes"] += dev.numel() * dev.element_size()
         unit.upload_done = self.streams.event(self.streams.h2d)
         self.streams.wait(None, unit.upload_done)
         _bind(unit, dev)
