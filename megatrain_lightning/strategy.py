@@ -7,7 +7,8 @@ backward whether more micro-batches follow, and read/write checkpoints from the 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import random
+from typing import Any, Literal, Mapping
 
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
@@ -16,6 +17,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.engine.engine import StreamingEngine
 from megatrain_lightning.optim.adamw import HostAdamW
 from megatrain_lightning.precision import MegatrainPrecision
@@ -29,6 +31,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
         num_slots: device weight slots blocks stream through (>= 2: one computing, one loading).
         overlap_optimizer: step each block on the host as soon as its gradient lands, while backward goes
             on (only when nothing needs the whole gradient first, i.e. no clipping).
+        checkpoint_format: ``"sharded"`` streams per-block shards to any fsspec URL and commits atomically
+            (see :mod:`megatrain_lightning.checkpoint`); ``"torch"`` writes Lightning's usual single file,
+            which ordinary strategies can also resume from (small models only: it is built in memory).
     """
 
     strategy_name = "megatrain"
@@ -38,14 +43,18 @@ class MegatrainStrategy(SingleDeviceStrategy):
         device: torch.device | str | None = None,
         num_slots: int = 2,
         overlap_optimizer: bool = True,
+        checkpoint_format: Literal["sharded", "torch"] = "sharded",
         **kwargs: Any,
     ) -> None:
+        if checkpoint_format not in ("sharded", "torch"):
+            raise ValueError(f"checkpoint_format={checkpoint_format!r}: choose 'sharded' or 'torch'")
         if num_slots < 2:
             raise ValueError(f"num_slots={num_slots}: the strategy needs at least 2 slots (one computing, one loading)")
         super().__init__(device=device or "cpu", **kwargs)
         self._device_arg = device
         self.num_slots = num_slots
         self.overlap_optimizer = overlap_optimizer
+        self.checkpoint_format = checkpoint_format
         self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
         self.engine: StreamingEngine | None = None
 
@@ -165,10 +174,57 @@ class MegatrainStrategy(SingleDeviceStrategy):
         return self.engine.master_state_dict()
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Sharded: stream the host buffers unit by unit; Lightning's tensors in `checkpoint` are not used."""
+        if self.checkpoint_format == "torch" or self.engine is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        state["megatrain_rng"] = _rng_state()
+        with_optimizer = "optimizer_states" in checkpoint
+        groups = None
+        if with_optimizer:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in checkpoint["optimizer_states"][0]["param_groups"]]
+        mt_checkpoint.save(self.engine, str(filepath), state, optimizer=with_optimizer, param_groups=groups)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if not mt_checkpoint.is_checkpoint(str(checkpoint_path)):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        state = mt_checkpoint.load_trainer_state(str(checkpoint_path))
+        state["megatrain_checkpoint"] = str(checkpoint_path)
+        state["state_dict"] = {}  # the weights stream from the shards in load_model_state_dict
+        _, _, index = mt_checkpoint.store.read_index(str(checkpoint_path))
+        if index["optimizer"]:
+            state["optimizer_states"] = [{"param_groups": index["param_groups"]}]
+        return state
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if mt_checkpoint.is_checkpoint(str(filepath)):
+            mt_checkpoint.remove(str(filepath))
+        else:
+            super().remove_checkpoint(filepath)
+
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self.engine is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
+        if "megatrain_checkpoint" in checkpoint:
+            resuming = self.engine.hyper is not None and "optimizer_states" in checkpoint
+            mt_checkpoint.restore(self.engine, checkpoint["megatrain_checkpoint"], optimizer=resuming)
+            return
         self.engine.load_master_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Sharded: the Adam state already streamed in with the weights; restore group settings and RNG."""
+        if "megatrain_checkpoint" not in checkpoint:
+            return super().load_optimizer_state_dict(checkpoint)
+        for opt in self.optimizers:
+            for group, saved in zip(opt.param_groups, checkpoint["optimizer_states"][0]["param_groups"]):
+                group.update(saved)
+        if "megatrain_rng" in checkpoint:
+            _set_rng_state(checkpoint["megatrain_rng"])
 
     @classmethod
     @override
@@ -177,3 +233,17 @@ class MegatrainStrategy(SingleDeviceStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
             )
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

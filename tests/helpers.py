@@ -120,7 +120,8 @@ def loader(batches: list[torch.Tensor]) -> DataLoader:
 
 
 def fit(module: CausalLM, batches: list[torch.Tensor], strategy: Any = "megatrain", **trainer_kwargs: Any) -> L.Trainer:
-    """Fit quietly on the CPU; `strategy="auto"` is ordinary training."""
+    """Fit quietly on the CPU; `strategy="auto"` is ordinary training; `ckpt_path` goes to `trainer.fit`."""
+    ckpt_path = trainer_kwargs.pop("ckpt_path", None)
     kwargs = dict(
         accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -130,7 +131,7 @@ def fit(module: CausalLM, batches: list[torch.Tensor], strategy: Any = "megatrai
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         warnings.filterwarnings("ignore", ".*KV cache is disabled.*")
         trainer = L.Trainer(**kwargs)
-        trainer.fit(module, loader(batches))
+        trainer.fit(module, loader(batches), ckpt_path=ckpt_path)
     return trainer
 
 

@@ -69,8 +69,9 @@ def assert_params_equal(a: nn.Module, b: nn.Module) -> None:
 # -- 1. resume is exact ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fmt", ["sharded", "torch"])
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_resume_from_checkpoint_is_exact(accumulate, tmp_path, torch_adam):
+def test_resume_from_checkpoint_is_exact(accumulate, fmt, tmp_path, torch_adam):
     """2 epochs straight == 1 epoch, save last.ckpt, resume a fresh copy of the initial model for epoch 2."""
     batches = token_batches(10)
     module_kwargs = dict(split_decay=True, schedule=20)
@@ -83,12 +84,13 @@ def test_resume_from_checkpoint_is_exact(accumulate, tmp_path, torch_adam):
 
     first = CausalLM(b, **module_kwargs)
     ckpt_cb = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)
-    fit(first, batches, max_epochs=1, enable_checkpointing=True, callbacks=[ckpt_cb], **trainer_kwargs)
+    strategy = MegatrainStrategy(checkpoint_format=fmt)
+    fit(first, batches, strategy=strategy, max_epochs=1, enable_checkpointing=True, callbacks=[ckpt_cb], **trainer_kwargs)
     assert (tmp_path / "last.ckpt").is_file()
     assert first.losses == straight.losses[:10]
 
     resumed = CausalLM(c, **module_kwargs)
-    t = trainer(max_epochs=2, **trainer_kwargs)
+    t = trainer(strategy=MegatrainStrategy(checkpoint_format=fmt), max_epochs=2, **trainer_kwargs)
     with quiet():
         t.fit(resumed, loader(batches), ckpt_path=tmp_path / "last.ckpt")
     assert t.global_step == 20 // accumulate
@@ -97,10 +99,12 @@ def test_resume_from_checkpoint_is_exact(accumulate, tmp_path, torch_adam):
     assert_params_equal(resumed.model, straight.model)
 
 
-# -- 2. the checkpoint is an ordinary Lightning checkpoint --------------------------------------------
+# -- 2. checkpoint_format="torch" writes an ordinary Lightning checkpoint -------------------------------
 
 
-def _checkpointed_fit(module: CausalLM, batches, strategy: str, dirpath: Path, **kwargs) -> tuple[L.Trainer, dict]:
+def _checkpointed_fit(module: CausalLM, batches, strategy: Any, dirpath: Path, **kwargs) -> tuple[L.Trainer, dict]:
+    if strategy == "megatrain":
+        strategy = MegatrainStrategy(checkpoint_format="torch")
     cb = ModelCheckpoint(dirpath=dirpath, save_last=True, every_n_epochs=1)
     t = fit(module, batches, strategy=strategy, enable_checkpointing=True, callbacks=[cb], **kwargs)
     return t, torch.load(dirpath / "last.ckpt", weights_only=False, map_location="cpu")
@@ -160,7 +164,7 @@ def test_resume_across_strategies_is_exact(first, second, tmp_path, torch_adam):
 
     _checkpointed_fit(CausalLM(b, **kwargs), batches, first, tmp_path)
     resumed = CausalLM(c, **kwargs)
-    t = trainer(strategy=second, max_epochs=2)
+    t = trainer(strategy=MegatrainStrategy(checkpoint_format="torch") if second == "megatrain" else second, max_epochs=2)
     with quiet():
         t.fit(resumed, loader(batches), ckpt_path=tmp_path / "last.ckpt")
     assert resumed.losses == straight.losses[6:]

@@ -414,12 +414,23 @@ class StreamingEngine:
         for unit in self.outer_units:
             _bind(unit, unit.master)
         self.model.load_state_dict(state_dict, strict=strict)
+        self.refresh_from_masters()
+
+    def refresh_from_masters(self) -> None:
+        """After the masters (or buffers) were written from outside: rewrite every compute copy, rebind and
+        re-upload the outer parameters, and forget what the slots hold."""
+        self.flush()
         for unit in self.all_units():
             unit.refresh_copy()
         self._refresh_block_buffers()
         for unit, dev in zip(self.outer_units, self._outer_device):
             self._upload_outer(unit, dev)
         self.pool.invalidate()
+
+    def qualified_names(self, unit: HostUnit) -> list[str]:
+        """The model's own names (``state_dict`` keys) of a unit's parameters, in layout order."""
+        prefix = f"{unit.name}." if unit in self.units else ""
+        return [prefix + e.name for e in unit.entries]
 
     # -- accounting and teardown -------------------------------------------------------------------
     def device_bytes(self) -> dict[str, int]:

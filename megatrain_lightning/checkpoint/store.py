@@ -1,0 +1,225 @@
+"""Checkpoints on any fsspec URL: streamed per unit, committed atomically, verified on load.
+
+A checkpoint named ``<url>`` (for example ``s3://bucket/run/last.ckpt``) is::
+
+    <url>                         commit marker: small JSON naming the data version; written last
+    <url>.d/<version>/index.json  units, parameter names/offsets/shapes, checksums, optimizer steps
+    <url>.d/<version>/units/NNNNN.safetensors   one shard per unit: fp32 master, exp_avg, exp_avg_sq
+    <url>.d/<version>/buffers.safetensors       the model's persistent buffers
+    <url>.d/<version>/trainer.pt                Lightning's trainer state (loops, schedulers, callbacks)
+
+Each save writes a new version directory from the host buffers (never a second copy of the model),
+then replaces the marker in one write (``os.replace`` locally, a single PUT on object stores), then
+deletes the previous version. A save that dies midway leaves the old marker and so the old checkpoint
+in force; its half-written version is deleted, with a warning, by the next save to that name. The
+marker being a file also lets Lightning find, date and delete checkpoints as it does its own.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+import uuid
+import warnings
+import zlib
+from typing import Any, Callable
+
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from megatrain_lightning.checkpoint import stream
+from megatrain_lightning.engine.engine import StreamingEngine
+
+FORMAT = "megatrain-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, damaged or of another model; the message names path and fix."""
+
+
+# -- writing ----------------------------------------------------------------------------------------
+def save(
+    engine: StreamingEngine,
+    url: str,
+    trainer_state: dict,
+    *,
+    optimizer: bool = True,
+    param_groups: list[dict] | None = None,
+    after_unit: Callable[[int], None] | None = None,
+) -> None:
+    """Write the engine's host state (masters, and Adam state when `optimizer`) and `trainer_state`."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.isdir(path):
+        raise CheckpointError(f"{url} is a directory; a checkpoint path names a file (its data goes to {url}.d/)")
+    previous = _pointer(fs, path, url) if fs.exists(path) else None
+    _remove_stale_versions(fs, path, keep=previous["data"] if previous else None)
+    version = f"v{time.time_ns():x}-{uuid.uuid4().hex[:8]}"
+    vdir = f"{path}.d/{version}"
+    fs.makedirs(f"{vdir}/units", exist_ok=True)
+    engine.flush()
+    units = []
+    for i, unit in enumerate(engine.all_units()):
+        with_adam = optimizer and unit.m is not None
+        tensors = [("master", unit.master)] + ([("exp_avg", unit.m), ("exp_avg_sq", unit.v)] if with_adam else [])
+        info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
+        units.append(_unit_record(engine, unit, i, info, with_adam))
+        if after_unit is not None:
+            after_unit(i)
+    buffers = _buffers(engine)
+    buf_info = stream.write(fs, f"{vdir}/buffers.safetensors", sorted(buffers.items()))
+    raw = io.BytesIO()
+    torch.save(trainer_state, raw)
+    fs.pipe_file(f"{vdir}/trainer.pt", raw.getvalue())
+    index = {"format": FORMAT, "version": VERSION, "units": units, "buffers": buf_info,
+             "param_groups": param_groups, "optimizer": optimizer}  # fmt: skip
+    index_bytes = json.dumps(index, indent=1).encode()
+    fs.pipe_file(f"{vdir}/index.json", index_bytes)
+    _commit(fs, path, {"format": FORMAT, "version": VERSION, "data": version, "index_crc32": zlib.crc32(index_bytes)})
+    if previous and previous["data"] != version:
+        fs.rm(f"{path}.d/{previous['data']}", recursive=True)
+
+
+def _unit_record(engine: StreamingEngine, unit: Any, i: int, info: dict, with_adam: bool) -> dict:
+    names = engine.qualified_names(unit)
+    params = [{"name": n, "offset": e.offset, "shape": list(e.shape)} for n, e in zip(names, unit.entries)]
+    return {"file": f"units/{i:05d}.safetensors", "numel": unit.numel, "step": unit.step, "adam": with_adam,
+            "params": params, **info}  # fmt: skip
+
+
+def _buffers(engine: StreamingEngine) -> dict[str, torch.Tensor]:
+    params = {name for unit in engine.all_units() for name in engine.qualified_names(unit)}
+    state = engine.model.state_dict()
+    return {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in params}
+
+
+def _commit(fs: Any, path: str, marker: dict) -> None:
+    data = json.dumps(marker).encode()
+    if isinstance(fs, LocalFileSystem):
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old marker or the new one
+    else:
+        fs.pipe_file(path, data)  # one object write: atomic on object stores
+
+
+def _remove_stale_versions(fs: Any, path: str, keep: str | None) -> None:
+    root = f"{path}.d"
+    if not fs.isdir(root):
+        return
+    for entry in fs.ls(root, detail=False):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name != keep:
+            warnings.warn(f"removing {root}/{name}: data of an interrupted save, never committed", stacklevel=3)
+            fs.rm(entry, recursive=True)
+
+
+def remove(url: str) -> None:
+    """Delete a checkpoint: the marker first (so it stops existing), then its data."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.exists(path):
+        fs.rm(path)
+    if fs.isdir(f"{path}.d"):
+        fs.rm(f"{path}.d", recursive=True)
+
+
+# -- reading ----------------------------------------------------------------------------------------
+def is_checkpoint(url: str) -> bool:
+    """Whether `url` is a commit marker of this format (a Lightning .ckpt file is not)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if not fs.isfile(path):
+        return False
+    with fs.open(path, "rb") as f:
+        head = f.read(256)
+    return head.lstrip().startswith(b"{") and FORMAT.encode() in head
+
+
+def read_index(url: str) -> tuple[Any, str, dict]:
+    """(filesystem, version directory, index) of the committed checkpoint at `url`."""
+    fs, path = fsspec.core.url_to_fs(url)
+    marker = _pointer(fs, path, url)
+    vdir = f"{path}.d/{marker['data']}"
+    try:
+        raw = fs.cat_file(f"{vdir}/index.json")
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{url}: the index {vdir}/index.json is missing, so the checkpoint is damaged; "
+            "resume from an earlier checkpoint"
+        ) from None
+    if zlib.crc32(raw) != marker["index_crc32"]:
+        raise CheckpointError(f"{url}: {vdir}/index.json does not match its commit marker; resume from an earlier checkpoint")
+    return fs, vdir, json.loads(raw)
+
+
+def load_trainer_state(url: str) -> dict:
+    fs, vdir, _ = read_index(url)
+    with fs.open(f"{vdir}/trainer.pt", "rb") as f:
+        return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
+
+
+def restore(engine: StreamingEngine, url: str, *, optimizer: bool) -> dict:
+    """Stream masters (and Adam state when `optimizer`) into the engine's host buffers; returns the index."""
+    fs, vdir, index = read_index(url)
+    _check_layout(engine, index, url)
+    if optimizer and not index["optimizer"]:
+        raise CheckpointError(f"{url} holds weights only (save_weights_only=True); it cannot resume training")
+    engine.flush()
+    for unit, rec in zip(engine.all_units(), index["units"]):
+        targets = {"master": unit.master}
+        if optimizer and rec["adam"]:
+            targets.update(exp_avg=unit.m, exp_avg_sq=unit.v)
+        try:
+            stream.read_into(fs, f"{vdir}/{rec['file']}", targets, rec)
+        except stream.ShardError as err:
+            raise CheckpointError(f"{err}; resume from an earlier checkpoint") from None
+        if optimizer:
+            unit.step = rec["step"] if rec["adam"] else 0
+    _restore_buffers(engine, fs, vdir, index, url)
+    engine.refresh_from_masters()
+    return index
+
+
+def _restore_buffers(engine: StreamingEngine, fs: Any, vdir: str, index: dict, url: str) -> None:
+    current = _buffers(engine)
+    if not current:
+        return
+    loaded = {k: torch.empty_like(v) for k, v in current.items()}
+    stream.read_into(fs, f"{vdir}/buffers.safetensors", loaded, index["buffers"])
+    engine.model.load_state_dict(loaded, strict=False)
+
+
+def _check_layout(engine: StreamingEngine, index: dict, url: str) -> None:
+    units = engine.all_units()
+    if len(units) != len(index["units"]):
+        raise CheckpointError(
+            f"{url} has {len(index['units'])} parameter units, this model has {len(units)}: "
+            "it was saved from a model of another shape; resume with the same model configuration"
+        )
+    for unit, rec in zip(units, index["units"]):
+        for name, e, saved in zip(engine.qualified_names(unit), unit.entries, rec["params"]):
+            if saved["name"] != name or saved["shape"] != list(e.shape) or saved["offset"] != e.offset:
+                raise CheckpointError(
+                    f"{url}: parameter {saved['name']} {saved['shape']} does not match this model's {name} "
+                    f"{list(e.shape)}: it was saved from a model of another shape; resume with the same configuration"
+                )
+
+
+def _pointer(fs: Any, path: str, url: str) -> dict:
+    try:
+        marker = json.loads(fs.cat_file(path))
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"no checkpoint at {url}: its commit marker is missing (never saved, or the save was interrupted)"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{url} is not a {FORMAT} commit marker") from None
+    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+        raise CheckpointError(f"{url}: unsupported checkpoint format {marker.get('format')} v{marker.get('version')}")
+    return marker

@@ -1,0 +1,110 @@
+"""safetensors files streamed straight from and into host buffers, over any fsspec filesystem.
+
+``safetensors.torch.save`` builds the whole file in memory first; at 100B parameters a block is
+gigabytes, so this module writes the format itself: an 8-byte little-endian header length, the JSON
+header (padded with spaces to 8 bytes), then each tensor's bytes written from a memoryview of the
+tensor — no copy. Reading goes the other way with ``readinto`` the destination tensor's memory. A
+CRC32 of every byte is kept on the way, so a damaged shard is caught by its checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from typing import Any
+
+import torch
+
+DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32"}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class ShardError(ValueError):
+    """A shard's bytes are not what the index promised (checksum, names, shapes or dtypes)."""
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's own memory as bytes (no copy); works for bf16, which numpy has no type for."""
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def _header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None) -> bytes:
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, t in tensors:
+        if t.dtype not in DTYPES:
+            raise TypeError(f"tensor {name!r} has dtype {t.dtype}; shards hold {sorted(map(str, DTYPES))}")
+        end = offset + t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write(fs: Any, path: str, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> dict:
+    """Write `tensors` (CPU) as one safetensors file; returns {"bytes": n, "crc32": c}."""
+    head = _header(tensors, metadata)
+    crc, size = zlib.crc32(head), len(head)
+    with fs.open(path, "wb") as f:
+        f.write(head)
+        for _, t in tensors:
+            view = _bytes(t)
+            f.write(view)
+            crc, size = zlib.crc32(view, crc), size + view.nbytes
+    return {"bytes": size, "crc32": crc}
+
+
+def read_header(f: Any) -> tuple[dict, bytes]:
+    raw_len = f.read(8)
+    if len(raw_len) != 8:
+        raise ShardError("file is shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", raw_len)
+    raw = f.read(n)
+    return json.loads(raw), raw_len + raw
+
+
+def read_into(fs: Any, path: str, targets: dict[str, torch.Tensor], expect: dict) -> None:
+    """Fill `targets` (contiguous CPU tensors) from the file's tensors of the same names, checking that
+    names, dtypes and shapes match and that the file's CRC32 equals ``expect["crc32"]``."""
+    with fs.open(path, "rb") as f:
+        header, head_bytes = read_header(f)
+        crc = zlib.crc32(head_bytes)
+        entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"])
+        for name, meta in entries:
+            dst = targets.get(name)
+            _check_entry(path, name, meta, dst)
+            view = _bytes(dst) if dst is not None else memoryview(bytearray(_span(meta)))
+            _readinto_fully(f, view, path)
+            crc = zlib.crc32(view, crc)
+    missing = sorted(set(targets) - {k for k, _ in entries})
+    if missing:
+        raise ShardError(f"{path} lacks tensors {missing}")
+    if crc != expect["crc32"]:
+        raise ShardError(f"{path} has checksum {crc:#010x}, the index recorded {expect['crc32']:#010x}: the shard is damaged")
+
+
+def _span(meta: dict) -> int:
+    start, end = meta["data_offsets"]
+    return end - start
+
+
+def _check_entry(path: str, name: str, meta: dict, dst: torch.Tensor | None) -> None:
+    if dst is None:
+        return
+    if not dst.is_contiguous():
+        raise ValueError(f"cannot read {name!r} into a non-contiguous tensor")
+    if _NAMES.get(meta["dtype"]) != dst.dtype or list(meta["shape"]) != list(dst.shape):
+        raise ShardError(
+            f"{path}: tensor {name!r} is {meta['dtype']}{meta['shape']}, this model needs {DTYPES[dst.dtype]}{list(dst.shape)}"
+        )
+
+
+def _readinto_fully(f: Any, view: memoryview, path: str) -> None:
+    done = 0
+    while done < view.nbytes:
+        n = f.readinto(view[done:])
+        if not n:
+            raise ShardError(f"{path} ends early: the shard is truncated")
+        done += n
