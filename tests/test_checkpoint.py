@@ -54,7 +54,7 @@ def storage_url(kind: str, tmp_path, s3_endpoint_factory) -> str:
 
 
 @pytest.mark.parametrize("kind", ["local", "memory", "s3"])
-def test_save_list_resume_and_top_k_deletion(kind, tmp_path, request, torch_adam):
+def test_save_list_resume_and_top_k_deletion(kind, tmp_path, request, recwarn, torch_adam):
     url = storage_url(kind, tmp_path, lambda: request.getfixturevalue("s3_env"))
     batches = token_batches(12)
     a, b = twin(hf_llama)
@@ -62,6 +62,7 @@ def test_save_list_resume_and_top_k_deletion(kind, tmp_path, request, torch_adam
     straight = CausalLM(a)
     fit(straight, batches, max_epochs=2)
     checkpointed(CausalLM(b), batches, url, every=4, max_epochs=1)
+    assert not [w for w in recwarn if "interrupted save" in str(w.message)]  # last.ckpt was rewritten 3 times
     fs, root = fsspec.core.url_to_fs(url)
     fs.invalidate_cache()
     # Files, not listing entries: some stores (SeaweedFS) keep an emptied prefix as a directory entry.

@@ -116,9 +116,21 @@ def _remove_stale_versions(fs: Any, path: str, keep: str | None) -> None:
         return
     for entry in fs.ls(root, detail=False):
         name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name != keep:
+        if name == keep:
+            continue
+        # Some stores (SeaweedFS) keep an emptied prefix as a directory entry: only files mean a partial save.
+        if fs.find(entry):
             warnings.warn(f"removing {root}/{name}: data of an interrupted save, never committed", stacklevel=3)
             fs.rm(entry, recursive=True)
+        else:
+            _rm_empty(fs, entry)
+
+
+def _rm_empty(fs: Any, entry: str) -> None:
+    try:
+        fs.rm(entry, recursive=True)
+    except FileNotFoundError:  # object stores: the prefix vanished with its last object
+        pass
 
 
 def remove(url: str) -> None:

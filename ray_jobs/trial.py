@@ -1,0 +1,100 @@
+"""One trial: one ``Trainer(strategy="megatrain")`` in one process, resumable from shared storage.
+
+A trial's files live under ``<storage>/<sweep>/trials/<trial_id>/``; the trial id is stable across
+Ray's retries and across restoring the sweep, so a restarted trial finds its own ``checkpoints/last.ckpt``
+and resumes from it instead of from step 0. Each attempt also leaves ``attempts/<n>.json`` (process id,
+the step it started from) so a person, or a test, can see what was retried.
+
+:func:`run_trial` needs no Ray; :func:`tune_trainable` wraps it for Ray Tune.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable
+
+import fsspec
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
+from megatrain_lightning.checkpoint import ModelCheckpoint, is_checkpoint
+from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.module import CausalLMModule
+
+Report = Callable[[dict[str, Any]], None]
+
+
+class _Report(Callback):
+    """Hands the validation metrics (and the step) to Ray Tune after each validation."""
+
+    def __init__(self, report: Report) -> None:
+        self.report = report
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        self.report({**metrics, "step": trainer.global_step})
+
+
+class _FinalCheckpoint(Callback):
+    """Saves the final state to `last.ckpt` whatever the interval (at train end the engine is still up)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+class _Attempt(Callback):
+    """Records where each attempt of the trial started (after any resume)."""
+
+    def __init__(self, trial_dir: str) -> None:
+        self.trial_dir = trial_dir
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        fs, root = fsspec.core.url_to_fs(f"{self.trial_dir}/attempts")
+        record = {"pid": os.getpid(), "start_step": trainer.global_step, "time": time.time()}
+        fs.pipe_file(f"{root}/{time.time_ns()}.json", json.dumps(record).encode())
+
+
+def run_trial(run: dict[str, Any], trial_dir: str, checkpoint_every: int, report: Report | None = None) -> dict:
+    """Train the config `run` (model / data / trainer sections), checkpointing to `trial_dir`."""
+    torch.manual_seed(int(run.get("seed", 0)))
+    module = CausalLMModule(**run.get("model", {}))
+    data = TextDataModule(**run.get("data", {"path": "builtin:python-docs"}))
+    ckpt_dir = f"{trial_dir}/checkpoints"
+    last = f"{ckpt_dir}/last.ckpt"
+    callbacks: list[Callback] = [
+        ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=checkpoint_every),
+        _Attempt(trial_dir),
+        _FinalCheckpoint(last),
+    ]
+    if report is not None:
+        callbacks.append(_Report(report))
+    trainer_kwargs = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+    trainer_kwargs.update(run.get("trainer", {}))
+    trainer = L.Trainer(strategy="megatrain", callbacks=callbacks, **trainer_kwargs)
+    trainer.fit(module, data, ckpt_path=last if is_checkpoint(last) else None)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    return {**metrics, "step": trainer.global_step, "checkpoint": last}
+
+
+def tune_trainable(root: str, base: dict[str, Any], checkpoint_every: int) -> Callable[[dict[str, Any]], None]:
+    """The Ray Tune function trainable for a sweep rooted at `root` with base config `base`."""
+
+    def trainable(params: dict[str, Any]) -> None:
+        from ray import tune
+
+        from ray_jobs.config import apply
+
+        trial_dir = f"{root}/trials/{tune.get_context().get_trial_id()}"
+        final = run_trial(apply(base, params), trial_dir, checkpoint_every, report=tune.report)
+        tune.report({**final, "done": True})
+
+    return trainable
