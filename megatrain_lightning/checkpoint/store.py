@@ -118,8 +118,9 @@ def _remove_stale_versions(fs: Any, path: str, keep: str | None) -> None:
         name = entry.rstrip("/").rsplit("/", 1)[-1]
         if name == keep:
             continue
-        # Some stores (SeaweedFS) keep an emptied prefix as a directory entry: only files mean a partial save.
-        if fs.find(entry):
+        # Some stores (SeaweedFS) keep an emptied prefix as a directory entry, and even list it as an
+        # object of its own: only files inside it mean a partial save.
+        if [f for f in fs.find(entry) if f.rstrip("/") != entry.rstrip("/")]:
             warnings.warn(f"removing {root}/{name}: data of an interrupted save, never committed", stacklevel=3)
             fs.rm(entry, recursive=True)
         else:
