@@ -237,3 +237,17 @@ def test_save_memory_stays_within_a_few_blocks(tmp_path):
     params, state_rss, growth, largest_unit = map(int, out.stdout.split())
     assert params > 190e6
     assert growth <= 3 * largest_unit, (growth, largest_unit, state_rss)
+
+
+def test_validate_from_a_fit_checkpoint_with_param_groups(tmp_path, torch_adam):
+    """The layout does not depend on the optimizer: a checkpoint written by fit (two param groups) loads
+    into validate (no optimizer) and gives the trained model's validation loss."""
+    batches = token_batches(4)
+    module = CausalLM(hf_llama(), split_decay=True)
+    cb = ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
+    trainer = fit(module, batches, enable_checkpointing=True, callbacks=[cb])
+    expected = trainer.validate(module, torch.utils.data.DataLoader(batches, batch_size=None), verbose=False)
+    fresh = CausalLM(hf_llama(), split_decay=True)
+    got = trainer.validate(fresh, torch.utils.data.DataLoader(batches, batch_size=None),
+                           ckpt_path=str(tmp_path / "last.ckpt"), verbose=False)  # fmt: skip
+    assert got == expected

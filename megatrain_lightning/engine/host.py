@@ -1,8 +1,9 @@
 """Host-resident state of one streamed unit: flat buffers allocated once, parameters as views.
 
 A unit is a decoder block, or one parameter outside the blocks (embedding, final norm, head). Its
-parameters are laid out back to back in every buffer, ordered by optimizer param group so that a group
-is one contiguous segment and the optimizer runs one fused pass per segment.
+parameters are laid out back to back in every buffer, in the model's own order: the layout (and so a
+checkpoint) does not depend on the optimizer, and a param group is stepped as one or more runs of
+consecutive parameters (a Llama block with a no-decay group for norms has four runs).
 
 | buffer | dtype          | bytes/param | note                                                 |
 |--------|----------------|-------------|------------------------------------------------------|
@@ -61,10 +62,8 @@ class HostUnit:
         self.name = name
         self.compute_dtype = compute_dtype
         self.pin = pin
-        # Stable sort by group: each group becomes one contiguous segment; unowned params go last.
-        order = sorted(params, key=lambda kv: _group_key(groups.get(id(kv[1]))))
         entries, offset = [], 0
-        for pname, p in order:
+        for pname, p in params:
             entries.append(ParamEntry(pname, p, offset, p.numel(), p.shape, groups.get(id(p))))
             offset += p.numel()
         self.entries: list[ParamEntry] = entries
@@ -137,10 +136,6 @@ class HostUnit:
         """Rewrite the compute copy from the master (after loading weights)."""
         if self.copy is not self.master:
             self.copy.copy_(self.master)
-
-
-def _group_key(group: int | None) -> int:
-    return group if group is not None else 1 << 30
 
 
 def _nb(t: torch.Tensor | None) -> int:
