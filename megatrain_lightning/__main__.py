@@ -1,3 +1,5 @@
-from megatrain_lightning.demo import main
+"""``python -m megatrain_lightning ...`` is the ``megatrain`` command (see megatrain_lightning.cli)."""
+
+from megatrain_lightning.cli import main
 
 main()

@@ -1,14 +1,85 @@
-"""A ready LightningModule for this project's Llama-family model: loss, AdamW groups, warm-up + cosine."""
+"""A ready LightningModule for this project's Llama-family model: loss, AdamW groups, warm-up + cosine.
+
+The model is named the way a user thinks of it: a preset (``"llama-3.1-8b"``), a Hugging Face
+``config.json`` or checkpoint directory, or a :class:`LlamaConfig`; ``overrides`` change fields
+(``{"num_hidden_layers": 2}``) and ``init_from`` loads a Hugging Face checkpoint's weights to fine-tune.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
 import torch
 
-from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+from megatrain_lightning.models import PRESETS, LlamaConfig, LlamaForCausalLM, load_hf_config, load_hf_weights
+
+_HEAD_SHAPE_FIELDS = ("hidden_size", "num_attention_heads")
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "attention_bias", "tie_word_embeddings")  # fmt: skip
+
+
+def resolve_config(model: str | LlamaConfig, overrides: dict[str, Any] | None = None) -> LlamaConfig:
+    """The :class:`LlamaConfig` named by a preset, a HF config.json / checkpoint dir, or given directly.
+
+    Overriding ``hidden_size`` or ``num_attention_heads`` without ``head_dim`` re-derives ``head_dim``
+    (a preset's head_dim would otherwise silently stay and no longer match the new width).
+    """
+    config = model if isinstance(model, LlamaConfig) else _load_named(model)
+    overrides = dict(overrides or {})
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"model overrides {unknown} are not LlamaConfig fields; valid fields: {', '.join(sorted(fields))}")
+    if "head_dim" not in overrides and any(k in overrides for k in _HEAD_SHAPE_FIELDS):
+        overrides["head_dim"] = None
+    return dataclasses.replace(config, **overrides)
+
+
+def _load_named(model: str) -> LlamaConfig:
+    if model.lower() in PRESETS:
+        return LlamaConfig.from_preset(model)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return load_hf_config(path)
+    if path.is_file():
+        with open(path, encoding="utf-8") as f:
+            return LlamaConfig.from_hf_dict(json.load(f))
+    raise ValueError(
+        f"model={model!r} is neither a preset nor an existing Hugging Face config.json or checkpoint directory; "
+        f"presets: {', '.join(sorted(PRESETS))}"
+    )
+
+
+def check_init_from(config: LlamaConfig, init_from: str) -> None:
+    """Refuse a checkpoint whose config.json has other shapes than `config`, before anything is built."""
+    if not Path(init_from).expanduser().is_dir():
+        raise ValueError(f"init_from={init_from!r} is not a directory; give a Hugging Face checkpoint directory "
+                         "(config.json plus model.safetensors or sharded *.safetensors with their index)")  # fmt: skip
+    theirs = load_hf_config(Path(init_from).expanduser())
+    differ = [f"{k}: checkpoint {getattr(theirs, k)}, model {getattr(config, k)}"
+              for k in _SHAPE_FIELDS if getattr(theirs, k) != getattr(config, k)]  # fmt: skip
+    if differ:
+        raise ValueError(f"init_from={init_from!r} does not fit the model ({'; '.join(differ)}); drop the model's "
+                         "shape overrides, or leave model unset to take the checkpoint's own config")  # fmt: skip
+
+
+def build_model(config: LlamaConfig, init_from: str | None = None) -> LlamaForCausalLM:
+    """A fresh model, or one holding the weights of the HF checkpoint directory ``init_from``."""
+    if init_from is None:
+        return LlamaForCausalLM(config)
+    check_init_from(config, init_from)
+    # Built on the meta device and materialized uninitialized: the checkpoint overwrites every weight.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty re-creates each module's Parameter, which unties them
+    load_hf_weights(model, Path(init_from).expanduser())
+    return model
 
 
 class CausalLMModule(L.LightningModule):
@@ -17,21 +88,36 @@ class CausalLMModule(L.LightningModule):
     Weight decay applies to matrices only (norm weights and biases are in a no-decay group); the
     learning rate warms up linearly for ``warmup_steps`` and then follows a cosine to 10% at
     ``max_steps``.
+
+    Args:
+        model: a preset name (e.g. ``llama-3.1-8b``, ``qwen2.5-7b``, ``tiny``), a Hugging Face config.json or
+            checkpoint directory, or a LlamaConfig. None: the config of ``init_from``.
+        overrides: LlamaConfig fields to change, e.g. ``{num_hidden_layers: 2, loss_chunk_size: 1024}``.
+        init_from: a Hugging Face checkpoint directory whose weights to start from (fine-tuning).
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW weight decay of the matrices.
+        betas: AdamW betas.
+        warmup_steps: optimizer steps of linear warm-up.
+        max_steps: optimizer steps of the cosine; None: the trainer's total (``estimated_stepping_batches``).
     """
 
     def __init__(
         self,
-        config: LlamaConfig,
+        model: str | LlamaConfig | None = None,
+        overrides: dict[str, Any] | None = None,
+        init_from: str | None = None,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 20,
-        max_steps: int = 1000,
+        max_steps: int | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["config"])
-        self.config = config
-        self.model = LlamaForCausalLM(config)
+        if model is None and init_from is None:
+            raise ValueError("CausalLMModule needs model= (a preset, e.g. 'llama-3.1-8b', or a config.json) or init_from=")
+        self.save_hyperparameters()
+        self.config = resolve_config(model if model is not None else init_from, overrides)
+        self.model = build_model(self.config, init_from)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
@@ -50,9 +136,18 @@ class CausalLMModule(L.LightningModule):
             {"params": [p for p in params if p.ndim >= 2]},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ]
-        opt = torch.optim.AdamW(groups, lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, hp.warmup_steps, hp.max_steps))
+        opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
+        total = self._total_steps()
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, hp.warmup_steps, total))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def _total_steps(self) -> int:
+        if self.hparams.max_steps is not None:
+            return self.hparams.max_steps
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError("the learning-rate schedule needs a length: set Trainer(max_steps=...) or model max_steps=")
+        return int(total)
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:

@@ -3,29 +3,39 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
-from megatrain_lightning.demo import embedded_corpus, main
+from megatrain_lightning.callbacks import ExportAndSample
+from megatrain_lightning.cli import run
+from megatrain_lightning.demo import python_docs
+from megatrain_lightning.models import from_pretrained
+
+DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
 
 
 def test_corpus_is_embedded_english_text():
-    tokens = embedded_corpus()
-    assert len(tokens) > 300_000
-    assert b"statement" in bytes(tokens[:20_000].tolist())
+    docs = python_docs()
+    assert len(docs) > 50 and sum(map(len, docs)) > 300_000
+    assert any("statement" in d for d in docs[:20])
 
 
 @pytest.mark.slow
-def test_demo_trains_and_writes_artifacts(tmp_path):
-    result = main(["--max-steps", "25", "--batch-size", "8", "--seq-len", "64", "--out", str(tmp_path)])
-    assert result["val_loss_after"] < result["val_loss_before"] - 1.0
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["num_hidden_layers"] == 4
-    assert (tmp_path / "hf" / "model.safetensors").is_file()
-
-
-def test_demo_rejects_bad_step_count(capsys):
-    with pytest.raises(SystemExit):
-        main(["--max-steps", "0"])
-    assert "--max-steps=0" in capsys.readouterr().err
+def test_demo_trains_and_writes_artifacts(tmp_path, capsys):
+    """`megatrain fit --config configs/demo.yaml` with fewer, smaller steps (validating at the last one)."""
+    cli = run(["fit", "--config", DEMO, "--trainer.max_steps=25", "--trainer.val_check_interval=25",
+               "--data.batch_size=8", "--data.seq_len=64", f"--trainer.default_root_dir={tmp_path}",
+               "--trainer.enable_progress_bar=false"])  # fmt: skip
+    [report] = [c for c in cli.trainer.callbacks if isinstance(c, ExportAndSample)]
+    before, after = report.val_losses[0], report.val_losses[-1]
+    assert after < before - 1.0, report.val_losses
+    assert Path(cli.trainer.checkpoint_callback.last_model_path).is_file()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 4
+    exported = from_pretrained(tmp_path / "hf").state_dict()
+    trained = cli.model.model.state_dict()  # after fit: the fp32 masters, on the CPU
+    assert all(torch.equal(exported[k], trained[k].bfloat16().float()) for k in exported)  # a bf16 export
+    assert (tmp_path / "sample.txt").read_text().startswith("The ")
+    out = capsys.readouterr().out
+    assert f"validation loss: {before:.3f} -> {after:.3f}" in out and "checkpoint:" in out and "sample:" in out

@@ -1,0 +1,252 @@
+"""Callbacks: live throughput and memory figures, and a fit-end Hugging Face export with a sample.
+
+:class:`MegatrainMonitor` measures over windows of training batches (synchronizing the device only at a
+window's ends, so it adds no sync per step):
+
+- ``perf/tokens_per_sec``: tokens of the window's batches / its wall time (validation time excluded);
+- ``perf/model_tflops`` = 6 x N x tokens/s, with N = non-embedding parameters + the head (a tied head
+  counted too: its matmul runs either way). This is model FLOPs, as in MFU: the engine's recompute of
+  each block in backward (another 2N per token) and attention's T^2 term are not counted;
+- ``perf/mfu``: model FLOPs / the GPU's dense bf16 peak (:data:`PEAK_BF16_FLOPS`); absent on the CPU
+  or an unknown GPU;
+- ``mem/host_rss_gib`` and ``mem/gpu_peak_gib`` (``torch.cuda.max_memory_allocated`` in the window);
+- from ``trainer.strategy.engine.stats`` (``strategy="megatrain"`` only): ``engine/h2d_gbps`` and
+  ``engine/d2h_gbps`` (weights up, gradients down), and the share of wall time the host worker spent
+  stepping Adam (``engine/host_step_frac``) and landing gradients (``engine/host_land_frac``), which
+  overlap device compute, and the share the compute thread was blocked waiting for the host
+  (``engine/host_wait_frac``): a stall where the GPU may starve.
+
+All figures go to every logger; tokens/s, MFU and the host-wait share also go to the progress bar.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+
+GiB = 2**30
+# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' datasheets; the first name found in the
+# device name wins, so more specific names come first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+)
+_STATS = ("h2d_bytes", "d2h_bytes", "host_step_seconds", "host_land_seconds", "host_wait_seconds")
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None on the CPU and on GPUs not in the table."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def flop_params(module: nn.Module) -> int:
+    """N of 6N: all parameters but the input embedding, with a tied output head counted back in."""
+    params = {id(p): p for p in module.parameters()}
+    embeddings = {id(m.weight): m.weight for m in module.modules() if isinstance(m, nn.Embedding)}
+    heads = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
+    tied = sum(w.numel() for i, w in embeddings.items() if i in heads)
+    return sum(p.numel() for p in params.values()) - sum(w.numel() for w in embeddings.values()) + tied
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (peak resident memory where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def batch_tokens(batch: Any) -> int:
+    """Tokens in a batch: an id tensor, a tuple starting with one, or a dict with ``input_ids``."""
+    if isinstance(batch, dict):
+        batch = batch["input_ids"]
+    if isinstance(batch, (tuple, list)):
+        batch = batch[0]
+    return batch.numel() if isinstance(batch, torch.Tensor) else 0
+
+
+class MegatrainMonitor(L.Callback):
+    """Tokens/s, model TFLOPS, MFU, memory and where step time goes, every few training batches.
+
+    Args:
+        every_n_batches: batches per measurement window; None: the trainer's ``log_every_n_steps``.
+    """
+
+    def __init__(self, every_n_batches: int | None = None) -> None:
+        if every_n_batches is not None and every_n_batches < 1:
+            raise ValueError(f"every_n_batches={every_n_batches} must be at least 1")
+        self.every_n_batches = every_n_batches
+        self.last: dict[str, float] = {}
+        """The latest window's figures (also what the loggers got)."""
+        self._start: float | None = None
+        self._paused: float | None = None
+        self._tokens = self._batches = 0
+        self._stats: dict[str, float] = {}
+        self._n = 0
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._n = flop_params(pl_module)
+        self._peak = peak_flops(trainer.strategy.root_device)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._start is None:
+            self._sync(trainer)
+            self._start, self._tokens, self._batches = time.perf_counter(), 0, 0
+            self._stats = self._engine_stats(trainer)
+            if trainer.strategy.root_device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._tokens += batch_tokens(batch)
+        self._batches += 1
+        if self._batches >= (self.every_n_batches or trainer.log_every_n_steps):
+            self._sync(trainer)
+            self._emit(trainer, pl_module, time.perf_counter() - self._start)
+            self._start = None
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._paused = time.perf_counter() if self._start is not None and not trainer.sanity_checking else None
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._paused is not None and self._start is not None:
+            self._start += time.perf_counter() - self._paused  # validation is not training time
+        self._paused = None
+
+    def _emit(self, trainer: L.Trainer, pl_module: L.LightningModule, seconds: float) -> None:
+        figures = self._figures(trainer, seconds)
+        self.last = figures
+        for logger in trainer.loggers:
+            logger.log_metrics(figures, step=trainer.global_step)
+        for key, short in (("perf/tokens_per_sec", "tok/s"), ("perf/mfu", "mfu"), ("engine/host_wait_frac", "host_wait")):
+            if key in figures:
+                pl_module.log(short, figures[key], prog_bar=True, logger=False, on_step=True, on_epoch=False)
+
+    def _figures(self, trainer: L.Trainer, seconds: float) -> dict[str, float]:
+        rate = self._tokens / seconds
+        out = {"perf/tokens_per_sec": rate, "perf/model_tflops": 6 * self._n * rate / 1e12,
+               "mem/host_rss_gib": rss_bytes() / GiB}  # fmt: skip
+        if self._peak is not None:
+            out["perf/mfu"] = 6 * self._n * rate / self._peak
+        if trainer.strategy.root_device.type == "cuda":
+            out["mem/gpu_peak_gib"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device) / GiB
+        now = self._engine_stats(trainer)
+        if now and self._stats:
+            delta = {k: now[k] - self._stats[k] for k in _STATS}
+            out["engine/h2d_gbps"] = delta["h2d_bytes"] / seconds / 1e9
+            out["engine/d2h_gbps"] = delta["d2h_bytes"] / seconds / 1e9
+            for part in ("step", "land", "wait"):
+                out[f"engine/host_{part}_frac"] = delta[f"host_{part}_seconds"] / seconds
+        return out
+
+    @staticmethod
+    def _engine_stats(trainer: L.Trainer) -> dict[str, float]:
+        engine = getattr(trainer.strategy, "engine", None)  # set by strategy="megatrain" during fit
+        return dict(engine.stats) if engine is not None else {}
+
+    @staticmethod
+    def _sync(trainer: L.Trainer) -> None:
+        # Time is measured on the host: wait for queued device work at the window's ends only.
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+
+
+class ExportAndSample(L.Callback):
+    """At the end of fit: print the validation loss before and after, write a Hugging Face export, sample.
+
+    Needs a LightningModule whose ``model`` is this project's ``LlamaForCausalLM`` (``CausalLMModule``);
+    prompts are encoded with the datamodule's ``tokenizer`` when it has one, else as bytes.
+
+    Args:
+        dirpath: where ``hf/`` and ``sample.txt`` go; None: the trainer's ``default_root_dir``.
+        export: write a ``transformers``-loadable Hugging Face checkpoint.
+        dtype: tensor type of the export (the trained masters are fp32; bf16 is the usual release form).
+        prompt: text the sample continues.
+        max_new_tokens: sample length in tokens (0: no sample).
+        temperature: sampling temperature.
+        top_k: sample among the k most likely tokens.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        export: bool = True,
+        dtype: Literal["float32", "bfloat16"] = "bfloat16",
+        prompt: str = "The ",
+        max_new_tokens: int = 120,
+        temperature: float = 0.8,
+        top_k: int = 20,
+    ) -> None:
+        self.dirpath, self.export, self.dtype, self.prompt = dirpath, export, getattr(torch, dtype), prompt
+        self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
+        self.val_losses: list[float] = []
+        """``val_loss`` after each validation run, the sanity check's first."""
+        self.sample: str | None = None
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if "val_loss" in trainer.callback_metrics:
+            self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from megatrain_lightning.models import LlamaForCausalLM
+
+        model = getattr(pl_module, "model", None)
+        if not isinstance(model, LlamaForCausalLM):
+            rank_zero_warn(f"ExportAndSample needs pl_module.model to be a LlamaForCausalLM, not {type(model).__name__}")
+            return
+        out = Path(self.dirpath or trainer.default_root_dir)
+        if self.export:
+            self._export(trainer, model, out / "hf")
+        if self.max_new_tokens > 0:
+            self.sample = self._generate(trainer, model)
+            (out / "sample.txt").write_text(self.sample, encoding="utf-8")
+        self._report(trainer, out)
+
+    def _export(self, trainer: L.Trainer, model: nn.Module, directory: Path) -> None:
+        from megatrain_lightning.checkpoint import export_hf
+        from megatrain_lightning.models import save_pretrained
+
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:  # stream from the fp32 host masters (the module's tensors may be device copies)
+            export_hf(engine, model, directory, dtype=self.dtype)
+        else:
+            save_pretrained(model, directory, dtype=self.dtype)
+
+    def _generate(self, trainer: L.Trainer, model: nn.Module) -> str:
+        from megatrain_lightning.data import ByteTokenizer
+
+        tokenizer = getattr(trainer.datamodule, "tokenizer", None) or ByteTokenizer()
+        prompt = torch.as_tensor(tokenizer.encode([self.prompt])[0], dtype=torch.long)[None]
+        ids = model.generate(prompt.to(trainer.strategy.root_device), max_new_tokens=self.max_new_tokens,
+                             temperature=self.temperature, top_k=self.top_k)[0].tolist()  # fmt: skip
+        eos = getattr(tokenizer, "eos_id", None)
+        new = ids[prompt.shape[1] :]
+        return self.prompt + tokenizer.decode(new[: new.index(eos)] if eos in new else new)
+
+    def _report(self, trainer: L.Trainer, out: Path) -> None:
+        if len(self.val_losses) >= 2:
+            print(f"\nvalidation loss: {self.val_losses[0]:.3f} -> {self.val_losses[-1]:.3f} (nats/token)")
+        ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or "(none)"
+        print(f"checkpoint: {ckpt}")
+        if self.export:
+            print(f"Hugging Face export: {out / 'hf'}")
+        if self.sample is not None:
+            print(f"sample: {self.sample!r}")

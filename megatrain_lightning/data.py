@@ -1,0 +1,365 @@
+"""Local training data for causal LMs: text, JSONL or pre-tokenized files, packed into full windows.
+
+Documents are concatenated with an end-of-text token between them and the stream is cut into windows
+of ``seq_len + 1`` tokens (input = window[:-1], target = window[1:]; consecutive windows share one
+token, so every token is a target exactly once). Nothing is padded, so no compute goes to padding.
+
+| format  | files                          | tokens                                                    |
+|---------|--------------------------------|-----------------------------------------------------------|
+| text    | ``*.txt``, ``*.md``            | one document per file                                     |
+| jsonl   | ``*.jsonl``                    | one document per line, from its ``text`` field            |
+| tokens  | ``*.bin`` (raw uint16/uint32), | memory-mapped, never read whole; write them with          |
+|         | ``*.npy``                      | :func:`write_tokens` (documents already separated by EOS) |
+
+Text is tokenized by a local Hugging Face ``tokenizer.json`` (the optional ``tokenizers`` package), or
+by default into bytes (vocabulary 256, byte 0 as end-of-text), which needs no download at all.
+``builtin:python-docs`` is a corpus that ships with Python (the embedded demo's).
+
+The training loader is resumable mid-epoch: Lightning saves and restores the state of any train loader
+exposing ``state_dict``/``load_state_dict``, and :class:`ResumableLoader` records how many batches the
+training loop has taken, so a run resumed from a checkpoint continues with the very next batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from pathlib import Path
+from typing import Any, Iterator, Literal, Sequence
+
+import lightning.pytorch as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+Format = Literal["auto", "text", "jsonl", "tokens"]
+TokenDtype = Literal["uint16", "uint32"]
+BUILTIN = "builtin:"
+_EXTENSIONS = {".txt": "text", ".md": "text", ".text": "text", ".jsonl": "jsonl", ".bin": "tokens", ".npy": "tokens"}
+_EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+
+
+# -- tokenizers ------------------------------------------------------------------------------------
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, byte 0 (never in text) ends a document."""
+
+    vocab_size = 256
+
+    def __init__(self, eos_token_id: int | None = None) -> None:
+        self.eos_id = 0 if eos_token_id is None else eos_token_id
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).copy() for t in texts]  # writable, for torch
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A local Hugging Face ``tokenizer.json`` through the ``tokenizers`` package."""
+
+    def __init__(self, path: str, eos_token_id: int | None = None) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as err:
+            raise ImportError(f"tokenizer={path!r} needs the tokenizers package: pip install tokenizers") from err
+        file = Path(path).expanduser()
+        file = file / "tokenizer.json" if file.is_dir() else file
+        check_exists(str(file), "a Hugging Face tokenizer.json (or a checkpoint directory holding one)")
+        self.tokenizer = Tokenizer.from_file(str(file))
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_id = eos_token_id if eos_token_id is not None else self._find_eos(file)
+
+    def _find_eos(self, file: Path) -> int:
+        for name in _EOS_NAMES:
+            if (token_id := self.tokenizer.token_to_id(name)) is not None:
+                return token_id
+        raise ValueError(f"{file} has none of the usual end-of-text tokens {list(_EOS_NAMES)}; set data eos_token_id=")
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.int64) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+
+# -- files -----------------------------------------------------------------------------------------
+def check_exists(path: str, expected: str) -> None:
+    """Refuse a path that does not exist, saying what should be there."""
+    if not path.startswith(BUILTIN) and not Path(path).expanduser().exists():
+        raise FileNotFoundError(f"data path {path!r} does not exist; expected {expected}")
+
+
+def _files(path: str, fmt: str) -> tuple[list[Path], str]:
+    """The files under `path` (a file or a directory) and their format."""
+    root = Path(path).expanduser()
+    files = sorted(p for p in root.rglob("*") if p.suffix in _EXTENSIONS) if root.is_dir() else [root]
+    formats = {_EXTENSIONS.get(p.suffix) for p in files}
+    if fmt == "auto":
+        if len(formats) != 1 or None in formats:
+            found = sorted({p.suffix or "(none)" for p in files}) or "no data files"
+            raise ValueError(f"cannot tell the format of {path!r} (extensions: {found}); "
+                             f"name files {', '.join(_EXTENSIONS)} or set format= text, jsonl or tokens")  # fmt: skip
+        fmt = formats.pop()
+    if root.is_dir():
+        files = [p for p in files if _EXTENSIONS[p.suffix] == fmt]
+    if not files:
+        raise ValueError(f"{path!r} holds no {fmt} files ({', '.join(k for k, v in _EXTENSIONS.items() if v == fmt)})")
+    return files, fmt
+
+
+def _documents(files: list[Path], fmt: str, text_field: str) -> Iterator[str]:
+    for file in files:
+        if fmt == "text":
+            yield file.read_text(encoding="utf-8")
+            continue
+        with open(file, encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                if line.strip():
+                    yield _jsonl_text(line, text_field, file, n)
+
+
+def _jsonl_text(line: str, field: str, file: Path, n: int) -> str:
+    record = json.loads(line)
+    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+        raise ValueError(f"{file}:{n} has no string field {field!r}; set data text_field= to the field holding the text")
+    return record[field]
+
+
+def pack(documents: list[np.ndarray], eos_id: int, vocab_size: int) -> np.ndarray:
+    """One token stream: each document followed by the end-of-text token."""
+    eos = np.array([eos_id])
+    parts = [p for doc in documents for p in (doc, eos)]
+    dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
+    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
+
+
+class TokenFile:
+    """A memory-mapped token file, opened lazily so that loader worker processes map it themselves."""
+
+    def __init__(self, path: Path, dtype: str) -> None:
+        self.path, self.dtype = path, dtype
+        self._map: np.ndarray | None = None
+        self.length = len(self.array())
+
+    def array(self) -> np.ndarray:
+        if self._map is None:
+            if self.path.suffix == ".npy":
+                self._map = np.load(self.path, mmap_mode="r")
+            else:
+                self._map = np.memmap(self.path, dtype=self.dtype, mode="r")
+            if self._map.ndim != 1 or self._map.dtype.kind not in "iu":
+                raise ValueError(f"{self.path} holds {self._map.dtype} of shape {self._map.shape}; expected 1-D token ids")
+        return self._map
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        return self.array()[index]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_map": None}  # a pickled memmap would copy the whole file
+
+
+def write_tokens(tokens: np.ndarray | torch.Tensor, path: str | Path, dtype: TokenDtype = "uint16") -> None:
+    """Write token ids as a raw ``.bin`` file that :class:`TextDataModule` memory-maps."""
+    array = np.asarray(tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens)
+    if array.size and (array.min() < 0 or array.max() >= np.iinfo(dtype).max + 1):
+        raise ValueError(f"token ids span {array.min()}..{array.max()}, which {dtype} cannot hold; use dtype='uint32'")
+    array.astype(dtype).tofile(path)
+
+
+# -- windows, sampler, loader ----------------------------------------------------------------------
+class PackedWindows(Dataset):
+    """Windows ``start..stop`` of ``seq_len + 1`` tokens over one or more token streams (never across two)."""
+
+    def __init__(self, streams: list[Any], seq_len: int, start: int = 0, stop: int | None = None) -> None:
+        self.streams, self.seq_len = streams, seq_len
+        self.offsets = np.cumsum([0] + [max(0, (len(s) - 1) // seq_len) for s in streams]).tolist()
+        self.start, self.stop = start, self.offsets[-1] if stop is None else stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.start + i
+        s = bisect.bisect_right(self.offsets, g) - 1
+        begin = (g - self.offsets[s]) * self.seq_len
+        window = torch.from_numpy(np.asarray(self.streams[s][begin : begin + self.seq_len + 1], dtype=np.int64))
+        return window[:-1], window[1:]
+
+
+class ResumableSampler(Sampler[int]):
+    """Indices in a per-epoch seeded order; after a resume, the first pass skips what was already seen."""
+
+    def __init__(self, num_samples: int, shuffle: bool, seed: int) -> None:
+        self.num_samples, self.shuffle, self.seed = num_samples, shuffle, seed
+        self.epoch = 0
+        self.skip = 0  # samples to skip at the start of the next pass (set by a resume)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by Lightning at each epoch start; a resume offset only holds for its own epoch."""
+        if epoch != self.epoch:
+            self.skip = 0
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        else:
+            order = torch.arange(self.num_samples)
+        skip, self.skip = self.skip, 0
+        return iter(order[skip:].tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader whose position within the epoch survives a checkpoint.
+
+    The count is kept where the training loop takes batches (not in the sampler), so batches that loader
+    workers prefetched but the loop never used are not counted as seen.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, sampler: ResumableSampler, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **kwargs)
+        self.batches_taken = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.batches_taken = self.sampler.skip // self.batch_size
+        for batch in super().__iter__():
+            self.batches_taken += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.sampler.epoch, "batches": self.batches_taken, "batch_size": self.batch_size,
+                "num_samples": self.sampler.num_samples}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        mine = (self.batch_size, self.sampler.num_samples)
+        if (state["batch_size"], state["num_samples"]) != mine:
+            raise ValueError(
+                f"the checkpoint's data position is for batch_size={state['batch_size']} over {state['num_samples']} "
+                f"windows, but the data now has batch_size={mine[0]} over {mine[1]}: resume with the same data, "
+                "seq_len and batch_size"
+            )
+        self.sampler.epoch, self.sampler.skip = state["epoch"], state["batches"] * self.batch_size
+
+
+def _val_windows(total: int, fraction: float) -> int:
+    """Windows kept for validation: at least one when asked for any, never all of them."""
+    if fraction == 0 or total < 2:
+        return 0
+    return min(total - 1, max(1, round(total * fraction)))
+
+
+# -- the data module -------------------------------------------------------------------------------
+def _builtin_documents(name: str) -> list[str]:
+    from megatrain_lightning.demo import python_docs
+
+    corpora = {"python-docs": python_docs}
+    if name not in corpora:
+        available = ", ".join(BUILTIN + k for k in corpora)
+        raise ValueError(f"unknown built-in corpus {BUILTIN}{name}; available: {available}")
+    return corpora[name]()
+
+
+class TextDataModule(L.LightningDataModule):
+    """Packed next-token windows from local text, JSONL or token files, with a validation split.
+
+    Args:
+        path: a file or directory of .txt/.md, .jsonl, or .bin/.npy token files, or builtin:python-docs.
+        seq_len: tokens per training sequence (windows hold seq_len + 1 tokens).
+        batch_size: sequences per micro-batch.
+        format: file format; auto tells it from the file extensions.
+        tokenizer: a Hugging Face tokenizer.json (or a checkpoint directory holding one); None: UTF-8 bytes.
+        eos_token_id: end-of-text token put between documents; None: the tokenizer's (byte 0 for bytes).
+        token_dtype: element type of raw .bin token files.
+        text_field: the JSONL field holding each document's text.
+        val_path: separate validation data (same formats); None: split val_fraction off the end of path.
+        val_fraction: share of windows, taken from the end, kept for validation when val_path is None.
+        shuffle: visit training windows in a seeded random order, new each epoch.
+        seed: seed of that order.
+        num_workers: DataLoader worker processes.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        seq_len: int = 2048,
+        batch_size: int = 1,
+        format: Format = "auto",
+        tokenizer: str | None = None,
+        eos_token_id: int | None = None,
+        token_dtype: TokenDtype = "uint16",
+        text_field: str = "text",
+        val_path: str | None = None,
+        val_fraction: float = 0.01,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+            if value < 1:
+                raise ValueError(f"data {name}={value} must be at least 1")
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"data val_fraction={val_fraction} must be in [0, 1)")
+        expected = "a file or directory of .txt/.md, .jsonl or .bin/.npy token files (or builtin:python-docs)"
+        for p in (path, val_path):
+            if p is not None:
+                check_exists(p, expected)
+        self.save_hyperparameters()
+        self.format = "text" if path.startswith(BUILTIN) else _files(path, format)[1]
+        self.tokenizer = HFTokenizer(tokenizer, eos_token_id) if tokenizer else ByteTokenizer(eos_token_id)
+        self.train_set: PackedWindows | None = None
+        self.val_set: PackedWindows | None = None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids the data can hold; None for token files read without a tokenizer (unknown)."""
+        if self.format == "tokens" and self.hparams.tokenizer is None:
+            return None
+        return self.tokenizer.vocab_size
+
+    def streams(self, path: str) -> list[Any]:
+        """The token streams of `path`: memory-mapped token files, or tokenized and packed documents."""
+        hp = self.hparams
+        if path.startswith(BUILTIN):
+            docs, fmt = _builtin_documents(path[len(BUILTIN) :]), "text"
+        else:
+            files, fmt = _files(path, hp.format)
+            if fmt == "tokens":
+                return [TokenFile(f, hp.token_dtype) for f in files]
+            docs = list(_documents(files, fmt, hp.text_field))
+        return [pack(self.tokenizer.encode(docs), self.tokenizer.eos_id, self.tokenizer.vocab_size)]
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        hp = self.hparams
+        data = PackedWindows(self.streams(hp.path), hp.seq_len)
+        if hp.val_path is not None:
+            self.train_set, self.val_set = data, PackedWindows(self.streams(hp.val_path), hp.seq_len)
+        else:
+            cut = len(data) - _val_windows(len(data), hp.val_fraction)
+            self.train_set = PackedWindows(data.streams, hp.seq_len, 0, cut)
+            self.val_set = PackedWindows(data.streams, hp.seq_len, cut)
+        if len(self.train_set) < hp.batch_size:
+            raise ValueError(
+                f"{hp.path!r} gives {len(self.train_set)} training windows of seq_len+1={hp.seq_len + 1} tokens, "
+                f"fewer than one batch of {hp.batch_size}: add data or lower seq_len/batch_size"
+            )
+
+    def train_dataloader(self) -> ResumableLoader:
+        hp = self.hparams
+        sampler = ResumableSampler(len(self.train_set), hp.shuffle, hp.seed)
+        return ResumableLoader(self.train_set, hp.batch_size, sampler, num_workers=hp.num_workers,
+                               pin_memory=torch.cuda.is_available())  # fmt: skip
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_set:
+            return []  # no validation data: Lightning skips validation
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers)

@@ -1,0 +1,305 @@
+"""Memory planner: how many bytes of host and GPU memory a run with ``strategy="megatrain"`` needs.
+
+``plan(config, seq_len, micro_batch, ...)`` is a pure function of the model's shapes and the run's
+settings, so ``megatrain plan`` and resource requests (a Ray trial asks for ``{"memory": host bytes}``)
+can size a run before anything is allocated.
+
+Host bytes follow the engine's own buffers one for one (``engine/host.py``), per parameter:
+
+    fp32 master 4 + Adam m, v 8 + pinned compute copy (2 in bf16; 0 in fp32, where the master is the copy)
+    + gradient slab (2 in bf16, 4 in fp32) + fp32 accumulator 4 (only when accumulate > 1)
+
+GPU bytes are the engine's fixed buffers plus what a step computes with (``elt`` = compute dtype bytes,
+``n`` = micro_batch x seq_len tokens, ``A`` = heads x head_dim, ``K`` = kv_heads x head_dim, ``I`` = MLP
+width, ``H`` = hidden, ``V`` = vocabulary):
+
+    weight slots      num_slots x largest block x elt
+    gradient slots    2 x largest block x elt
+    outer parameters  (embedding + final norm + head, a tied head counted once) x elt
+    saved inputs      layers x n x H x elt                      (the only activations kept for backward)
+    block recompute   n x (elt x (7A + 4K + 6I + 6H) + 8H) + block x elt        (transient, one block)
+    chunked loss      min(loss_chunk_size, n) x V x 4 x 3 + V x H x (4 + elt) + 2 n H elt  (transient)
+    CUDA context      1 GiB fixed allowance for the context and allocator slack
+
+The recompute term counts what autograd keeps while one block is recomputed with grad: attention
+q, rotated q, repeated k and v, attention output and its reshaped copy (7A); k, v and their rotations
+(4K); the MLP's gate, up, silu and product plus two gradients of that width in flight (6I); normed inputs,
+projections and residuals (6H); the two RMSNorms' fp32 copies (8H bytes); and the block's weight
+gradients before they are packed into a gradient slot. Attention uses the fused SDPA kernels (no T x T
+scores). The loss term is the chunk's fp32 logits, their gradient and a compute-dtype copy, plus the
+head's fp32 gradient sum and its cast. The two transients never coexist, so the peak takes the larger.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatrain_lightning.models.config import LlamaConfig
+
+Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
+PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
+GiB = 2**30
+CUDA_CONTEXT_BYTES = GiB
+"""Allowance for the CUDA context and allocator fragmentation; not visible to ``max_memory_allocated``."""
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"512GiB"``, ``"80GB"``, ``"1.5TiB"`` or a plain integer number of bytes."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"size {text!r} is not a number with a unit; write e.g. 512GiB, 80GB or 1.5TiB")
+    number, unit = float(match.group(1)), match.group(2).lower() or "b"
+    if unit in ("k", "m", "g", "t"):
+        u = unit.upper()
+        raise ValueError(f"size {text!r}: unit {match.group(2)!r} is ambiguous; write {match.group(1)}{u}B "
+                         f"(powers of 10) or {match.group(1)}{u}iB (powers of 2)")  # fmt: skip
+    if unit not in _UNITS:
+        raise ValueError(f"size {text!r} has unknown unit {match.group(2)!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+    return int(number * _UNITS[unit])
+
+
+def format_size(nbytes: float) -> str:
+    """``"119.7 GiB"`` (one decimal; MiB below 1 GiB): the form ``megatrain plan`` and the configs use."""
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def block_numel(config: LlamaConfig) -> int:
+    """Parameters of one decoder block (all blocks are alike)."""
+    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    attn = 2 * h * q + 2 * h * kv + ((q + 2 * kv) if config.attention_bias else 0)
+    return attn + 3 * h * config.intermediate_size + 2 * h
+
+
+def outer_numel(config: LlamaConfig) -> int:
+    """Parameters outside the blocks: embedding, final norm and (unless tied) the head."""
+    return config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2) + config.hidden_size
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes per element of the dtype weights stream and blocks compute in."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
+    return 4 if precision == "32-true" else 2
+
+
+def host_breakdown(config: LlamaConfig, precision: str, accumulate: int) -> dict[str, int]:
+    """Host bytes per buffer kind, as the engine allocates them after the first training step."""
+    n, elt = config.num_parameters(), compute_bytes(precision)
+    return {
+        "master": 4 * n,
+        "adam": 8 * n,
+        "copy": 0 if elt == 4 else elt * n,
+        "slab": elt * n,
+        "acc": 4 * n if accumulate > 1 else 0,
+        "activations": 0,  # block inputs stay on the device for now
+    }
+
+
+def gpu_breakdown(config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int) -> dict[str, int]:
+    """GPU bytes per item (see the module docstring for each formula)."""
+    elt, block, h = compute_bytes(precision), block_numel(config), config.hidden_size
+    a, k = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    tokens = micro_batch * seq_len
+    chunk = min(config.loss_chunk_size, tokens)
+    return {
+        "weight_slots": num_slots * block * elt,
+        "grad_slots": 2 * block * elt,
+        "outer": outer_numel(config) * elt,
+        "saved_inputs": config.num_hidden_layers * tokens * h * elt,
+        "recompute": tokens * (elt * (7 * a + 4 * k + 6 * config.intermediate_size + 6 * h) + 8 * h) + block * elt,
+        "loss": chunk * config.vocab_size * 4 * 3 + config.vocab_size * h * (4 + elt) + 2 * tokens * h * elt,
+        "cuda_context": CUDA_CONTEXT_BYTES,
+    }
+
+
+def gpu_peak(gpu: dict[str, int]) -> int:
+    """Persistent buffers + the larger of the two transients (they never coexist) + the context."""
+    transient = max(gpu["recompute"], gpu["loss"])
+    return sum(gpu.values()) - gpu["recompute"] - gpu["loss"] + transient
+
+
+def max_micro_batch(config: LlamaConfig, seq_len: int, precision: str, num_slots: int, gpu_mem: int) -> int:
+    """Largest micro-batch whose GPU peak fits in ``gpu_mem`` (0 when even one sequence does not)."""
+    def fits(b: int) -> bool:
+        return gpu_peak(gpu_breakdown(config, seq_len, b, precision, num_slots)) <= gpu_mem
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi) and hi < 2**24:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # the peak grows with the micro-batch, so bisect
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Host and GPU memory of one training run, itemized; build it with :func:`plan`."""
+
+    name: str
+    """What was planned (preset name or config path), for the table's title."""
+    config: LlamaConfig = field(repr=False)
+    seq_len: int
+    micro_batch: int
+    precision: str
+    accumulate: int
+    num_slots: int
+    host: dict[str, int]
+    """Host bytes per buffer: master, adam, copy, slab, acc, activations."""
+    gpu: dict[str, int]
+    """GPU bytes per item: weight_slots, grad_slots, outer, saved_inputs, recompute, loss, cuda_context."""
+    host_mem: int | None = None
+    """Host memory limit checked against (None: not checked)."""
+    gpu_mem: int | None = None
+    """GPU memory limit checked against (None: not checked)."""
+    max_micro_batch: int | None = None
+    """Largest micro-batch that fits in ``gpu_mem`` (None without a GPU limit, 0 when none fits)."""
+
+    @property
+    def num_parameters(self) -> int:
+        return self.config.num_parameters()
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def gpu_peak(self) -> int:
+        return gpu_peak(self.gpu)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems()
+
+    def problems(self) -> list[str]:
+        """Why the run does not fit the given limits, each naming the need, the limit and what to change."""
+        out = []
+        if self.host_mem is not None and self.host_total > self.host_mem:
+            out.append(
+                f"host memory: the {self.num_parameters / 1e9:.2f}B-parameter model needs {format_size(self.host_total)} "
+                f"({self.host_total / self.num_parameters:.0f} bytes/param) but the limit is {format_size(self.host_mem)}. "
+                "Use a machine with more host memory or a smaller model"
+                + ("; accumulate=1 drops the 4 bytes/param fp32 accumulator." if self.accumulate > 1 else ".")
+            )
+        if self.gpu_mem is not None and self.gpu_peak > self.gpu_mem:
+            out.append(self._gpu_problem())
+        return out
+
+    def _gpu_problem(self) -> str:
+        need = f"micro-batch {self.micro_batch} at seq_len {self.seq_len} needs {format_size(self.gpu_peak)} of GPU memory"
+        limit = f"the limit is {format_size(self.gpu_mem)}"
+        if self.max_micro_batch:
+            return (f"GPU memory: {need} but {limit}. The largest micro-batch that fits is {self.max_micro_batch}: use "
+                    f"--micro-batch {self.max_micro_batch} and raise --accumulate to keep the tokens per step.")  # fmt: skip
+        big = max(("saved_inputs", "recompute", "loss"), key=lambda k: self.gpu[k])
+        return (f"GPU memory: {need} but {limit}, and no micro-batch fits (largest item: {_GPU_LABELS[big].split(' (')[0]}, "
+                f"{format_size(self.gpu[big])}). Shorten seq_len, lower loss_chunk_size, use bf16-mixed, "
+                "or use a GPU with more memory.")  # fmt: skip
+
+    def table(self) -> str:
+        """The plan as a plain-text table (what ``megatrain plan`` prints)."""
+        title = (
+            f"{self.name}: {_count(self.num_parameters)} parameters ({self.config.num_hidden_layers} blocks of "
+            f"{_count(block_numel(self.config))}), seq_len {self.seq_len} x micro-batch {self.micro_batch}, "
+            f"{self.precision}, accumulate {self.accumulate}, {self.num_slots} slots"
+        )
+        return "\n".join([title, "", *self._host_lines(), "", *self._gpu_lines(), *self._limit_lines()])
+
+    def _host_lines(self) -> list[str]:
+        n, dtype = self.num_parameters, _DTYPE[compute_bytes(self.precision)]
+        copy = "bf16" if dtype == "bf16" else "none: the fp32 master is the copy"
+        unit, scale = self._unit()
+        lines = [f"{'host memory':<58}{'bytes/param':>12}{unit:>10}"]
+        for key, value in [*self.host.items(), ("total", self.host_total)]:
+            label = _HOST_LABELS.get(key, key).format(dtype=dtype, copy=copy)
+            lines.append(f"  {label:<56}{value / n:>12.0f}{value / scale:>10.2f}")
+        return lines
+
+    def _gpu_lines(self) -> list[str]:
+        c = self.config
+        shape = dict(s=self.num_slots, layers=c.num_hidden_layers, b=self.micro_batch, t=self.seq_len,
+                     h=c.hidden_size, elt=compute_bytes(self.precision))  # fmt: skip
+        unit, scale = self._unit()
+        lines = [f"{'GPU memory':<70}{unit:>10}"]
+        for key, value in [*self.gpu.items(), ("peak", self.gpu_peak)]:
+            lines.append(f"  {_GPU_LABELS[key].format(**shape):<68}{value / scale:>10.2f}")
+        return lines
+
+    def _unit(self) -> tuple[str, int]:
+        return ("GiB", GiB) if self.host_total >= GiB else ("MiB", 2**20)
+
+    def _limit_lines(self) -> list[str]:
+        lines = [""]
+        if self.host_mem is not None:
+            ok = "fits" if self.host_total <= self.host_mem else "DOES NOT FIT"
+            lines.append(f"host limit {format_size(self.host_mem)}: {ok}")
+        if self.gpu_mem is not None:
+            ok = "fits" if self.gpu_peak <= self.gpu_mem else "DOES NOT FIT"
+            best = self.max_micro_batch
+            lines.append(f"GPU limit {format_size(self.gpu_mem)}: {ok}; largest micro-batch that fits: {best}")
+        return lines if len(lines) > 1 else []
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+_DTYPE = {2: "bf16", 4: "fp32"}
+_HOST_LABELS = {
+    "master": "fp32 master weights",
+    "adam": "Adam m + v (fp32)",
+    "copy": "pinned compute copy ({copy})",
+    "slab": "pinned gradient slab ({dtype})",
+    "acc": "fp32 gradient accumulator (only when accumulate > 1)",
+    "activations": "offloaded activations (none yet)",
+}
+_GPU_LABELS = {
+    "weight_slots": "weight slots ({s} x largest block)",
+    "grad_slots": "gradient slots (2 x largest block)",
+    "outer": "embedding, final norm, head (tied counted once)",
+    "saved_inputs": "saved block inputs ({layers} x {b} x {t} x {h} x {elt} B)",
+    "recompute": "one block's recompute with grad (transient)",
+    "loss": "chunked loss + head gradient (transient)",
+    "cuda_context": "CUDA context and allocator slack (allowance)",
+    "peak": "peak (persistent + larger transient + context)",
+}
+
+
+def plan(
+    config: LlamaConfig,
+    seq_len: int,
+    micro_batch: int,
+    precision: Precision = "bf16-mixed",
+    accumulate: int = 1,
+    num_slots: int = 2,
+    host_mem: int | None = None,
+    gpu_mem: int | None = None,
+    name: str = "model",
+) -> Plan:
+    """Itemized host and GPU bytes of training ``config`` with ``strategy="megatrain"``.
+
+    ``host_mem``/``gpu_mem`` (bytes) are the limits :attr:`Plan.fits` checks; with ``gpu_mem`` the plan
+    also finds the largest micro-batch that fits.
+    """
+    for key, value, least in (("seq_len", seq_len, 1), ("micro_batch", micro_batch, 1),
+                              ("accumulate", accumulate, 1), ("num_slots", num_slots, 2)):  # fmt: skip
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{key}={value!r} must be an integer >= {least}")
+    compute_bytes(precision)  # validates the precision
+    best = None if gpu_mem is None else max_micro_batch(config, seq_len, precision, num_slots, gpu_mem)
+    return Plan(
+        name=name, config=config, seq_len=seq_len, micro_batch=micro_batch, precision=precision,
+        accumulate=accumulate, num_slots=num_slots, host=host_breakdown(config, precision, accumulate),
+        gpu=gpu_breakdown(config, seq_len, micro_batch, precision, num_slots), host_mem=host_mem,
+        gpu_mem=gpu_mem, max_micro_batch=best,
+    )  # fmt: skip

@@ -1,0 +1,149 @@
+"""The megatrain command: fit with a config and overrides, its errors, plan, env, and the ready configs."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain_lightning import MegatrainStrategy
+from megatrain_lightning.callbacks import MegatrainMonitor
+from megatrain_lightning.cli import plan_from_config, run
+from megatrain_lightning.models import LlamaForCausalLM, save_pretrained
+from megatrain_lightning.module import resolve_config
+from megatrain_lightning.planner import format_size
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "configs" / "demo.yaml")
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def quick(tmp_path: Path, *extra: str) -> list[str]:
+    """The demo config shortened to a few tiny steps."""
+    return ["fit", "--config", DEMO, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=3",
+            "--trainer.val_check_interval=3", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=2",
+            "--trainer.enable_progress_bar=false", "--data.seq_len=32", "--data.batch_size=4",
+            "--trainer.callbacks.max_new_tokens=4", *extra]  # fmt: skip  (the config's last callback: ExportAndSample)
+
+
+def test_fit_with_config_and_overrides(tmp_path):
+    cli = run(quick(tmp_path, "--model.overrides.num_hidden_layers=2", "--model.lr=0.01", "--monitor.every_n_batches=1"))
+    assert cli.model.config.num_hidden_layers == 2 and cli.model.config.hidden_size == 128
+    assert cli.model.config.head_dim == 32  # re-derived for the overridden width
+    assert cli.model.hparams.lr == 0.01 and cli.trainer.global_step == 3
+    assert isinstance(cli.trainer.strategy, MegatrainStrategy)
+    assert cli.trainer.precision == "32-true"  # the CPU default for precision: null
+    [monitor] = [c for c in cli.trainer.callbacks if isinstance(c, MegatrainMonitor)]
+    assert monitor.every_n_batches == 1 and monitor.last["perf/tokens_per_sec"] > 0
+    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_resume_through_the_cli_takes_the_checkpoints_model(tmp_path):
+    """`fit --ckpt_path` continues a run; the model's arguments come from the checkpoint, as in LightningCLI."""
+    first = run(quick(tmp_path / "a", "--model.overrides.num_hidden_layers=2"))
+    last = first.trainer.checkpoint_callback.last_model_path
+    again = run(quick(tmp_path / "b", f"--ckpt_path={last}", "--trainer.max_steps=5"))
+    assert again.trainer.global_step == 5 and again.model.config.num_hidden_layers == 2
+
+
+def test_installed_console_script(tmp_path):
+    exe = shutil.which("megatrain")
+    if exe is None:
+        pytest.skip("the megatrain script is not installed (pip install -e .)")
+    out = subprocess.run([exe, *quick(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "checkpoint:" in out.stdout and (tmp_path / "hf" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fit", "--config", "/nope/run.yaml"], r"config file '/nope/run.yaml' does not exist"),
+        (["fit", "--config", DEMO, "--model.model=llama-9"], r"model='llama-9' is neither a preset.*llama-3.1-8b, .*tiny"),
+        (["fit", "--config", DEMO, "--data.path=/data/x.jsonl"], r"data path '/data/x.jsonl' does not exist; expected"),
+        (["fit", "--config", DEMO, "--model.overrides.layers=2"], r"overrides \['layers'\] are not LlamaConfig fields"),
+    ],
+)  # fmt: skip
+def test_user_errors_are_one_clear_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run(args)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def demo_checkpoint(directory: Path) -> LlamaForCausalLM:
+    """A Hugging Face checkpoint with the demo model's shapes."""
+    config = resolve_config("tiny", {"hidden_size": 128, "intermediate_size": 384, "max_position_embeddings": 1024,
+                                     "loss_chunk_size": 1024})  # fmt: skip
+    model = LlamaForCausalLM(config)
+    save_pretrained(model, directory)
+    return model
+
+
+def test_fine_tune_from_a_hugging_face_checkpoint(tmp_path):
+    """--model.init_from loads the checkpoint's weights (here checked through `megatrain validate`)."""
+    source = demo_checkpoint(tmp_path / "ckpt")
+    cli = run(["validate", "--config", DEMO, f"--model.init_from={tmp_path / 'ckpt'}", "--trainer.limit_val_batches=2",
+               "--trainer.enable_progress_bar=false", "--data.seq_len=32",
+               f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+    loaded, original = cli.model.model.state_dict(), source.state_dict()
+    assert all(torch.equal(loaded[k], original[k]) for k in original)
+
+
+def test_fine_tune_refuses_a_checkpoint_of_other_shapes(tmp_path, capsys):
+    demo_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(SystemExit):
+        run(quick(tmp_path, f"--model.init_from={tmp_path / 'ckpt'}", "--model.overrides.num_hidden_layers=2"))
+    assert "num_hidden_layers: checkpoint 4, model 2" in capsys.readouterr().err
+
+
+def test_data_vocabulary_larger_than_the_model_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"256 token ids but the model's vocab_size is 128"):
+        run(quick(tmp_path, "--model.overrides.vocab_size=128"))
+
+
+def test_plan_prints_the_table(capsys):
+    plan = run(["plan", "--model", "llama-3.1-8b", "--seq-len", "4096", "--micro-batch", "1"])
+    out = capsys.readouterr().out
+    assert "llama-3.1-8b: 8.03B parameters" in out and f"{plan.host_total / 2**30:.2f}" in out
+    assert re.search(r"total\s+16\s+119.66", out)
+
+
+def test_plan_refuses_what_does_not_fit(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run(["plan", "--model", "qwen2.5-72b", "--seq-len", "4096", "--micro-batch", "1", "--host-mem", "512GiB"])
+    assert exit_info.value.code == 1
+    assert "needs 1083.4 GiB" in capsys.readouterr().err
+
+
+def test_plan_rejects_a_bad_size(capsys):
+    with pytest.raises(SystemExit):
+        run(["plan", "--model", "tiny", "--seq-len", "8", "--micro-batch", "1", "--gpu-mem", "80G"])
+    assert "ambiguous" in capsys.readouterr().err
+
+
+def test_env_names_the_optimizer_backend(capsys):
+    run(["env"])
+    out = capsys.readouterr().out
+    assert re.search(r"optimizer backend: (native|torch) \(native kernel: ", out)
+    assert "torch " in out and "pinned-memory limit" in out and "CPU cores" in out
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_config_comments_match_the_planner(path):
+    """The memory written at the top of each config is what the planner says for it (cannot go stale)."""
+    header = path.read_text().split("\nseed_everything")[0]
+    plan = plan_from_config(str(path))
+    assert f"host memory: {format_size(plan.host_total)}" in header
+    gpu = re.search(r"GPU peak: ([\d.]+ [GM]iB)", header)
+    assert gpu is None or gpu.group(1) == format_size(plan.gpu_peak)
+
+
+def test_ready_configs_cover_the_real_shapes():
+    names = {p.stem for p in CONFIGS}
+    assert {"demo", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
+            "llama-3.1-70b"} <= names  # fmt: skip

@@ -1,0 +1,147 @@
+"""The memory planner against what a real training step allocates, its refusals and size parsing."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from megatrain_lightning import StreamingEngine
+from megatrain_lightning.callbacks import rss_bytes
+from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+from megatrain_lightning.optim.adamw import HostAdamW
+from megatrain_lightning.planner import format_size, max_micro_batch, parse_size, plan
+
+PRECISION = {torch.bfloat16: "bf16-mixed", torch.float32: "32-true"}
+
+
+def small_config(layers: int = 4, hidden: int = 64) -> LlamaConfig:
+    return LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                       num_attention_heads=max(1, hidden // 64) * 2, num_key_value_heads=max(1, hidden // 64),
+                       loss_chunk_size=64)  # fmt: skip
+
+
+def train(model: LlamaForCausalLM, dtype: torch.dtype, accumulate: int) -> StreamingEngine:
+    """One optimizer step of `accumulate` micro-batches on the CPU, as the strategy drives the engine."""
+    config = model.config
+    engine = StreamingEngine(model, device="cpu", compute_dtype=dtype)
+    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-4), engine)
+    tokens = torch.randint(0, config.vocab_size, (1, 32))
+    for i in range(accumulate):
+        engine.backward_mode = "accumulate" if i < accumulate - 1 else "step"
+        model(tokens, targets=tokens).backward()
+    engine.backward_mode = None
+    opt.step()
+    engine.flush()
+    return engine
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_host_estimate_matches_engine_accounting(dtype, accumulate):
+    """The planner's host bytes are the engine's own buffers after a step (within 10%; in fact equal)."""
+    config = small_config()
+    engine = train(LlamaForCausalLM(config), dtype, accumulate)
+    measured = sum(engine.host_bytes().values())
+    estimate = plan(config, seq_len=32, micro_batch=1, precision=PRECISION[dtype], accumulate=accumulate)
+    assert abs(estimate.host_total / measured - 1) < 0.10
+    assert (estimate.host["acc"] > 0) == (engine.host_bytes()["acc"] > 0) == (accumulate > 1)
+
+
+def _rss_growth(dtype: torch.dtype) -> dict:
+    """In a fresh process: resident-memory growth from handing a model to the engine through one step."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                         num_attention_heads=16, num_key_value_heads=4, loss_chunk_size=256)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    before = rss_bytes()
+    engine = train(model, dtype, accumulate=1)
+    return {"growth": rss_bytes() - before, "params": engine.num_parameters(), "config": config}
+
+
+@pytest.mark.slow
+def test_host_estimate_matches_process_rss():
+    """RSS growth of a real step vs the plan. On a CPU-only machine the "device" buffers (weight slots,
+    gradient slots, outer-parameter copies) are host memory too, so they are added to the host estimate;
+    the model's own fp32 parameters (4 B/param) are given back as the engine takes them over. What is left
+    is a roughly fixed ~35 MB (the host worker thread's malloc arena, transients), hence a ~50M model."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        r = pool.apply(_rss_growth, (torch.bfloat16,))
+    p = plan(r["config"], seq_len=32, micro_batch=1, precision="bf16-mixed")
+    device_on_host = p.gpu["weight_slots"] + p.gpu["grad_slots"] + p.gpu["outer"]
+    allocated = r["growth"] + 4 * r["params"]  # the model's parameters existed before `before` was read
+    ratio = (p.host_total + device_on_host) / allocated
+    print(f"planned {p.host_total + device_on_host:,} B vs allocated {allocated:,} B: ratio {ratio:.3f}")
+    assert abs(ratio - 1) < 0.10
+
+
+def test_refuses_a_model_too_big_for_host_memory():
+    p = plan(LlamaConfig.from_preset("qwen2.5-72b"), 4096, 1, host_mem=parse_size("512GiB"), gpu_mem=parse_size("80GiB"))
+    assert not p.fits
+    [problem] = p.problems()
+    assert "1083.4 GiB" in problem and "512.0 GiB" in problem and "more host memory" in problem
+
+
+def test_refuses_when_no_micro_batch_fits_the_gpu():
+    p = plan(LlamaConfig.from_preset("llama-3.1-8b"), 131072, 1, gpu_mem=parse_size("24GiB"))
+    assert p.max_micro_batch == 0 and not p.fits
+    assert "no micro-batch fits" in p.problems()[0] and "seq_len" in p.problems()[0]
+
+
+def test_suggests_the_largest_micro_batch_that_fits():
+    p = plan(LlamaConfig.from_preset("llama-3.1-8b"), 4096, 64, gpu_mem=parse_size("80GiB"))
+    assert 1 <= p.max_micro_batch < 64
+    assert f"--micro-batch {p.max_micro_batch}" in p.problems()[0]
+    fitting = plan(LlamaConfig.from_preset("llama-3.1-8b"), 4096, p.max_micro_batch, gpu_mem=parse_size("80GiB"))
+    assert fitting.fits and fitting.gpu_peak <= parse_size("80GiB")
+    assert plan(LlamaConfig.from_preset("llama-3.1-8b"), 4096, p.max_micro_batch + 1).gpu_peak > parse_size("80GiB")
+
+
+def test_max_micro_batch_is_monotonic():
+    """More GPU memory never allows fewer sequences; longer sequences never allow more."""
+    config = LlamaConfig.from_preset("qwen2.5-7b")
+    by_memory = [max_micro_batch(config, 4096, "bf16-mixed", 2, parse_size(f"{g}GiB")) for g in (16, 24, 40, 80, 141)]
+    assert by_memory == sorted(by_memory) and by_memory[-1] > by_memory[0]
+    by_length = [max_micro_batch(config, t, "bf16-mixed", 2, parse_size("80GiB")) for t in (1024, 4096, 16384)]
+    assert by_length == sorted(by_length, reverse=True)
+
+
+def test_table_states_every_item():
+    p = plan(LlamaConfig.from_preset("llama-3.1-8b"), 4096, 1)
+    table = p.table()
+    assert "8.03B parameters" in table and f"{p.host_total / 2**30:.2f}" in table
+    for label in ("fp32 master weights", "Adam m + v", "gradient slab", "weight slots", "saved block inputs", "peak"):
+        assert label in table
+    assert p.host_total == 16 * p.num_parameters  # 4 master + 8 Adam + 2 copy + 2 slab
+
+
+def test_fp32_has_no_separate_copy_and_accumulation_adds_four_bytes():
+    config = LlamaConfig.from_preset("llama-3.2-1b")
+    assert plan(config, 1024, 1, precision="32-true").host["copy"] == 0
+    n = config.num_parameters()
+    assert plan(config, 1024, 1, accumulate=4).host_total == 20 * n
+
+
+@pytest.mark.parametrize(("text", "expected"), [("512GiB", 512 * 2**30), ("80GB", 80 * 10**9), ("1.5TiB", int(1.5 * 2**40)),
+                                                ("4096", 4096), ("80 gib", 80 * 2**30)])  # fmt: skip
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(("text", "message"), [("80G", "ambiguous.*80GB.*80GiB"), ("lots", "not a number"),
+                                               ("5 parsecs", "unknown unit 'parsecs'")])  # fmt: skip
+def test_parse_size_errors(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_size(text)
+
+
+def test_plan_refuses_bad_settings():
+    with pytest.raises(ValueError, match="num_slots=1"):
+        plan(LlamaConfig.from_preset("tiny"), 128, 1, num_slots=1)
+    with pytest.raises(ValueError, match="precision='16-mixed'"):
+        plan(LlamaConfig.from_preset("tiny"), 128, 1, precision="16-mixed")
+
+
+def test_format_size():
+    assert format_size(119.66 * 2**30) == "119.7 GiB" and format_size(13 * 2**20) == "13.0 MiB"
