@@ -60,6 +60,7 @@ class _Attempt(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         fs, root = fsspec.core.url_to_fs(f"{self.trial_dir}/attempts")
         record = {"pid": os.getpid(), "start_step": trainer.global_step, "time": time.time()}
+        fs.makedirs(root, exist_ok=True)  # a local directory must exist; object stores have none
         fs.pipe_file(f"{root}/{time.time_ns()}.json", json.dumps(record).encode())
 
 

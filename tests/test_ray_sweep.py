@@ -1,0 +1,195 @@
+"""Ray sweeps end to end on a local two-node cluster (logical GPUs) with SeaweedFS on 127.0.0.1.
+
+Slow (a Ray cluster, four job submissions): `pytest -m slow tests/test_ray_sweep.py` runs them alone.
+
+Jobs are submitted without `--working-dir`, running the installed package: two Ray nodes on one machine
+share one session directory, and the second node unpacking a job's working_dir replaces the directory
+the driver runs in. Nodes of a real cluster each unpack into their own; both modes are documented.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+import yaml
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sweep_yaml(tmp_path: Path, name: str, lrs: list[float], steps: int, concurrent: int = 2) -> str:
+    cfg = {
+        "name": name,
+        "storage": "s3://megatrain/sweeps",
+        "base": {
+            "seed": 0,
+            "model": {"model": "tiny", "warmup_steps": 5},
+            "data": {"path": "builtin:python-docs", "seq_len": 64, "batch_size": 8, "val_fraction": 0.02},
+            "trainer": {"max_steps": steps, "precision": "32-true", "val_check_interval": 10,
+                        "limit_val_batches": 2, "gradient_clip_val": 1.0},  # fmt: skip
+        },
+        "search_space": {"model.lr": {"grid": lrs}},
+        "max_concurrent_trials": concurrent,
+        "failure_budget": 2,
+        "checkpoint_every": 10,
+        "resources": {"cpus_per_trial": 1, "gpus_per_trial": 1, "memory_headroom": "1GiB"},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(s3_env):
+    """Two Ray nodes, each declaring 1 CPU, 1 (logical) GPU and 3 GiB of memory; the dashboard takes jobs."""
+    from ray.cluster_utils import Cluster
+
+    port = _free_port()
+    head = dict(num_cpus=1, num_gpus=1, memory=3 * 2**30, include_dashboard=True, dashboard_host="127.0.0.1",
+                dashboard_port=port)  # fmt: skip
+    c = Cluster(initialize_head=True, head_node_args=head)
+    c.add_node(num_cpus=1, num_gpus=1, memory=3 * 2**30)
+    c.wait_for_nodes()
+    yield c, f"http://127.0.0.1:{port}"
+    ray.shutdown()
+    c.shutdown()
+
+
+def submit(dashboard: str, config: str, s3_env: dict) -> tuple[object, str]:
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(dashboard)
+    env = {**s3_env, "MEGATRAIN_CPU_ADAM": "torch", "TUNE_GLOBAL_CHECKPOINT_S": "1"}
+    job = client.submit_job(entrypoint=f"python -m ray_jobs.sweep --config {config}", runtime_env={"env_vars": env})
+    return client, job
+
+
+def wait_job(client, job: str, timeout: float = 420) -> str:
+    deadline = time.monotonic() + timeout
+    while (status := str(client.get_job_status(job)).rsplit(".", 1)[-1]) not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        assert time.monotonic() < deadline, client.get_job_logs(job)[-3000:]
+        time.sleep(1)
+    return status
+
+
+def s3() -> fsspec.AbstractFileSystem:
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    return fs
+
+
+def trial_dirs(name: str) -> list[str]:
+    fs = s3()
+    root = f"megatrain/sweeps/{name}/trials"
+    return sorted(p for p in fs.ls(root, detail=False)) if fs.exists(root) else []
+
+
+def attempts(trial_dir: str) -> list[dict]:
+    fs = s3()
+    files = sorted(fs.find(f"{trial_dir}/attempts"))
+    return [json.loads(fs.cat_file(f)) for f in files if f.endswith(".json")]
+
+
+def test_two_trial_sweep_through_ray_job_submit(cluster, s3_env, tmp_path):
+    _, dashboard = cluster
+    client, job = submit(dashboard, sweep_yaml(tmp_path, "e2e", [1e-3, 3e-3], steps=20), s3_env)
+    assert wait_job(client, job) == "SUCCEEDED", client.get_job_logs(job)[-3000:]
+    rows = s3().cat_file("megatrain/sweeps/e2e/results.csv").decode().strip().splitlines()
+    assert len(rows) == 3 and all(",ok," in r for r in rows[1:])
+    from megatrain_lightning.checkpoint import is_checkpoint
+
+    dirs = trial_dirs("e2e")
+    assert len(dirs) == 2
+    for d in dirs:
+        assert is_checkpoint(f"s3://{d}/checkpoints/last.ckpt")
+        assert len(attempts(d)) == 1
+
+
+def test_killed_trial_resumes_from_its_checkpoint(cluster, s3_env, tmp_path, monkeypatch):
+    _, dashboard = cluster
+    client, job = submit(dashboard, sweep_yaml(tmp_path, "fault", [2e-3], steps=60), s3_env)
+    deadline = time.monotonic() + 300
+    while not any(s3().exists(f"{d}/checkpoints/last.ckpt") for d in trial_dirs("fault")):
+        assert time.monotonic() < deadline and wait_job_running(client, job), client.get_job_logs(job)[-3000:]
+        time.sleep(0.2)
+    (trial,) = trial_dirs("fault")
+    os.kill(attempts(trial)[0]["pid"], signal.SIGKILL)
+    assert wait_job(client, job) == "SUCCEEDED", client.get_job_logs(job)[-3000:]
+    runs = attempts(trial)
+    assert len(runs) == 2 and runs[1]["start_step"] >= 10  # resumed from a checkpoint, not from step 0
+
+    # The same trial without Ray and without interruption ends with the same parameters, bit for bit.
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+    from ray_jobs.config import apply, load
+    from ray_jobs.trial import run_trial
+
+    cfg = load(sweep_yaml(tmp_path, "fault", [2e-3], steps=60))
+    reference = str(tmp_path / "reference")
+    run_trial(apply(cfg.base, {"model.lr": 2e-3}), reference, cfg.checkpoint_every)
+    assert final_masters(f"s3://{trial}/checkpoints/last.ckpt") == final_masters(f"{reference}/checkpoints/last.ckpt")
+
+
+def wait_job_running(client, job: str) -> bool:
+    return str(client.get_job_status(job)).rsplit(".", 1)[-1] in ("PENDING", "RUNNING")
+
+
+def final_masters(url: str) -> list[bytes]:
+    from megatrain_lightning import StreamingEngine
+    from megatrain_lightning.checkpoint import restore
+    from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+    from megatrain_lightning.module import CausalLMModule
+
+    module = CausalLMModule(model="tiny")
+    engine = StreamingEngine(module, device="cpu", compute_dtype=torch.float32)
+    restore(engine, url, optimizer=False)
+    del LlamaConfig, LlamaForCausalLM
+    return [u.master.numpy().tobytes() for u in engine.all_units()]
+
+
+def test_restored_sweep_finishes_only_unfinished_trials(cluster, s3_env, tmp_path):
+    _, dashboard = cluster
+    config = sweep_yaml(tmp_path, "restore", [1e-3, 3e-3], steps=80, concurrent=1)
+    client, job = submit(dashboard, config, s3_env)
+    deadline = time.monotonic() + 300
+    while not (len(trial_dirs("restore")) == 2 and all(attempts(d) for d in trial_dirs("restore"))):
+        assert time.monotonic() < deadline and wait_job_running(client, job), client.get_job_logs(job)[-3000:]
+        time.sleep(0.5)
+    time.sleep(3)  # the first trial finished (one at a time) and Tune recorded it; the second is mid-run
+    client.stop_job(job)
+    assert wait_job(client, job) == "STOPPED"
+    client, job = submit(dashboard, config, s3_env)
+    assert wait_job(client, job) == "SUCCEEDED", client.get_job_logs(job)[-3000:]
+    counts = sorted(len(attempts(d)) for d in trial_dirs("restore"))
+    assert counts == [1, 2]  # the finished trial did not run again; the interrupted one resumed
+    rows = s3().cat_file("megatrain/sweeps/restore/results.csv").decode().strip().splitlines()
+    assert len(rows) == 3 and all(",ok," in r for r in rows[1:])
+
+
+def test_sweep_that_fits_no_node_is_refused_before_running(cluster, s3_env, tmp_path, capsys):
+    c, _ = cluster
+    cfg = yaml.safe_load(Path(sweep_yaml(tmp_path, "too-big", [1e-3], steps=5)).read_text())
+    cfg["base"]["model"]["model"] = "llama-3.1-70b"
+    path = tmp_path / "too-big.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    from ray_jobs.sweep import main
+
+    assert main(["--config", str(path), "--address", c.address]) == 2
+    err = capsys.readouterr().err
+    assert "refused" in err and "memory 3.0 GiB" in err and "GPU 1" in err
+    assert trial_dirs("too-big") == []
