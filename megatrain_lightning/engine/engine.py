@@ -17,7 +17,6 @@ The engine is applied to an ordinary, built model (it imports no Lightning):
 from __future__ import annotations
 
 import copy
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -26,22 +25,15 @@ from torch import nn
 
 from megatrain_lightning.engine.block_fn import BlockRunner, CallState
 from megatrain_lightning.engine.discover import find_blocks
-from megatrain_lightning.engine.host import (
-    GradState,
-    HostUnit,
-    available_host_bytes,
-    host_bytes_per_param,
-)
+from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_per_param
+from megatrain_lightning.engine.host_steps import HostSteps
 from megatrain_lightning.engine.streams import SlotPool, Streams
-from megatrain_lightning.optim import kernels
 from megatrain_lightning.optim.kernels import AdamHyper
-
 
 class HostMemoryError(MemoryError):
     """The model's host-resident training state does not fit in this machine's memory."""
 
-
-class StreamingEngine:
+class StreamingEngine(HostSteps):
     """Streams a model's decoder blocks through device slots; all persistent state stays on the host."""
 
     def __init__(
@@ -80,33 +72,14 @@ class StreamingEngine:
         self._check_host_memory(block_params, outer, training, available_bytes)
 
         self.streams = Streams(self.device)
-        self._skeletons = [_meta_skeleton(b) for b in self.blocks]
-        self.units: list[HostUnit] = []
-        for i, (blk, params) in enumerate(zip(self.blocks, block_params)):
-            self.units.append(HostUnit(f"{self.blocks_name}.{i}", params, groups, compute_dtype, pin))
-            _bind(self.units[-1], self.units[-1].master)  # frees the block's own storage right away
-            blk.forward = BlockRunner(self, i)
-        self.outer_units = [HostUnit(n, [(n, p)], groups, compute_dtype, pin) for n, p in outer]
-        self._refresh_block_buffers()
-        self._outer_buffers_to(self.device)
-        self._outer_device: list[torch.Tensor] = []
-        for unit in self.outer_units:
-            self._outer_device.append(torch.empty(unit.numel, dtype=compute_dtype, device=self.device))
-            self._upload_outer(unit, self._outer_device[-1])
-        self._hooks = [  # a frozen parameter gets no gradient, hence no hook
-            e.param.register_post_accumulate_grad_hook(self._outer_grad_hook(u))
-            for u in self.outer_units
-            for e in u.entries
-            if e.param.requires_grad
-        ]
-
+        self._build_blocks(block_params, groups, pin)
+        self._build_outer(outer, groups, pin)
         max_numel = max(u.numel for u in self.units)
         self.pool = SlotPool(self.streams, num_slots, max_numel, compute_dtype)
         self._grad_slots = [torch.empty(max_numel, dtype=compute_dtype, device=self.device) for _ in range(2)]
         self._grad_slot_free: list[object | None] = [None, None]
         self._next_grad_slot = 0
         self.grad_anchor = torch.empty(0, requires_grad=True)
-
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host")
         self.backward_mode: str | None = None  # None | "accumulate" | "step": set by the trainer glue
         self.hyper: Callable[[], list[AdamHyper]] | None = None  # the attached optimizer's groups, now
@@ -119,6 +92,31 @@ class StreamingEngine:
         self.optimizer_steps = 0
 
     # -- construction helpers -------------------------------------------------------------------
+    def _build_blocks(self, block_params: list, groups: dict[int, int], pin: bool) -> None:
+        """Move each block into a host unit, bind its parameters to the master, route its forward here."""
+        self._skeletons = [_meta_skeleton(b) for b in self.blocks]
+        self.units: list[HostUnit] = []
+        for i, (blk, params) in enumerate(zip(self.blocks, block_params)):
+            self.units.append(HostUnit(f"{self.blocks_name}.{i}", params, groups, self.compute_dtype, pin))
+            _bind(self.units[-1], self.units[-1].master)  # frees the block's own storage right away
+            blk.forward = BlockRunner(self, i)
+        self._refresh_block_buffers()
+
+    def _build_outer(self, outer: list, groups: dict[int, int], pin: bool) -> None:
+        """A unit per outer parameter, its compute copy on the device, a hook to ship its gradient."""
+        self.outer_units = [HostUnit(n, [(n, p)], groups, self.compute_dtype, pin) for n, p in outer]
+        self._outer_buffers_to(self.device)
+        self._outer_device: list[torch.Tensor] = []
+        for unit in self.outer_units:
+            self._outer_device.append(torch.empty(unit.numel, dtype=self.compute_dtype, device=self.device))
+            self._upload_outer(unit, self._outer_device[-1])
+        self._hooks = [  # a frozen parameter gets no gradient, hence no hook
+            e.param.register_post_accumulate_grad_hook(self._outer_grad_hook(u))
+            for u in self.outer_units
+            for e in u.entries
+            if e.param.requires_grad
+        ]
+
     def _check_host_memory(self, block_params, outer, training: bool, available_bytes) -> None:
         numel = sum(p.numel() for params in block_params for _, p in params) + sum(p.numel() for _, p in outer)
         need = numel * host_bytes_per_param(self.compute_dtype, training)
@@ -208,183 +206,6 @@ class StreamingEngine:
         unit.upload_done = self.pool.ready[slot]
         return slot
 
-    # -- gradients --------------------------------------------------------------------------------
-    def _pack_grads(self, unit: HostUnit, grads: tuple) -> tuple[torch.Tensor, int]:
-        """Write a block's parameter gradients into a free device grad slot, flat in the unit's layout."""
-        k = self._next_grad_slot
-        self._next_grad_slot = 1 - k
-        self.streams.wait(None, self._grad_slot_free[k])  # its previous download must have finished
-        flat = self._grad_slots[k][: unit.numel]
-        parts = [
-            (g if g is not None else torch.zeros(e.shape, dtype=self.compute_dtype, device=self.device)).reshape(-1)
-            for e, g in zip(unit.entries, grads)
-        ]
-        torch.cat([p.to(self.compute_dtype) for p in parts], out=flat)
-        return flat, k
-
-    def _outer_grad_hook(self, unit: HostUnit) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            grad, param.grad = param.grad, None
-            self._ship(unit, grad.reshape(-1))
-
-        return hook
-
-    def _ship(
-        self, unit: HostUnit, flat: torch.Tensor, block_idx: int | None = None, grad_slot: int | None = None
-    ) -> None:
-        """Download a unit's gradient into its pinned slab and hand it to the host worker."""
-        if unit in self._eager:
-            raise RuntimeError(
-                f"{unit.name} got a second gradient after it was already stepped during this backward; "
-                "gradients must reach a unit once per optimizer step when the optimizer overlaps backward"
-            )
-        self._wait(unit)  # the worker must be done reading the slab before it is overwritten
-        if unit.grad_state is GradState.SLAB:
-            self._promote(unit)
-        slab = unit.ensure_slab()
-        self.stats["d2h_bytes"] += flat.numel() * flat.element_size()
-        produced = self.streams.event()
-        self.streams.wait(self.streams.d2h, produced)
-        with self.streams.on(self.streams.d2h):
-            slab.copy_(flat, non_blocking=True)
-        done = self.streams.event(self.streams.d2h)
-        if grad_slot is not None:
-            self._grad_slot_free[grad_slot] = done
-        elif self.streams.is_cuda:
-            flat.record_stream(self.streams.d2h)  # autograd's grad buffer lives until the copy has read it
-        accumulate = self.backward_mode == "accumulate"
-        eager = self._eager_ok()
-        hyper = self.hyper() if eager else None
-        want_norm = self.want_norms and not accumulate
-        self._submit(unit, lambda: self._land(unit, done, accumulate, want_norm, hyper))
-        if eager:
-            self._eager.add(unit)
-            self._pending.discard(unit)  # earlier micro-batches' sum is consumed by this step
-            if block_idx is not None:
-                self.pool.invalidate(block_idx)
-        else:
-            self._pending.add(unit)
-
-    def _eager_ok(self) -> bool:
-        """Step a unit the moment its last gradient lands: the optimizer overlaps the rest of backward."""
-        return (
-            self.backward_mode == "step" and self.overlap_optimizer and not self.want_norms and self.hyper is not None
-        )
-
-    def _land(self, unit: HostUnit, done: Any, accumulate: bool, want_norm: bool, hyper: list[AdamHyper] | None) -> None:
-        t0 = time.perf_counter()
-        done.synchronize()  # never read pinned memory before its copy has finished
-        if accumulate or unit.grad_state is GradState.ACC:
-            first = unit.grad_state is GradState.EMPTY
-            if unit.acc is None:
-                unit.acc = torch.empty(unit.numel, dtype=torch.float32)
-            kernels.accumulate_(unit.acc, unit.slab, first)
-            unit.grad_state = GradState.ACC
-        else:
-            unit.grad_state = GradState.SLAB
-        # A norm is only meaningful for the complete gradient; a later micro-batch makes it stale.
-        unit.norms = self._norms(unit) if want_norm else None
-        self.stats["host_land_seconds"] += time.perf_counter() - t0
-        if hyper is not None:
-            self._step_unit(unit, hyper, 1.0)
-
-    def _promote(self, unit: HostUnit) -> None:
-        """A second gradient arrives while the first still sits in the slab: move the first to fp32."""
-        if unit.acc is None:
-            unit.acc = torch.empty(unit.numel, dtype=torch.float32)
-        kernels.accumulate_(unit.acc, unit.slab, True)
-        unit.grad_state = GradState.ACC
-
-    def _norms(self, unit: HostUnit) -> list[torch.Tensor]:
-        return kernels.param_norms(self._grad_of(unit), [(e.offset, e.numel) for e in unit.entries])
-
-    def _grad_of(self, unit: HostUnit) -> torch.Tensor:
-        return unit.acc if unit.grad_state is GradState.ACC else unit.slab
-
-    def _step_unit(self, unit: HostUnit, hyper: list[AdamHyper], scale: float) -> None:
-        t0 = time.perf_counter()
-        if unit.upload_done is not None:
-            unit.upload_done.synchronize()  # an in-flight upload may still be reading the copy
-        grad = self._grad_of(unit)
-        copy_out = None if unit.copy is unit.master else unit.copy
-        unit.step += 1
-        for group, start, end in unit.segments():
-            seg_copy = None if copy_out is None else copy_out[start:end]
-            kernels.adam_step_(
-                unit.master[start:end], unit.m[start:end], unit.v[start:end], grad[start:end], seg_copy,
-                hyper[group], unit.step, scale,
-            )  # fmt: skip
-        unit.grad_state, unit.norms = GradState.EMPTY, None
-        self.stats["host_step_seconds"] += time.perf_counter() - t0
-
-    def _wait(self, unit: HostUnit) -> None:
-        """Block on `unit`'s last host job, counting the time the device queue may starve meanwhile."""
-        if unit.future is not None and not unit.future.done():
-            t0 = time.perf_counter()
-            unit.wait()
-            self.stats["host_wait_seconds"] += time.perf_counter() - t0
-        else:
-            unit.wait()
-
-    def _submit(self, unit: HostUnit, job: Callable[[], None]) -> None:
-        unit.future = self._worker.submit(job)
-
-    # -- optimizer step / zero_grad ---------------------------------------------------------------
-    def request_clip(self, max_norm: float) -> None:
-        """Clip the global gradient norm to `max_norm` in the next optimizer step (exactly, over all units)."""
-        if self._eager:
-            raise RuntimeError(
-                f"gradient clipping to {max_norm} was requested after the optimizer already stepped during backward. "
-                "Set Trainer(gradient_clip_val=...) so the strategy knows before backward, or pass "
-                "MegatrainStrategy(overlap_optimizer=False)."
-            )
-        self._clip = float(max_norm)
-
-    def optimizer_step(self) -> None:
-        """Step every unit holding gradients; blocks step in the background in forward order."""
-        if self.hyper is None:
-            raise RuntimeError("no optimizer is attached to the engine")
-        clip_val, self._clip = self._clip, None
-        hyper = self.hyper()
-        todo = [u for u in self.all_units() if u in self._pending]
-        scale = self._clip_scale(todo, clip_val) if clip_val else 1.0
-        block_of = {id(u): i for i, u in enumerate(self.units)}
-        for unit in todo:
-            self._submit(unit, lambda unit=unit: self._step_unit(unit, hyper, scale))
-            if id(unit) in block_of:
-                self.pool.invalidate(block_of[id(unit)])
-        stepped = set(todo) | self._eager
-        for unit, dev in zip(self.outer_units, self._outer_device):
-            if unit in stepped:
-                self._wait(unit)
-                self._upload_outer(unit, dev)
-        self._pending.clear()
-        self._eager.clear()
-        self.optimizer_steps += 1
-
-    def _clip_scale(self, todo: list[HostUnit], clip_val: float) -> float:
-        by_param: dict[int, torch.Tensor] = {}
-        for unit in todo:
-            unit.wait()
-            if unit.norms is None:
-                unit.norms = self._norms(unit)
-            by_param.update((id(e.param), n) for e, n in zip(unit.entries, unit.norms))
-        # clip_grad_norm_ walks the optimizer's parameters in group order; so does this.
-        return kernels.clip_coefficient([by_param[i] for i in self.param_order if i in by_param], clip_val)
-
-    def zero_grad(self) -> None:
-        self.flush()
-        for unit in self.all_units():
-            unit.grad_state, unit.norms = GradState.EMPTY, None
-            for e in unit.entries:
-                e.param.grad = None
-        self._pending.clear()
-
-    def flush(self) -> None:
-        """Wait for every host job (landing, steps) to finish."""
-        for unit in self.all_units():
-            unit.wait()
-
     # -- outer parameters --------------------------------------------------------------------------
     def _upload_outer(self, unit: HostUnit, dev: torch.Tensor) -> None:
         """Refresh the device copy of an outer parameter from its host copy and bind the parameter to it."""
@@ -464,12 +285,10 @@ class StreamingEngine:
         self.pool.buffers.clear()
         self._grad_slots.clear()
 
-
 def _bind(unit: HostUnit, flat: torch.Tensor) -> None:
     """Point each parameter of `unit` at its slice of `flat` (no copy)."""
     for e in unit.entries:
         e.param.data = flat[e.offset : e.offset + e.numel].view(e.shape)
-
 
 def _meta_skeleton(block: nn.Module) -> nn.Module:
     """A copy of `block` with meta tensors: structure and attributes (e.g. layer_idx) at no memory cost.
