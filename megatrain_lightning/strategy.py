@@ -8,6 +8,7 @@ backward whether more micro-batches follow, and read/write checkpoints from the 
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any, Literal, Mapping
 
 import torch
@@ -176,7 +177,14 @@ class MegatrainStrategy(SingleDeviceStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Sharded: stream the host buffers unit by unit; Lightning's tensors in `checkpoint` are not used."""
-        if self.checkpoint_format == "torch" or self.engine is None:
+        if self.checkpoint_format == "torch":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.engine is None:
+            warnings.warn(
+                f"saving {filepath} outside fit/validate/predict: the host buffers are released, so this writes "
+                "Lightning's single-file format from the ordinary model (it resumes all the same)",
+                stacklevel=2,
+            )
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         state["megatrain_rng"] = _rng_state()

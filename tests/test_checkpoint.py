@@ -251,3 +251,11 @@ def test_validate_from_a_fit_checkpoint_with_param_groups(tmp_path, torch_adam):
     got = trainer.validate(fresh, torch.utils.data.DataLoader(batches, batch_size=None),
                            ckpt_path=str(tmp_path / "last.ckpt"), verbose=False)  # fmt: skip
     assert got == expected
+
+
+def test_save_outside_fit_says_it_writes_the_single_file_format(tmp_path, torch_adam):
+    module = CausalLM(hf_llama())
+    trainer = fit(module, token_batches(2))
+    with pytest.warns(UserWarning, match="single-file format"):
+        trainer.save_checkpoint(tmp_path / "after.ckpt")
+    assert "state_dict" in torch.load(tmp_path / "after.ckpt", weights_only=False)
