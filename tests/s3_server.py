@@ -18,12 +18,17 @@ from contextlib import contextmanager
 from typing import Iterator
 
 
+def free_port() -> int:
+    """A port on 127.0.0.1 that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _free_port() -> int:
     """A free port whose +10000 twin (SeaweedFS's gRPC port) is free too."""
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         if port < 55000 and _is_free(port + 10000):
             return port
     raise RuntimeError("no free port pair found on 127.0.0.1")

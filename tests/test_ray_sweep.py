@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -20,6 +19,8 @@ import fsspec
 import pytest
 import torch
 import yaml
+
+from tests.s3_server import free_port
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -49,18 +50,12 @@ def sweep_yaml(tmp_path: Path, name: str, lrs: list[float], steps: int, concurre
     return str(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(s3_env):
     """Two Ray nodes, each declaring 1 CPU, 1 (logical) GPU and 3 GiB of memory; the dashboard takes jobs."""
     from ray.cluster_utils import Cluster
 
-    port = _free_port()
+    port = free_port()
     head = dict(num_cpus=1, num_gpus=1, memory=3 * 2**30, include_dashboard=True, dashboard_host="127.0.0.1",
                 dashboard_port=port)  # fmt: skip
     c = Cluster(initialize_head=True, head_node_args=head)
