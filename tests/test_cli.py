@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,8 +53,11 @@ def test_resume_through_the_cli_takes_the_checkpoints_model(tmp_path):
 
 
 def test_installed_console_script(tmp_path):
-    exe = shutil.which("megatrain")
+    # Scripts land beside the interpreter; PATH may not list that directory (e.g. pyenv shims not rehashed).
+    exe = shutil.which("megatrain") or shutil.which("megatrain", path=os.path.dirname(sys.executable))
     if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("the megatrain console script must be installed in CI (pip install -e .)")
         pytest.skip("the megatrain script is not installed (pip install -e .)")
     out = subprocess.run([exe, *quick(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
