@@ -36,6 +36,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.models.config import LlamaConfig
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
@@ -92,15 +93,9 @@ def compute_bytes(precision: str) -> int:
 
 def host_breakdown(config: LlamaConfig, precision: str, accumulate: int) -> dict[str, int]:
     """Host bytes per buffer kind, as the engine allocates them after the first training step."""
-    n, elt = config.num_parameters(), compute_bytes(precision)
-    return {
-        "master": 4 * n,
-        "adam": 8 * n,
-        "copy": 0 if elt == 4 else elt * n,
-        "slab": elt * n,
-        "acc": 4 * n if accumulate > 1 else 0,
-        "activations": 0,  # block inputs stay on the device for now
-    }
+    n = config.num_parameters()
+    per_param = host_bytes_by_kind(compute_bytes(precision), training=True, accumulating=accumulate > 1)
+    return {**{kind: b * n for kind, b in per_param.items()}, "activations": 0}  # block inputs stay on the device
 
 
 def gpu_breakdown(config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int) -> dict[str, int]:

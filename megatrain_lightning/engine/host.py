@@ -154,8 +154,18 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def host_bytes_by_kind(compute_elt: int, training: bool, accumulating: bool = False) -> dict[str, int]:
+    """Bytes per parameter of each host buffer kind (the table above), for a compute element size."""
+    return {
+        "master": 4,
+        "adam": 8 if training else 0,
+        "copy": 0 if compute_elt == 4 else compute_elt,  # in fp32 the master is the copy
+        "slab": compute_elt if training else 0,
+        "acc": 4 if accumulating else 0,
+    }
+
+
 def host_bytes_per_param(compute_dtype: torch.dtype, training: bool) -> int:
     """Bytes the engine allocates per parameter (master, copy, and when training m, v and the slab)."""
     elt = torch.tensor([], dtype=compute_dtype).element_size()
-    copy = 0 if compute_dtype == torch.float32 else elt
-    return 4 + copy + ((8 + elt) if training else 0)
+    return sum(host_bytes_by_kind(elt, training).values())
