@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 
 import torch
 
 from megatrain_lightning import StreamingEngine
+from megatrain_lightning.callbacks import rss_bytes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim.adamw import HostAdamW
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def measure(layers: int, hidden: int, dtype: torch.dtype) -> dict:

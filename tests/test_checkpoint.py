@@ -199,16 +199,13 @@ def test_export_hf_loads_in_transformers(tmp_path):
 
 MEMORY_SCRIPT = textwrap.dedent(
     """
-    import os, sys, threading, time
+    import sys, threading, time
     sys.path.insert(0, {repo!r})
     import torch
     from megatrain_lightning import StreamingEngine
+    from megatrain_lightning.callbacks import rss_bytes as rss
     from megatrain_lightning.checkpoint import save
     from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-
-    def rss():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                       num_attention_heads=16, num_key_value_heads=4)
