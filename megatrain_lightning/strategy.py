@@ -198,10 +198,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if not mt_checkpoint.is_checkpoint(str(checkpoint_path)):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        state = mt_checkpoint.load_trainer_state(str(checkpoint_path))
+        state, index = mt_checkpoint.store.read_checkpoint(str(checkpoint_path))
         state["megatrain_checkpoint"] = str(checkpoint_path)
         state["state_dict"] = {}  # the weights stream from the shards in load_model_state_dict
-        _, _, index = mt_checkpoint.store.read_index(str(checkpoint_path))
         if index["optimizer"]:
             state["optimizer_states"] = [{"param_groups": index["param_groups"]}]
         return state

@@ -172,9 +172,14 @@ def read_index(url: str) -> tuple[Any, str, dict]:
 
 
 def load_trainer_state(url: str) -> dict:
-    fs, vdir, _ = read_index(url)
+    return read_checkpoint(url)[0]
+
+
+def read_checkpoint(url: str) -> tuple[dict, dict]:
+    """(Lightning trainer state, index) of the committed checkpoint at `url`, the marker read once."""
+    fs, vdir, index = read_index(url)
     with fs.open(f"{vdir}/trainer.pt", "rb") as f:
-        return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
+        return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False), index
 
 
 def restore(engine: StreamingEngine, url: str, *, optimizer: bool) -> dict:
