@@ -103,7 +103,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         if self.engine is None:
             self.engine = StreamingEngine(
                 self.lightning_module, device=self.root_device, compute_dtype=plugin.compute_dtype,
-                num_slots=self.num_slots, groups=self._groups() if fitting else None, training=fitting,
+                num_slots=self.num_slots, training=fitting,
             )  # fmt: skip
         self.engine.overlap_optimizer = self.overlap_optimizer
         self.engine.want_norms = bool(fitting and trainer.gradient_clip_val)
@@ -128,10 +128,6 @@ class MegatrainStrategy(SingleDeviceStrategy):
             )
         opt = self.optimizers[0]
         return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
-
-    def _groups(self) -> dict[int, int]:
-        opt = self._single_optimizer()
-        return {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
 
     @override
     def model_to_device(self) -> None:

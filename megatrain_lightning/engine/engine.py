@@ -43,7 +43,6 @@ class StreamingEngine(HostSteps):
         device: torch.device | str,
         compute_dtype: torch.dtype = torch.bfloat16,
         num_slots: int = 2,
-        groups: dict[int, int] | None = None,
         training: bool = True,
         pin_memory: bool | None = None,
         preserve_rng_state: bool = True,
@@ -64,7 +63,6 @@ class StreamingEngine(HostSteps):
         self.compute_dtype = compute_dtype
         self.preserve_rng_state = preserve_rng_state
         self.blocks_name, self.blocks = find_blocks(model)
-        groups = groups or {}
         pin = self.device.type == "cuda" if pin_memory is None else pin_memory
         block_params = [list(b.named_parameters()) for b in self.blocks]
         in_blocks = {id(p) for params in block_params for _, p in params}
@@ -72,8 +70,8 @@ class StreamingEngine(HostSteps):
         self._check_host_memory(block_params, outer, training, available_bytes)
 
         self.streams = Streams(self.device)
-        self._build_blocks(block_params, groups, pin)
-        self._build_outer(outer, groups, pin)
+        self._build_blocks(block_params, pin)
+        self._build_outer(outer, pin)
         max_numel = max(u.numel for u in self.units)
         self.pool = SlotPool(self.streams, num_slots, max_numel, compute_dtype)
         self._grad_slots = [torch.empty(max_numel, dtype=compute_dtype, device=self.device) for _ in range(2)]
@@ -92,19 +90,19 @@ class StreamingEngine(HostSteps):
         self.optimizer_steps = 0
 
     # -- construction helpers -------------------------------------------------------------------
-    def _build_blocks(self, block_params: list, groups: dict[int, int], pin: bool) -> None:
+    def _build_blocks(self, block_params: list, pin: bool) -> None:
         """Move each block into a host unit, bind its parameters to the master, route its forward here."""
         self._skeletons = [_meta_skeleton(b) for b in self.blocks]
         self.units: list[HostUnit] = []
         for i, (blk, params) in enumerate(zip(self.blocks, block_params)):
-            self.units.append(HostUnit(f"{self.blocks_name}.{i}", params, groups, self.compute_dtype, pin))
+            self.units.append(HostUnit(f"{self.blocks_name}.{i}", params, self.compute_dtype, pin))
             _bind(self.units[-1], self.units[-1].master)  # frees the block's own storage right away
             blk.forward = BlockRunner(self, i)
         self._refresh_block_buffers()
 
-    def _build_outer(self, outer: list, groups: dict[int, int], pin: bool) -> None:
+    def _build_outer(self, outer: list, pin: bool) -> None:
         """A unit per outer parameter, its compute copy on the device, a hook to ship its gradient."""
-        self.outer_units = [HostUnit(n, [(n, p)], groups, self.compute_dtype, pin) for n, p in outer]
+        self.outer_units = [HostUnit(n, [(n, p)], self.compute_dtype, pin) for n, p in outer]
         self._outer_buffers_to(self.device)
         self._outer_device: list[torch.Tensor] = []
         for unit in self.outer_units:

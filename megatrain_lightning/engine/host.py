@@ -55,7 +55,6 @@ class HostUnit:
         self,
         name: str,
         params: list[tuple[str, nn.Parameter]],
-        groups: dict[int, int],
         compute_dtype: torch.dtype,
         pin: bool,
     ) -> None:
@@ -64,7 +63,7 @@ class HostUnit:
         self.pin = pin
         entries, offset = [], 0
         for pname, p in params:
-            entries.append(ParamEntry(pname, p, offset, p.numel(), p.shape, groups.get(id(p))))
+            entries.append(ParamEntry(pname, p, offset, p.numel(), p.shape, None))  # groups: set_groups
             offset += p.numel()
         self.entries: list[ParamEntry] = entries
         self.numel = offset
