@@ -129,7 +129,7 @@ def engine_with_state(layers: int = 3):
         unit.alloc_optimizer_state()
         unit.m.normal_()
         unit.v.uniform_()
-        unit.step = 7
+        unit.steps = [7] * len(unit.entries)
     return model, engine
 
 
@@ -147,7 +147,7 @@ def test_round_trip_restores_masters_moments_and_steps(tmp_path):
     restore(other, url, optimizer=True)
     for u, v in zip(engine.all_units(), other.all_units()):
         assert torch.equal(u.master, v.master) and torch.equal(u.m, v.m) and torch.equal(u.v, v.v)
-        assert v.step == 7
+        assert v.steps == [7] * len(v.entries)
 
 
 def test_corrupted_shard_is_refused(tmp_path):
@@ -211,7 +211,7 @@ MEMORY_SCRIPT = textwrap.dedent(
                       num_attention_heads=16, num_key_value_heads=4)
     engine = StreamingEngine(LlamaForCausalLM(cfg), device="cpu", compute_dtype=torch.float32)
     for u in engine.all_units():
-        u.alloc_optimizer_state(); u.m.fill_(1e-3); u.v.fill_(1e-6); u.step = 1
+        u.alloc_optimizer_state(); u.m.fill_(1e-3); u.v.fill_(1e-6); u.steps = [1] * len(u.entries)
     n = engine.num_parameters()
     largest = max(u.numel for u in engine.all_units()) * 12
     peak, before, done = [0], rss(), [False]

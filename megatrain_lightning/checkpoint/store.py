@@ -85,9 +85,12 @@ def save(
 
 def _unit_record(engine: StreamingEngine, unit: Any, i: int, info: dict, with_adam: bool) -> dict:
     names = engine.qualified_names(unit)
-    params = [{"name": n, "offset": e.offset, "shape": list(e.shape)} for n, e in zip(names, unit.entries)]
-    return {"file": f"units/{i:05d}.safetensors", "numel": unit.numel, "step": unit.step, "adam": with_adam,
-            "params": params, **info}  # fmt: skip
+    params = [
+        {"name": n, "offset": e.offset, "shape": list(e.shape), "step": step}
+        for n, e, step in zip(names, unit.entries, unit.steps)
+    ]
+    return {"file": f"units/{i:05d}.safetensors", "numel": unit.numel, "adam": with_adam, "params": params,
+            **info}  # fmt: skip
 
 
 def _buffers(engine: StreamingEngine) -> dict[str, torch.Tensor]:
@@ -198,7 +201,7 @@ def restore(engine: StreamingEngine, url: str, *, optimizer: bool) -> dict:
         except stream.ShardError as err:
             raise CheckpointError(f"{err}; resume from an earlier checkpoint") from None
         if optimizer:
-            unit.step = rec["step"] if rec["adam"] else 0
+            unit.steps = [p["step"] if rec["adam"] else 0 for p in rec["params"]]
     _restore_buffers(engine, fs, vdir, index, url)
     engine.refresh_from_masters()
     return index

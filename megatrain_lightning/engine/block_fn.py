@@ -1,44 +1,58 @@
 """Per-block autograd: forward without a graph, backward by recomputing the block with its weights re-bound.
 
-Each decoder block's ``forward`` is replaced by a :class:`BlockRunner`. Under grad mode the runner goes
+Each decoder block's ``forward`` is replaced by a :class:`BlockRunner`. The block still runs as the user's
+own module: the same object, in the train/eval mode the user set, with its submodules' hooks; only its
+parameters are pointed at device weights for the duration of the call. Under grad mode the runner goes
 through :class:`_BlockFunction`, which saves only the block's input hidden state; its backward asks the
 engine to bring the block's weights back into a slot, recompute the block with grad and return the
 input's gradient. The weights' gradients never enter autograd's graph: the engine ships them to host
 memory as soon as they exist. So ``loss.backward()``, ``manual_backward`` and any loss a user writes
 work unchanged.
 
-Like ``torch.utils.checkpoint``, the recompute runs under the autocast state and from the RNG state the
-forward saw, so dropout masks and mixed-precision casts are the same both times.
+Tensors that leave a block other than through its hidden-state output (router logits a hook records for
+an MoE auxiliary loss, an ``aux_loss`` attribute a router sets, extra elements of a tuple output) are
+made outputs of the same autograd node, so a loss built from them sends its gradient into the block's
+recompute as it would in ordinary training. Like ``torch.utils.checkpoint``, the recompute runs under
+the autocast state and from the RNG state the forward saw, and the submodules' hooks fire again in it.
+
+Forward and recompute hand the block tensors with the same ``requires_grad`` flags (parameters as the
+user set them, the input as it arrived): some kernels pick their path from those flags, and the same path
+both times keeps the loss and the gradients bit for bit those of ordinary training.
 """
 
 from __future__ import annotations
 
-import warnings
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from megatrain_lightning.engine.engine import StreamingEngine
 
-_CACHE_KWARGS = ("past_key_values", "past_key_value")
-
 
 class CallState:
-    """Everything besides the hidden state that a block call needs, captured at forward time."""
+    """Everything besides the hidden state that a block call needs, captured at forward time.
+
+    It deliberately holds no reference to the hidden state, and :meth:`clear` drops the rest once the
+    block's backward has run: autograd keeps a node's ``ctx`` alive as long as the graph object lives
+    (e.g. a loss the user keeps), and a stale input here would hold device memory for every block.
+    """
 
     def __init__(self, args: tuple, kwargs: dict, device: torch.device, preserve_rng: bool) -> None:
         if args:
-            self.hidden, self.args, self.hidden_kw = args[0], args[1:], None
+            self.args, self.hidden_kw = args[1:], None
         elif "hidden_states" in kwargs:
-            self.hidden, self.args, self.hidden_kw = kwargs["hidden_states"], (), "hidden_states"
+            self.args, self.hidden_kw = (), "hidden_states"
         else:
             raise TypeError("a streamed block must get its hidden state as the first argument or `hidden_states=`")
         self.kwargs = {k: v for k, v in kwargs.items() if k != self.hidden_kw}
-        _refuse_grad_inputs(self.args, self.kwargs)
-        self.extra: tuple | None = None  # non-hidden outputs of a block that returns a tuple
-        self.kind: type | None = None
+        self.kind: type | None = None  # the output's container type when the block returns a tuple
+        self.extra: tuple = ()  # the other elements of a tuple output
+        self.recorded = 0  # how many tensors SideOutputs recorded in the forward
+        self.side_index: list[int] = []  # which of them are outputs of the autograd node
+        self.extra_ids: dict[int, int] = {}  # id of a tensor in `extra` -> its index among those outputs
         types = {"cpu", device.type}
         self.autocast = [
             (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t), torch.is_autocast_cache_enabled())
@@ -48,22 +62,23 @@ class CallState:
         self.cpu_rng = torch.get_rng_state() if preserve_rng else None
         self.dev_rng = torch.cuda.get_rng_state(device) if preserve_rng and self.cuda_device is not None else None
 
-    def call(self, module: torch.nn.Module, params: dict[str, torch.Tensor], hidden: torch.Tensor) -> Any:
-        """Run `module` with `params` bound in place of its own, on `hidden`."""
-        kwargs = dict(self.kwargs)
-        if self.hidden_kw is None:
-            args = (hidden, *self.args)
-        else:
-            args, kwargs[self.hidden_kw] = self.args, hidden
-        return torch.func.functional_call(module, params, args, kwargs)
+    @staticmethod
+    def hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
+        return args[0] if args else kwargs["hidden_states"]
 
-    def split(self, out: Any) -> torch.Tensor:
-        """The hidden-state output; a tuple's other elements are kept for :meth:`rebuild`."""
+    def call(self, forward: Callable[..., Any], hidden: torch.Tensor) -> Any:
+        """Run the block's own forward on `hidden` with the captured arguments."""
+        if self.hidden_kw is None:
+            return forward(hidden, *self.args, **self.kwargs)
+        return forward(*self.args, **{**self.kwargs, self.hidden_kw: hidden})
+
+    @staticmethod
+    def split(out: Any) -> tuple[torch.Tensor, type | None, tuple]:
+        """(hidden-state output, container type of a tuple output or None, the tuple's other elements)."""
         if isinstance(out, torch.Tensor):
-            return out
+            return out, None, ()
         if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-            self.kind, self.extra = type(out), tuple(out[1:])
-            return out[0]
+            return out[0], type(out), tuple(out[1:])
         raise TypeError(f"a streamed block must return a tensor or a tuple starting with one, got {type(out).__name__}")
 
     def rebuild(self, hidden: torch.Tensor) -> Any:
@@ -83,62 +98,139 @@ class CallState:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
             yield
 
+    def clear(self) -> None:
+        self.args, self.kwargs, self.extra = (), {}, ()
+        self.cpu_rng = self.dev_rng = None
+
+
+class SideOutputs:
+    """Records, in call order, the floating-point tensors that may leave a block besides its hidden output:
+    the outputs of submodules that carry forward hooks (what a hook can store), tensors assigned to a
+    submodule attribute during the call, and the other elements of a tuple output. The recompute records
+    the same list in the same order, so the i-th tensor of each belongs together."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.modules = list(block.modules())
+        self.ids = {id(m) for m in self.modules}
+        self.tensors: list[torch.Tensor] = []
+        self.attrs: list[tuple[nn.Module, str, Any]] = []  # (module, name, value before the call)
+
+    @contextmanager
+    def recording(self) -> Iterator["SideOutputs"]:
+        before = {(id(m), k): v for m in self.modules for k, v in m.__dict__.items() if isinstance(v, torch.Tensor)}
+        handle = nn.modules.module.register_module_forward_hook(self._hook)
+        try:
+            yield self
+        finally:
+            handle.remove()
+        for m in self.modules:
+            for k, v in m.__dict__.items():
+                if isinstance(v, torch.Tensor) and before.get((id(m), k)) is not v and v.is_floating_point():
+                    self.tensors.append(v)
+                    self.attrs.append((m, k, before.get((id(m), k))))
+
+    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) in self.ids and module._forward_hooks:
+            self.add(output)
+
+    def add(self, tree: Any) -> None:
+        leaves = torch.utils._pytree.tree_leaves(tree)
+        self.tensors.extend(t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+    def restore_attrs(self) -> None:
+        """Put back the attribute values from before the call (a recompute overwrote what the forward stored)."""
+        for module, name, value in self.attrs:
+            if value is None:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = value
+
+
+def select_side(tensors: list[torch.Tensor], hidden: torch.Tensor, inputs: list[Any]) -> list[int]:
+    """Indices of the recorded tensors to make outputs of the block's autograd node: each distinct tensor
+    once, not the hidden output itself, not one of the block's own inputs (nothing was computed)."""
+    seen = {id(hidden)} | {id(t) for t in inputs if isinstance(t, torch.Tensor)}
+    picked = []
+    for i, t in enumerate(tensors):
+        if id(t) not in seen:
+            seen.add(id(t))
+            picked.append(i)
+    return picked
+
 
 class _BlockFunction(torch.autograd.Function):
     """Autograd node of one streamed block. `anchor` requires grad so the block's weights get gradients
-    even when its input does not (e.g. a frozen embedding feeding the first block)."""
+    even when its input does not (e.g. a frozen embedding feeding the first block). Its outputs are the
+    hidden state and the block's side outputs (see :class:`SideOutputs`)."""
 
     @staticmethod
     def forward(ctx, runner: "BlockRunner", state: CallState, anchor: torch.Tensor, hidden: torch.Tensor):
         ctx.runner, ctx.state = runner, state
         ctx.save_for_backward(hidden)
-        return runner.engine.forward_block(runner.idx, state, hidden)
+        ctx.set_materialize_grads(False)  # an unused side output sends None, not a tensor of zeros
+        out, side = runner.engine.forward_block(runner.idx, state, hidden, hidden.requires_grad)
+        return (out, *side)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor | None, *grad_side: torch.Tensor | None):
         (hidden,) = ctx.saved_tensors
         need_input_grad = ctx.needs_input_grad[3]
-        grad_in = ctx.runner.engine.backward_block(ctx.runner.idx, ctx.state, hidden, grad_out, need_input_grad)
+        engine, state = ctx.runner.engine, ctx.state
+        grad_in = engine.backward_block(ctx.runner.idx, state, hidden, [grad_out, *grad_side], need_input_grad)
+        state.clear()
+        ctx.state = None
         return None, None, None, grad_in
 
 
 class BlockRunner:
-    """Stands in for a decoder block's ``forward``; the block module itself stays in the model."""
+    """Stands in for a decoder block's ``forward``; the block module itself stays in the model.
 
-    def __init__(self, engine: "StreamingEngine", idx: int) -> None:
+    `inner` is the forward the block had before (its class's, or one a library put on the instance)."""
+
+    def __init__(self, engine: "StreamingEngine", idx: int, block: nn.Module) -> None:
         self.engine, self.idx = engine, idx
+        self.own = block.__dict__.get("forward")  # an instance forward to put back on release
+        self.inner = self.own if self.own is not None else type(block).forward.__get__(block)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
-        if torch.is_grad_enabled():
-            kwargs = _drop_cache(kwargs)
+        hidden = CallState.hidden_of(args, kwargs) if (args or "hidden_states" in kwargs) else None
         state = CallState(args, kwargs, engine.device, engine.preserve_rng_state)
         if not torch.is_grad_enabled():
-            # Evaluation: stream the weights, keep no input and build no graph.
-            return state.rebuild(engine.forward_block(self.idx, state, state.hidden))
-        out = _BlockFunction.apply(self, state, engine.grad_anchor, state.hidden)
+            # Evaluation: stream the weights, keep no input and build no graph. A KV cache is fine here.
+            out, _ = engine.forward_block(self.idx, state, hidden, hidden.requires_grad, record=False)
+            return state.rebuild(out)
+        _refuse_training_inputs(self.idx, args, kwargs)
+        out, *side = _BlockFunction.apply(self, state, engine.grad_anchor, hidden)
+        state.extra = _replace(state.extra, state.extra_ids, side)
         return state.rebuild(out)
 
 
-def _drop_cache(kwargs: dict) -> dict:
-    """Training never reads a KV cache, and filling one would keep every layer's keys on the device."""
-    if not any(kwargs.get(k) is not None for k in _CACHE_KWARGS) and not kwargs.get("use_cache"):
-        return kwargs
-    if not getattr(_drop_cache, "warned", False):
-        _drop_cache.warned = True
-        warnings.warn("strategy='megatrain': the KV cache is disabled while training (use_cache=False)", stacklevel=4)
-    out = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
-    if "use_cache" in out:
-        out["use_cache"] = False
-    return out
+def _replace(tree: tuple, ids: dict[int, int], side: list[torch.Tensor]) -> tuple:
+    """`tree` with each tensor that became output i of the autograd node replaced by that output."""
+    leaves, spec = torch.utils._pytree.tree_flatten(tree)
+    leaves = [side[ids[id(t)]] if isinstance(t, torch.Tensor) and id(t) in ids else t for t in leaves]
+    return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
-def _refuse_grad_inputs(args: tuple, kwargs: dict) -> None:
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+def is_cache(obj: Any) -> bool:
+    """A Hugging Face KV cache object (any ``transformers.Cache`` subclass), recognized by class name so
+    the engine needs no transformers import."""
+    return any(cls.__name__ == "Cache" or cls.__name__.endswith("Cache") for cls in type(obj).__mro__[:-1])
+
+
+def _refuse_training_inputs(idx: int, args: tuple, kwargs: dict) -> None:
+    for name, value in [*(("argument", a) for a in args[1:]), *kwargs.items()]:
+        if is_cache(value):
+            raise RuntimeError(
+                f"strategy='megatrain': decoder block {idx} got a KV cache ({type(value).__name__}, as {name}) while "
+                "training. Each block is recomputed in backward, which would fill the cache a second time and give "
+                "wrong gradients. Call the model with use_cache=False in training_step (the strategy already sets "
+                "config.use_cache=False on the model's configs during fit), and pass no past_key_values/cache."
+            )
+    leaves = torch.utils._pytree.tree_leaves((args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states"}))
     if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
         raise NotImplementedError(
             "a streamed block got a tensor argument besides its hidden state that requires grad; the engine "
             "returns a gradient for the hidden state only. Pass such tensors detached, or compute them inside the block."
         )
-
-

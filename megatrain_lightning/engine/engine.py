@@ -16,16 +16,17 @@ The engine is applied to an ordinary, built model (it imports no Lightning):
 
 from __future__ import annotations
 
-import copy
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from megatrain_lightning.engine.block_fn import BlockRunner, CallState
+from megatrain_lightning.engine import pinned
+from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, select_side
 from megatrain_lightning.engine.discover import find_blocks
-from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_per_param
+from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
 from megatrain_lightning.engine.host_steps import HostSteps
 from megatrain_lightning.engine.streams import SlotPool, Streams
 from megatrain_lightning.optim.kernels import AdamHyper
@@ -44,6 +45,7 @@ class StreamingEngine(HostSteps):
         compute_dtype: torch.dtype = torch.bfloat16,
         num_slots: int = 2,
         training: bool = True,
+        accumulating: bool = False,  # gradients summed over micro-batches: count the fp32 accumulator
         pin_memory: bool | None = None,
         preserve_rng_state: bool = True,
         available_bytes: Callable[[], int] | None = None,
@@ -67,18 +69,27 @@ class StreamingEngine(HostSteps):
         block_params = [list(b.named_parameters()) for b in self.blocks]
         in_blocks = {id(p) for params in block_params for _, p in params}
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
-        self._check_host_memory(block_params, outer, training, available_bytes)
+        self._check_host_memory(block_params, outer, training, available_bytes, accumulating)
 
         self.streams = Streams(self.device)
-        self._build_blocks(block_params, pin)
-        self._build_outer(outer, pin)
+        self._caches_off = _disable_kv_caches(model) if training else []
+        self.units: list[HostUnit] = []
+        self.outer_units: list[HostUnit] = []
+        try:
+            self._build_blocks(block_params, pin)
+            self._build_outer(outer, pin)
+        except BaseException:
+            pinned.unregister(self._pinnable())  # what was already page-locked (e.g. the limit ran out midway)
+            raise
         max_numel = max(u.numel for u in self.units)
         self.pool = SlotPool(self.streams, num_slots, max_numel, compute_dtype)
         self._grad_slots = [torch.empty(max_numel, dtype=compute_dtype, device=self.device) for _ in range(2)]
         self._grad_slot_free: list[object | None] = [None, None]
         self._next_grad_slot = 0
         self.grad_anchor = torch.empty(0, requires_grad=True)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host")
+        self._worker = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="megatrain-host", initializer=worker_init, initargs=(self.device,)
+        )
         self.backward_mode: str | None = None  # None | "accumulate" | "step": set by the trainer glue
         self.hyper: Callable[[], list[AdamHyper]] | None = None  # the attached optimizer's groups, now
         self.param_order: list[int] = []  # ids of the optimizer's parameters in group order
@@ -92,17 +103,18 @@ class StreamingEngine(HostSteps):
     # -- construction helpers -------------------------------------------------------------------
     def _build_blocks(self, block_params: list, pin: bool) -> None:
         """Move each block into a host unit, bind its parameters to the master, route its forward here."""
-        self._skeletons = [_meta_skeleton(b) for b in self.blocks]
-        self.units: list[HostUnit] = []
+        self.runners: list[BlockRunner] = []
         for i, (blk, params) in enumerate(zip(self.blocks, block_params)):
             self.units.append(HostUnit(f"{self.blocks_name}.{i}", params, self.compute_dtype, pin))
             _bind(self.units[-1], self.units[-1].master)  # frees the block's own storage right away
-            blk.forward = BlockRunner(self, i)
+            self.runners.append(BlockRunner(self, i, blk))
+            blk.forward = self.runners[-1]
         self._refresh_block_buffers()
 
     def _build_outer(self, outer: list, pin: bool) -> None:
         """A unit per outer parameter, its compute copy on the device, a hook to ship its gradient."""
-        self.outer_units = [HostUnit(n, [(n, p)], self.compute_dtype, pin) for n, p in outer]
+        for n, p in outer:
+            self.outer_units.append(HostUnit(n, [(n, p)], self.compute_dtype, pin))
         self._outer_buffers_to(self.device)
         self._outer_device: list[torch.Tensor] = []
         for unit in self.outer_units:
@@ -115,22 +127,31 @@ class StreamingEngine(HostSteps):
             if e.param.requires_grad
         ]
 
-    def _check_host_memory(self, block_params, outer, training: bool, available_bytes) -> None:
+    def _check_host_memory(self, block_params, outer, training: bool, available_bytes, accumulating: bool = False) -> None:
         numel = sum(p.numel() for params in block_params for _, p in params) + sum(p.numel() for _, p in outer)
-        need = numel * host_bytes_per_param(self.compute_dtype, training)
+        per_param = host_bytes_per_param(self.compute_dtype, training, accumulating)
+        need = numel * per_param
         # The model's own parameters are released unit by unit as they move into flat buffers.
         reclaim = sum(p.numel() * p.element_size() for params in block_params for _, p in params if p.device.type == "cpu")
         have = (available_bytes or available_host_bytes)() + reclaim
         if need > have:
+            elt = torch.tensor([], dtype=self.compute_dtype).element_size()
+            labels = {"master": "fp32 master", "adam": "Adam m and v", "copy": "transfer copy",
+                      "slab": "gradient slab", "acc": "fp32 gradient accumulator"}  # fmt: skip
+            kinds = [labels[k] for k, b in host_bytes_by_kind(elt, training, accumulating).items() if b]
             raise HostMemoryError(
                 f"the model's {numel / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB of host memory "
-                f"({host_bytes_per_param(self.compute_dtype, training)} bytes/param: fp32 master, Adam m and v, "
-                f"transfer copy and gradient slab) but about {have / 2**30:.1f} GiB is available. Use a machine "
-                "with more host memory, a smaller model, or check the size first with the memory planner."
+                f"({per_param} bytes/param: {', '.join(kinds[:-1])} and {kinds[-1]}) but about "
+                f"{have / 2**30:.1f} GiB is available. Use a machine with more host memory, a smaller model"
+                + (", accumulate_grad_batches=1 (drops the 4 bytes/param fp32 gradient accumulator)" if accumulating else "")
+                + ", or check the size first with the memory planner."
             )
 
     def _refresh_block_buffers(self) -> None:
-        self._block_buffers = [{n: b.to(self.device) for n, b in blk.named_buffers()} for blk in self.blocks]
+        """Device copies of the blocks' buffers (bound in place of the host ones while a block runs)."""
+        self._block_buffers = [
+            [(b, b.to(self.device)) for b in blk.buffers() if b.device != self.device] for blk in self.blocks
+        ]
 
     def _outer_buffers_to(self, device: torch.device) -> None:
         in_blocks = {id(m) for b in self.blocks for m in b.modules()}
@@ -158,35 +179,80 @@ class StreamingEngine(HostSteps):
         return self.outer_units + self.units
 
     # -- forward / backward of one block ---------------------------------------------------------
-    def forward_block(self, idx: int, state: CallState, hidden: torch.Tensor) -> torch.Tensor:
+    def forward_block(
+        self, idx: int, state: CallState, hidden: torch.Tensor, input_requires_grad: bool, record: bool = True
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run block `idx` without a graph: (hidden output, side outputs for the autograd node).
+
+        When training (`record`), the input is handed over with the flag it will have in the recompute, and
+        the tensors that may leave the block besides its output are recorded (see SideOutputs)."""
+        blk, runner = self.blocks[idx], self.runners[idx]
+        x = hidden.detach().requires_grad_(input_requires_grad) if record else hidden
+        side = SideOutputs(blk) if record else None
+
+        def call() -> Any:
+            with side.recording() if side is not None else nullcontext():
+                return state.call(runner.inner, x)
+
         with torch.no_grad():
-            return self._run(idx, +1, lambda params: state.split(state.call(self._skeletons[idx], params, hidden)))
+            out, state.kind, state.extra = state.split(self._run(idx, +1, call))
+        if side is None:
+            return out, []
+        side.add(state.extra)
+        state.recorded = len(side.tensors)
+        state.side_index = select_side(side.tensors, out, [x, *torch.utils._pytree.tree_leaves((state.args, state.kwargs))])
+        picked = [side.tensors[i] for i in state.side_index]
+        state.extra_ids = {id(t): j for j, t in enumerate(picked)}
+        return out, picked
 
     def backward_block(
-        self, idx: int, state: CallState, hidden: torch.Tensor, grad_out: torch.Tensor, need_input_grad: bool
+        self, idx: int, state: CallState, hidden: torch.Tensor, grads_out: list, need_input_grad: bool
     ) -> torch.Tensor | None:
-        unit = self.units[idx]
+        """Recompute block `idx` with grad; ship its parameters' gradients to the host, return the input's."""
+        unit, blk, runner = self.units[idx], self.blocks[idx], self.runners[idx]
+        # Parameters the user froze get no gradient, exactly as in ordinary training (checked now: a
+        # parameter may be frozen or unfrozen between steps).
+        trained = [i for i, e in enumerate(unit.entries) if e.param.requires_grad]
+        if not trained and not need_input_grad:
+            return None
 
-        def recompute(params: dict[str, torch.Tensor]) -> tuple:
-            leaves = {e.name: params[e.name].detach().requires_grad_(True) for e in unit.entries}
+        def recompute() -> tuple:
             x = hidden.detach().requires_grad_(need_input_grad)
+            side = SideOutputs(blk)
             with torch.enable_grad(), state.replay():
-                out = state.split(state.call(self._skeletons[idx], {**params, **leaves}, x))
-            inputs = ([x] if need_input_grad else []) + list(leaves.values())
-            return torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+                with side.recording():
+                    out, _, extra = state.split(state.call(runner.inner, x))
+                side.add(extra)
+            side.restore_attrs()
+            if len(side.tensors) != state.recorded:
+                raise RuntimeError(
+                    f"decoder block {idx} produced {len(side.tensors)} side tensors in its recompute but "
+                    f"{state.recorded} in its forward: the block must run the same code both times"
+                )
+            pairs = [(o, g) for o, g in zip([out, *(side.tensors[i] for i in state.side_index)], grads_out)]
+            pairs = [(o, g) for o, g in pairs if g is not None and o.requires_grad]
+            inputs = ([x] if need_input_grad else []) + [unit.entries[i].param for i in trained]
+            if not pairs:
+                return (None,) * len(inputs)
+            outs, gouts = zip(*pairs)
+            return torch.autograd.grad(outs, inputs, gouts, allow_unused=True)
 
         grads = self._run(idx, -1, recompute)
-        param_grads = grads[1:] if need_input_grad else grads
-        flat, grad_slot = self._pack_grads(unit, param_grads)
-        self._ship(unit, flat, block_idx=idx, grad_slot=grad_slot)
+        by_entry: list[torch.Tensor | None] = [None] * len(unit.entries)
+        for i, g in zip(trained, grads[1:] if need_input_grad else grads):
+            by_entry[i] = g
+        present = [g is not None for g in by_entry]
+        if any(present):
+            flat, grad_slot = self._pack_grads(unit, by_entry)
+            self._ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot)
         return grads[0] if need_input_grad else None
 
-    def _run(self, idx: int, direction: int, fn: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
+    def _run(self, idx: int, direction: int, fn: Callable[[], Any]) -> Any:
         """Bind block `idx`'s weights from a slot, enqueue `fn`, then prefetch the next blocks."""
         unit = self.units[idx]
         slot = self._load(idx, {idx})
-        params = {**unit.views(self.pool.acquire(slot, unit.numel)), **self._block_buffers[idx]}
-        out = fn(params)
+        with self._bound(idx, self.pool.acquire(slot, unit.numel)):
+            out = fn()
         self.pool.release(slot)
         # Prefetch after enqueueing the compute, so waiting for a pending host step never delays it.
         ahead = [idx + direction * k for k in range(1, self.pool.num_slots)]
@@ -194,6 +260,22 @@ class StreamingEngine(HostSteps):
             if 0 <= j < len(self.units):
                 self._load(j, {idx, *ahead})
         return out
+
+    @contextmanager
+    def _bound(self, idx: int, flat: torch.Tensor) -> Iterator[None]:
+        """Point block `idx`'s parameters at the device weights in `flat` and its buffers at their device
+        copies for the duration of a call; afterwards the parameters are views of the masters again."""
+        unit = self.units[idx]
+        buffers = [(b, b.data, dev) for b, dev in self._block_buffers[idx]]
+        _bind(unit, flat)
+        for b, _, dev in buffers:
+            b.data = dev
+        try:
+            yield
+        finally:
+            _bind(unit, unit.master)
+            for b, host, _ in buffers:
+                b.data = host
 
     def _load(self, idx: int, protect: set[int]) -> int:
         unit = self.units[idx]
@@ -265,34 +347,59 @@ class StreamingEngine(HostSteps):
                 total[kind] = total.get(kind, 0) + n
         return total
 
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes the engine holds: exactly its pinned buffers' sizes, no rounding (the
+        compute copy and the gradient slab; in fp32 the master, which is the copy, and the slab)."""
+        return pinned.registered_bytes(self._pinnable())
+
+    def _pinnable(self) -> list[torch.Tensor | None]:
+        return [t for unit in self.all_units() for t in (unit.master, unit.copy, unit.slab)]
+
     def num_parameters(self) -> int:
         return sum(u.numel for u in self.all_units())
 
     def release(self) -> None:
         """Give the model back as an ordinary fp32 host model (parameters are views of the masters)."""
         self.flush()
+        self.streams.synchronize()  # no copy may still read or write a device buffer freed below
         self._worker.shutdown(wait=True)
         for handle in self._hooks:
             handle.remove()
-        for blk in self.blocks:
+        for config in self._caches_off:
+            config.use_cache = True
+        for blk, runner in zip(self.blocks, self.runners):
             blk.__dict__.pop("forward", None)
+            if runner.own is not None:
+                blk.forward = runner.own
         for unit in self.all_units():
             _bind(unit, unit.master)
         self._outer_buffers_to(torch.device("cpu"))
         self._outer_device.clear()
         self.pool.buffers.clear()
         self._grad_slots.clear()
+        pinned.unregister(self._pinnable())  # they stay allocated (the masters as the model's parameters)
 
 def _bind(unit: HostUnit, flat: torch.Tensor) -> None:
     """Point each parameter of `unit` at its slice of `flat` (no copy)."""
     for e in unit.entries:
         e.param.data = flat[e.offset : e.offset + e.numel].view(e.shape)
 
-def _meta_skeleton(block: nn.Module) -> nn.Module:
-    """A copy of `block` with meta tensors: structure and attributes (e.g. layer_idx) at no memory cost.
-    Weights are bound per call from a slot with torch.func.functional_call."""
-    memo = {id(t): torch.empty_like(t, device="meta") for t in (*block.parameters(), *block.buffers())}
-    memo.update({id(p): nn.Parameter(memo[id(p)], requires_grad=p.requires_grad) for p in block.parameters()})
-    skeleton = copy.deepcopy(block, memo)
-    skeleton.__dict__.pop("forward", None)
-    return skeleton
+
+def _disable_kv_caches(model: nn.Module) -> list[Any]:
+    """Set ``use_cache=False`` on every Hugging Face config in `model` (returns those changed, to restore).
+
+    A cache filled during the forward would be filled again by each block's recompute. Training never
+    reads it, so turning it off changes no result; a cache passed explicitly is refused by the block."""
+    changed = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True and not any(c is config for c in changed):
+            config.use_cache = False
+            changed.append(config)
+    return changed
+
+
+def worker_init(device: torch.device) -> None:
+    """The host worker waits on CUDA events: it must use the engine's GPU, not create a context on GPU 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megatrain_lightning.engine import pinned
+
 
 class GradState(enum.Enum):
     EMPTY = "empty"  # no gradient since the last step / zero_grad
@@ -44,8 +46,11 @@ class ParamEntry:
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host buffer; page-locked when it is a DMA source or target so copies can be asynchronous."""
-    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+    """A host buffer; page-locked when it is a DMA source or target so copies can be asynchronous.
+
+    Pinned buffers are registered at their exact size (engine/pinned.py), not taken from torch's caching
+    host allocator, which would round each one up to a power of two."""
+    return pinned.pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
 
 
 class HostUnit:
@@ -81,7 +86,10 @@ class HostUnit:
         self.acc: torch.Tensor | None = None
         self.grad_state = GradState.EMPTY
         self.norms: list[torch.Tensor] | None = None  # per-parameter norms of the complete gradient
-        self.step = 0  # optimizer steps taken (Adam bias correction)
+        # Per parameter, as torch.optim keeps them: a parameter that got no gradient (frozen, or unused by
+        # the loss) is skipped by the step and its Adam step count (bias correction) does not advance.
+        self.has_grad = [False] * len(entries)  # got a gradient since the last step / zero_grad
+        self.steps = [0] * len(entries)  # optimizer steps taken
         self.future: Future | None = None  # last host job touching this unit
         self.upload_done: object | None = None  # event: the last H2D read of `copy` finished
 
@@ -90,16 +98,17 @@ class HostUnit:
         """Per-parameter views (named relative to the unit) of a flat buffer laid out like this unit."""
         return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
 
-    def segments(self) -> list[tuple[int, int, int]]:
-        """(group, start, end) runs of parameters owned by one optimizer param group."""
-        runs: list[tuple[int, int, int]] = []
-        for e in self.entries:
-            if e.group is None:
+    def segments(self) -> list[tuple[int, int, int, int]]:
+        """(group, step, start, end) runs of consecutive parameters the next optimizer step updates: owned
+        by one param group, holding a gradient, and at the same Adam step count."""
+        runs: list[tuple[int, int, int, int]] = []
+        for e, has_grad, step in zip(self.entries, self.has_grad, self.steps):
+            if e.group is None or not has_grad:
                 continue
-            if runs and runs[-1][0] == e.group and runs[-1][2] == e.offset:
-                runs[-1] = (e.group, runs[-1][1], e.offset + e.numel)
+            if runs and runs[-1][:2] == (e.group, step) and runs[-1][3] == e.offset:
+                runs[-1] = (e.group, step, runs[-1][2], e.offset + e.numel)
             else:
-                runs.append((e.group, e.offset, e.offset + e.numel))
+                runs.append((e.group, step, e.offset, e.offset + e.numel))
         return runs
 
     def set_groups(self, groups: dict[int, int]) -> None:
@@ -164,7 +173,8 @@ def host_bytes_by_kind(compute_elt: int, training: bool, accumulating: bool = Fa
     }
 
 
-def host_bytes_per_param(compute_dtype: torch.dtype, training: bool) -> int:
-    """Bytes the engine allocates per parameter (master, copy, and when training m, v and the slab)."""
+def host_bytes_per_param(compute_dtype: torch.dtype, training: bool, accumulating: bool = False) -> int:
+    """Bytes the engine allocates per parameter (master, copy, and when training m, v and the slab; the
+    fp32 accumulator too when gradients are accumulated over micro-batches)."""
     elt = torch.tensor([], dtype=compute_dtype).element_size()
-    return sum(host_bytes_by_kind(elt, training).values())
+    return sum(host_bytes_by_kind(elt, training, accumulating).values())

@@ -26,8 +26,9 @@ class HostSteps:
     """Gradient shipping, accumulation, clipping and AdamW steps on the host worker."""
 
     # -- gradients to the host ------------------------------------------------------------------
-    def _pack_grads(self, unit: HostUnit, grads: tuple) -> tuple[torch.Tensor, int]:
-        """Write a block's parameter gradients into a free device grad slot, flat in the unit's layout."""
+    def _pack_grads(self, unit: HostUnit, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor, int]:
+        """Write a block's parameter gradients (None: the parameter got none) into a free device grad slot,
+        flat in the unit's layout; a missing gradient is written as zeros and marked absent by `_ship`."""
         k = self._next_grad_slot
         self._next_grad_slot = 1 - k
         self.streams.wait(None, self._grad_slot_free[k])  # its previous download must have finished
@@ -42,14 +43,20 @@ class HostSteps:
     def _outer_grad_hook(self, unit: HostUnit) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             grad, param.grad = param.grad, None
-            self._ship(unit, grad.reshape(-1))
+            self._ship(unit, grad.reshape(-1), present=[True])
 
         return hook
 
     def _ship(
-        self, unit: HostUnit, flat: torch.Tensor, block_idx: int | None = None, grad_slot: int | None = None
+        self,
+        unit: HostUnit,
+        flat: torch.Tensor,
+        present: list[bool],
+        block_idx: int | None = None,
+        grad_slot: int | None = None,
     ) -> None:
-        """Download a unit's gradient into its pinned slab and hand it to the host worker."""
+        """Download a unit's gradient into its pinned slab and hand it to the host worker. `present` says,
+        per parameter, whether autograd produced a gradient (absent ones are zeros in `flat`)."""
         if unit in self._eager:
             raise RuntimeError(
                 f"{unit.name} got a second gradient after it was already stepped during this backward; "
@@ -73,7 +80,7 @@ class HostSteps:
         eager = self._eager_ok()
         hyper = self.hyper() if eager else None
         want_norm = self.want_norms and not accumulate
-        self._submit(unit, lambda: self._land(unit, done, accumulate, want_norm, hyper))
+        self._submit(unit, lambda: self._land(unit, done, present, accumulate, want_norm, hyper))
         if eager:
             self._eager.add(unit)
             self._pending.discard(unit)  # earlier micro-batches' sum is consumed by this step
@@ -88,9 +95,19 @@ class HostSteps:
             self.backward_mode == "step" and self.overlap_optimizer and not self.want_norms and self.hyper is not None
         )
 
-    def _land(self, unit: HostUnit, done: Any, accumulate: bool, want_norm: bool, hyper: list[AdamHyper] | None) -> None:
+    def _land(
+        self,
+        unit: HostUnit,
+        done: Any,
+        present: list[bool],
+        accumulate: bool,
+        want_norm: bool,
+        hyper: list[AdamHyper] | None,
+    ) -> None:
         t0 = time.perf_counter()
         done.synchronize()  # never read pinned memory before its copy has finished
+        # As `.grad` in ordinary training: a parameter has a gradient once any micro-batch produced one.
+        unit.has_grad = [a or b for a, b in zip(unit.has_grad, present)]
         if accumulate or unit.grad_state is GradState.ACC:
             first = unit.grad_state is GradState.EMPTY
             if unit.acc is None:
@@ -158,8 +175,8 @@ class HostSteps:
             unit.wait()
             if unit.norms is None:
                 unit.norms = self._norms(unit)
-            by_param.update((id(e.param), n) for e, n in zip(unit.entries, unit.norms))
-        # clip_grad_norm_ walks the optimizer's parameters in group order; so does this.
+            by_param.update((id(e.param), n) for e, n, g in zip(unit.entries, unit.norms, unit.has_grad) if g)
+        # clip_grad_norm_ walks the optimizer's parameters that have a gradient, in group order; so does this.
         return kernels.clip_coefficient([by_param[i] for i in self.param_order if i in by_param], clip_val)
 
     def _step_unit(self, unit: HostUnit, hyper: list[AdamHyper], scale: float) -> None:
@@ -168,20 +185,22 @@ class HostSteps:
             unit.upload_done.synchronize()  # an in-flight upload may still be reading the copy
         grad = self._grad_of(unit)
         copy_out = None if unit.copy is unit.master else unit.copy
-        unit.step += 1
-        for group, start, end in unit.segments():
+        for group, step, start, end in unit.segments():
             seg_copy = None if copy_out is None else copy_out[start:end]
             kernels.adam_step_(
                 unit.master[start:end], unit.m[start:end], unit.v[start:end], grad[start:end], seg_copy,
-                hyper[group], unit.step, scale,
+                hyper[group], step + 1, scale,
             )  # fmt: skip
+        unit.steps = [s + int(g and e.group is not None) for s, g, e in zip(unit.steps, unit.has_grad, unit.entries)]
         unit.grad_state, unit.norms = GradState.EMPTY, None
+        unit.has_grad = [False] * len(unit.entries)
         self.stats["host_step_seconds"] += time.perf_counter() - t0
 
     def zero_grad(self) -> None:
         self.flush()
         for unit in self.all_units():
             unit.grad_state, unit.norms = GradState.EMPTY, None
+            unit.has_grad = [False] * len(unit.entries)
             for e in unit.entries:
                 e.param.grad = None
         self._pending.clear()
@@ -189,9 +208,12 @@ class HostSteps:
 
     # -- the worker -------------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait for every host job (landing, steps) to finish."""
+        """Wait for every host job (landing, steps) and every upload reading a compute copy to finish: after
+        this the host buffers may be read or rewritten (checkpoints, loading weights, teardown)."""
         for unit in self.all_units():
             unit.wait()
+            if unit.upload_done is not None:
+                unit.upload_done.synchronize()
 
     def _wait(self, unit: HostUnit) -> None:
         """Block on `unit`'s last host job, counting the time the device queue may starve meanwhile."""

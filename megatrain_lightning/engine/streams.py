@@ -67,6 +67,11 @@ class Streams:
         if self.is_cuda and event is not None:
             (stream if stream is not None else self.compute()).wait_event(event)
 
+    def synchronize(self) -> None:
+        """Block the host until every stream of the device, copies included, has finished its work."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
     @contextmanager
     def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
         with torch.cuda.stream(stream) if self.is_cuda else nullcontext():

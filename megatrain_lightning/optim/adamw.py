@@ -96,8 +96,9 @@ class HostAdamW(torch.optim.Optimizer):
         self.engine.zero_grad()
 
     # -- state dict in torch.optim layout ---------------------------------------------------------
-    def _entries(self) -> dict[int, tuple[Any, ParamEntry]]:
-        return {id(e.param): (u, e) for u in self.engine.all_units() for e in u.entries}
+    def _entries(self) -> dict[int, tuple[Any, int, ParamEntry]]:
+        """Where each parameter (by id) lives: its unit and its index among the unit's entries."""
+        return {id(e.param): (u, i, e) for u in self.engine.all_units() for i, e in enumerate(u.entries)}
 
     def state_dict(self) -> dict[str, Any]:
         self.engine.flush()
@@ -105,11 +106,11 @@ class HostAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             ids = []
             for p in group["params"]:
-                unit, e = where[id(p)]
+                unit, i, e = where[id(p)]
                 sl = slice(e.offset, e.offset + e.numel)
-                if unit.step > 0:
+                if unit.steps[i] > 0:  # torch.optim keeps state only for parameters it has stepped
                     state[index] = {
-                        "step": torch.tensor(float(unit.step)),
+                        "step": torch.tensor(float(unit.steps[i])),
                         "exp_avg": unit.m[sl].view(e.shape),
                         "exp_avg_sq": unit.v[sl].view(e.shape),
                     }
@@ -132,11 +133,14 @@ class HostAdamW(torch.optim.Optimizer):
         for saved, group in zip(saved_groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
             for idx, p in zip(saved["params"], group["params"]):
-                unit, e = where[id(p)]
+                unit, i, e = where[id(p)]
                 entry = state_dict["state"].get(idx)
-                if entry is None:
-                    continue
                 sl = slice(e.offset, e.offset + e.numel)
+                if entry is None:  # never stepped: fresh Adam state, as torch.optim would have
+                    unit.m[sl].zero_()
+                    unit.v[sl].zero_()
+                    unit.steps[i] = 0
+                    continue
                 unit.m[sl].copy_(entry["exp_avg"].reshape(-1))
                 unit.v[sl].copy_(entry["exp_avg_sq"].reshape(-1))
-                unit.step = int(entry["step"])
+                unit.steps[i] = int(entry["step"])

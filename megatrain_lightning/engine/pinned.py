@@ -1,0 +1,130 @@
+"""Exact-size page-locked host memory: ordinary host tensors registered with CUDA.
+
+``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which rounds every
+allocation up to a power of two (pytorch/pytorch#95823): a 218M-parameter bf16 block copy asks for
+416 MiB and gets 512 MiB, about 6 GiB more for an 8B model in bf16 and 12 GiB in fp32, none of it
+counted. Here a buffer is allocated at its exact size as ordinary (pageable) memory and page-locked in
+place with ``cudaHostRegister``, so the pinned bytes are exactly the bytes the engine accounts.
+
+A registered tensor is held in a registry until it is unregistered: freeing page-locked memory while
+it is still registered (and letting the allocator hand the pages out again) must not happen. The
+engine unregisters its own buffers in ``StreamingEngine.release()``; afterwards they are ordinary host
+memory (the fp32 masters live on as the model's parameters).
+
+The CUDA calls sit in :func:`_host_register` and :func:`_host_unregister` only, so tests replace them
+on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+import warnings
+
+import torch
+
+CUDA_HOST_REGISTER_PORTABLE = 1
+"""``cudaHostRegisterPortable``: pinned for every CUDA context, not only the current device's."""
+
+
+class PinnedMemoryError(RuntimeError):
+    """Host memory could not be page-locked (usually the locked-memory limit, ``ulimit -l``)."""
+
+
+_lock = threading.Lock()
+_registry: dict[int, torch.Tensor] = {}  # data_ptr -> the registered tensor (kept alive while registered)
+
+
+def _host_register(ptr: int, nbytes: int, flags: int) -> int:
+    """``cudaHostRegister``; returns the CUDA error code (0 on success)."""
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags))
+
+
+def _host_unregister(ptr: int) -> int:
+    """``cudaHostUnregister``; returns the CUDA error code (0 on success)."""
+    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+
+def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized host tensor of exactly ``numel`` elements, page-locked for asynchronous copies."""
+    t = torch.empty(numel, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return t  # nothing to lock (CUDA refuses empty ranges)
+    try:
+        code = _host_register(t.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE)
+    except (AssertionError, RuntimeError) as e:  # torch without CUDA, no GPU visible
+        raise PinnedMemoryError(f"pinned host memory needs a CUDA GPU ({e}); pass pin_memory=False") from e
+    if code != 0:
+        raise PinnedMemoryError(
+            f"could not page-lock {nbytes / 2**20:.1f} MiB of host memory ({nbytes} bytes) for transfers to the "
+            f"GPU: cudaHostRegister returned {_error_name(code)}, with {registered_bytes() / 2**30:.2f} GiB already "
+            f"pinned by this process and a locked-memory limit (RLIMIT_MEMLOCK) of {_memlock_limit()}. Raise the "
+            "limit (`ulimit -l unlimited`, memlock in /etc/security/limits.conf, or `docker run --ulimit "
+            "memlock=-1`), free host memory, or pass pin_memory=False to StreamingEngine (slower, synchronous copies)."
+        )
+    with _lock:
+        _registry[t.data_ptr()] = t
+    return t
+
+
+def is_registered(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is (the start of) a buffer registered here."""
+    if t is None or t.numel() == 0:
+        return False
+    with _lock:
+        return _registry.get(t.data_ptr()) is not None
+
+
+def registered_bytes(tensors: list[torch.Tensor | None] | None = None) -> int:
+    """Pinned bytes held through this module: all of them, or those of ``tensors`` (each buffer once)."""
+    with _lock:
+        if tensors is None:
+            held = list(_registry.values())
+        else:
+            found = {t.data_ptr(): _registry.get(t.data_ptr()) for t in tensors if t is not None and t.numel()}
+            held = [r for r in found.values() if r is not None]
+    return sum(r.numel() * r.element_size() for r in held)
+
+
+def unregister(tensors: list[torch.Tensor | None]) -> int:
+    """Unregister each registered buffer among ``tensors`` (others are skipped); returns the bytes unlocked.
+
+    The caller makes sure no copy still reads or writes them. A buffer CUDA refuses to unregister stays
+    in the registry (and so is never freed while locked), with a warning.
+    """
+    done = 0
+    for t in tensors:
+        if not is_registered(t):
+            continue
+        assert t is not None
+        ptr = t.data_ptr()
+        code = _host_unregister(ptr)
+        with _lock:
+            if code == 0:
+                held = _registry.pop(ptr)
+                done += held.numel() * held.element_size()
+        if code != 0:
+            warnings.warn(f"cudaHostUnregister of a pinned host buffer at {ptr:#x} returned {_error_name(code)}; "
+                          "it stays allocated", stacklevel=2)  # fmt: skip
+    return done
+
+
+def unregister_all() -> int:
+    """Unregister every buffer this module registered (for teardown of a whole process or test)."""
+    with _lock:
+        held = list(_registry.values())
+    return unregister(held)
+
+
+def _error_name(code: int) -> str:
+    try:
+        cudart = torch.cuda.cudart()
+        return f"{code} ({cudart.cudaGetErrorString(cudart.cudaError(code))})"
+    except Exception:  # no CUDA runtime to name it (e.g. the registration itself was replaced in a test)
+        return str(code)
+
+
+def _memlock_limit() -> str:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
