@@ -9,6 +9,9 @@ Host bytes follow the engine's own buffers one for one (``engine/host.py``), per
     fp32 master 4 + Adam m, v 8 + pinned compute copy (2 in bf16; 0 in fp32, where the master is the copy)
     + gradient slab (2 in bf16, 4 in fp32) + fp32 accumulator 4 (only when accumulate > 1)
 
+The copy and slab (in fp32 the master and slab) are page-locked at exactly these sizes (``engine/pinned.py``;
+no power-of-two rounding), and the engine's own host-memory check uses the same per-parameter figure.
+
 GPU bytes are the engine's fixed buffers plus what a step computes with (``elt`` = compute dtype bytes,
 ``n`` = micro_batch x seq_len tokens, ``A`` = heads x head_dim, ``K`` = kv_heads x head_dim, ``I`` = MLP
 width, ``H`` = hidden, ``V`` = vocabulary):

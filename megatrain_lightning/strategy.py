@@ -13,6 +13,7 @@ from typing import Any, Literal, Mapping
 
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -104,6 +105,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             self.engine = StreamingEngine(
                 self.lightning_module, device=self.root_device, compute_dtype=plugin.compute_dtype,
                 num_slots=self.num_slots, training=fitting,
+                accumulating=fitting and _accumulates(trainer),  # the fp32 accumulator counts too
             )  # fmt: skip
         self.engine.overlap_optimizer = self.overlap_optimizer
         self.engine.want_norms = bool(fitting and trainer.gradient_clip_val)
@@ -236,6 +238,16 @@ class MegatrainStrategy(SingleDeviceStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
             )
+
+
+def _accumulates(trainer: Any) -> bool:
+    """Whether gradients will be summed over micro-batches (the engine then allocates fp32 accumulators),
+    now or in a later epoch of a GradientAccumulationScheduler."""
+    factors = [trainer.accumulate_grad_batches]
+    for cb in trainer.callbacks:
+        if isinstance(cb, GradientAccumulationScheduler):
+            factors.extend(cb.scheduling.values())
+    return max(factors) > 1
 
 
 def _rng_state() -> dict[str, Any]:
