@@ -5,7 +5,8 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import lightning.pytorch as L
 import torch
@@ -119,20 +120,35 @@ def loader(batches: list[torch.Tensor]) -> DataLoader:
     return DataLoader(batches, batch_size=None, shuffle=False)
 
 
-def fit(module: CausalLM, batches: list[torch.Tensor], strategy: Any = "megatrain", **trainer_kwargs: Any) -> L.Trainer:
-    """Fit quietly on the CPU; `strategy="auto"` is ordinary training; `ckpt_path` goes to `trainer.fit`."""
-    ckpt_path = trainer_kwargs.pop("ckpt_path", None)
-    kwargs = dict(
+@contextmanager
+def quiet() -> Iterator[None]:
+    """Silence the warnings every tiny CPU run triggers (few workers, no val loader, the disabled KV cache)."""
+    with warnings.catch_warnings():
+        for pattern in (".*does not have many workers.*", ".*KV cache is disabled.*", ".*val_dataloader.*",
+                        ".*LeafSpec.*", ".*in eval mode at the start of training.*",
+                        ".*enable_nested_tensor is True.*"):  # fmt: skip
+            warnings.filterwarnings("ignore", pattern)
+        yield
+
+
+def trainer(strategy: Any = "megatrain", **kwargs: Any) -> L.Trainer:
+    """A quiet CPU Trainer: one epoch, no logger, checkpoints, progress bar or sanity validation."""
+    defaults = dict(
         accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    kwargs.update(trainer_kwargs)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        warnings.filterwarnings("ignore", ".*KV cache is disabled.*")
-        trainer = L.Trainer(**kwargs)
-        trainer.fit(module, loader(batches), ckpt_path=ckpt_path)
-    return trainer
+    defaults.update(kwargs)
+    with quiet():
+        return L.Trainer(**defaults)
+
+
+def fit(module: CausalLM, batches: list[torch.Tensor], strategy: Any = "megatrain", **trainer_kwargs: Any) -> L.Trainer:
+    """Fit quietly on the CPU; `strategy="auto"` is ordinary training; `ckpt_path` goes to `trainer.fit`."""
+    ckpt_path = trainer_kwargs.pop("ckpt_path", None)
+    t = trainer(strategy, **trainer_kwargs)
+    with quiet():
+        t.fit(module, loader(batches), ckpt_path=ckpt_path)
+    return t
 
 
 def twin(make: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:

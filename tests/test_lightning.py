@@ -10,10 +10,8 @@ from __future__ import annotations
 import copy
 import csv
 import math
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning.pytorch as L
 import pytest
@@ -25,34 +23,15 @@ from torch import nn
 import megatrain_lightning
 import megatrain_lightning.engine.engine as engine_module
 from megatrain_lightning import HostMemoryError, MegatrainPrecision, MegatrainStrategy
-from tests.helpers import VOCAB, CausalLM, fit, hf_llama, hf_loss, loader, params_of, token_batches, twin, warmup_cosine
+from tests.helpers import (
+    VOCAB, CausalLM, fit, hf_llama, hf_loss, loader, params_of, quiet, token_batches, trainer, twin, warmup_cosine,
+)
 
 
 @pytest.fixture
 def torch_adam(monkeypatch):
     """The torch-op optimizer backend: bitwise equal to torch.optim.AdamW."""
     monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
-
-
-@contextmanager
-def quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        warnings.filterwarnings("ignore", ".*KV cache is disabled.*")
-        warnings.filterwarnings("ignore", ".*val_dataloader.*")
-        warnings.filterwarnings("ignore", ".*LeafSpec.*")
-        yield
-
-
-def trainer(strategy: Any = "megatrain", **kwargs: Any) -> L.Trainer:
-    """A quiet CPU Trainer with the same defaults as helpers.fit."""
-    defaults = dict(
-        accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-    )  # fmt: skip
-    defaults.update(kwargs)
-    with quiet():
-        return L.Trainer(**defaults)
 
 
 def layers_of(module: CausalLM) -> nn.ModuleList:

@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import copy
 import os
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import lightning.pytorch as L
 import pytest
@@ -44,7 +42,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from megatrain_lightning.optim import kernels
-from tests.helpers import VOCAB, CausalLM, hf_llama, hf_loss, loader, params_of, token_batches
+from tests.helpers import VOCAB, CausalLM, hf_llama, hf_loss, loader, params_of, quiet, token_batches, trainer
 
 SEQ = 16
 DROPOUT = 0.1
@@ -300,26 +298,6 @@ CASES = [(name, "torch") for name in ZOO] + [(name, "native") for name in NATIVE
 # -- running -----------------------------------------------------------------------------------------
 
 
-@contextmanager
-def quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        for pattern in (".*does not have many workers.*", ".*KV cache is disabled.*", ".*val_dataloader.*",
-                        ".*LeafSpec.*", ".*in eval mode at the start of training.*",
-                        ".*enable_nested_tensor is True.*"):  # fmt: skip
-            warnings.filterwarnings("ignore", pattern)
-        yield
-
-
-def make_trainer(strategy: str, **kwargs: Any) -> L.Trainer:
-    defaults = dict(
-        accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-    )  # fmt: skip
-    defaults.update(kwargs)
-    with quiet():
-        return L.Trainer(**defaults)
-
-
 def seeded_fit(trainer: L.Trainer, module: L.LightningModule, train: list, val: list | None = None) -> None:
     torch.manual_seed(SEED)
     with quiet():
@@ -341,8 +319,8 @@ def run_pair(entry: Zoo, batches: list, **trainer_kwargs: Any) -> tuple[CausalLM
     start = params_of(model)
     ref = entry.module(model, loss_fn=entry.loss_fn, **MODULE_KWARGS)
     mt = entry.module(twin, loss_fn=entry.loss_fn, **MODULE_KWARGS)
-    seeded_fit(make_trainer("auto", **trainer_kwargs), ref, batches)
-    seeded_fit(make_trainer("megatrain", **trainer_kwargs), mt, batches)
+    seeded_fit(trainer("auto", **trainer_kwargs), ref, batches)
+    seeded_fit(trainer("megatrain", **trainer_kwargs), mt, batches)
     return ref, mt, start
 
 
@@ -464,7 +442,7 @@ def test_validate_and_predict_after_fit_equal_ordinary(name, monkeypatch):
     mt = PredictLogits(copy.deepcopy(model), entry.logits_fn, loss_fn=entry.loss_fn, split_decay=True)
     results = {}
     for strategy, module in (("auto", ref), ("megatrain", mt)):
-        t = make_trainer(strategy)
+        t = trainer(strategy)
         seeded_fit(t, module, train)
         with quiet():
             val = t.validate(module, loader(held_out), verbose=False)
@@ -503,7 +481,7 @@ def test_mid_epoch_validation_equals_ordinary(name, monkeypatch):
     ref, mt = entry.module(model, **kwargs), entry.module(twin, **kwargs)
     train, held_out = token_batches(OPT_STEPS * ACCUMULATE), token_batches(2, seed=5)
     for strategy, module in (("auto", ref), ("megatrain", mt)):
-        t = make_trainer(strategy, val_check_interval=2, callbacks=[recs[strategy]], **TRAIN_KWARGS)
+        t = trainer(strategy, val_check_interval=2, callbacks=[recs[strategy]], **TRAIN_KWARGS)
         seeded_fit(t, module, train, held_out)
     assert len(recs["auto"].values) == OPT_STEPS
     assert recs["megatrain"].values == recs["auto"].values
@@ -528,7 +506,7 @@ def test_model_put_back_in_train_mode_in_on_train_start(name, monkeypatch):
     batches = token_batches(OPT_STEPS * ACCUMULATE)
     eval_loss = entry.loss_fn(entry.make().eval(), batches[0]).item()
     for strategy, module in (("auto", ref), ("megatrain", mt)):
-        seeded_fit(make_trainer(strategy, **TRAIN_KWARGS), module, batches)
+        seeded_fit(trainer(strategy, **TRAIN_KWARGS), module, batches)
     assert ref.losses[0] != eval_loss  # the oracle: dropout really was on in ordinary training
     assert_bitwise(ref, mt)
 
@@ -549,7 +527,7 @@ def test_use_cache_in_training_step_is_refused(make, monkeypatch):
     ref, mt = CausalLM(model, loss_with_cache, **MODULE_KWARGS), CausalLM(copy.deepcopy(model), loss_with_cache,
                                                                         **MODULE_KWARGS)  # fmt: skip
     batches = token_batches(2)
-    seeded_fit(make_trainer("auto"), ref, batches)
+    seeded_fit(trainer("auto"), ref, batches)
     assert len(ref.losses) == 2
     with pytest.raises(RuntimeError, match=r"decoder block 0 got a KV cache \(\w*Cache"):
-        seeded_fit(make_trainer("megatrain"), mt, batches)
+        seeded_fit(trainer("megatrain"), mt, batches)
