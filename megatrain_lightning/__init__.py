@@ -1,11 +1,14 @@
 """megatrain_lightning: train models larger than GPU memory on one GPU with host-resident state.
 
 Importing the package registers ``Trainer(strategy="megatrain")`` with Lightning.
+``load_from_checkpoint(MyModule, path)`` loads any checkpoint, sharded ones included, for inference.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from megatrain_lightning.convert import load_from_checkpoint
 from megatrain_lightning.engine.engine import HostMemoryError, StreamingEngine
+from megatrain_lightning.engine.pinned import PinnedMemoryError
 from megatrain_lightning.optim.adamw import HostAdamW
 from megatrain_lightning.precision import MegatrainPrecision
 from megatrain_lightning.strategy import MegatrainStrategy
@@ -14,4 +17,11 @@ __version__ = "0.1.0"
 
 MegatrainStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["HostAdamW", "HostMemoryError", "MegatrainPrecision", "MegatrainStrategy", "StreamingEngine"]
+__all__ = [
+    "HostAdamW",
+    "HostMemoryError",
+    "MegatrainPrecision",
+    "MegatrainStrategy",
+    "StreamingEngine",
+    "load_from_checkpoint",
+]

@@ -4,27 +4,33 @@
     megatrain validate | test | predict ...        (Lightning's own subcommands, same options)
     megatrain plan --model llama-3.1-8b --seq-len 4096 --micro-batch 1 [--gpu-mem 80GiB --host-mem 512GiB]
     megatrain plan --config configs/llama-3.1-8b.yaml
+    megatrain convert CKPT --to torch OUT.ckpt | --to hf OUT_DIR [--dtype bf16]
     megatrain env
 
 ``fit`` and friends are a ``LightningCLI`` over :class:`CausalLMModule` and :class:`TextDataModule` with
 ``strategy="megatrain"`` by default and :class:`MegatrainMonitor` always attached (``--monitor.*``);
 every Trainer, model and data option can be set in the YAML file and overridden on the command line.
-``plan`` and ``env`` are dispatched on the first argument before LightningCLI sees the rest.
+``plan``, ``convert`` and ``env`` are dispatched on the first argument before LightningCLI sees the rest.
+Mistakes in the user's input end in one line, ``megatrain: error: ...`` (exit status 2), not a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import pickle
 import platform
+import re
 import resource
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
@@ -33,11 +39,13 @@ from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.module import CausalLMModule, check_init_from, resolve_config
 from megatrain_lightning.planner import PRECISIONS, Plan, parse_size, plan
 
-USAGE = """usage: megatrain {fit,validate,test,predict,plan,env} ...
+USAGE = """usage: megatrain {fit,validate,test,predict,plan,convert,env} ...
 
   fit        train:  megatrain fit --config configs/demo.yaml [--trainer.max_steps=50 ...]
   validate   evaluate a model on the validation data (also test, predict)
   plan       host and GPU memory a run needs:  megatrain plan --model llama-3.1-8b --seq-len 4096 --micro-batch 1
+  convert    a sharded checkpoint to Lightning's single file or to Hugging Face:
+               megatrain convert last.ckpt --to torch model.ckpt    megatrain convert last.ckpt --to hf hf_dir
   env        versions, devices, memory and the optimizer backend
 
 `megatrain fit --help` lists every option; `megatrain fit --print_config` prints a config to start from."""
@@ -49,14 +57,75 @@ def default_precision() -> str:
     return "bf16-mixed" if torch.cuda.is_available() else "32-true"
 
 
+def user_error(message: str, prog: str = "megatrain") -> NoReturn:
+    """The user's input is wrong: one line naming the value and the fix, exit status 2 (as argparse)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# One-line advice for options whose validation message would be a list of type names.
+_OPTION_HINTS = {
+    "trainer.precision": "use 32-true, bf16-mixed or bf16-true, or null for the default (bf16-mixed on a GPU, "
+    "32-true on the CPU); strategy='megatrain' refuses fp16",
+}
+
+
+def one_line(message: str, prog: str = "megatrain fit") -> str:
+    """A jsonargparse error (often many lines: every type tried) as one line naming the option and value."""
+    found = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.S)
+    if not found:
+        return f"{' '.join(message.split())} (`{prog} --help` lists the options)"
+    key, detail = found.groups()
+    given = re.search(r"(?:Given|Got) value:\s*(.+)", detail)
+    value = f"={given.group(1).strip()}" if given else ""
+    hint = _OPTION_HINTS.get(key.split(".", 1)[1] if key.split(".", 1)[0] in _SUBCOMMANDS else key)
+    if hint is None:
+        first = detail.strip().splitlines()[0] if detail.strip() else "invalid value"
+        hint = re.sub(r"\.?\s*(Got|Given) value:.*", "", first).strip().rstrip(".")
+        hint += f" (`{prog} --help` lists the options)"
+    return f"--{key}{value}: {hint}"
+
+
+_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+class MegatrainArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors are one line (the option, the value and the fix), no usage dump."""
+
+    help_prog = "megatrain fit"  # the command whose --help the error points at (set by MegatrainCLI)
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+            super().error(message, ex)  # jsonargparse is trying alternatives, or debugging: it raises
+        user_error(one_line(message, self.help_prog))
+
+
+class MegatrainProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, reading ``Epoch 3`` where Lightning's reads ``Epoch 3/-2``: training
+    bounded by ``max_steps`` alone has ``max_epochs=-1`` (no epoch limit), which the bar prints minus one."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is None or self.trainer.max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
+
+
 class MegatrainCLI(LightningCLI):
     """LightningCLI with the megatrain defaults and checks of the user's model and data choices."""
 
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
+        given = sys.argv[1:] if args is None else args
+        self._help_prog = f"megatrain {next((a for a in given if a in _SUBCOMMANDS), 'fit')}"
         super().__init__(
             CausalLMModule, TextDataModule, trainer_defaults={"strategy": "megatrain"},
-            save_config_kwargs={"overwrite": True}, parser_kwargs={"prog": "megatrain"}, args=args, **kwargs,
+            save_config_kwargs={"overwrite": True}, parser_kwargs={"prog": "megatrain"},
+            parser_class=MegatrainArgumentParser, args=args, **kwargs,
         )  # fmt: skip
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        parser = super().init_parser(**kwargs)
+        parser.help_prog = self._help_prog
+        return parser
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_lightning_class_args(MegatrainMonitor, "monitor")
@@ -64,12 +133,23 @@ class MegatrainCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         """With --ckpt_path, LightningCLI takes the model's hyper-parameters from the checkpoint by
         ``torch.load``-ing it; a megatrain (sharded) checkpoint is a commit marker keeping them in its
-        trainer state instead, so read them from there."""
+        trainer state instead, so read them from there. A path that is not there, or not a checkpoint,
+        is the user's input: one line, before anything is built."""
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
-        if not (path and mt_checkpoint.is_checkpoint(str(path))):
+        if path is None:
             return super()._parse_ckpt_path()
-        hparams = mt_checkpoint.load_trainer_state(str(path)).get("hyper_parameters", {})
+        _check_ckpt_path(str(path))
+        if not mt_checkpoint.is_checkpoint(str(path)):
+            try:
+                return super()._parse_ckpt_path()
+            except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError) as err:
+                user_error(f"ckpt_path={path!r}: torch.load cannot read it ({_load_error(err)}); give a checkpoint "
+                           "written by Lightning or megatrain")  # fmt: skip
+        try:
+            hparams = mt_checkpoint.load_trainer_state(str(path)).get("hyper_parameters", {})
+        except mt_checkpoint.CheckpointError as err:
+            user_error(str(err))
         hparams.pop("_instantiator", None)
         if hparams:
             self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
@@ -77,6 +157,7 @@ class MegatrainCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Fill in the precision default and check model and data names before anything heavy is built."""
         config = self.config[self.subcommand] if self.subcommand else self.config
+        _refuse_optimizer_options(config)
         if config.trainer.precision is None:
             config.trainer.precision = default_precision()
         name = config.model.model or config.model.init_from
@@ -87,20 +168,84 @@ class MegatrainCLI(LightningCLI):
                     check_init_from(model, config.model.init_from)
             TextDataModule(**vars(config.data))  # checks paths and formats; reads no data yet
         except (ValueError, FileNotFoundError, ImportError) as err:  # the user's input: report, don't trace
-            self.parser.error(str(err))
+            user_error(str(err))
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+        """Lightning's default progress bar is the rich one when `rich` is installed: use ours instead,
+        unless the config names a progress bar or turns it off."""
+        given = config.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        if (
+            config.get("enable_progress_bar") is not False
+            and importlib.util.find_spec("rich") is not None
+            and not any(isinstance(c, ProgressBar) for c in [*given, *callbacks])
+        ):
+            callbacks = [*callbacks, MegatrainProgressBar()]
+        return super()._instantiate_trainer(config, callbacks)
 
     def before_fit(self) -> None:
         vocab = self.datamodule.vocab_size
         if vocab is not None and vocab > self.model.config.vocab_size:
-            raise ValueError(
+            user_error(
                 f"the data's tokenizer has {vocab} token ids but the model's vocab_size is "
                 f"{self.model.config.vocab_size}; use the model's own tokenizer or set --model.overrides.vocab_size"
             )
 
 
+_CKPT_KEYWORDS = ("last", "best", "hpc")
+
+
+def _check_ckpt_path(path: str) -> None:
+    """A local --ckpt_path must name an existing checkpoint file (Lightning's keywords pass through)."""
+    if path in _CKPT_KEYWORDS or path.startswith("registry") or ("://" in path and not path.startswith("file://")):
+        return
+    local = Path(path.removeprefix("file://")).expanduser()
+    if local.is_dir():
+        user_error(f"ckpt_path={path!r} is a directory; give the checkpoint file in it, e.g. {path.rstrip('/')}/last.ckpt")
+    if not local.is_file():
+        interrupted = Path(f"{local}.d").is_dir()
+        why = " (its data directory exists: the save was interrupted before it committed)" if interrupted else ""
+        user_error(f"ckpt_path={path!r} does not exist{why}; give a checkpoint file, e.g. "
+                   "lightning_logs/version_0/checkpoints/last.ckpt, or 'last'")  # fmt: skip
+
+
+def _load_error(err: BaseException) -> str:
+    """The telling part of a torch.load failure (its weights-only refusal opens with a paragraph of advice)."""
+    text = str(err)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
+
+
+_OPTIMIZER_FIX = (
+    "set --model.lr, --model.weight_decay, --model.betas, --model.warmup_steps and --model.max_steps instead"
+)
+
+
+def _refuse_optimizer_options(config: Any) -> None:
+    """LightningCLI's --optimizer/--lr_scheduler replace the module's configure_optimizers outright."""
+    for key in ("optimizer", "lr_scheduler"):
+        value = config.get(key)
+        if value is None:
+            continue
+        name = getattr(value, "class_path", value)
+        user_error(
+            f"--{key}={name} would replace CausalLMModule.configure_optimizers, which sets up AdamW with param groups "
+            "(no weight decay on norms and biases) and the warm-up + cosine learning-rate schedule; " + _OPTIMIZER_FIX
+        )
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``megatrain SUB: error: ...`` (exit status 2), without the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        user_error(f"{message} (see {self.prog} --help)", prog=self.prog)
+
+
 # -- megatrain plan -------------------------------------------------------------------------------
 def plan_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="megatrain plan", description="Host and GPU memory of a megatrain run.")
+    ap = OneLineParser(prog="megatrain plan", description="Host and GPU memory of a megatrain run.")
     ap.add_argument("--config", help="a megatrain fit YAML config to plan (its model, seq_len, batch, precision)")
     ap.add_argument("--model", help="preset (e.g. llama-3.1-8b), Hugging Face config.json or checkpoint directory")
     ap.add_argument("--seq-len", type=int, help="tokens per sequence")
@@ -149,12 +294,51 @@ def plan_command(argv: list[str]) -> Plan:
             result = plan(resolve_config(args.model), args.seq_len, args.micro_batch, args.precision, args.accumulate,
                           args.num_slots, args.host_mem, args.gpu_mem, name=args.model)  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
-        ap.error(str(err))
+        user_error(str(err), ap.prog)
     print(result.table())
     if not result.fits:
         print("\n".join(f"megatrain plan: error: {p}" for p in result.problems()), file=sys.stderr)
         raise SystemExit(1)
     return result
+
+
+# -- megatrain convert ----------------------------------------------------------------------------
+def convert_parser() -> argparse.ArgumentParser:
+    ap = OneLineParser(
+        prog="megatrain convert",
+        description="Convert a sharded megatrain checkpoint (the default format of strategy='megatrain') to "
+        "Lightning's single file, which MyModule.load_from_checkpoint and ordinary strategies read, or to a "
+        "Hugging Face directory.",
+        epilog="examples:  megatrain convert runs/x/checkpoints/last.ckpt --to torch model.ckpt\n"
+        "           megatrain convert runs/x/checkpoints/last.ckpt --to hf hf_dir --dtype bf16",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("checkpoint", help="the sharded checkpoint: its commit marker file, e.g. .../checkpoints/last.ckpt")
+    ap.add_argument("--to", required=True, choices=("torch", "hf"),
+                    help="torch: Lightning's single-file checkpoint (fp32 weights, trainer state, AdamW state); "
+                    "hf: config.json + safetensors")  # fmt: skip
+    ap.add_argument("out", help="torch: the file to write; hf: the directory to write")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"),
+                    help="--to hf only: the weights' dtype (default fp32, the masters as trained)")  # fmt: skip
+    return ap
+
+
+def convert_command(argv: list[str]) -> str:
+    from megatrain_lightning.convert import to_hf, to_lightning
+
+    ap = convert_parser()
+    args = ap.parse_args(argv)
+    if args.dtype is not None and args.to != "hf":
+        user_error(f"--dtype={args.dtype} applies to --to hf; --to torch keeps the fp32 masters as trained", ap.prog)
+    try:
+        if args.to == "torch":
+            line = to_lightning(args.checkpoint, args.out)
+        else:
+            line = to_hf(args.checkpoint, args.out, args.dtype)
+    except (mt_checkpoint.CheckpointError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as err:
+        user_error(str(err), ap.prog)
+    print(line)
+    return line
 
 
 # -- megatrain env --------------------------------------------------------------------------------
@@ -199,13 +383,16 @@ def env_lines() -> list[str]:
 
 # -- entry points ---------------------------------------------------------------------------------
 def run(argv: list[str] | None = None) -> Any:
-    """Run one ``megatrain`` command; returns the LightningCLI, the Plan, or the env report's lines."""
+    """Run one ``megatrain`` command; returns the LightningCLI, the Plan, convert's summary line, or the env
+    report's lines."""
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return None
     if args[0] == "plan":
         return plan_command(args[1:])
+    if args[0] == "convert":
+        return convert_command(args[1:])
     if args[0] == "env":
         lines = env_lines()
         print("\n".join(lines))

@@ -12,7 +12,7 @@ import fsspec
 import pytest
 import torch
 from megatrain_lightning import StreamingEngine
-from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, export_hf, restore, save
+from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, export_hf, restore, save, store
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM, from_pretrained
 from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin
 
@@ -148,6 +148,25 @@ def test_round_trip_restores_masters_moments_and_steps(tmp_path):
     for u, v in zip(engine.all_units(), other.all_units()):
         assert torch.equal(u.master, v.master) and torch.equal(u.m, v.m) and torch.equal(u.v, v.v)
         assert v.steps == [7] * len(v.entries)
+
+
+def test_index_names_tied_parameters_and_the_model_to_export(tmp_path):
+    """The tie's second name is an alias, not a buffer; the model to export and its config are recorded;
+    the marker is JSON inside a pickle that torch.load refuses, and is read back."""
+    model = LlamaForCausalLM(LlamaConfig.from_preset("tiny-qwen"))
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+    url = str(tmp_path / "c.ckpt")
+    save(engine, url, {})
+    _, _, index = store.read_index(url)
+    assert index["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert store.read_buffers(*store.read_index(url)[:2], index, url) == {}
+    assert index["export"]["library"] == "megatrain" and index["export"]["prefix"] == ""
+    assert LlamaConfig(**index["export"]["llama_config"]) == model.config
+    assert all(p["group"] is None for rec in index["units"] for p in rec["params"])  # no optimizer attached
+    raw = (tmp_path / "c.ckpt").read_bytes()
+    assert store.parse_marker(raw)["format"] == "megatrain-checkpoint" and store.is_checkpoint(url)
+    with pytest.raises(Exception, match="megatrain_lightning sharded checkpoint"):
+        torch.load(url)
 
 
 def test_corrupted_shard_is_refused(tmp_path):

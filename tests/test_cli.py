@@ -8,13 +8,15 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
 
 from megatrain_lightning import MegatrainStrategy
 from megatrain_lightning.callbacks import MegatrainMonitor
-from megatrain_lightning.cli import plan_from_config, run
+from megatrain_lightning.cli import MegatrainProgressBar, one_line, plan_from_config, run
 from megatrain_lightning.models import LlamaForCausalLM, save_pretrained
 from megatrain_lightning.module import resolve_config
 from megatrain_lightning.planner import format_size
@@ -33,7 +35,8 @@ def quick(tmp_path: Path, *extra: str) -> list[str]:
 
 
 def test_fit_with_config_and_overrides(tmp_path):
-    cli = run(quick(tmp_path, "--model.overrides.num_hidden_layers=2", "--model.lr=0.01", "--monitor.every_n_batches=1"))
+    cli = run(quick(tmp_path, "--model.overrides.num_hidden_layers=2", "--model.lr=0.01", "--monitor.every_n_batches=1",
+                    "--trainer.enable_progress_bar=true"))  # fmt: skip
     assert cli.model.config.num_hidden_layers == 2 and cli.model.config.hidden_size == 128
     assert cli.model.config.head_dim == 32  # re-derived for the overridden width
     assert cli.model.hparams.lr == 0.01 and cli.trainer.global_step == 3
@@ -42,6 +45,18 @@ def test_fit_with_config_and_overrides(tmp_path):
     [monitor] = [c for c in cli.trainer.callbacks if isinstance(c, MegatrainMonitor)]
     assert monitor.every_n_batches == 1 and monitor.last["perf/tokens_per_sec"] > 0
     assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    # max_steps without max_epochs: Lightning's rich bar would read "Epoch 0/-2"
+    bar = cli.trainer.progress_bar_callback
+    assert isinstance(bar, MegatrainProgressBar) and cli.trainer.max_epochs == -1
+    assert bar._get_train_description(0).strip() == "Epoch 0"
+
+
+def test_progress_bar_reads_epochs_without_a_negative_total():
+    bar, lightnings = MegatrainProgressBar(), RichProgressBar()
+    for max_epochs, ours, theirs in ((-1, "Epoch 1", "Epoch 1/-2"), (3, "Epoch 1/2", "Epoch 1/2")):
+        bar._trainer = lightnings._trainer = SimpleNamespace(max_epochs=max_epochs)
+        assert bar._get_train_description(1).strip() == ours
+        assert lightnings._get_train_description(1).strip() == theirs  # the bug this bar avoids
 
 
 def test_resume_through_the_cli_takes_the_checkpoints_model(tmp_path):
@@ -71,13 +86,30 @@ def test_installed_console_script(tmp_path):
         (["fit", "--config", DEMO, "--model.model=llama-9"], r"model='llama-9' is neither a preset.*llama-3.1-8b, .*tiny"),
         (["fit", "--config", DEMO, "--data.path=/data/x.jsonl"], r"data path '/data/x.jsonl' does not exist; expected"),
         (["fit", "--config", DEMO, "--model.overrides.layers=2"], r"overrides \['layers'\] are not LlamaConfig fields"),
+        (["fit", "--config", DEMO, "--trainer.precision=fp8"], r"--trainer.precision=fp8: use 32-true, bf16-mixed"),
+        (["fit", "--config", DEMO, "--trainer.max_steps=ten"], r"--trainer.max_steps=ten: Expected a <class 'int'>"),
+        (["fit", "--config", DEMO, "--ckpt_path=/nope/last.ckpt"], r"ckpt_path='/nope/last.ckpt' does not exist"),
+        (["fit", "--config", DEMO, f"--ckpt_path={REPO}"], r"is a directory; give the checkpoint file in it"),
+        (["fit", "--config", DEMO, f"--ckpt_path={DEMO}"], r"torch.load cannot read it \(UnpicklingError"),
+        (["fit", "--config", DEMO, "--optimizer=AdamW"],
+         r"--optimizer=torch.optim.AdamW would replace CausalLMModule.configure_optimizers, .*param groups.*"
+         r"--model.lr, --model.weight_decay, --model.betas, --model.warmup_steps"),
+        (["fit", "--config", DEMO, "--lr_scheduler=StepLR", "--lr_scheduler.step_size=3"],
+         r"--lr_scheduler=torch.optim.lr_scheduler.StepLR would replace .*warm-up \+ cosine"),
     ],
 )  # fmt: skip
 def test_user_errors_are_one_clear_line(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run(args)
     assert exit_info.value.code == 2
-    assert re.search(message, capsys.readouterr().err)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("megatrain: error: ") and re.search(message, err[-1]), err
+    assert not any("Traceback" in line or line.startswith("usage:") for line in err), err
+
+
+def test_jsonargparse_messages_become_one_line():
+    many = 'Parser key "trainer.devices":\n  Does not validate\n  Errors:\n    - Expected an int\n  Given value: x'
+    assert one_line(many) == "--trainer.devices=x: Does not validate (`megatrain fit --help` lists the options)"
 
 
 def demo_checkpoint(directory: Path) -> LlamaForCausalLM:
@@ -106,9 +138,11 @@ def test_fine_tune_refuses_a_checkpoint_of_other_shapes(tmp_path, capsys):
     assert "num_hidden_layers: checkpoint 4, model 2" in capsys.readouterr().err
 
 
-def test_data_vocabulary_larger_than_the_model_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"256 token ids but the model's vocab_size is 128"):
+def test_data_vocabulary_larger_than_the_model_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
         run(quick(tmp_path, "--model.overrides.vocab_size=128"))
+    assert exit_info.value.code == 2
+    assert "256 token ids but the model's vocab_size is 128" in capsys.readouterr().err
 
 
 def test_plan_prints_the_table(capsys):

@@ -1,9 +1,13 @@
-"""Export the engine's current fp32 masters in the Hugging Face layout, without a second copy of the model."""
+"""Hugging Face layout: export the engine's current fp32 masters without a second copy of the model, and
+describe, at save time, which model a checkpoint holds so that ``megatrain convert --to hf`` can write it."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-from typing import Iterator
+import sys
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -39,3 +43,31 @@ def _named_masters(engine: StreamingEngine, prefix: str) -> Iterator[tuple[str, 
         for name, e in zip(engine.qualified_names(unit), unit.entries):
             if name.startswith(prefix):
                 yield name[len(prefix) :], unit.master[e.offset : e.offset + e.numel].view(e.shape)
+
+
+def describe_export(engine: StreamingEngine) -> dict[str, Any] | None:
+    """What ``megatrain convert --to hf`` needs, recorded in each checkpoint's index: the outermost model
+    in the trained module that has a Hugging Face layout (this project's :class:`LlamaForCausalLM`, or
+    a ``transformers`` ``PreTrainedModel``), the state-dict prefix of its parameters and its config.json.
+    None when the module holds neither."""
+    transformers = sys.modules.get("transformers")  # a transformers model means transformers is imported
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    for name, module in engine.model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, LlamaForCausalLM):
+            return {"library": "megatrain", "prefix": prefix, "config": module.config.to_hf_dict(),
+                    "llama_config": dataclasses.asdict(module.config)}  # fmt: skip
+        if pretrained is not None and isinstance(module, pretrained):
+            return {"library": "transformers", "prefix": prefix, "config": _transformers_config(engine, module)}
+    return None
+
+
+def _transformers_config(engine: StreamingEngine, model: nn.Module) -> dict[str, Any] | None:
+    try:
+        config = json.loads(model.config.to_json_string(use_diff=False))
+    except (TypeError, ValueError, AttributeError):  # a config that does not serialize: no export
+        return None
+    config["architectures"] = [type(model).__name__]
+    if any(model.config is c for c in getattr(engine, "_caches_off", [])):
+        config["use_cache"] = True  # switched off for training only
+    return config

@@ -2,8 +2,9 @@
 
 A checkpoint named ``<url>`` (for example ``s3://bucket/run/last.ckpt``) is::
 
-    <url>                         commit marker: small JSON naming the data version; written last
-    <url>.d/<version>/index.json  units, parameter names/offsets/shapes, checksums, optimizer steps
+    <url>                         commit marker: small JSON naming the data version (see below); written last
+    <url>.d/<version>/index.json  units, parameter names/offsets/shapes/groups, checksums, optimizer steps
+                                  and parameter order, tied-parameter aliases, the model to export
     <url>.d/<version>/units/NNNNN.safetensors   one shard per unit: fp32 master, exp_avg, exp_avg_sq
     <url>.d/<version>/buffers.safetensors       the model's persistent buffers
     <url>.d/<version>/trainer.pt                Lightning's trainer state (loops, schedulers, callbacks)
@@ -13,6 +14,12 @@ then replaces the marker in one write (``os.replace`` locally, a single PUT on o
 deletes the previous version. A save that dies midway leaves the old marker and so the old checkpoint
 in force; its half-written version is deleted, with a warning, by the next save to that name. The
 marker being a file also lets Lightning find, date and delete checkpoints as it does its own.
+
+The marker's JSON is framed as a tiny pickle whose only global is a sentence: ``torch.load`` (and so a
+plain ``MyModule.load_from_checkpoint(path)`` or an ordinary strategy's resume) stops on it and prints
+that the file is a sharded checkpoint, to be loaded with ``megatrain_lightning.load_from_checkpoint``
+or converted with ``megatrain convert``. The pickle never runs anything (the "module" it names
+cannot be imported). Markers that are bare JSON, as first written, are read all the same.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import struct
 import time
 import uuid
 import warnings
@@ -31,6 +39,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from megatrain_lightning.checkpoint import stream
+from megatrain_lightning.checkpoint.hf import describe_export
 from megatrain_lightning.engine.engine import StreamingEngine
 
 FORMAT = "megatrain-checkpoint"
@@ -39,6 +48,16 @@ VERSION = 1
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, damaged or of another model; the message names path and fix."""
+
+
+# What torch.load shows for a marker (no dots: a plain unpickler shows the text up to the first dot).
+_TAG = "megatrain_lightning sharded checkpoint"
+REFUSAL = (
+    f"{_TAG} - torch and Lightning cannot load it directly; load it with "
+    "load_from_checkpoint(YourModule, path) from megatrain_lightning, or convert it with: "
+    "megatrain convert PATH --to torch OUT"
+)
+_PICKLE_HEAD = b"\x80\x02c"  # protocol 2, GLOBAL
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -69,13 +88,15 @@ def save(
         units.append(_unit_record(engine, unit, i, info, with_adam))
         if after_unit is not None:
             after_unit(i)
-    buffers = _buffers(engine)
+    aliases = _aliases(engine)
+    buffers = _buffers(engine, aliases)
     buf_info = stream.write(fs, f"{vdir}/buffers.safetensors", sorted(buffers.items()))
     raw = io.BytesIO()
     torch.save(trainer_state, raw)
     fs.pipe_file(f"{vdir}/trainer.pt", raw.getvalue())
     index = {"format": FORMAT, "version": VERSION, "units": units, "buffers": buf_info,
-             "param_groups": param_groups, "optimizer": optimizer}  # fmt: skip
+             "param_groups": param_groups, "optimizer": optimizer, "param_order": _param_order(engine),
+             "aliases": aliases, "export": _export(engine)}  # fmt: skip
     index_bytes = json.dumps(index, indent=1).encode()
     fs.pipe_file(f"{vdir}/index.json", index_bytes)
     _commit(fs, path, {"format": FORMAT, "version": VERSION, "data": version, "index_crc32": zlib.crc32(index_bytes)})
@@ -86,21 +107,73 @@ def save(
 def _unit_record(engine: StreamingEngine, unit: Any, i: int, info: dict, with_adam: bool) -> dict:
     names = engine.qualified_names(unit)
     params = [
-        {"name": n, "offset": e.offset, "shape": list(e.shape), "step": step}
+        {"name": n, "offset": e.offset, "shape": list(e.shape), "step": step, "group": e.group}
         for n, e, step in zip(names, unit.entries, unit.steps)
     ]
     return {"file": f"units/{i:05d}.safetensors", "numel": unit.numel, "adam": with_adam, "params": params,
             **info}  # fmt: skip
 
 
-def _buffers(engine: StreamingEngine) -> dict[str, torch.Tensor]:
+def _export(engine: StreamingEngine) -> dict | None:
+    try:
+        return describe_export(engine)
+    except Exception as err:  # a description must never fail a save
+        warnings.warn(f"not recording the model for `megatrain convert --to hf`: {err}", stacklevel=3)
+        return None
+
+
+def _names_by_id(engine: StreamingEngine) -> dict[int, str]:
+    return {id(e.param): n for u in engine.all_units() for n, e in zip(engine.qualified_names(u), u.entries)}
+
+
+def _param_order(engine: StreamingEngine) -> list[str]:
+    """The optimizer's parameters by name, in its group order: what torch.optim numbers its state by."""
+    names = _names_by_id(engine)
+    return [names[i] for i in engine.param_order]
+
+
+def _aliases(engine: StreamingEngine) -> dict[str, str]:
+    """State-dict names of tied parameters besides their first (``lm_head.weight`` -> the embedding's)."""
+    names = _names_by_id(engine)
+    known = set(names.values())
+    return {
+        n: names[id(p)]
+        for n, p in engine.model.named_parameters(remove_duplicate=False)
+        if n not in known and id(p) in names
+    }
+
+
+def _buffers(engine: StreamingEngine, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers (its state dict less the parameters, under any of their names)."""
     params = {name for unit in engine.all_units() for name in engine.qualified_names(unit)}
+    params |= set(_aliases(engine) if aliases is None else aliases)
     state = engine.model.state_dict()
     return {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in params}
 
 
+def marker_bytes(marker: dict) -> bytes:
+    """The commit marker's bytes: `marker` as JSON inside a pickle that torch.load refuses with REFUSAL."""
+    body = json.dumps(marker).encode()
+    # GLOBAL names "module" REFUSAL, attribute "ckpt": torch's weights-only refusal shows "REFUSAL.ckpt".
+    return _PICKLE_HEAD + REFUSAL.encode() + b"\nckpt\nX" + struct.pack("<I", len(body)) + body + b"\x85R."
+
+
+def parse_marker(raw: bytes) -> dict:
+    """The JSON of a commit marker (framed as :func:`marker_bytes` writes it, or bare); ValueError if neither."""
+    if raw.lstrip().startswith(b"{"):
+        return json.loads(raw)
+    if not raw.startswith(_PICKLE_HEAD):
+        raise ValueError("not a commit marker")
+    module_end = raw.index(b"\n", len(_PICKLE_HEAD))
+    name_end = raw.index(b"\n", module_end + 1)
+    if raw[name_end + 1 : name_end + 2] != b"X":
+        raise ValueError("not a commit marker")
+    (n,) = struct.unpack("<I", raw[name_end + 2 : name_end + 6])
+    return json.loads(raw[name_end + 6 : name_end + 6 + n])
+
+
 def _commit(fs: Any, path: str, marker: dict) -> None:
-    data = json.dumps(marker).encode()
+    data = marker_bytes(marker)
     if isinstance(fs, LocalFileSystem):
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -153,7 +226,9 @@ def is_checkpoint(url: str) -> bool:
     if not fs.isfile(path):
         return False
     with fs.open(path, "rb") as f:
-        head = f.read(256)
+        head = f.read(4096)
+    if head.startswith(_PICKLE_HEAD):
+        return _TAG.encode() in head[:200] and FORMAT.encode() in head
     return head.lstrip().startswith(b"{") and FORMAT.encode() in head
 
 
@@ -207,6 +282,27 @@ def restore(engine: StreamingEngine, url: str, *, optimizer: bool) -> dict:
     return index
 
 
+def read_unit(fs: Any, vdir: str, rec: dict, url: str, *, adam: bool = False) -> dict[str, torch.Tensor]:
+    """One unit's flat fp32 tensors, fresh: ``master``, plus ``exp_avg``/``exp_avg_sq`` when `adam` and
+    the unit holds them; the whole shard is checksummed (tensors not asked for are read and dropped)."""
+    targets = {"master": torch.empty(rec["numel"], dtype=torch.float32)}
+    if adam and rec["adam"]:
+        targets.update(exp_avg=torch.empty(rec["numel"]), exp_avg_sq=torch.empty(rec["numel"]))
+    try:
+        stream.read_into(fs, f"{vdir}/{rec['file']}", targets, rec)
+    except (stream.ShardError, FileNotFoundError) as err:
+        raise CheckpointError(f"{url}: {err}; use an earlier checkpoint") from None
+    return targets
+
+
+def read_buffers(fs: Any, vdir: str, index: dict, url: str) -> dict[str, torch.Tensor]:
+    """The model's buffers as saved (checksummed)."""
+    try:
+        return stream.read_tensors(fs, f"{vdir}/buffers.safetensors", index["buffers"])
+    except (stream.ShardError, FileNotFoundError) as err:
+        raise CheckpointError(f"{url}: {err}; use an earlier checkpoint") from None
+
+
 def _restore_buffers(engine: StreamingEngine, fs: Any, vdir: str, index: dict, url: str) -> None:
     current = _buffers(engine)
     if not current:
@@ -234,12 +330,12 @@ def _check_layout(engine: StreamingEngine, index: dict, url: str) -> None:
 
 def _pointer(fs: Any, path: str, url: str) -> dict:
     try:
-        marker = json.loads(fs.cat_file(path))
+        marker = parse_marker(fs.cat_file(path))
     except FileNotFoundError:
         raise CheckpointError(
             f"no checkpoint at {url}: its commit marker is missing (never saved, or the save was interrupted)"
         ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, struct.error):  # JSONDecodeError is a ValueError
         raise CheckpointError(f"{url} is not a {FORMAT} commit marker") from None
     if marker.get("format") != FORMAT or marker.get("version") != VERSION:
         raise CheckpointError(f"{url}: unsupported checkpoint format {marker.get('format')} v{marker.get('version')}")

@@ -85,6 +85,22 @@ def read_into(fs: Any, path: str, targets: dict[str, torch.Tensor], expect: dict
         raise ShardError(f"{path} has checksum {crc:#010x}, the index recorded {expect['crc32']:#010x}: the shard is damaged")
 
 
+def read_tensors(fs: Any, path: str, expect: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, in fresh CPU tensors of the dtypes and shapes its header names, checked
+    against ``expect["crc32"]`` as :func:`read_into` does."""
+    with fs.open(path, "rb") as f:
+        header, _ = read_header(f)
+    targets = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if meta["dtype"] not in _NAMES:
+            raise ShardError(f"{path}: tensor {name!r} has dtype {meta['dtype']}; shards hold {sorted(_NAMES)}")
+        targets[name] = torch.empty(meta["shape"], dtype=_NAMES[meta["dtype"]])
+    read_into(fs, path, targets, expect)
+    return targets
+
+
 def _span(meta: dict) -> int:
     start, end = meta["data_offsets"]
     return end - start

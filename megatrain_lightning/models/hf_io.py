@@ -232,7 +232,7 @@ def _remove_stale(directory: Path, keep: set[str]) -> None:
 
 def save_hf_checkpoint(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
-    config: LlamaConfig,
+    config: LlamaConfig | dict,
     directory: str | os.PathLike,
     max_shard_bytes: int = 5 * 2**30,
     dtype: torch.dtype | None = None,
@@ -244,11 +244,13 @@ def save_hf_checkpoint(
     temporary names as they fill up and renamed to ``model-0000k-of-0000n.safetensors`` once n is
     known. At most one shard's tensors are held in memory. With one shard the file is
     ``model.safetensors`` and no index is written, as HF does. ``lm_head.weight`` is skipped when
-    embeddings are tied. ``dtype`` casts every tensor (None keeps each tensor's own dtype).
+    embeddings are tied. ``dtype`` casts every tensor (None keeps each tensor's own dtype). ``config`` is
+    a :class:`LlamaConfig`, or the contents of another model's config.json (its dtype is updated).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    skip = {_TIED_KEY} if config.tie_word_embeddings else set()
+    tied = config.get("tie_word_embeddings", False) if isinstance(config, dict) else config.tie_word_embeddings
+    skip = {_TIED_KEY} if tied else set()
     shards: list[tuple[Path, list[str]]] = []
     try:
         total, saved_dtype = _write_shards(named_tensors, directory, max_shard_bytes, dtype, skip, shards)
@@ -257,7 +259,14 @@ def save_hf_checkpoint(
         for tmp, _ in shards:  # no-op after a successful rename
             tmp.unlink(missing_ok=True)
     _remove_stale(directory, keep)
-    _write_json(config.to_hf_dict(dtype=saved_dtype or torch.float32), directory / CONFIG_NAME)
+    _write_json(_config_json(config, saved_dtype or torch.float32), directory / CONFIG_NAME)
+
+
+def _config_json(config: LlamaConfig | dict, dtype: torch.dtype) -> dict:
+    if not isinstance(config, dict):
+        return config.to_hf_dict(dtype=dtype)
+    name = str(dtype).removeprefix("torch.")
+    return {**config, "dtype": name, **({"torch_dtype": name} if "torch_dtype" in config else {})}
 
 
 def save_pretrained(
