@@ -22,6 +22,7 @@ __all__ = [
     "HostMemoryError",
     "MegatrainPrecision",
     "MegatrainStrategy",
+    "PinnedMemoryError",
     "StreamingEngine",
     "load_from_checkpoint",
 ]
