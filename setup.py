@@ -11,9 +11,14 @@ every extension module must have. Only setuptools is needed at build time.
 
 If the build with OpenMP fails (e.g. a clang without libomp), it is retried once without -fopenmp
 (the kernel then runs on one thread); if that fails too, the extension is skipped with a warning.
+
+The packages are listed here rather than in pyproject.toml (where a [tool.setuptools.packages] table would
+override them): megatrain_lightning, ray_jobs (cluster nodes import it), and the YAML files of configs/,
+shipped as package data under megatrain_lightning/configs so that an installed wheel has them
+(`python -m ray_jobs.sweep --config configs/sweep/tiny-lr.yaml` finds them wherever it runs).
 """
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_namespace_packages, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError, PlatformError
 
@@ -54,4 +59,13 @@ class BuildExtOpenMPFallback(build_ext):
             super().build_extension(ext)
 
 
-setup(ext_modules=[native_adamw], cmdclass={"build_ext": BuildExtOpenMPFallback})
+# configs/ (a directory of YAML files, no Python) installed as package data of megatrain_lightning.configs
+CONFIG_PACKAGES = {"megatrain_lightning.configs": "configs", "megatrain_lightning.configs.sweep": "configs/sweep"}
+
+setup(
+    packages=find_namespace_packages(include=["megatrain_lightning*", "ray_jobs*"]) + list(CONFIG_PACKAGES),
+    package_dir=CONFIG_PACKAGES,
+    package_data={name: ["*.yaml"] for name in CONFIG_PACKAGES},
+    ext_modules=[native_adamw],
+    cmdclass={"build_ext": BuildExtOpenMPFallback},
+)

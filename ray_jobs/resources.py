@@ -21,7 +21,7 @@ def trial_resources(cfg: SweepConfig, params: dict[str, Any] | None = None) -> d
     """
     run = apply(cfg.base, params or {})
     model, data, trainer = run.get("model", {}), run.get("data", {}), run.get("trainer", {})
-    config = resolve_config(model.get("model", "tiny"), model.get("overrides"))
+    config = resolve_config(model.get("model") or model.get("init_from") or "tiny", model.get("overrides"))
     p = plan(
         config,
         seq_len=int(data.get("seq_len", 2048)),

@@ -6,8 +6,11 @@
 Each trial is one Lightning trainer in one process, placed by Ray on a node with a GPU and enough host
 memory (sized by the memory planner). Trials checkpoint to the sweep's storage and a failed trial is
 retried, on any node, from its last checkpoint. Submitting the same command again after the driver
-died continues the sweep: finished trials are kept, unfinished ones resume. The job exits non-zero when
-trials errored beyond the failure budget, after writing the results table to storage and stdout.
+died continues the sweep: finished trials are kept, unfinished ones resume. The sweep file a sweep was
+started with is stored as `<storage>/<name>/sweep.yaml`; a resubmitted sweep file that differs from it
+(other than in `resources`) is refused rather than restored. The job exits non-zero when trials errored
+beyond the failure budget, after writing the results table to storage and stdout; a bad sweep file,
+storage or cluster ends it with exit code 2 and one line saying what to fix.
 """
 
 from __future__ import annotations
@@ -15,14 +18,68 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import os
 import sys
 from typing import Any
 
 import fsspec
+import yaml
 
-from ray_jobs.config import SweepConfig, load, param_space
+from ray_jobs.config import (RECORD, SweepConfig, SweepConfigError, as_dict, changes, is_shipped, load, one_line,
+                             param_space, resolve)
 from ray_jobs.resources import SweepRefused, check_fits, trial_resources
 from ray_jobs.trial import tune_trainable
+
+
+class SweepError(RuntimeError):
+    """The sweep cannot start (changed since it was stored, storage or cluster unreachable); one line."""
+
+
+class SweepChanged(SweepError):
+    """The sweep file differs from the one the stored sweep was started with."""
+
+
+def stored_config(cfg: SweepConfig) -> dict[str, Any] | None:
+    """The sweep file recorded in storage when this sweep started (`<root>/sweep.yaml`); None if none."""
+    url = f"{cfg.root}/{RECORD}"
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        if not fs.exists(path):
+            return None
+        return yaml.safe_load(fs.cat_file(path))
+    except Exception as err:  # noqa: BLE001  (any backend's error: credentials, endpoint, protocol)
+        raise SweepError(f"storage {cfg.storage} cannot be read ({one_line(err)}); {_STORAGE_FIX}") from None
+
+
+def check_unchanged(cfg: SweepConfig) -> bool:
+    """Refuse (:class:`SweepChanged`) a sweep whose stored config differs; True when one is stored."""
+    stored = stored_config(cfg)
+    if stored is None:
+        return False
+    diff = changes(stored, as_dict(cfg))
+    if diff:
+        shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
+        raise SweepChanged(
+            f"{cfg.root} was started with another config ({shown}), and restoring it would "
+            f"not apply the edits: give the edited sweep a new `name` (or `storage`) to start it fresh, or "
+            f"resubmit with --config {cfg.root}/{RECORD} to continue the stored one"
+        )
+    return True
+
+
+def record_config(cfg: SweepConfig) -> None:
+    """Store the sweep file as `<root>/sweep.yaml` (also proves the driver can write to storage)."""
+    try:
+        fs, path = fsspec.core.url_to_fs(f"{cfg.root}/{RECORD}")
+        if "file" in fs.protocol:  # a local directory must exist; object stores have none (and no bucket is created)
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(path, yaml.safe_dump(as_dict(cfg), sort_keys=False).encode())
+    except Exception as err:  # noqa: BLE001
+        raise SweepError(f"storage {cfg.storage} cannot be written ({one_line(err)}); {_STORAGE_FIX}") from None
+
+
+_STORAGE_FIX = ("use a bucket/directory that exists and every node reaches; for S3 set AWS_ENDPOINT_URL, "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY on every node or in the job's env_vars")  # fmt: skip
 
 
 def build_tuner(cfg: SweepConfig) -> Any:
@@ -90,18 +147,41 @@ def write_table(cfg: SweepConfig, rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="hyper-parameter sweep of megatrain trainers on Ray")
-    ap.add_argument("--config", required=True, help="sweep YAML, e.g. configs/sweep/tiny-lr.yaml")
+    ap.add_argument("--config", required=True, help="sweep YAML: a path where the driver runs, a URL, "
+                    "or a shipped one (configs/sweep/tiny-lr.yaml)")  # fmt: skip
     ap.add_argument("--address", default=None, help="Ray address (default: the cluster this job runs in)")
     args = ap.parse_args(argv)
-    cfg = load(args.config)
+    try:
+        return _run(args)
+    except (SweepConfigError, SweepError) as err:
+        print(f"sweep: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    path = resolve(args.config)
+    cfg = load(path)
+    if is_shipped(path) and path != args.config:
+        print(f"sweep config: {path} (shipped with the package; {args.config} is not in {os.getcwd()})", flush=True)
+    try:
+        request = trial_resources(cfg)
+    except ValueError as err:  # e.g. a model preset or config.json the planner cannot read
+        raise SweepConfigError(f"{path}: cannot size a trial: {err}") from None
+    recorded = check_unchanged(cfg)  # before anything touches the cluster
     import ray
 
-    ray.init(address=args.address or "auto", ignore_reinit_error=True)
     try:
-        check_fits(trial_resources(cfg), ray.nodes())
+        ray.init(address=args.address or "auto", ignore_reinit_error=True)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        raise SweepError(f"no Ray cluster at {args.address or 'auto'} ({one_line(err)}); start one with `ray start --head` "
+                         "and submit with `ray job submit`, or pass --address HEAD:6379") from None  # fmt: skip
+    try:
+        check_fits(request, ray.nodes())
     except SweepRefused as err:
         print(f"sweep {cfg.name} refused: {err}", file=sys.stderr, flush=True)
         return 2
+    if not recorded:
+        record_config(cfg)
     results = build_tuner(cfg).fit()
     rows = results_table(cfg, results)
     url = write_table(cfg, rows)

@@ -2,8 +2,9 @@
 
 A trial's files live under ``<storage>/<sweep>/trials/<trial_id>/``; the trial id is stable across
 Ray's retries and across restoring the sweep, so a restarted trial finds its own ``checkpoints/last.ckpt``
-and resumes from it instead of from step 0. Each attempt also leaves ``attempts/<n>.json`` (process id,
-the step it started from) so a person, or a test, can see what was retried.
+and resumes from it instead of from step 0. Each attempt that gets to training also leaves
+``attempts/<time_ns>.json`` (named by the nanosecond time it started, so names sort in order; it holds
+``pid``, ``start_step`` and ``time``) so a person, or a test, can see what was retried and from where.
 
 :func:`run_trial` needs no Ray; :func:`tune_trainable` wraps it for Ray Tune.
 """

@@ -3,6 +3,9 @@
 Both s3fs and pyarrow's native S3 client (which Ray's storage uses) reach it through the standard AWS
 variables. The gateway gets one identity (key `test`, secret `test`): without one it cannot verify the
 streaming signatures pyarrow puts on multipart uploads.
+
+Everything the server writes (data, its logs, its local sockets) goes into one temporary directory that
+is removed when it stops; `weed` puts the sockets it has no flag for in /tmp, and those are removed too.
 """
 
 from __future__ import annotations
@@ -52,25 +55,33 @@ def seaweedfs(bucket: str = "megatrain") -> Iterator[dict[str, str]]:
     with open(os.path.join(data, "s3.json"), "w") as f:
         json.dump({"identities": [identity]}, f)
     ports = {name: _free_port() for name in ("master", "volume", "filer", "s3")}
-    cmd = [weed, "server", f"-dir={data}", f"-s3.config={os.path.join(data, 's3.json')}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
+    cmd = [weed, f"-logdir={data}", "server", f"-dir={data}", f"-s3.config={os.path.join(data, 's3.json')}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
            f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}",
            f"-s3.port={ports['s3']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+           f"-s3.localSocket={os.path.join(data, 's3.sock')}", f"-filer.localSocket={os.path.join(data, 'filer.sock')}",
            "-master.volumeSizeLimitMB=256"]  # fmt: skip
     log = open(os.path.join(data, "weed.log"), "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": data})
     env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{ports['s3']}"}  # fmt: skip
     try:
         _make_bucket(env, bucket, proc)
         yield env
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        # The data is thrown away: no graceful stop (the filer's alone waits 15 s for its gRPC streams).
+        proc.kill()
+        proc.wait()
         log.close()
         shutil.rmtree(data, ignore_errors=True)
+        for path in stray_sockets(ports.values()):
+            os.remove(path)
+
+
+def stray_sockets(ports) -> list[str]:
+    """Sockets `weed` made in /tmp for these ports (and their gRPC twins, port + 10000) and left there."""
+    numbers = {str(p) for port in ports for p in (port, port + 10000)}
+    return [os.path.join("/tmp", name) for name in os.listdir("/tmp")
+            if name.startswith("seaweedfs-") and name.endswith(".sock") and name[:-5].rsplit("-", 1)[-1] in numbers]  # fmt: skip
 
 
 def _make_bucket(env: dict[str, str], bucket: str, proc: subprocess.Popen) -> None:

@@ -1,17 +1,22 @@
 """Ray sweeps end to end on a local two-node cluster (logical GPUs) with SeaweedFS on 127.0.0.1.
 
-Slow (a Ray cluster, four job submissions): `pytest -m slow tests/test_ray_sweep.py` runs them alone.
+Slow (a Ray cluster, five job submissions): `pytest -m slow tests/test_ray_sweep.py` runs them alone.
 
 Jobs are submitted without `--working-dir`, running the installed package: two Ray nodes on one machine
 share one session directory, and the second node unpacking a job's working_dir replaces the directory
 the driver runs in. Nodes of a real cluster each unpack into their own; both modes are documented.
+
+The cluster keeps its files (Ray's session directory, and the temporary files of every process it
+starts: job drivers, trials) in a private temporary directory, removed when the module's tests end.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,18 +57,37 @@ def sweep_yaml(tmp_path: Path, name: str, lrs: list[float], steps: int, concurre
 
 @pytest.fixture(scope="module")
 def cluster(s3_env):
-    """Two Ray nodes, each declaring 1 CPU, 1 (logical) GPU and 3 GiB of memory; the dashboard takes jobs."""
+    """Two Ray nodes, each declaring 1 CPU, 1 (logical) GPU and 3 GiB of memory; the dashboard takes jobs.
+
+    TMPDIR points at a private directory while the cluster runs: Ray puts its session directory in
+    $TMPDIR/ray, and the processes it starts inherit TMPDIR. The directory is short (Ray's socket paths
+    under it must stay below 108 bytes) and removed at the end."""
     from ray.cluster_utils import Cluster
 
+    tmp = tempfile.mkdtemp(prefix="mt-ray-")
     port = free_port()
     head = dict(num_cpus=1, num_gpus=1, memory=3 * 2**30, include_dashboard=True, dashboard_host="127.0.0.1",
                 dashboard_port=port)  # fmt: skip
-    c = Cluster(initialize_head=True, head_node_args=head)
-    c.add_node(num_cpus=1, num_gpus=1, memory=3 * 2**30)
-    c.wait_for_nodes()
-    yield c, f"http://127.0.0.1:{port}"
-    ray.shutdown()
-    c.shutdown()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TMPDIR", tmp)
+            mp.setattr(tempfile, "tempdir", None)  # this process's own temporary files follow TMPDIR too
+            c = Cluster(initialize_head=True, head_node_args=head)
+            try:
+                c.add_node(num_cpus=1, num_gpus=1, memory=3 * 2**30)
+                c.wait_for_nodes()
+                yield c, f"http://127.0.0.1:{port}", tmp
+            finally:
+                ray.shutdown()
+                c.shutdown()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_cluster_keeps_its_files_in_its_private_temp_dir(cluster):
+    c, _, tmp = cluster
+    assert c.head_node.get_session_dir_path().startswith(f"{tmp}/ray/session_")
+    assert all(n.get_session_dir_path() == c.head_node.get_session_dir_path() for n in c.worker_nodes)
 
 
 def submit(dashboard: str, config: str, s3_env: dict) -> tuple[object, str]:
@@ -102,7 +126,7 @@ def attempts(trial_dir: str) -> list[dict]:
 
 
 def test_two_trial_sweep_through_ray_job_submit(cluster, s3_env, tmp_path):
-    _, dashboard = cluster
+    _, dashboard, _ = cluster
     client, job = submit(dashboard, sweep_yaml(tmp_path, "e2e", [1e-3, 3e-3], steps=20), s3_env)
     assert wait_job(client, job) == "SUCCEEDED", client.get_job_logs(job)[-3000:]
     rows = s3().cat_file("megatrain/sweeps/e2e/results.csv").decode().strip().splitlines()
@@ -111,13 +135,15 @@ def test_two_trial_sweep_through_ray_job_submit(cluster, s3_env, tmp_path):
 
     dirs = trial_dirs("e2e")
     assert len(dirs) == 2
+    stored = yaml.safe_load(s3().cat_file("megatrain/sweeps/e2e/sweep.yaml"))  # what a resubmission must match
+    assert stored["search_space"] == {"model.lr": {"grid": [1e-3, 3e-3]}}
     for d in dirs:
         assert is_checkpoint(f"s3://{d}/checkpoints/last.ckpt")
         assert len(attempts(d)) == 1
 
 
 def test_killed_trial_resumes_from_its_checkpoint(cluster, s3_env, tmp_path, monkeypatch):
-    _, dashboard = cluster
+    _, dashboard, _ = cluster
     client, job = submit(dashboard, sweep_yaml(tmp_path, "fault", [2e-3], steps=60), s3_env)
     deadline = time.monotonic() + 300
     while not any(s3().exists(f"{d}/checkpoints/last.ckpt") for d in trial_dirs("fault")):
@@ -158,7 +184,7 @@ def final_masters(url: str) -> list[bytes]:
 
 
 def test_restored_sweep_finishes_only_unfinished_trials(cluster, s3_env, tmp_path):
-    _, dashboard = cluster
+    _, dashboard, _ = cluster
     config = sweep_yaml(tmp_path, "restore", [1e-3, 3e-3], steps=80, concurrent=1)
     client, job = submit(dashboard, config, s3_env)
     deadline = time.monotonic() + 300
@@ -175,9 +201,18 @@ def test_restored_sweep_finishes_only_unfinished_trials(cluster, s3_env, tmp_pat
     rows = s3().cat_file("megatrain/sweeps/restore/results.csv").decode().strip().splitlines()
     assert len(rows) == 3 and all(",ok," in r for r in rows[1:])
 
+    # The sweep edited and resubmitted under the same name is refused, not restored with the old space.
+    edited = sweep_yaml(tmp_path, "restore", [1e-3, 3e-3, 1e-2], steps=80, concurrent=1)
+    client, job = submit(dashboard, edited, s3_env)
+    assert wait_job(client, job) == "FAILED"
+    logs = client.get_job_logs(job)
+    assert "search_space.model.lr.grid: [0.001, 0.003] -> [0.001, 0.003, 0.01]" in logs and "new `name`" in logs
+    assert "Traceback" not in logs
+    assert sorted(len(attempts(d)) for d in trial_dirs("restore")) == [1, 2]  # nothing ran
+
 
 def test_sweep_that_fits_no_node_is_refused_before_running(cluster, s3_env, tmp_path, capsys):
-    c, _ = cluster
+    c, _, _ = cluster
     cfg = yaml.safe_load(Path(sweep_yaml(tmp_path, "too-big", [1e-3], steps=5)).read_text())
     cfg["base"]["model"]["model"] = "llama-3.1-70b"
     path = tmp_path / "too-big.yaml"

@@ -1,0 +1,267 @@
+"""The sweep driver's checks, without a Ray cluster: where the sweep file is found (and that a wheel ships
+it), refusing an edited sweep instead of restoring the stored one, one-line errors for bad input, the
+files a trial leaves, and test hygiene (nothing left in /tmp)."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import runpy
+import tempfile
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ray_jobs import config as config_mod
+from ray_jobs.config import SweepConfigError, as_dict, changes, load, resolve
+from ray_jobs.sweep import SweepChanged, check_unchanged, main, record_config, stored_config
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = {"seed": 0, "model": {"model": "tiny", "warmup_steps": 5},
+        "data": {"path": "builtin:python-docs", "seq_len": 64, "batch_size": 8},
+        "trainer": {"max_steps": 30, "precision": "32-true", "val_check_interval": 10}}  # fmt: skip
+
+
+def sweep_file(tmp_path: Path, name: str = "cfg", **overrides) -> str:
+    cfg = {"name": name, "storage": str(tmp_path / "storage"), "base": BASE,
+           "search_space": {"model.lr": {"grid": [1.0e-3, 3.0e-3]}}, "checkpoint_every": 10}  # fmt: skip
+    cfg.update(overrides)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """The driver must stop before it contacts a cluster."""
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ray.init called")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+# ------------------------------------------------------------------------------ finding the sweep file
+
+
+def test_documented_config_path_works_from_any_directory(tmp_path, monkeypatch):
+    """`ray job submit` without --working-dir runs the driver in the head node's start directory."""
+    monkeypatch.chdir(tmp_path)
+    path = resolve("configs/sweep/tiny-lr.yaml")
+    assert Path(path).read_text() == (REPO / "configs/sweep/tiny-lr.yaml").read_text()
+    assert load("configs/sweep/tiny-lr.yaml").name == "tiny-lr"
+    assert load("sweep/llama-8b-lr.yaml").name == "llama-8b-lr"  # relative to configs/ too
+
+
+def test_a_file_in_the_current_directory_wins_over_the_shipped_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs" / "sweep").mkdir(parents=True)
+    Path(sweep_file(tmp_path, "mine")).rename(tmp_path / "configs/sweep/tiny-lr.yaml")
+    assert resolve("configs/sweep/tiny-lr.yaml") == "configs/sweep/tiny-lr.yaml"
+    assert load("configs/sweep/tiny-lr.yaml").name == "mine"
+
+
+def test_missing_config_is_one_line_naming_the_paths_tried(tmp_path, monkeypatch, capsys, no_ray):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--config", "configs/sweep/nope.yaml"]) == 2
+    err = one_line_error(capsys)
+    assert f"{tmp_path}/configs/sweep/nope.yaml" in err and f"{REPO}/configs/sweep/nope.yaml" in err
+    assert "--working-dir" in err and "configs/sweep/tiny-lr.yaml" in err
+
+
+def test_config_from_a_url(tmp_path):
+    record_config(load(sweep_file(tmp_path, storage="memory://sweeps")))
+    assert load("memory://sweeps/cfg/sweep.yaml").storage == "memory://sweeps"
+
+
+def test_a_wheel_ships_configs_as_package_data(monkeypatch):
+    """setup.py's packages, package_dir and package_data, after pyproject.toml's [tool.setuptools] is
+    applied (a packages table there would replace setup.py's): every YAML file of configs/ is included."""
+    import setuptools
+    from setuptools.dist import Distribution
+
+    captured: dict = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: captured.update(kw))
+    monkeypatch.chdir(REPO)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runpy.run_path(str(REPO / "setup.py"))
+        dist = Distribution(captured)
+        dist.parse_config_files()
+    dirs = {pkg: Path((dist.package_dir or {}).get(pkg, pkg.replace(".", "/"))) for pkg in dist.packages}
+    shipped = {str(Path(d) / name) for pkg, d in dirs.items() for pattern in (dist.package_data or {}).get(pkg, [])
+               for name in os.listdir(REPO / d) if fnmatch.fnmatch(name, pattern)}  # fmt: skip
+    wanted = {str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.yaml")}
+    assert wanted and wanted <= shipped, sorted(wanted - shipped)
+    assert dirs["megatrain_lightning.configs"] == Path("configs")  # installed as megatrain_lightning/configs
+    python_packages = {str(p.parent.relative_to(REPO)).replace("/", ".") for top in ("megatrain_lightning", "ray_jobs")
+                       for p in (REPO / top).rglob("__init__.py")}  # fmt: skip
+    assert python_packages <= set(dist.packages)
+
+
+# ----------------------------------------------------------------------- an edited sweep is not restored
+
+
+def test_resubmitting_an_edited_sweep_is_refused_with_what_changed(tmp_path, capsys, no_ray):
+    path = sweep_file(tmp_path, "lr")
+    cfg = load(path)
+    assert stored_config(cfg) is None and not check_unchanged(cfg)
+    record_config(cfg)  # what the first submission stores before Tune starts
+    assert check_unchanged(cfg)  # the same file again: restored
+    edited = sweep_file(tmp_path, "lr", base={**BASE, "trainer": {**BASE["trainer"], "max_steps": 60}},
+                        search_space={"model.lr": {"grid": [1.0e-3, 1.0e-2]}})  # fmt: skip
+    with pytest.raises(SweepChanged) as err:
+        check_unchanged(load(edited))
+    assert "base.trainer.max_steps: 30 -> 60" in str(err.value) and "search_space.model.lr.grid" in str(err.value)
+    assert main(["--config", edited]) == 2
+    err = one_line_error(capsys)
+    assert "base.trainer.max_steps: 30 -> 60" in err and "new `name`" in err and f"{cfg.root}/sweep.yaml" in err
+    # The stored record is a complete sweep file: resubmitting it continues the stored sweep.
+    assert as_dict(load(f"{cfg.root}/sweep.yaml")) == as_dict(cfg)
+
+
+def test_resources_may_change_on_resubmission(tmp_path):
+    cfg = load(sweep_file(tmp_path, "res"))
+    record_config(cfg)
+    moved = load(sweep_file(tmp_path, "res", resources={"cpus_per_trial": 4, "memory_headroom": "2GiB"}))
+    assert check_unchanged(moved)
+
+
+def test_changes_lists_added_removed_and_changed_leaves():
+    a = {"name": "a", "base": {"model": {"lr": 1.0}}, "num_samples": 1, "resources": {"cpus_per_trial": 1}}
+    b = {"name": "b", "base": {"model": {"lr": 2.0, "warmup_steps": 3}}, "resources": {"cpus_per_trial": 8}}
+    assert changes(a, b) == ["base.model.lr: 1.0 -> 2.0", "base.model.warmup_steps: added (3)", "num_samples: removed (was 1)"]
+
+
+# ------------------------------------------------------------------------------- bad input: one line
+
+
+BAD = [
+    ({"serach_space": {}}, "unknown keys ['serach_space']"),
+    ({"storage": None}, "missing ['storage']"),
+    ({"search_space": {"model.lr": {"logunif": [1.0e-5, 1.0e-3]}}}, "unknown sampler 'logunif'"),
+    ({"search_space": {"model.lr": {"loguniform": ["1e-5", 1.0e-3]}}}, "write 1.0e-5"),
+    ({"search_space": {"model.lr": {"uniform": [1.0, 0.5]}}}, "low 1.0 must be below high 0.5"),
+    ({"search_space": {"model.learning_rate": {"grid": [0.1]}}}, "'learning_rate' is not an argument of the model"),
+    ({"search_space": {"optim.lr": {"grid": [0.1]}}}, "must start with model., data., trainer."),
+    ({"base": {**BASE, "model": {"model": "tiny", "lr": "3e-4"}}}, "base.model.lr: '3e-4' is text"),
+    ({"base": {**BASE, "trainer": {"max_step": 5}}}, "'max_step' is not an argument of the trainer section"),
+    ({"base": {**BASE, "trainer": {"strategy": "ddp"}}}, "the sweep sets trainer.strategy itself"),
+    ({"base": {**BASE, "optimizer": {}}}, "unknown sections ['optimizer']"),
+    ({"base": {**BASE, "model": {"model": "llama-9b"}}}, "model='llama-9b' is neither a preset"),
+    ({"base": {**BASE, "data": {"seq_len": 64}}}, "base.data needs `path`"),
+    ({"scheduler": {"type": "hyperband"}}, "scheduler.type='hyperband'"),
+    ({"scheduler": {"type": "asha", "grace": 2}}, "unknown keys ['grace']; asha takes"),
+    ({"resources": {"cpus": 2}}, "resources: unknown keys ['cpus']"),
+    ({"resources": {"gpus_per_trial": 2}}, "gpus_per_trial=2"),
+    ({"resources": {"memory_headroom": "8g"}}, "unit 'g' is ambiguous"),
+    ({"num_samples": 0}, "num_samples=0 must be an integer >= 1"),
+    ({"storage": "nosuch://bucket/sweeps"}, "storage nosuch://bucket/sweeps cannot be read"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", BAD, ids=[e for _, e in BAD])
+def test_bad_input_ends_in_one_line_naming_value_and_fix(tmp_path, capsys, no_ray, overrides, expected):
+    assert main(["--config", sweep_file(tmp_path, **overrides)]) == 2
+    err = one_line_error(capsys)
+    assert expected in err and err.startswith("sweep: ")
+
+
+def test_not_yaml_is_one_line_with_the_position(tmp_path, capsys, no_ray):
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\nstorage: [/tmp/x\nbase: 3\n")
+    assert main(["--config", str(path)]) == 2
+    assert "not valid YAML at line 3" in one_line_error(capsys)
+
+
+def test_no_cluster_is_one_line(tmp_path, capsys, monkeypatch):
+    import ray
+
+    def no_cluster(*args, **kwargs):
+        raise ConnectionError("Could not find any running Ray instance.\nPlease specify one.")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    assert main(["--config", sweep_file(tmp_path)]) == 2
+    err = one_line_error(capsys)
+    assert "no Ray cluster at auto" in err and "ray start --head" in err
+
+
+def test_shipped_sweeps_pass_the_checks():
+    for path in sorted((REPO / "configs/sweep").glob("*.yaml")):
+        load(path)
+
+
+def test_sweep_config_error_names_the_file(tmp_path):
+    with pytest.raises(SweepConfigError, match=r"cfg\.yaml: num_samples"):
+        load(sweep_file(tmp_path, num_samples="four"))
+
+
+# ------------------------------------------------------------------------------------- trial files
+
+
+def test_attempt_files_are_named_by_start_time_as_documented(tmp_path):
+    from ray_jobs.trial import _Attempt
+
+    attempt = _Attempt(str(tmp_path / "trial"))
+    for step in (0, 10):
+        attempt.on_train_start(types.SimpleNamespace(global_step=step), None)
+    files = sorted((tmp_path / "trial" / "attempts").iterdir())
+    assert [f.suffix for f in files] == [".json", ".json"] and all(f.stem.isdigit() for f in files)
+    records = [json.loads(f.read_text()) for f in files]
+    assert [r["start_step"] for r in records] == [0, 10] and all(r["pid"] == os.getpid() for r in records)
+    assert abs(int(files[0].stem) / 1e9 - records[0]["time"]) < 60  # the name is the start time in ns
+    doc = (REPO / "docs/ray.md").read_text()
+    assert "attempts/<time_ns>.json" in doc and "attempts/<n>.json" not in doc
+
+
+# ----------------------------------------------------------------------------------- test hygiene
+
+
+def test_passing_tests_leave_no_tmp_path_behind(pytestconfig):
+    """One checkpoint test alone writes 2.4 GB into its tmp_path; pytest keeps three runs by default."""
+    assert pytestconfig.getini("tmp_path_retention_policy") == "failed"
+
+
+def test_seaweedfs_leaves_nothing_behind(tmp_path, monkeypatch):
+    import subprocess
+
+    from tests import s3_server
+
+    started, real_popen = [], subprocess.Popen
+
+    def popen(cmd, **kwargs):
+        started.append((cmd, real_popen(cmd, **kwargs)))
+        return started[-1][1]
+
+    monkeypatch.setattr(s3_server.subprocess, "Popen", popen)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its data directory is made in here
+    with s3_server.seaweedfs():
+        assert [p.name.startswith("seaweedfs-") for p in tmp_path.iterdir()] == [True]
+    assert list(tmp_path.iterdir()) == []
+    [(cmd, proc)] = started
+    ports = [int(a.split("=")[1]) for a in cmd if a.split("=")[0].endswith(".port") and a.split("=")[1] != "0"]
+    assert len(ports) == 4  # master, volume, filer, s3
+    numbers = {str(p) for port in ports for p in (port, port + 10000)}  # gRPC ports are port + 10000
+    left = [n for n in os.listdir("/tmp") if n.startswith("weed.") and n.endswith(f".{proc.pid}")]  # weed's logs
+    left += [n for n in os.listdir("/tmp")
+             if n.startswith("seaweedfs-") and n.removesuffix(".sock").rsplit("-", 1)[-1] in numbers]  # fmt: skip
+    assert left == []
+
+
+def test_config_module_documents_every_key():
+    """The example at the top of ray_jobs/config.py parses and passes the checks (minus its data path)."""
+    doc = config_mod.__doc__.split("```yaml")[1].split("```")[0]
+    raw = yaml.safe_load(doc)
+    assert set(raw) <= {f for f in config_mod.SweepConfig.__dataclass_fields__}
+    config_mod.from_dict(raw, "ray_jobs/config.py")
