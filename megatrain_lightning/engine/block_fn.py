@@ -194,8 +194,8 @@ class BlockRunner:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
-        hidden = CallState.hidden_of(args, kwargs) if (args or "hidden_states" in kwargs) else None
         state = CallState(args, kwargs, engine.device, engine.preserve_rng_state)
+        hidden = CallState.hidden_of(args, kwargs)
         if not torch.is_grad_enabled():
             # Evaluation: stream the weights, keep no input and build no graph. A KV cache is fine here.
             out, _ = engine.forward_block(self.idx, state, hidden, hidden.requires_grad, record=False)
