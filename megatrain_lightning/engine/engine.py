@@ -290,8 +290,7 @@ class StreamingEngine(HostSteps):
     def _upload_outer(self, unit: HostUnit, dev: torch.Tensor) -> None:
         """Refresh the device copy of an outer parameter from its host copy and bind the parameter to it."""
         self.streams.wait(self.streams.h2d, self.streams.event())  # earlier compute may still read it
-        with self.streams.on(self.streams.h2d):
-            dev.copy_(unit.copy, non_blocking=True)
+        self.streams.copy(self.streams.h2d, dev, unit.copy)
         self.stats["h2d_bytes"] += dev.numel() * dev.element_size()
         unit.upload_done = self.streams.event(self.streams.h2d)
         self.streams.wait(None, unit.upload_done)

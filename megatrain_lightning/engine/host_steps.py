@@ -69,8 +69,7 @@ class HostSteps:
         self.stats["d2h_bytes"] += flat.numel() * flat.element_size()
         produced = self.streams.event()
         self.streams.wait(self.streams.d2h, produced)
-        with self.streams.on(self.streams.d2h):
-            slab.copy_(flat, non_blocking=True)
+        self.streams.copy(self.streams.d2h, slab, flat)
         done = self.streams.event(self.streams.d2h)
         if grad_slot is not None:
             self._grad_slot_free[grad_slot] = done

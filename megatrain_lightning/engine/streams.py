@@ -1,9 +1,9 @@
 """Streams, events and the GPU weight slots that blocks are streamed through.
 
 On CUDA there are three streams: the compute stream (whatever stream is current when a block runs),
-one for host-to-device weight uploads and one for device-to-host gradient downloads. On the CPU (no
-GPU) the same code runs with synchronous stand-ins, so every scheduling decision below is exercised
-by the CPU test suite; only the asynchrony is missing.
+one for host-to-device weight uploads and one for device-to-host gradient downloads. Every copy the
+engine issues goes through `Streams.copy` on one of the two copy streams, and an event recorded after
+it marks its end: nothing reads a copy's target, or overwrites its source, before waiting for it.
 
 Forward with S = 2 slots (slot a, slot b), block i computing while block i+1 uploads::
 
@@ -12,17 +12,33 @@ Forward with S = 2 slots (slot a, slot b), block i computing while block i+1 upl
                           ^ waits ready[a]     ^ waits ready[b]
                                                ^ up 2 -> a waits free[a] (recorded after fwd 0)
 
-Backward starts with the last S blocks still resident, so they are not uploaded again::
+Backward starts with the last S blocks still resident, so they are not uploaded again. A block's weight
+gradients are packed into one of two device grad slots (g0, g1 in turn), downloaded into the unit's
+pinned slab, and landed by the host worker::
 
-    H2D     |                     | up L-3 -> b |            ...
-    compute | bwd L-1 (b) | bwd L-2 (a)         | bwd L-3 (b)
-    D2H     |             | grads L-1 -> host   | grads L-2 -> host
+    H2D     |                   | up L-3 -> b       |
+    compute | bwd L-1 (b) -> g0 | bwd L-2 (a) -> g1 | bwd L-3 (b) -> g0
+                                  ^ up L-3 -> b waits free[b] (recorded after bwd L-1)
+                                                      ^ waits ready[b]; waits done[L-1] before writing g0
+    D2H     |                   | g0 -> slab L-1    | g1 -> slab L-2
+                                  ^ waits the compute event recorded after bwd L-1; records done[L-1]
+    worker  |                      | land L-1, step L-1 | land L-2, step L-2 ...
+                                     ^ done[L-1].synchronize() before reading the slab
+
+On the CPU (no GPU) the same code runs with synchronous stand-ins: a copy happens when it is issued and
+every event is complete, so the CPU suite exercises every scheduling decision above but no wait.
+tests/async_streams.py is a test double that makes the two copy streams asynchronous on the CPU (each
+copy queued on its stream, run late and in order on the stream's own thread, forced by a wait on an
+event recorded after it). Under it the trainings stay bitwise equal to ordinary training, and removing
+a wait for a copy (ready, done before the slab is read or g0 rewritten, the outer parameters' upload)
+changes the result (tests/test_streams.py). A copy stream's waits for compute (free, the event before a
+download) cannot be shown on the CPU: the host is the compute stream, so its compute has finished
+before it issues the copy.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
-from typing import Iterator
+from contextlib import nullcontext
 
 import torch
 
@@ -72,10 +88,12 @@ class Streams:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
-    @contextmanager
-    def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+    def copy(self, stream: torch.cuda.Stream | None, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy `src` into `dst` on a copy stream: enqueued on CUDA (it runs after the waits issued on `stream`
+        so far), done at once on the CPU. Every copy the engine puts on a copy stream goes through here, so
+        a test double can intercept them (tests/async_streams.py)."""
         with torch.cuda.stream(stream) if self.is_cuda else nullcontext():
-            yield
+            dst.copy_(src, non_blocking=True)
 
 
 class SlotPool:
@@ -123,8 +141,7 @@ class SlotPool:
         s = self._victim(protect | {idx})
         dst = self.buffers[s][: source.numel()]
         self.streams.wait(self.streams.h2d, self.free[s])  # never overwrite weights still being read
-        with self.streams.on(self.streams.h2d):
-            dst.copy_(source, non_blocking=True)
+        self.streams.copy(self.streams.h2d, dst, source)
         self.ready[s] = self.streams.event(self.streams.h2d)
         self.holder[s] = idx
         self.last_use[s] = self._tick()

@@ -1,0 +1,253 @@
+"""The engine's stream waits are necessary and sufficient, proven on the CPU with an asynchronous double.
+
+tests/async_streams.py replaces the synchronous CPU stand-ins with copy streams that run late, in
+order, on their own threads (see its docstring). Under it:
+
+1. the double itself behaves like CUDA streams: a copy is invisible until its event is waited on, reads
+   its source when it runs, and each stream runs in issue order, behind the events it waits on;
+2. trainings that are bitwise equal to ordinary training stay bitwise equal (so every wait the engine
+   needs is there), with every copy held until waited on and with seeded random delays;
+3. removing one essential wait makes the training differ from ordinary training (so the double would
+   have caught its absence).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import pytest
+import torch
+
+from megatrain_lightning import MegatrainStrategy, StreamingEngine
+from megatrain_lightning.engine.host_steps import HostSteps
+from megatrain_lightning.optim.adamw import HostAdamW
+from tests.async_streams import AsyncStreams, install
+from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches
+
+# -- 1. the double ------------------------------------------------------------------------------
+
+
+def test_a_copy_is_invisible_until_its_event_is_waited_on():
+    streams = AsyncStreams(torch.device("cpu"), hold=1.0)
+    src, dst = torch.ones(8), torch.zeros(8)
+    streams.copy(streams.h2d, dst, src)
+    ready = streams.event(streams.h2d)
+    time.sleep(0.05)
+    assert not ready.query() and torch.equal(dst, torch.zeros(8))  # read early: the data from before
+    src.fill_(2.0)  # like a DMA, the copy reads its source when it runs, not when it was issued
+    streams.wait(None, ready)  # the compute stream (the host) waits: the copy runs first
+    assert ready.query() and torch.equal(dst, torch.full((8,), 2.0))
+
+    slab = torch.zeros(8)
+    streams.copy(streams.d2h, slab, dst)
+    done = streams.event(streams.d2h)
+    time.sleep(0.02)
+    assert torch.equal(slab, torch.zeros(8))
+    done.synchronize()  # the host waits for the download
+    assert torch.equal(slab, dst)
+    assert [kind for _, _, kind in streams.log] == ["copy", "record", "copy", "record"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_stream_runs_in_issue_order_off_the_host_thread(seed):
+    streams = AsyncStreams(torch.device("cpu"), seed=seed, hold=0.3, max_delay=2e-3)
+    threads = set()
+
+    class Spy(torch.Tensor):  # notes the thread each copy runs on
+        def copy_(self, src, non_blocking=False):
+            threads.add(threading.get_ident())
+            return super().copy_(src)
+
+    dst = {s.name: torch.zeros(1).as_subclass(Spy) for s in (streams.h2d, streams.d2h)}
+    for i in range(40):
+        for s in (streams.h2d, streams.d2h):
+            streams.copy(s, dst[s.name], torch.full((1,), float(i)))
+            if i % 7 == 0:
+                streams.event(s)
+    streams.synchronize()
+    assert all(float(d) == 39.0 for d in dst.values())  # the last copy issued ran last
+    for name in ("h2d", "d2h"):
+        seqs = [seq for s, seq, _ in streams.log if s == name]
+        assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) == 40 + 6
+    assert threading.get_ident() not in threads and len(threads) >= 2  # one thread per stream
+
+
+def test_a_stream_runs_nothing_behind_a_wait_until_its_event_completes():
+    streams = AsyncStreams(torch.device("cpu"), hold=0.0, max_delay=0.0)
+    streams.d2h.hold = 1.0  # the download is held until somebody needs it
+    a, b = torch.zeros(4), torch.zeros(4)
+    streams.copy(streams.d2h, a, torch.ones(4))
+    downloaded = streams.event(streams.d2h)
+    streams.wait(streams.h2d, downloaded)
+    streams.copy(streams.h2d, b, torch.ones(4))  # would run at once, but it is behind the wait
+    uploaded = streams.event(streams.h2d)
+    time.sleep(0.05)
+    assert not uploaded.query() and torch.equal(b, torch.zeros(4))
+    streams.wait(None, uploaded)  # forcing the upload forces the download it waits for
+    assert downloaded.query() and torch.equal(a, torch.ones(4)) and torch.equal(b, torch.ones(4))
+    copies = [(s, seq) for s, seq, kind in streams.log if kind == "copy"]
+    assert copies == [("d2h", 1), ("h2d", 2)]
+
+
+def test_the_engine_issues_every_copy_through_the_streams(monkeypatch):
+    """The bytes the double copied are exactly the bytes the engine counts as transferred (uploads of blocks
+    and outer parameters, gradient downloads): none of those copies bypasses Streams.copy."""
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+    made = install(monkeypatch, hold=1.0)
+    moved = {"h2d": 0, "d2h": 0}
+    copy = AsyncStreams.copy
+
+    def counted(self, stream, dst, src):
+        moved[stream.name] += dst.numel() * dst.element_size()
+        copy(self, stream, dst, src)
+
+    monkeypatch.setattr(AsyncStreams, "copy", counted)
+    model = hf_llama(layers=4)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+    engine.backward_mode = "step"
+    for batch in token_batches(2):
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    engine.release()
+    assert len(made) == 1 and made[0].copies > 0
+    assert moved == {"h2d": engine.stats["h2d_bytes"], "d2h": engine.stats["d2h_bytes"]}
+    assert not (made[0].h2d.queue or made[0].d2h.queue)  # release drained both streams
+
+
+# -- 2. bitwise equality under the double -------------------------------------------------------
+
+# Cut-down versions of tests/test_strategy.py's twenty-steps test (accumulation 4, clipping, warm-up +
+# cosine schedule, a no-decay group) and overlapped test (no clipping: blocks step during backward), and
+# of tests/test_engine.py's 3-slot run (with 5 blocks, so backward uploads again).
+TRAININGS = {
+    "accumulate-clip-schedule": dict(
+        layers=3, batches=20, module=dict(split_decay=True, schedule=5),
+        trainer=dict(accumulate_grad_batches=4, gradient_clip_val=1.0),
+    ),
+    "overlapped": dict(layers=3, batches=8, module=dict(split_decay=True, schedule=8), trainer={}),
+    "three-slots": dict(layers=5, batches=6, module={}, trainer={}, slots=3),
+}  # fmt: skip
+
+MODES = {
+    "lazy": dict(hold=1.0),  # every copy runs only when something waits for it
+    "seed0": dict(seed=0, hold=0.25, max_delay=1e-3),
+    "seed1": dict(seed=1, hold=0.0, max_delay=2e-3),  # nothing held: copies race the host
+}
+
+
+def train(name: str, strategy: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    cfg = TRAININGS[name]
+    module = CausalLM(hf_llama(layers=cfg["layers"]), **cfg["module"])
+    if strategy == "megatrain" and "slots" in cfg:
+        strategy = MegatrainStrategy(num_slots=cfg["slots"])
+    fit(module, token_batches(cfg["batches"]), strategy=strategy, **cfg["trainer"])
+    return module.losses, params_of(module.model)
+
+
+@functools.lru_cache(maxsize=None)
+def ordinary(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    return train(name, "auto")
+
+
+def same(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", list(TRAININGS))
+def test_trainings_stay_bitwise_equal_with_asynchronous_copies(name, mode, monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+    ref = ordinary(name)
+    made = install(monkeypatch, **MODES[mode])
+    got = train(name, "megatrain")
+    assert len(made) == 1 and made[0].copies > 0 and made[0].error is None
+    assert got[0] == ref[0]
+    assert same(got, ref)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "seed0"])
+def test_bf16_is_unchanged_by_asynchronous_copies(mode, monkeypatch):
+    """bf16 has a pinned compute copy apart from the master, rewritten by every step while uploads read it:
+    megatrain's bf16 training is the same with and without the double (it is deterministic on the CPU)."""
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+
+    def run() -> tuple:
+        module = CausalLM(hf_llama(layers=4), split_decay=True, schedule=4)
+        fit(module, token_batches(8), strategy="megatrain", precision="bf16-mixed",
+            accumulate_grad_batches=2, gradient_clip_val=1.0)  # fmt: skip
+        return module.losses, params_of(module.model)
+
+    plain = run()
+    made = install(monkeypatch, **MODES[mode])
+    assert same(run(), plain) and made[0].copies > 0
+
+
+# -- 3. a removed wait is caught ------------------------------------------------------------------
+
+
+def hold_first_landing(monkeypatch) -> None:
+    """Keep the host worker busy with its first landing until the host has packed three block gradients:
+    a slow host worker, as with a large model, so the host runs ahead of the downloads."""
+    packed, gate = [0], threading.Event()
+    pack, land = HostSteps._pack_grads, HostSteps._land
+
+    def counting_pack(self, *args):
+        out = pack(self, *args)
+        packed[0] += 1
+        if packed[0] == 3:
+            gate.set()
+        return out
+
+    def held_land(self, *args):
+        gate.wait(timeout=10)
+        return land(self, *args)
+
+    monkeypatch.setattr(HostSteps, "_pack_grads", counting_pack)
+    monkeypatch.setattr(HostSteps, "_land", held_land)
+
+
+# Not caught, because the host thread is the compute stream: the copy streams' waits for compute (H2D
+# on a slot's `free` event in SlotPool.load, D2H on the gradient's `produced` event in _ship, the outer
+# upload's wait for earlier compute); every copy is issued after the compute before it has run. Nor the
+# host worker's wait for a unit's upload before stepping it (_step_unit): every upload is waited for by
+# the compute that reads it, which comes before the block's gradient and so before its step.
+REMOVED = {
+    # The host worker reads the pinned slab before the gradient's download has finished.
+    "land-reads-slab-before-download": dict(skip=("_land", "host")),
+    # The compute stream reads a weight slot before the block's upload into it has finished.
+    "compute-reads-slot-before-upload": dict(skip=("acquire", "compute")),
+    # The compute stream reads the embedding/norm/head before their upload after a step has finished.
+    "compute-reads-outer-before-upload": dict(skip=("_upload_outer", "compute")),
+    # The compute stream overwrites a device grad slot before its previous download has read it (visible
+    # when the host worker lags behind, which would otherwise force each download promptly).
+    "grad-slot-reused-before-download": dict(skip=("_pack_grads", "compute"), setup=hold_first_landing),
+}
+
+
+@pytest.mark.parametrize("removed", list(REMOVED))
+def test_a_removed_wait_changes_the_result(removed, monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+    case = REMOVED[removed]
+    ref = ordinary("overlapped")
+    if "setup" in case:
+        case["setup"](monkeypatch)
+    made = install(monkeypatch, hold=1.0, skip=(case["skip"],))
+    try:
+        got = train("overlapped", "megatrain")
+    except Exception:  # a stale buffer may also surface as an error
+        got = None
+    assert made and made[0].skipped[case["skip"]] > 0, "the wait to remove was never issued"
+    assert got is None or not same(got, ref)
+
+
+def test_a_lagging_host_worker_alone_changes_nothing(monkeypatch):
+    """The control for the grad-slot case: holding the first landing back, with every wait in place."""
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+    ref = ordinary("overlapped")
+    hold_first_landing(monkeypatch)
+    install(monkeypatch, hold=1.0)
+    assert same(train("overlapped", "megatrain"), ref)
