@@ -205,8 +205,9 @@ def _assemble(url: str, *, weights: bool, optimizer: bool, weights_only: bool | 
         for p in rec["params"]:
             state_dict[p["name"]] = _view(flat["master"], p).clone()
             groups[p["name"]] = p.get("group")
-            if "exp_avg" in flat and p["step"] > 0:
-                adam[p["name"]] = (p["step"], _view(flat["exp_avg"], p).clone(), _view(flat["exp_avg_sq"], p).clone())
+            step = store.param_step(rec, p)
+            if "exp_avg" in flat and step > 0:
+                adam[p["name"]] = (step, _view(flat["exp_avg"], p).clone(), _view(flat["exp_avg_sq"], p).clone())
         del flat  # one unit's flat buffers at a time
     buffers = store.read_buffers(fs, vdir, index, url)
     aliases = index.get("aliases")

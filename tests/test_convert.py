@@ -220,8 +220,10 @@ def make_old(src: Path, dst: Path) -> str:
     for key in ("param_order", "aliases", "export"):
         del index[key]
     for rec in index["units"]:
+        rec["step"] = rec["params"][0]["step"]  # one Adam step count per unit, not per parameter
         for p in rec["params"]:
             del p["group"]
+            del p["step"]
     embed = index["units"][0]["params"][0]
     assert embed["name"] == "model.model.embed_tokens.weight"
     master = store.read_unit(*store.read_index(str(dst))[:2], index["units"][0], str(dst))["master"]
@@ -245,6 +247,19 @@ def test_checkpoints_of_the_first_format_still_load_and_convert(hf_run, tmp_path
     assert all(torch.equal(ckpt["state_dict"][k], v) for k, v in expected.items())
     with pytest.raises(CheckpointError, match="cannot write a Hugging Face directory for this model"):
         to_hf(old, tmp_path / "hf")
+
+
+def test_training_resumes_from_a_checkpoint_of_the_first_format(hf_run, tmp_path, monkeypatch):
+    """Its Adam step counts are per unit: resuming from it equals resuming from the current format."""
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+    old = make_old(hf_run / "last.ckpt", tmp_path / "old.ckpt")
+    runs = {}
+    for name, path in (("new", str(hf_run / "last.ckpt")), ("old", old)):
+        runs[name] = HFLM()
+        fit(runs[name], BATCHES, max_epochs=2, ckpt_path=path, **TRAIN)
+    assert len(runs["old"].losses) == len(BATCHES) and runs["old"].losses == runs["new"].losses
+    for (name, a), b in zip(runs["new"].named_parameters(), runs["old"].parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_the_marker_refuses_plain_torch_load(hf_run):

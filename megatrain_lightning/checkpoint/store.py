@@ -276,7 +276,7 @@ def restore(engine: StreamingEngine, url: str, *, optimizer: bool) -> dict:
         except stream.ShardError as err:
             raise CheckpointError(f"{err}; resume from an earlier checkpoint") from None
         if optimizer:
-            unit.steps = [p["step"] if rec["adam"] else 0 for p in rec["params"]]
+            unit.steps = [param_step(rec, p) if rec["adam"] else 0 for p in rec["params"]]
     _restore_buffers(engine, fs, vdir, index, url)
     engine.refresh_from_masters()
     return index
@@ -340,3 +340,8 @@ def _pointer(fs: Any, path: str, url: str) -> dict:
     if marker.get("format") != FORMAT or marker.get("version") != VERSION:
         raise CheckpointError(f"{url}: unsupported checkpoint format {marker.get('format')} v{marker.get('version')}")
     return marker
+
+
+def param_step(unit_record: dict, param_record: dict) -> int:
+    """A parameter's Adam step count; indexes written before steps were kept per parameter have one per unit."""
+    return param_record.get("step", unit_record.get("step", 0))
