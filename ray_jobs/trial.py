@@ -57,8 +57,13 @@ class _Attempt(Callback):
 
     def __init__(self, trial_dir: str) -> None:
         self.trial_dir = trial_dir
+        self.recorded = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.record(trainer)
+
+    def record(self, trainer: L.Trainer) -> None:
+        self.recorded = True
         fs, root = fsspec.core.url_to_fs(f"{self.trial_dir}/attempts")
         record = {"pid": os.getpid(), "start_step": trainer.global_step, "time": time.time()}
         fs.makedirs(root, exist_ok=True)  # a local directory must exist; object stores have none
@@ -72,9 +77,10 @@ def run_trial(run: dict[str, Any], trial_dir: str, checkpoint_every: int, report
     data = TextDataModule(**run.get("data", {"path": "builtin:python-docs"}))
     ckpt_dir = f"{trial_dir}/checkpoints"
     last = f"{ckpt_dir}/last.ckpt"
+    attempt = _Attempt(trial_dir)
     callbacks: list[Callback] = [
         ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=checkpoint_every),
-        _Attempt(trial_dir),
+        attempt,
         _FinalCheckpoint(last),
     ]
     if report is not None:
@@ -83,6 +89,12 @@ def run_trial(run: dict[str, Any], trial_dir: str, checkpoint_every: int, report
     trainer_kwargs.update(run.get("trainer", {}))
     trainer = L.Trainer(strategy="megatrain", callbacks=callbacks, **trainer_kwargs)
     trainer.fit(module, data, ckpt_path=last if is_checkpoint(last) else None)
+    if not attempt.recorded:
+        # Resumed from a checkpoint already at the end (the trial finished, but the sweep had not recorded
+        # it when it stopped): Lightning trains nothing and validates nothing. Record the attempt, and
+        # validate the final weights so the trial still reports its metric.
+        attempt.record(trainer)
+        trainer.validate(module, data, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     return {**metrics, "step": trainer.global_step, "checkpoint": last}
 

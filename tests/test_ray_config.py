@@ -265,3 +265,25 @@ def test_config_module_documents_every_key():
     raw = yaml.safe_load(doc)
     assert set(raw) <= {f for f in config_mod.SweepConfig.__dataclass_fields__}
     config_mod.from_dict(raw, "ray_jobs/config.py")
+
+
+def test_a_trial_resumed_at_its_end_still_reports_its_metric(tmp_path):
+    """A trial that finished training before the sweep recorded it is run again from its last checkpoint:
+    Lightning then trains and validates nothing, yet the trial must report its metric (Tune refuses a
+    result without it) and leave an attempt record."""
+    from ray_jobs.trial import run_trial
+
+    run = {
+        "seed": 0,
+        "model": {"model": "tiny", "warmup_steps": 1},
+        "data": {"path": "builtin:python-docs", "seq_len": 32, "batch_size": 2, "val_fraction": 0.02},
+        "trainer": {"max_steps": 4, "precision": "32-true", "val_check_interval": 2, "limit_val_batches": 1,
+                    "enable_checkpointing": True, "accelerator": "cpu"},  # fmt: skip
+    }
+    trial = str(tmp_path / "trial")
+    first = run_trial(run, trial, checkpoint_every=2)
+    again = run_trial(run, trial, checkpoint_every=2)
+    assert "val_loss" in first and again["step"] == first["step"] == 4
+    assert again["val_loss"] == first["val_loss"]  # the same final weights, validated again
+    starts = [json.loads(p.read_text())["start_step"] for p in sorted((tmp_path / "trial" / "attempts").iterdir())]
+    assert starts == [0, 4]
