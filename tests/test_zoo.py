@@ -83,98 +83,67 @@ def hf_gpt2() -> nn.Module:
     return _seeded(lambda: GPT2LMHeadModel(cfg))
 
 
-def hf_gpt_neox() -> nn.Module:
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+def hf_model(family: str, **config: Any) -> nn.Module:
+    """transformers' ``<family>ForCausalLM`` with a tiny ``<family>Config``: the vocabulary and positions
+    shared by the zoo, the shape of a small GQA decoder (2 layers, width 32, 4 heads, 2 KV heads) unless
+    `config` says otherwise, and every dropout the caller names."""
+    import transformers
 
-    cfg = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=64, rotary_pct=0.25,
-                        hidden_dropout=DROPOUT, attention_dropout=DROPOUT, attn_implementation="eager")  # fmt: skip
-    return _seeded(lambda: GPTNeoXForCausalLM(cfg))
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    fields = {k: v for k, v in {**shape, **config}.items() if v is not None}  # None: a field the family lacks
+    cfg = getattr(transformers, f"{family}Config")(vocab_size=VOCAB, max_position_embeddings=64, **fields)
+    return _seeded(lambda: getattr(transformers, f"{family}ForCausalLM")(cfg))
+
+
+def hf_gpt_neox() -> nn.Module:
+    return hf_model("GPTNeoX", num_key_value_heads=None, rotary_pct=0.25, hidden_dropout=DROPOUT,
+                    attention_dropout=DROPOUT, attn_implementation="eager")  # fmt: skip
 
 
 def hf_opt() -> nn.Module:
-    from transformers import OPTConfig, OPTForCausalLM
-
-    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
-                    max_position_embeddings=64, word_embed_proj_dim=32, dropout=DROPOUT,
-                    attention_dropout=DROPOUT, activation_dropout=DROPOUT, attn_implementation="eager")  # fmt: skip
-    return _seeded(lambda: OPTForCausalLM(cfg))
+    return hf_model("OPT", intermediate_size=None, num_key_value_heads=None, ffn_dim=64, word_embed_proj_dim=32,
+                    dropout=DROPOUT, attention_dropout=DROPOUT, activation_dropout=DROPOUT,
+                    attn_implementation="eager")  # fmt: skip
 
 
 def hf_mistral() -> nn.Module:
-    from transformers import MistralConfig, MistralForCausalLM
-
     # sliding_window < SEQ: the sliding-window mask is exercised too.
-    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=8,
-                        attention_dropout=DROPOUT, attn_implementation="sdpa")  # fmt: skip
-    return _seeded(lambda: MistralForCausalLM(cfg))
+    return hf_model("Mistral", sliding_window=8, attention_dropout=DROPOUT, attn_implementation="sdpa")
 
 
 def hf_qwen2_tied() -> nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True, attention_dropout=DROPOUT, attn_implementation="sdpa")  # fmt: skip
-    return _seeded(lambda: Qwen2ForCausalLM(cfg))
+    return hf_model("Qwen2", tie_word_embeddings=True, attention_dropout=DROPOUT, attn_implementation="sdpa")
 
 
 def hf_qwen3() -> nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                      attention_dropout=DROPOUT, attn_implementation="eager")  # fmt: skip
-    return _seeded(lambda: Qwen3ForCausalLM(cfg))
+    return hf_model("Qwen3", head_dim=8, attention_dropout=DROPOUT, attn_implementation="eager")
 
 
 def hf_gemma2() -> nn.Module:
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
     # Alternating sliding (window 8 < SEQ) and full attention layers, logit soft-capping, tied head.
-    cfg = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
-                       max_position_embeddings=64, sliding_window=8, attention_dropout=DROPOUT,
-                       attn_implementation="eager")  # fmt: skip
-    return _seeded(lambda: Gemma2ForCausalLM(cfg))
+    return hf_model("Gemma2", head_dim=8, query_pre_attn_scalar=8, sliding_window=8, attention_dropout=DROPOUT,
+                    attn_implementation="eager")  # fmt: skip
 
 
 def hf_phi3() -> nn.Module:
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    cfg = Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                     original_max_position_embeddings=64, resid_pdrop=DROPOUT, embd_pdrop=DROPOUT,
-                     attention_dropout=DROPOUT, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                     attn_implementation="sdpa")  # fmt: skip
-    return _seeded(lambda: Phi3ForCausalLM(cfg))
+    return hf_model("Phi3", original_max_position_embeddings=64, resid_pdrop=DROPOUT, embd_pdrop=DROPOUT,
+                    attention_dropout=DROPOUT, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                    attn_implementation="sdpa")  # fmt: skip
 
 
 AUX_COEF = 0.1  # large enough that the auxiliary loss visibly moves the router weights
 
 
 def hf_mixtral(router_aux_loss_coef: float = AUX_COEF) -> nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                        num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-                        router_aux_loss_coef=router_aux_loss_coef, router_jitter_noise=DROPOUT,
-                        attention_dropout=DROPOUT, attn_implementation="eager")  # fmt: skip
-    return _seeded(lambda: MixtralForCausalLM(cfg))
+    return hf_model("Mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                    router_aux_loss_coef=router_aux_loss_coef, router_jitter_noise=DROPOUT,
+                    attention_dropout=DROPOUT, attn_implementation="eager")  # fmt: skip
 
 
 def hf_qwen2_moe(router_aux_loss_coef: float = AUX_COEF) -> nn.Module:
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-                         shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, output_router_logits=True,
-                         router_aux_loss_coef=router_aux_loss_coef, attention_dropout=DROPOUT,
-                         attn_implementation="sdpa")  # fmt: skip
-    return _seeded(lambda: Qwen2MoeForCausalLM(cfg))
+    return hf_model("Qwen2Moe", moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+                    num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=router_aux_loss_coef,
+                    attention_dropout=DROPOUT, attn_implementation="sdpa")  # fmt: skip
 
 
 class UserEncoderLM(nn.Module):
