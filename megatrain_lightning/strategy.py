@@ -33,6 +33,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
         num_slots: device weight slots blocks stream through (>= 2: one computing, one loading).
         overlap_optimizer: step each block on the host as soon as its gradient lands, while backward goes
             on (only when nothing needs the whole gradient first, i.e. no clipping).
+        offload_inputs: keep each block's input, saved for its backward, in pinned host memory instead of on
+            the device (copied back one block ahead in backward): device memory then no longer grows with
+            depth, at the cost of one more transfer of the hidden states each way (long context).
         checkpoint_format: ``"sharded"`` streams per-block shards to any fsspec URL and commits atomically
             (see :mod:`megatrain_lightning.checkpoint`); ``"torch"`` writes Lightning's usual single file,
             which ordinary strategies can also resume from (small models only: it is built in memory).
@@ -45,6 +48,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         device: torch.device | str | None = None,
         num_slots: int = 2,
         overlap_optimizer: bool = True,
+        offload_inputs: bool = False,
         checkpoint_format: Literal["sharded", "torch"] = "sharded",
         **kwargs: Any,
     ) -> None:
@@ -56,6 +60,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         self._device_arg = device
         self.num_slots = num_slots
         self.overlap_optimizer = overlap_optimizer
+        self.offload_inputs = offload_inputs
         self.checkpoint_format = checkpoint_format
         self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
         self.engine: StreamingEngine | None = None
@@ -108,6 +113,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
                 accumulating=fitting and _accumulates(trainer),  # the fp32 accumulator counts too
             )  # fmt: skip
         self.engine.overlap_optimizer = self.overlap_optimizer
+        self.engine.offload_inputs = self.offload_inputs
         self.engine.want_norms = bool(fitting and trainer.gradient_clip_val)
         plugin.engine = self.engine
         self.precision_plugin = plugin

@@ -143,7 +143,8 @@ class _CopyStream:
                     dst, src = item.payload
                     cv.release()
                     try:
-                        dst.copy_(src)
+                        with torch.no_grad():  # a device copy is never recorded by autograd
+                            dst.copy_(src)
                     except BaseException as e:  # surfaced to the next waiter
                         self.owner.error = self.owner.error or e
                     finally:

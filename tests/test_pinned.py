@@ -180,3 +180,17 @@ def test_strategy_counts_the_accumulator_when_fitting_with_accumulation(monkeypa
         {"callbacks": [GradientAccumulationScheduler({0: 1, 1: 2})], "max_epochs": 2}  # fmt: skip
     with pytest.raises(HostMemoryError, match="fp32 gradient accumulator"):
         fit(module, token_batches(2), precision="bf16-mixed", **kwargs)
+
+
+def test_offloaded_block_inputs_are_pinned_at_their_exact_size_and_released(cuda):
+    """offload_inputs: one pinned buffer per block call, exactly the hidden state's bytes, unregistered at release."""
+    model = own_llama(3)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, pin_memory=True)
+    engine.offload_inputs = True
+    step(engine, model)
+    saved = engine.saved_inputs.buffers
+    batch = token_batches(1)[0]
+    assert len(saved) == 3 and engine.saved_inputs.host_bytes() == 3 * batch.numel() * model.config.hidden_size * 4
+    assert all(cuda.registered[t.data_ptr()] == t.numel() * 4 for t in saved)
+    engine.release()
+    assert not cuda.registered

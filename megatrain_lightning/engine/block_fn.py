@@ -53,6 +53,7 @@ class CallState:
         self.recorded = 0  # how many tensors SideOutputs recorded in the forward
         self.side_index: list[int] = []  # which of them are outputs of the autograd node
         self.extra_ids: dict[int, int] = {}  # id of a tensor in `extra` -> its index among those outputs
+        self.saved: Any = None  # the input in host memory when the engine offloads saved inputs
         types = {"cpu", device.type}
         self.autocast = [
             (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t), torch.is_autocast_cache_enabled())
@@ -99,7 +100,7 @@ class CallState:
             yield
 
     def clear(self) -> None:
-        self.args, self.kwargs, self.extra = (), {}, ()
+        self.args, self.kwargs, self.extra, self.saved = (), {}, (), None
         self.cpu_rng = self.dev_rng = None
 
 
@@ -166,17 +167,23 @@ class _BlockFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: "BlockRunner", state: CallState, anchor: torch.Tensor, hidden: torch.Tensor):
         ctx.runner, ctx.state = runner, state
-        ctx.save_for_backward(hidden)
+        engine = runner.engine
+        if engine.offload_inputs:
+            state.saved = engine.saved_inputs.store(hidden, owner=state)  # nothing of it stays on the device
+        else:
+            ctx.save_for_backward(hidden)
         ctx.set_materialize_grads(False)  # an unused side output sends None, not a tensor of zeros
-        out, side = runner.engine.forward_block(runner.idx, state, hidden, hidden.requires_grad)
+        out, side = engine.forward_block(runner.idx, state, hidden, hidden.requires_grad)
         return (out, *side)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor | None, *grad_side: torch.Tensor | None):
-        (hidden,) = ctx.saved_tensors
         need_input_grad = ctx.needs_input_grad[3]
         engine, state = ctx.runner.engine, ctx.state
+        hidden = engine.saved_inputs.fetch(state.saved) if state.saved is not None else ctx.saved_tensors[0]
         grad_in = engine.backward_block(ctx.runner.idx, state, hidden, [grad_out, *grad_side], need_input_grad)
+        if state.saved is not None:
+            engine.saved_inputs.give_back(state.saved)
         state.clear()
         ctx.state = None
         return None, None, None, grad_in

@@ -16,6 +16,7 @@ The engine is applied to an ordinary, built model (it imports no Lightning):
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
@@ -28,6 +29,7 @@ from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutp
 from megatrain_lightning.engine.discover import find_blocks
 from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
 from megatrain_lightning.engine.host_steps import HostSteps
+from megatrain_lightning.engine.saved_inputs import SavedInputs
 from megatrain_lightning.engine.streams import SlotPool, Streams
 from megatrain_lightning.optim.kernels import AdamHyper
 
@@ -72,6 +74,9 @@ class StreamingEngine(HostSteps):
         self._check_host_memory(block_params, outer, training, available_bytes, accumulating)
 
         self.streams = Streams(self.device)
+        # Block inputs saved for backward: on the device, or (offload_inputs) in pinned host buffers.
+        self.offload_inputs = False
+        self.saved_inputs = SavedInputs(self.streams, self.device, pin, self.stats)
         self._caches_off = _disable_kv_caches(model) if training else []
         self.units: list[HostUnit] = []
         self.outer_units: list[HostUnit] = []
@@ -81,6 +86,7 @@ class StreamingEngine(HostSteps):
         except BaseException:
             pinned.unregister(self._pinnable())  # what was already page-locked (e.g. the limit ran out midway)
             raise
+        self._forward_states: list[Any] = [None] * len(self.units)  # weakref: the latest call of each block
         max_numel = max(u.numel for u in self.units)
         self.pool = SlotPool(self.streams, num_slots, max_numel, compute_dtype)
         self._grad_slots = [torch.empty(max_numel, dtype=compute_dtype, device=self.device) for _ in range(2)]
@@ -203,6 +209,7 @@ class StreamingEngine(HostSteps):
         state.side_index = select_side(side.tensors, out, [x, *torch.utils._pytree.tree_leaves((state.args, state.kwargs))])
         picked = [side.tensors[i] for i in state.side_index]
         state.extra_ids = {id(t): j for j, t in enumerate(picked)}
+        self._forward_states[idx] = weakref.ref(state)
         return out, picked
 
     def backward_block(
@@ -255,6 +262,10 @@ class StreamingEngine(HostSteps):
             out = fn()
         self.pool.release(slot)
         # Prefetch after enqueueing the compute, so waiting for a pending host step never delays it.
+        if direction < 0 and self.offload_inputs and idx > 0:
+            earlier = self._forward_states[idx - 1]
+            state = earlier() if earlier is not None else None
+            self.saved_inputs.prefetch(state.saved if state is not None else None)  # the next block's input
         ahead = [idx + direction * k for k in range(1, self.pool.num_slots)]
         for j in ahead:
             if 0 <= j < len(self.units):
@@ -352,7 +363,7 @@ class StreamingEngine(HostSteps):
         return pinned.registered_bytes(self._pinnable())
 
     def _pinnable(self) -> list[torch.Tensor | None]:
-        return [t for unit in self.all_units() for t in (unit.master, unit.copy, unit.slab)]
+        return [t for unit in self.all_units() for t in (unit.master, unit.copy, unit.slab)] + self.saved_inputs.buffers
 
     def num_parameters(self) -> int:
         return sum(u.numel for u in self.all_units())

@@ -1,0 +1,101 @@
+"""Block inputs saved for backward in pinned host memory instead of on the device (long context).
+
+Without offloading, every block keeps its input hidden state on the device until its backward: one
+``[tokens, hidden]`` tensor per block, the only device memory that grows with depth (256 KiB per token
+for an 8B model in bf16). With ``offload_inputs``, each block's input is copied to a pinned host buffer on
+the D2H stream right after the block's forward is enqueued, and copied back on the H2D stream one block
+ahead in backward::
+
+    compute | fwd i | fwd i+1 |   ...   | bwd i+1 (recompute)   | bwd i
+    D2H     |       | x_i -> host | x_i+1 -> host
+    H2D     |                               | x_i -> device (prefetch) |
+
+Each call of a block gets its own host buffer (from a pool of exact-size buffers reused across steps),
+so two forwards before one backward are as correct as one. A buffer returns to the pool when its block's
+backward has run; the next copy into it waits for the upload that read it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatrain_lightning.engine.host import host_empty
+from megatrain_lightning.engine.streams import Streams
+
+
+@dataclass
+class SavedInput:
+    """One block call's input on the host, and its way back to the device."""
+
+    host: torch.Tensor  # flat pinned buffer
+    shape: torch.Size
+    stored: Any  # event: the D2H copy into `host` finished
+    device: torch.Tensor | None = None  # the input back on the device (after prefetch)
+    loaded: Any = None  # event: the H2D copy into `device` finished
+    returned: bool = False  # the host buffer is back in the pool
+
+
+class SavedInputs:
+    """A pool of exact-size pinned host buffers holding block inputs between forward and backward."""
+
+    def __init__(self, streams: Streams, device: torch.device, pin: bool, stats: dict) -> None:
+        self.streams, self.device, self.pin, self.stats = streams, device, pin, stats
+        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
+        self.buffers: list[torch.Tensor] = []  # every buffer allocated (host bytes, teardown)
+
+    def host_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def store(self, hidden: torch.Tensor, owner: object) -> SavedInput:
+        """Start copying `hidden` (just produced on the compute stream) to a host buffer, held until
+        :meth:`give_back` or until `owner` (the block call's state) is garbage: a graph dropped without
+        backward (a skipped step) must not keep its buffers from the pool."""
+        s = self.streams
+        buf, last_read = self._take(hidden.numel(), hidden.dtype)
+        s.wait(s.d2h, last_read)  # the upload of the buffer's previous content has read it
+        s.wait(s.d2h, s.event())  # the compute producing `hidden`
+        s.copy(s.d2h, buf, hidden.reshape(-1))
+        if s.is_cuda:
+            hidden.record_stream(s.d2h)  # the device tensor is freed after forward; the copy still reads it
+        self.stats["input_offload_bytes"] = self.stats.get("input_offload_bytes", 0) + buf.nbytes
+        saved = SavedInput(buf, hidden.shape, stored=s.event(s.d2h))
+        weakref.finalize(owner, self.give_back, saved)
+        return saved
+
+    def prefetch(self, saved: SavedInput | None) -> None:
+        """Start copying a saved input back to the device (no-op if already on its way)."""
+        if saved is None or saved.device is not None:
+            return
+        s = self.streams
+        saved.device = torch.empty(saved.shape, dtype=saved.host.dtype, device=self.device)
+        s.wait(s.h2d, saved.stored)
+        s.wait(s.h2d, s.event())  # the device memory may have just been freed by compute still in flight
+        s.copy(s.h2d, saved.device.view(-1), saved.host)
+        saved.loaded = s.event(s.h2d)
+        self.stats["input_offload_bytes"] = self.stats.get("input_offload_bytes", 0) + saved.host.nbytes
+
+    def fetch(self, saved: SavedInput) -> torch.Tensor:
+        """The saved input on the device, safe to read on the compute stream."""
+        self.prefetch(saved)
+        self.streams.wait(None, saved.loaded)
+        return saved.device
+
+    def give_back(self, saved: SavedInput) -> None:
+        """The block's backward is done with the input: its host buffer can hold another."""
+        if saved.returned:
+            return
+        saved.returned = True
+        key = (saved.host.numel(), saved.host.dtype)
+        self._free.setdefault(key, []).append((saved.host, saved.loaded))
+        saved.device = None
+
+    def _take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+        free = self._free.get((numel, dtype))
+        if free:
+            return free.pop()
+        self.buffers.append(host_empty(numel, dtype, self.pin))
+        return self.buffers[-1], None
