@@ -255,6 +255,8 @@ def plan_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-slots", type=int, default=2, help="device weight slots")
     ap.add_argument("--host-mem", type=_size, help="host memory to fit in, e.g. 512GiB")
     ap.add_argument("--gpu-mem", type=_size, help="GPU memory to fit in, e.g. 80GiB")
+    ap.add_argument("--offload-inputs", action="store_true",
+                    help="plan MegatrainStrategy(offload_inputs=True): saved block inputs in pinned host memory")  # fmt: skip
     return ap
 
 
@@ -265,7 +267,9 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from err
 
 
-def plan_from_config(path: str, host_mem: int | None = None, gpu_mem: int | None = None) -> Plan:
+def plan_from_config(
+    path: str, host_mem: int | None = None, gpu_mem: int | None = None, offload_inputs: bool = False
+) -> Plan:
     """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state."""
     import yaml
 
@@ -274,11 +278,14 @@ def plan_from_config(path: str, host_mem: int | None = None, gpu_mem: int | None
     model, data, trainer = cfg.get("model", {}), cfg.get("data", {}), cfg.get("trainer", {})
     config = resolve_config(model.get("model") or model["init_from"], model.get("overrides"))
     strategy = trainer.get("strategy", {})
-    slots = strategy.get("init_args", {}).get("num_slots", 2) if isinstance(strategy, dict) else 2
+    init_args = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
+    slots = init_args.get("num_slots", 2)
+    offload_inputs = offload_inputs or bool(init_args.get("offload_inputs", False))
     return plan(
         config, seq_len=data.get("seq_len", 2048), micro_batch=data.get("batch_size", 1),
         precision=trainer.get("precision") or default_precision(), accumulate=trainer.get("accumulate_grad_batches", 1),
         num_slots=slots, host_mem=host_mem, gpu_mem=gpu_mem, name=model.get("model") or model["init_from"],
+        offload_inputs=offload_inputs,
     )  # fmt: skip
 
 
@@ -287,12 +294,13 @@ def plan_command(argv: list[str]) -> Plan:
     args = ap.parse_args(argv)
     try:
         if args.config:
-            result = plan_from_config(args.config, args.host_mem, args.gpu_mem)
+            result = plan_from_config(args.config, args.host_mem, args.gpu_mem, args.offload_inputs)
         else:
             if not (args.model and args.seq_len and args.micro_batch):
                 ap.error("give --config, or --model, --seq-len and --micro-batch")
             result = plan(resolve_config(args.model), args.seq_len, args.micro_batch, args.precision, args.accumulate,
-                          args.num_slots, args.host_mem, args.gpu_mem, name=args.model)  # fmt: skip
+                          args.num_slots, args.host_mem, args.gpu_mem, name=args.model,
+                          offload_inputs=args.offload_inputs)  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
         user_error(str(err), ap.prog)
     print(result.table())

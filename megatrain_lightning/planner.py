@@ -20,6 +20,8 @@ width, ``H`` = hidden, ``V`` = vocabulary):
     gradient slots    2 x largest block x elt
     outer parameters  (embedding + final norm + head, a tied head counted once) x elt
     saved inputs      layers x n x H x elt                      (the only activations kept for backward)
+                      with offload_inputs: 2 x n x H x elt (one coming back, one in use); the
+                      layers x n x H x elt move to pinned host memory ("activations")
     block recompute   n x (elt x (7A + 4K + 6I + 6H) + 8H) + block x elt        (transient, one block)
     chunked loss      min(loss_chunk_size, n) x V x 4 x 3 + V x H x (4 + elt) + 2 n H elt  (transient)
     CUDA context      1 GiB fixed allowance for the context and allocator slack
@@ -94,24 +96,36 @@ def compute_bytes(precision: str) -> int:
     return 4 if precision == "32-true" else 2
 
 
-def host_breakdown(config: LlamaConfig, precision: str, accumulate: int) -> dict[str, int]:
-    """Host bytes per buffer kind, as the engine allocates them after the first training step."""
+def saved_input_bytes(config: LlamaConfig, tokens: int, precision: str) -> int:
+    """One block's input hidden state for a micro-batch of `tokens` tokens."""
+    return tokens * config.hidden_size * compute_bytes(precision)
+
+
+def host_breakdown(
+    config: LlamaConfig, precision: str, accumulate: int, tokens: int = 0, offload_inputs: bool = False
+) -> dict[str, int]:
+    """Host bytes per buffer kind, as the engine allocates them after the first training step; with
+    `offload_inputs`, the pinned buffers holding every block's input for a micro-batch of `tokens` tokens."""
     n = config.num_parameters()
     per_param = host_bytes_by_kind(compute_bytes(precision), training=True, accumulating=accumulate > 1)
-    return {**{kind: b * n for kind, b in per_param.items()}, "activations": 0}  # block inputs stay on the device
+    inputs = config.num_hidden_layers * saved_input_bytes(config, tokens, precision) if offload_inputs else 0
+    return {**{kind: b * n for kind, b in per_param.items()}, "activations": inputs}
 
 
-def gpu_breakdown(config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int) -> dict[str, int]:
+def gpu_breakdown(
+    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int, offload_inputs: bool = False
+) -> dict[str, int]:
     """GPU bytes per item (see the module docstring for each formula)."""
     elt, block, h = compute_bytes(precision), block_numel(config), config.hidden_size
     a, k = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     tokens = micro_batch * seq_len
     chunk = min(config.loss_chunk_size, tokens)
+    kept = 2 if offload_inputs else config.num_hidden_layers  # offloaded: the input in use and the prefetched one
     return {
         "weight_slots": num_slots * block * elt,
         "grad_slots": 2 * block * elt,
         "outer": outer_numel(config) * elt,
-        "saved_inputs": config.num_hidden_layers * tokens * h * elt,
+        "saved_inputs": kept * saved_input_bytes(config, tokens, precision),
         "recompute": tokens * (elt * (7 * a + 4 * k + 6 * config.intermediate_size + 6 * h) + 8 * h) + block * elt,
         "loss": chunk * config.vocab_size * 4 * 3 + config.vocab_size * h * (4 + elt) + 2 * tokens * h * elt,
         "cuda_context": CUDA_CONTEXT_BYTES,
@@ -124,10 +138,12 @@ def gpu_peak(gpu: dict[str, int]) -> int:
     return sum(gpu.values()) - gpu["recompute"] - gpu["loss"] + transient
 
 
-def max_micro_batch(config: LlamaConfig, seq_len: int, precision: str, num_slots: int, gpu_mem: int) -> int:
+def max_micro_batch(
+    config: LlamaConfig, seq_len: int, precision: str, num_slots: int, gpu_mem: int, offload_inputs: bool = False
+) -> int:
     """Largest micro-batch whose GPU peak fits in ``gpu_mem`` (0 when even one sequence does not)."""
     def fits(b: int) -> bool:
-        return gpu_peak(gpu_breakdown(config, seq_len, b, precision, num_slots)) <= gpu_mem
+        return gpu_peak(gpu_breakdown(config, seq_len, b, precision, num_slots, offload_inputs)) <= gpu_mem
 
     if not fits(1):
         return 0
@@ -152,6 +168,7 @@ class Plan:
     precision: str
     accumulate: int
     num_slots: int
+    offload_inputs: bool
     host: dict[str, int]
     """Host bytes per buffer: master, adam, copy, slab, acc, activations."""
     gpu: dict[str, int]
@@ -200,8 +217,9 @@ class Plan:
             return (f"GPU memory: {need} but {limit}. The largest micro-batch that fits is {self.max_micro_batch}: use "
                     f"--micro-batch {self.max_micro_batch} and raise --accumulate to keep the tokens per step.")  # fmt: skip
         big = max(("saved_inputs", "recompute", "loss"), key=lambda k: self.gpu[k])
+        offload = "" if self.offload_inputs else "offload the saved block inputs (--offload-inputs), "
         return (f"GPU memory: {need} but {limit}, and no micro-batch fits (largest item: {_GPU_LABELS[big].split(' (')[0]}, "
-                f"{format_size(self.gpu[big])}). Shorten seq_len, lower loss_chunk_size, use bf16-mixed, "
+                f"{format_size(self.gpu[big])}). Shorten seq_len, {offload}lower loss_chunk_size, use bf16-mixed, "
                 "or use a GPU with more memory.")  # fmt: skip
 
     def table(self) -> str:
@@ -210,6 +228,7 @@ class Plan:
             f"{self.name}: {_count(self.num_parameters)} parameters ({self.config.num_hidden_layers} blocks of "
             f"{_count(block_numel(self.config))}), seq_len {self.seq_len} x micro-batch {self.micro_batch}, "
             f"{self.precision}, accumulate {self.accumulate}, {self.num_slots} slots"
+            + (", block inputs offloaded to host" if self.offload_inputs else "")
         )
         return "\n".join([title, "", *self._host_lines(), "", *self._gpu_lines(), *self._limit_lines()])
 
@@ -225,7 +244,7 @@ class Plan:
 
     def _gpu_lines(self) -> list[str]:
         c = self.config
-        shape = dict(s=self.num_slots, layers=c.num_hidden_layers, b=self.micro_batch, t=self.seq_len,
+        shape = dict(s=self.num_slots, layers=2 if self.offload_inputs else c.num_hidden_layers, b=self.micro_batch, t=self.seq_len,
                      h=c.hidden_size, elt=compute_bytes(self.precision))  # fmt: skip
         unit, scale = self._unit()
         lines = [f"{'GPU memory':<70}{unit:>10}"]
@@ -259,7 +278,7 @@ _HOST_LABELS = {
     "copy": "pinned compute copy ({copy})",
     "slab": "pinned gradient slab ({dtype})",
     "acc": "fp32 gradient accumulator (only when accumulate > 1)",
-    "activations": "offloaded activations (none yet)",
+    "activations": "offloaded block inputs (pinned, offload_inputs)",
 }
 _GPU_LABELS = {
     "weight_slots": "weight slots ({s} x largest block)",
@@ -283,21 +302,25 @@ def plan(
     host_mem: int | None = None,
     gpu_mem: int | None = None,
     name: str = "model",
+    offload_inputs: bool = False,
 ) -> Plan:
     """Itemized host and GPU bytes of training ``config`` with ``strategy="megatrain"``.
 
     ``host_mem``/``gpu_mem`` (bytes) are the limits :attr:`Plan.fits` checks; with ``gpu_mem`` the plan
-    also finds the largest micro-batch that fits.
+    also finds the largest micro-batch that fits. ``offload_inputs`` plans
+    ``MegatrainStrategy(offload_inputs=True)``: block inputs in pinned host memory instead of on the GPU.
     """
     for key, value, least in (("seq_len", seq_len, 1), ("micro_batch", micro_batch, 1),
                               ("accumulate", accumulate, 1), ("num_slots", num_slots, 2)):  # fmt: skip
         if not isinstance(value, int) or value < least:
             raise ValueError(f"{key}={value!r} must be an integer >= {least}")
     compute_bytes(precision)  # validates the precision
-    best = None if gpu_mem is None else max_micro_batch(config, seq_len, precision, num_slots, gpu_mem)
+    best = None if gpu_mem is None else max_micro_batch(config, seq_len, precision, num_slots, gpu_mem, offload_inputs)
+    tokens = seq_len * micro_batch
     return Plan(
         name=name, config=config, seq_len=seq_len, micro_batch=micro_batch, precision=precision,
-        accumulate=accumulate, num_slots=num_slots, host=host_breakdown(config, precision, accumulate),
-        gpu=gpu_breakdown(config, seq_len, micro_batch, precision, num_slots), host_mem=host_mem,
+        accumulate=accumulate, num_slots=num_slots, offload_inputs=offload_inputs,
+        host=host_breakdown(config, precision, accumulate, tokens, offload_inputs),
+        gpu=gpu_breakdown(config, seq_len, micro_batch, precision, num_slots, offload_inputs), host_mem=host_mem,
         gpu_mem=gpu_mem, max_micro_batch=best,
     )  # fmt: skip

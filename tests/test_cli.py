@@ -159,6 +159,16 @@ def test_plan_refuses_what_does_not_fit(capsys):
     assert "needs 1083.4 GiB" in capsys.readouterr().err
 
 
+def test_plan_with_offloaded_inputs_fits_128k_tokens_of_8b_in_less_gpu_memory(capsys):
+    """--offload-inputs moves 32 saved block inputs (1 GiB each at 128k tokens in bf16) to host memory."""
+    args = ["plan", "--model", "llama-3.1-8b", "--seq-len", "131072", "--micro-batch", "1", "--gpu-mem", "80GiB"]
+    kept, offloaded = run(args), run([*args, "--offload-inputs"])
+    out = capsys.readouterr().out
+    assert "block inputs offloaded to host" in out and offloaded.fits and kept.fits
+    assert kept.gpu_peak - offloaded.gpu_peak == 30 * 2**30  # 32 inputs on the device -> 2
+    assert offloaded.host["activations"] == 32 * 2**30 and kept.host["activations"] == 0
+
+
 def test_plan_rejects_a_bad_size(capsys):
     with pytest.raises(SystemExit):
         run(["plan", "--model", "tiny", "--seq-len", "8", "--micro-batch", "1", "--gpu-mem", "80G"])

@@ -23,10 +23,11 @@ def small_config(layers: int = 4, hidden: int = 64) -> LlamaConfig:
                        loss_chunk_size=64)  # fmt: skip
 
 
-def train(model: LlamaForCausalLM, dtype: torch.dtype, accumulate: int) -> StreamingEngine:
+def train(model: LlamaForCausalLM, dtype: torch.dtype, accumulate: int, offload_inputs: bool = False) -> StreamingEngine:
     """One optimizer step of `accumulate` micro-batches on the CPU, as the strategy drives the engine."""
     config = model.config
     engine = StreamingEngine(model, device="cpu", compute_dtype=dtype)
+    engine.offload_inputs = offload_inputs
     opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-4), engine)
     tokens = torch.randint(0, config.vocab_size, (1, 32))
     for i in range(accumulate):
@@ -51,6 +52,19 @@ def test_host_estimate_matches_engine_accounting(dtype, accumulate):
     checked = host_bytes_per_param(dtype, training=True, accumulating=accumulate > 1) * engine.num_parameters()
     assert estimate.host_total == sum(measured.values()) == checked
     assert (estimate.host["acc"] > 0) == (measured["acc"] > 0) == (accumulate > 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_offloaded_inputs_are_planned_as_the_engine_allocates_them(dtype):
+    """offload_inputs: the planner's host bytes for block inputs are the engine's pinned buffers, and the
+    GPU keeps two inputs (the one in use and the one coming back) instead of one per block."""
+    config = small_config()
+    engine = train(LlamaForCausalLM(config), dtype, accumulate=1, offload_inputs=True)
+    offloaded = plan(config, seq_len=32, micro_batch=1, precision=PRECISION[dtype], offload_inputs=True)
+    kept = plan(config, seq_len=32, micro_batch=1, precision=PRECISION[dtype])
+    assert offloaded.host["activations"] == engine.saved_inputs.host_bytes() > 0 == kept.host["activations"]
+    per_input = offloaded.host["activations"] // config.num_hidden_layers
+    assert kept.gpu["saved_inputs"] == config.num_hidden_layers * per_input and offloaded.gpu["saved_inputs"] == 2 * per_input
 
 
 def _rss_growth(dtype: torch.dtype) -> dict:
