@@ -255,6 +255,7 @@ def plan_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-slots", type=int, default=2, help="device weight slots")
     ap.add_argument("--host-mem", type=_size, help="host memory to fit in, e.g. 512GiB")
     ap.add_argument("--gpu-mem", type=_size, help="GPU memory to fit in, e.g. 80GiB")
+    ap.add_argument("--mlp-chunk-size", type=int, help="tokens per MLP tile (the model's mlp_chunk_size; long context)")
     ap.add_argument("--offload-inputs", action="store_true",
                     help="plan MegatrainStrategy(offload_inputs=True): saved block inputs in pinned host memory")  # fmt: skip
     return ap
@@ -298,7 +299,8 @@ def plan_command(argv: list[str]) -> Plan:
         else:
             if not (args.model and args.seq_len and args.micro_batch):
                 ap.error("give --config, or --model, --seq-len and --micro-batch")
-            result = plan(resolve_config(args.model), args.seq_len, args.micro_batch, args.precision, args.accumulate,
+            overrides = {} if args.mlp_chunk_size is None else {"mlp_chunk_size": args.mlp_chunk_size}
+            result = plan(resolve_config(args.model, overrides), args.seq_len, args.micro_batch, args.precision, args.accumulate,
                           args.num_slots, args.host_mem, args.gpu_mem, name=args.model,
                           offload_inputs=args.offload_inputs)  # fmt: skip
     except (ValueError, FileNotFoundError) as err:

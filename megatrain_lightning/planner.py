@@ -23,6 +23,7 @@ width, ``H`` = hidden, ``V`` = vocabulary):
                       with offload_inputs: 2 x n x H x elt (one coming back, one in use); the
                       layers x n x H x elt move to pinned host memory ("activations")
     block recompute   n x (elt x (7A + 4K + 6I + 6H) + 8H) + block x elt        (transient, one block)
+                      with mlp_chunk_size c: the 6I term for min(c, n) tokens, plus n x H x elt of tile inputs
     chunked loss      min(loss_chunk_size, n) x V x 4 x 3 + V x H x (4 + elt) + 2 n H elt  (transient)
     CUDA context      1 GiB fixed allowance for the context and allocator slack
 
@@ -117,7 +118,6 @@ def gpu_breakdown(
 ) -> dict[str, int]:
     """GPU bytes per item (see the module docstring for each formula)."""
     elt, block, h = compute_bytes(precision), block_numel(config), config.hidden_size
-    a, k = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     tokens = micro_batch * seq_len
     chunk = min(config.loss_chunk_size, tokens)
     kept = 2 if offload_inputs else config.num_hidden_layers  # offloaded: the input in use and the prefetched one
@@ -126,10 +126,20 @@ def gpu_breakdown(
         "grad_slots": 2 * block * elt,
         "outer": outer_numel(config) * elt,
         "saved_inputs": kept * saved_input_bytes(config, tokens, precision),
-        "recompute": tokens * (elt * (7 * a + 4 * k + 6 * config.intermediate_size + 6 * h) + 8 * h) + block * elt,
+        "recompute": recompute_bytes(config, tokens, elt) + block * elt,
         "loss": chunk * config.vocab_size * 4 * 3 + config.vocab_size * h * (4 + elt) + 2 * tokens * h * elt,
         "cuda_context": CUDA_CONTEXT_BYTES,
     }
+
+
+def recompute_bytes(config: LlamaConfig, tokens: int, elt: int) -> int:
+    """What autograd keeps while one block is recomputed with grad (the module docstring's terms)."""
+    h, i = config.hidden_size, config.intermediate_size
+    a, k = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    rest = tokens * (elt * (7 * a + 4 * k + 6 * h) + 8 * h)
+    if config.mlp_chunk_size is None or config.mlp_chunk_size >= tokens:
+        return rest + tokens * elt * 6 * i
+    return rest + min(config.mlp_chunk_size, tokens) * elt * 6 * i + tokens * h * elt  # one tile + tile inputs
 
 
 def gpu_peak(gpu: dict[str, int]) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import multiprocessing
 
 import pytest
@@ -163,3 +165,17 @@ def test_plan_refuses_bad_settings():
 
 def test_format_size():
     assert format_size(119.66 * 2**30) == "119.7 GiB" and format_size(13 * 2**20) == "13.0 MiB"
+
+
+def test_a_tiled_mlp_shrinks_the_planned_recompute_by_its_intermediates():
+    """mlp_chunk_size keeps the MLP's 6 x intermediate_size values per token for one tile only (plus the tile
+    inputs), the rest of the block's recompute is unchanged."""
+    config = LlamaConfig.from_preset("llama-3.1-8b")
+    tiled = dataclasses.replace(config, mlp_chunk_size=16384)
+    tokens, elt = 131072, 2
+    full = plan(config, seq_len=tokens, micro_batch=1).gpu["recompute"]
+    part = plan(tiled, seq_len=tokens, micro_batch=1).gpu["recompute"]
+    intermediates = 6 * config.intermediate_size * elt
+    assert full - part == (tokens - 16384) * intermediates - tokens * config.hidden_size * elt
+    short = plan(tiled, seq_len=8192, micro_batch=1).gpu["recompute"]
+    assert short == plan(config, seq_len=8192, micro_batch=1).gpu["recompute"]  # one tile: nothing changes

@@ -60,6 +60,9 @@ class LlamaConfig:
     """Which HF architecture the checkpoint is written as."""
     loss_chunk_size: int = 4096
     """Tokens per chunk of the vocabulary loss, bounding its logits to chunk x vocab floats."""
+    mlp_chunk_size: int | None = None
+    """Tokens per tile of the MLP (long context): its gate/up/product intermediates then exist for one tile
+    at a time, in forward and (recomputed per tile) in backward. None: the whole sequence at once."""
     token_ids: dict[str, Any] = field(default_factory=dict)
     """bos/eos/pad token ids read from a HF config, written back unchanged on save."""
 
@@ -77,6 +80,8 @@ class LlamaConfig:
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
         self._validate()
+        if self.mlp_chunk_size is not None:
+            self._check_positive("mlp_chunk_size")
 
     # ---------------------------------------------------------------- validation
 

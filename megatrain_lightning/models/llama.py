@@ -23,6 +23,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from torch import nn
 
 from .config import LlamaConfig
@@ -124,13 +125,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU; with ``mlp_chunk_size`` tiled over tokens, each tile recomputed in backward, so its
+    intermediates (about 4 x intermediate_size values per token) exist for one tile at a time."""
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.chunk = config.mlp_chunk_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.chunk is None or x.shape[-2] <= self.chunk:
+            return self.swiglu(x)
+        tiles = x.split(self.chunk, dim=-2)  # tokens are independent here
+        if torch.is_grad_enabled():
+            # No randomness inside: the recompute needs no RNG state.
+            return torch.cat([checkpoint(self.swiglu, t, use_reentrant=False, preserve_rng_state=False) for t in tiles], -2)
+        return torch.cat([self.swiglu(t) for t in tiles], -2)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
