@@ -15,7 +15,7 @@ from megatrain_lightning.engine.engine import worker_init
 from megatrain_lightning.engine.host import HostUnit
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim.adamw import HostAdamW
-from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin
+from tests.helpers import CausalLM, fit, hf_llama, own_loop, params_of, token_batches, twin
 
 
 def own_llama(layers: int) -> LlamaForCausalLM:
@@ -26,15 +26,7 @@ def own_llama(layers: int) -> LlamaForCausalLM:
 
 
 def train_steps(engine: StreamingEngine, model: nn.Module, steps: int) -> list[float]:
-    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
-    losses = []
-    for batch in token_batches(steps):
-        loss = model(batch, targets=batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return own_loop(model, HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine), token_batches(steps))
 
 
 def test_device_bytes_do_not_grow_with_depth():
@@ -163,7 +155,7 @@ def test_grad_requiring_side_inputs_are_refused():
     """Only the hidden state gets a gradient back from a block; a block argument that wants one is refused
     while training (and is fine without grad, where nothing is differentiated)."""
     model = own_llama(2)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+    StreamingEngine(model, device="cpu", compute_dtype=torch.float32)  # the blocks now stream
     hidden = torch.zeros(1, 4, model.config.hidden_size, requires_grad=True)
     cos, sin = model.model.position_embeddings(torch.zeros(1, 4, dtype=torch.long), None, torch.float32)
     with pytest.raises(NotImplementedError, match="hidden state only"):

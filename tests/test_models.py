@@ -440,18 +440,13 @@ def _tiled_pair(chunk: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
 def _train(model: torch.nn.Module, streamed: bool, steps: int = 10) -> list[float]:
     from megatrain_lightning import HostAdamW, StreamingEngine
 
+    from tests.helpers import own_loop
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if streamed:
         opt = HostAdamW(opt, StreamingEngine(model, device="cpu", compute_dtype=torch.float32))
-    g, losses = torch.Generator().manual_seed(1), []
-    for _ in range(steps):
-        batch = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
-        loss = model(batch, targets=batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    g = torch.Generator().manual_seed(1)
+    return own_loop(model, opt, [torch.randint(0, model.config.vocab_size, (2, 16), generator=g) for _ in range(steps)])
 
 
 @pytest.mark.parametrize("chunk", [3, 8])
