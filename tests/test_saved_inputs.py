@@ -73,6 +73,8 @@ def test_no_block_input_stays_on_the_device():
         opt.step()
         opt.zero_grad()
     assert len(engine.saved_inputs.buffers) == 3
+    one_input = batch.numel() * model.config.hidden_size * 4
+    assert engine.stats["input_offload_bytes"] == 3 * 3 * 2 * one_input  # steps x blocks x (down and up)
 
 
 def test_two_forwards_before_one_backward():

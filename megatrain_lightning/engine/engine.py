@@ -58,6 +58,7 @@ class StreamingEngine(HostSteps):
         self.stats = {
             "h2d_bytes": 0,  # weights uploaded (blocks and outer parameters)
             "d2h_bytes": 0,  # gradients downloaded
+            "input_offload_bytes": 0,  # saved block inputs to the host and back (offload_inputs)
             "host_step_seconds": 0.0,  # worker: Adam steps
             "host_land_seconds": 0.0,  # worker: waiting for downloads, accumulating, norms
             "host_wait_seconds": 0.0,  # compute-issuing thread blocked on a pending host job

@@ -61,7 +61,7 @@ class SavedInputs:
         s.copy(s.d2h, buf, hidden.reshape(-1))
         if s.is_cuda:
             hidden.record_stream(s.d2h)  # the device tensor is freed after forward; the copy still reads it
-        self.stats["input_offload_bytes"] = self.stats.get("input_offload_bytes", 0) + buf.nbytes
+        self.stats["input_offload_bytes"] += buf.nbytes
         saved = SavedInput(buf, hidden.shape, stored=s.event(s.d2h))
         weakref.finalize(owner, self.give_back, saved)
         return saved
@@ -76,7 +76,7 @@ class SavedInputs:
         s.wait(s.h2d, s.event())  # the device memory may have just been freed by compute still in flight
         s.copy(s.h2d, saved.device.view(-1), saved.host)
         saved.loaded = s.event(s.h2d)
-        self.stats["input_offload_bytes"] = self.stats.get("input_offload_bytes", 0) + saved.host.nbytes
+        self.stats["input_offload_bytes"] += saved.host.nbytes
 
     def fetch(self, saved: SavedInput) -> torch.Tensor:
         """The saved input on the device, safe to read on the compute stream."""
