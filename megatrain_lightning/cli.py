@@ -269,15 +269,20 @@ def _size(text: str) -> int:
 
 
 def plan_from_config(
-    path: str, host_mem: int | None = None, gpu_mem: int | None = None, offload_inputs: bool = False
+    path: str,
+    host_mem: int | None = None,
+    gpu_mem: int | None = None,
+    offload_inputs: bool = False,
+    overrides: dict[str, Any] | None = None,
 ) -> Plan:
-    """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state."""
+    """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state.
+    `offload_inputs` and model `overrides` add to what the config sets."""
     import yaml
 
     with open(path, encoding="utf-8") as f:
         cfg = yaml.safe_load(f)
     model, data, trainer = cfg.get("model", {}), cfg.get("data", {}), cfg.get("trainer", {})
-    config = resolve_config(model.get("model") or model["init_from"], model.get("overrides"))
+    config = resolve_config(model.get("model") or model["init_from"], {**(model.get("overrides") or {}), **(overrides or {})})
     strategy = trainer.get("strategy", {})
     init_args = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
     slots = init_args.get("num_slots", 2)
@@ -294,12 +299,12 @@ def plan_command(argv: list[str]) -> Plan:
     ap = plan_parser()
     args = ap.parse_args(argv)
     try:
+        overrides = {} if args.mlp_chunk_size is None else {"mlp_chunk_size": args.mlp_chunk_size}
         if args.config:
-            result = plan_from_config(args.config, args.host_mem, args.gpu_mem, args.offload_inputs)
+            result = plan_from_config(args.config, args.host_mem, args.gpu_mem, args.offload_inputs, overrides)
         else:
             if not (args.model and args.seq_len and args.micro_batch):
                 ap.error("give --config, or --model, --seq-len and --micro-batch")
-            overrides = {} if args.mlp_chunk_size is None else {"mlp_chunk_size": args.mlp_chunk_size}
             result = plan(resolve_config(args.model, overrides), args.seq_len, args.micro_batch, args.precision, args.accumulate,
                           args.num_slots, args.host_mem, args.gpu_mem, name=args.model,
                           offload_inputs=args.offload_inputs)  # fmt: skip
@@ -419,8 +424,7 @@ def _check_config_files(args: list[str]) -> None:
             hint = "the ready configs are in the repository's configs/"
             if ready:
                 hint = f"ready configs here: {', '.join(ready)}"
-            print(f"megatrain: error: config file {path!r} does not exist; {hint}", file=sys.stderr)
-            raise SystemExit(2)
+            user_error(f"config file {path!r} does not exist; {hint}")
 
 
 def _config_args(args: list[str]) -> list[str]:

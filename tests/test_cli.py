@@ -169,6 +169,14 @@ def test_plan_with_offloaded_inputs_fits_128k_tokens_of_8b_in_less_gpu_memory(ca
     assert offloaded.host["activations"] == 32 * 2**30 and kept.host["activations"] == 0
 
 
+def test_plan_of_a_config_takes_the_long_context_options_too(capsys):
+    config = str(REPO / "configs" / "llama-3.1-8b.yaml")
+    plain = run(["plan", "--config", config])
+    tiled = run(["plan", "--config", config, "--mlp-chunk-size", "1024", "--offload-inputs"])
+    assert tiled.config.mlp_chunk_size == 1024 and tiled.offload_inputs and not plain.offload_inputs
+    assert tiled.gpu["recompute"] < plain.gpu["recompute"] and tiled.gpu["saved_inputs"] < plain.gpu["saved_inputs"]
+
+
 def test_plan_rejects_a_bad_size(capsys):
     with pytest.raises(SystemExit):
         run(["plan", "--model", "tiny", "--seq-len", "8", "--micro-batch", "1", "--gpu-mem", "80G"])
