@@ -3,6 +3,8 @@
 Documents are concatenated with an end-of-text token between them and the stream is cut into windows
 of ``seq_len + 1`` tokens (input = window[:-1], target = window[1:]; consecutive windows share one
 token, so every token is a target exactly once). Nothing is padded, so no compute goes to padding.
+With ``document_positions`` each window also carries position ids that restart after every end-of-text
+token, for training long windows of packed documents (see :class:`TextDataModule`).
 
 | format  | files                          | tokens                                                    |
 |---------|--------------------------------|-----------------------------------------------------------|
@@ -171,23 +173,65 @@ def write_tokens(tokens: np.ndarray | torch.Tensor, path: str | Path, dtype: Tok
 
 
 # -- windows, sampler, loader ----------------------------------------------------------------------
-class PackedWindows(Dataset):
-    """Windows ``start..stop`` of ``seq_len + 1`` tokens over one or more token streams (never across two)."""
+IGNORE_INDEX = -100  # the loss skips targets holding this (see models.loss.chunked_cross_entropy)
 
-    def __init__(self, streams: list[Any], seq_len: int, start: int = 0, stop: int | None = None) -> None:
+
+def document_position_ids(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """int64 position of each token within its document; 0 on the first token and after every ``eos_id``.
+
+    The EOS token closes its own document (it takes that document's next position). Vectorized over the
+    given tokens only: a 512k-token window costs a few array passes, whatever the size of the file.
+    """
+    after_eos = np.flatnonzero(tokens[:-1] == eos_id) + 1
+    starts = np.zeros(len(tokens), dtype=np.int64)
+    starts[after_eos] = after_eos
+    np.maximum.accumulate(starts, out=starts)  # each token's latest document start
+    return np.arange(len(tokens), dtype=np.int64) - starts
+
+
+class PackedWindows(Dataset):
+    """Windows ``start..stop`` of ``seq_len + 1`` tokens over one or more token streams (never across two).
+
+    Items are ``(inputs, targets)``; with ``document_positions`` they are ``(inputs, targets, position_ids)``
+    as described in :class:`TextDataModule` (``eos_id`` then says where documents end).
+    """
+
+    def __init__(
+        self,
+        streams: list[Any],
+        seq_len: int,
+        start: int = 0,
+        stop: int | None = None,
+        document_positions: bool = False,
+        eos_id: int | None = None,
+    ) -> None:
+        if document_positions and eos_id is None:
+            raise ValueError("PackedWindows(document_positions=True) needs eos_id=, the token ending each document")
         self.streams, self.seq_len = streams, seq_len
+        self.document_positions, self.eos_id = document_positions, eos_id
         self.offsets = np.cumsum([0] + [max(0, (len(s) - 1) // seq_len) for s in streams]).tolist()
         self.start, self.stop = start, self.offsets[-1] if stop is None else stop
 
     def __len__(self) -> int:
         return self.stop - self.start
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
         g = self.start + i
         s = bisect.bisect_right(self.offsets, g) - 1
         begin = (g - self.offsets[s]) * self.seq_len
-        window = torch.from_numpy(np.asarray(self.streams[s][begin : begin + self.seq_len + 1], dtype=np.int64))
+        window = np.asarray(self.streams[s][begin : begin + self.seq_len + 1], dtype=np.int64)
+        if self.document_positions:
+            return self._with_positions(window)
+        window = torch.from_numpy(window)
         return window[:-1], window[1:]
+
+    def _with_positions(self, window: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        inputs = window[:-1]
+        # A copy: inputs and targets share the window, and only the targets are masked.
+        targets = window[1:].copy()
+        targets[inputs == self.eos_id] = IGNORE_INDEX  # the next document's first token is unpredictable
+        positions = document_position_ids(inputs, self.eos_id)
+        return torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(positions)
 
 
 class ResumableSampler(Sampler[int]):
@@ -283,6 +327,18 @@ class TextDataModule(L.LightningDataModule):
         shuffle: visit training windows in a seeded random order, new each epoch.
         seed: seed of that order.
         num_workers: DataLoader worker processes.
+        document_positions: items become ``(inputs, targets, position_ids)`` for training on packed documents
+            without letting them see each other (long-context training): see below.
+
+    With ``document_positions`` the int64 ``position_ids`` restart at 0 on the token after each end-of-text
+    token (which itself ends its document, so it takes that document's next position), and the target of
+    every end-of-text input (the first token of the next, unrelated document) is -100, which the loss
+    ignores. A window always starts at position 0, also when it starts inside a document: the window cannot
+    attend to that document's earlier tokens anyway, and it is what Hugging Face's packed-sequence
+    (flash-attention) path does. Positions are computed over the window alone, so token files stay
+    memory-mapped at any ``seq_len``. Keeping documents apart in attention is the model's part: it reads a
+    position that restarts as a document start. Off (the default), items are ``(inputs, targets)`` and
+    positions are left to the model (0..seq_len-1).
     """
 
     def __init__(
@@ -300,6 +356,7 @@ class TextDataModule(L.LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         num_workers: int = 0,
+        document_positions: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
@@ -314,8 +371,24 @@ class TextDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.format = "text" if path.startswith(BUILTIN) else _files(path, format)[1]
         self.tokenizer = HFTokenizer(tokenizer, eos_token_id) if tokenizer else ByteTokenizer(eos_token_id)
+        if document_positions:
+            self._check_document_eos()
         self.train_set: PackedWindows | None = None
         self.val_set: PackedWindows | None = None
+
+    def _check_document_eos(self) -> None:
+        """Refuse to guess where the documents of token files end: byte 0 is right only for byte tokens."""
+        hp = self.hparams
+        paths = [p for p in (hp.path, hp.val_path) if p is not None and not p.startswith(BUILTIN)]
+        formats = {_files(p, hp.format)[1] for p in paths}
+        if "tokens" in formats and hp.tokenizer is None and hp.eos_token_id is None:
+            raise ValueError(
+                f"data document_positions=true reads the token files of {hp.path!r} but cannot tell their "
+                "end-of-text id: set data eos_token_id= (e.g. 128001 for Llama 3, 151643 for Qwen2.5; 0 for byte "
+                "tokens) or tokenizer= the tokenizer that wrote them"
+            )
+        if hp.eos_token_id is not None and hp.eos_token_id < 0:
+            raise ValueError(f"data eos_token_id={hp.eos_token_id} must be a token id (>= 0)")
 
     @property
     def vocab_size(self) -> int | None:
@@ -340,13 +413,14 @@ class TextDataModule(L.LightningDataModule):
         if self.train_set is not None:
             return
         hp = self.hparams
-        data = PackedWindows(self.streams(hp.path), hp.seq_len)
+        windows = {"document_positions": hp.document_positions, "eos_id": self.tokenizer.eos_id}
+        data = PackedWindows(self.streams(hp.path), hp.seq_len, **windows)
         if hp.val_path is not None:
-            self.train_set, self.val_set = data, PackedWindows(self.streams(hp.val_path), hp.seq_len)
+            self.train_set, self.val_set = data, PackedWindows(self.streams(hp.val_path), hp.seq_len, **windows)
         else:
             cut = len(data) - _val_windows(len(data), hp.val_fraction)
-            self.train_set = PackedWindows(data.streams, hp.seq_len, 0, cut)
-            self.val_set = PackedWindows(data.streams, hp.seq_len, cut)
+            self.train_set = PackedWindows(data.streams, hp.seq_len, 0, cut, **windows)
+            self.val_set = PackedWindows(data.streams, hp.seq_len, cut, **windows)
         if len(self.train_set) < hp.batch_size:
             raise ValueError(
                 f"{hp.path!r} gives {len(self.train_set)} training windows of seq_len+1={hp.seq_len + 1} tokens, "

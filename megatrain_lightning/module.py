@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import lightning.pytorch as L
 import torch
@@ -85,6 +85,9 @@ def build_model(config: LlamaConfig, init_from: str | None = None) -> LlamaForCa
 class CausalLMModule(L.LightningModule):
     """Next-token training of a :class:`LlamaForCausalLM` on batches of ``(input_ids, targets)``.
 
+    Batches of ``(input_ids, targets, position_ids)`` (``TextDataModule(document_positions=True)``) hand
+    their positions to the model, which reads a position that returns to 0 as the start of a new document.
+
     Weight decay applies to matrices only (norm weights and biases are in a no-decay group); the
     learning rate warms up linearly for ``warmup_steps`` and then follows a cosine to 10% at
     ``max_steps``.
@@ -119,15 +122,23 @@ class CausalLMModule(L.LightningModule):
         self.config = resolve_config(model if model is not None else init_from, overrides)
         self.model = build_model(self.config, init_from)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        inputs, targets = batch
-        loss = self.model(inputs, targets=targets)
+    def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        inputs, targets = batch
-        self.log("val_loss", self.model(inputs, targets=targets), prog_bar=True)
+    def validation_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True)
+
+    def _loss(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Mean loss of ``(inputs, targets)`` or ``(inputs, targets, position_ids)`` (packed documents)."""
+        if len(batch) not in (2, 3):
+            raise ValueError(
+                f"CausalLMModule takes batches of (inputs, targets) or (inputs, targets, position_ids), got "
+                f"{len(batch)} items; TextDataModule(document_positions=...) gives either"
+            )
+        inputs, targets, *positions = batch
+        return self.model(inputs, targets=targets, position_ids=positions[0] if positions else None)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as L
 import numpy as np
@@ -13,8 +14,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from megatrain_lightning.data import ResumableLoader, TextDataModule, TokenFile, write_tokens
+from megatrain_lightning.cli import run
+from megatrain_lightning.data import PackedWindows, ResumableLoader, TextDataModule, TokenFile, write_tokens
+from megatrain_lightning.module import CausalLMModule
 
+DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
 DOCS = ["the cat sat on the mat", "a dog barked", "hello world, once more"]
 
 
@@ -191,3 +195,117 @@ def test_loader_refuses_a_state_from_different_data(tmp_path):
     assert isinstance(loader, ResumableLoader)
     with pytest.raises(ValueError, match="resume with the same data, seq_len and batch_size"):
         loader.load_state_dict({"epoch": 0, "batches": 3, "batch_size": 4, "num_samples": 24})
+
+
+# -- document positions: packed documents for long-context training -----------------------------------
+def reference_positions(tokens: list[int], eos: int) -> list[int]:
+    """Position of each token in its document, one token at a time: 0 at the start and after every EOS."""
+    out, pos = [], 0
+    for token in tokens:
+        out.append(pos)
+        pos = 0 if token == eos else pos + 1
+    return out
+
+
+def test_document_positions_restart_after_eos_and_eos_targets_are_ignored(tmp_path):
+    #         doc 1   | doc 2       | doc 3 | doc 4
+    stream = [1, 2, 9, 3, 4, 5, 9, 6, 9, 7, 8]  # 9 ends each document
+    write_tokens(np.array(stream), tmp_path / "t.bin")
+    dm = TextDataModule(str(tmp_path / "t.bin"), seq_len=5, val_fraction=0, eos_token_id=9, document_positions=True)
+    (x0, y0, p0), (x1, y1, p1) = windows(dm)
+    assert x0.tolist() == [1, 2, 9, 3, 4] and y0.tolist() == [2, 9, -100, 4, 5] and p0.tolist() == [0, 1, 2, 0, 1]
+    # The second window starts inside doc 2, at position 0 (the window cannot see the document's start).
+    assert x1.tolist() == [5, 9, 6, 9, 7] and y1.tolist() == [9, -100, 9, -100, 8] and p1.tolist() == [0, 1, 0, 1, 0]
+    assert all(t.dtype == torch.int64 for t in (x0, y0, p0))
+
+
+def test_default_windows_are_unchanged_by_the_option(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    plain = windows(TextDataModule(str(path), seq_len=8, val_fraction=0))
+    with_docs = windows(TextDataModule(str(path), seq_len=8, val_fraction=0, document_positions=True))
+    assert all(len(w) == 2 for w in plain) and len(plain) == len(with_docs)
+    for (x, y), (dx, dy, dp) in zip(plain, with_docs):
+        eos = x == 0  # byte tokens end documents with byte 0
+        assert torch.equal(x, dx) and torch.equal(dy, torch.where(eos, -100, y))
+        assert dp.tolist() == reference_positions(x.tolist(), 0)
+
+
+def test_loader_batches_hold_inputs_targets_and_positions(tmp_path):
+    write_tokens(np.arange(200) % 7, tmp_path / "t.bin")  # documents 0..6, each ended by 6
+    dm = TextDataModule(str(tmp_path / "t.bin"), seq_len=16, batch_size=2, eos_token_id=6, val_fraction=0.2,
+                        document_positions=True)  # fmt: skip
+    dm.setup("fit")
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        inputs, targets, positions = next(iter(loader))
+        assert inputs.shape == targets.shape == positions.shape == (2, 16) and positions.dtype == torch.int64
+        assert (targets == -100).sum() == (inputs == 6).sum()
+
+
+def test_positions_of_a_262144_token_window_from_a_token_file(tmp_path):
+    """A long-context window straight from a memory-mapped file, documents of random lengths."""
+    rng = np.random.default_rng(0)
+    seq_len, eos = 262_144, 50_000
+    lengths = rng.integers(1, 5_000, size=300)  # ~750k tokens: at least two windows
+    stream = np.concatenate([np.append(rng.integers(0, 32_000, n), eos) for n in lengths])
+    write_tokens(stream, tmp_path / "t.bin", dtype="uint32")
+    dm = TextDataModule(str(tmp_path / "t.bin"), seq_len=seq_len, token_dtype="uint32", eos_token_id=eos,
+                        val_fraction=0, shuffle=False, document_positions=True)  # fmt: skip
+    dm.setup("fit")
+    assert isinstance(dm.train_set.streams[0], TokenFile) and len(dm.train_set) >= 2
+    inputs, targets, positions = dm.train_set[1]  # starts inside a document
+    assert inputs.tolist() == stream[seq_len : 2 * seq_len].tolist()
+    part = slice(0, 40_000)  # the reference is a Python loop: a slice keeps the test light
+    assert positions[part].tolist() == reference_positions(inputs[part].tolist(), eos)
+    ends = np.flatnonzero(inputs.numpy() == eos)
+    assert (positions[ends[1:]] == np.diff(ends) - 1).all()  # every whole document counts 0..length
+    assert torch.equal(targets == -100, inputs == eos)
+
+
+def test_document_positions_refuse_to_guess_the_eos_of_token_files(tmp_path):
+    write_tokens(np.arange(100), tmp_path / "t.bin")
+    with pytest.raises(ValueError, match=r"document_positions=true .* set data eos_token_id="):
+        TextDataModule(str(tmp_path / "t.bin"), seq_len=8, document_positions=True)
+    with pytest.raises(ValueError, match=r"eos_token_id=-1 must be a token id"):
+        TextDataModule(str(tmp_path / "t.bin"), seq_len=8, eos_token_id=-1, document_positions=True)
+    with pytest.raises(ValueError, match=r"needs eos_id="):
+        PackedWindows([np.arange(100)], 8, document_positions=True)
+    TextDataModule(str(tmp_path / "t.bin"), seq_len=8)  # without the option the EOS is not needed
+
+
+def test_cli_names_the_missing_eos_of_token_files_in_one_line(tmp_path, capsys):
+    write_tokens(np.arange(1000) % 50, tmp_path / "t.bin")
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", "--config", DEMO, f"--data.path={tmp_path / 't.bin'}", "--data.document_positions=true"])
+    assert exit_info.value.code == 2
+    assert "cannot tell their end-of-text id: set data eos_token_id=" in capsys.readouterr().err
+
+
+def test_module_passes_position_ids_to_the_model(tmp_path, monkeypatch):
+    module = CausalLMModule("tiny")
+    calls = []
+    forward = module.model.forward
+    monkeypatch.setattr(module.model, "forward", lambda *a, **kw: calls.append(kw) or forward(*a, **kw))
+    write_tokens(np.arange(200) % 7, tmp_path / "t.bin")
+    dm = TextDataModule(str(tmp_path / "t.bin"), seq_len=16, batch_size=2, eos_token_id=6, document_positions=True)
+    dm.setup("fit")
+    inputs, targets, positions = next(iter(dm.train_dataloader()))
+    loss = module.training_step((inputs, targets, positions), 0)
+    assert calls[-1]["position_ids"] is positions and torch.equal(calls[-1]["targets"], targets)
+    assert torch.equal(loss, forward(inputs, targets=targets, position_ids=positions))
+    module.training_step((inputs, targets), 0)
+    assert calls[-1]["position_ids"] is None  # two tensors: the model's own positions 0..T-1
+    with pytest.raises(ValueError, match=r"got 1 items"):
+        module.training_step((inputs,), 0)
+
+
+def test_document_positions_from_a_yaml_config_through_the_cli(tmp_path):
+    """`data.document_positions: true` in a YAML config trains the demo with (inputs, targets, positions)."""
+    config = tmp_path / "run.yaml"
+    config.write_text("data:\n  document_positions: true\n")
+    cli = run(["fit", "--config", DEMO, "--config", str(config), f"--trainer.default_root_dir={tmp_path}",
+               "--trainer.max_steps=2", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=1",
+               "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false", "--data.seq_len=32",
+               "--data.batch_size=2", "--trainer.callbacks.max_new_tokens=4"])  # fmt: skip
+    assert cli.datamodule.hparams.document_positions and cli.trainer.global_step == 2
+    assert len(cli.datamodule.train_set[0]) == 3 and torch.isfinite(cli.trainer.callback_metrics["val_loss"])
