@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.engine.engine import StreamingEngine
+from megatrain_lightning.engine.saved_inputs import check_offload_inputs
 from megatrain_lightning.optim.adamw import HostAdamW
 from megatrain_lightning.precision import MegatrainPrecision
 
@@ -33,9 +34,12 @@ class MegatrainStrategy(SingleDeviceStrategy):
         num_slots: device weight slots blocks stream through (>= 2: one computing, one loading).
         overlap_optimizer: step each block on the host as soon as its gradient lands, while backward goes
             on (only when nothing needs the whole gradient first, i.e. no clipping).
-        offload_inputs: keep each block's input, saved for its backward, in pinned host memory instead of on
-            the device (copied back one block ahead in backward): device memory then no longer grows with
-            depth, at the cost of one more transfer of the hidden states each way (long context).
+        offload_inputs: where each block's input, saved for its backward, waits. ``True``: in pinned host
+            memory (copied back one block ahead in backward), so device memory no longer grows with depth,
+            at the cost of one more transfer of the hidden states each way (long context). ``False``: on the
+            device. ``"auto"`` (default): decided at the start of each forward pass, offloading when the
+            inputs would take more than half of the device memory free at that moment (on a CPU device:
+            never). ``engine.stats["offloaded_passes"]`` counts the passes that offloaded.
         checkpoint_format: ``"sharded"`` streams per-block shards to any fsspec URL and commits atomically
             (see :mod:`megatrain_lightning.checkpoint`); ``"torch"`` writes Lightning's usual single file,
             which ordinary strategies can also resume from (small models only: it is built in memory).
@@ -48,7 +52,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         device: torch.device | str | None = None,
         num_slots: int = 2,
         overlap_optimizer: bool = True,
-        offload_inputs: bool = False,
+        offload_inputs: bool | Literal["auto"] = "auto",
         checkpoint_format: Literal["sharded", "torch"] = "sharded",
         **kwargs: Any,
     ) -> None:
@@ -56,6 +60,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             raise ValueError(f"checkpoint_format={checkpoint_format!r}: choose 'sharded' or 'torch'")
         if num_slots < 2:
             raise ValueError(f"num_slots={num_slots}: the strategy needs at least 2 slots (one computing, one loading)")
+        check_offload_inputs(offload_inputs)
         super().__init__(device=device or "cpu", **kwargs)
         self._device_arg = device
         self.num_slots = num_slots

@@ -3,17 +3,25 @@
 fp32 on the CPU with the torch-op optimizer backend: training with offloaded inputs equals ordinary
 training bit for bit (the inputs make a round trip through host memory, unchanged), also under the
 asynchronous copy-stream double, where a copy that is read before its event was waited on shows stale data.
+
+offload_inputs="auto" decides per forward pass from the free device memory; on the CPU the tests inject
+that figure (engine.free_device_bytes), since a CPU device on its own never offloads.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import weakref
+from typing import Callable
 
+import lightning.pytorch as L
 import pytest
 import torch
 
 from megatrain_lightning import HostAdamW, MegatrainStrategy, StreamingEngine
+from megatrain_lightning.device_memory import free_device_bytes
+from megatrain_lightning.engine.saved_inputs import offload_needed
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from tests import async_streams
 from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin
@@ -54,27 +62,71 @@ def test_offloaded_inputs_train_exactly(streams, monkeypatch):
     assert_same(ref, mt)
 
 
-def test_no_block_input_stays_on_the_device():
-    """Each block's input leaves the device after its forward; backward brings it back, and the host
-    buffers are reused from step to step (one per block)."""
-    model = own_llama(3)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
-    engine.offload_inputs = True
+def input_bytes(model: LlamaForCausalLM, batch: torch.Tensor) -> int:
+    """One block's input in fp32."""
+    return batch.numel() * model.config.hidden_size * 4
+
+
+def train_and_count_kept(model: LlamaForCausalLM, engine: StreamingEngine, steps: int) -> list[int]:
+    """Train `steps` steps; per step, how many block inputs the forward left alive for backward."""
     opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
     inputs = []
     for blk in engine.blocks:
         blk.register_forward_pre_hook(lambda module, args: inputs.append(weakref.ref(args[0])))
-    for batch in token_batches(3):
+    kept = []
+    for batch in token_batches(steps):
         inputs.clear()
         loss = model(batch, targets=batch)
         gc.collect()
-        assert len(inputs) == 3 and all(ref() is None for ref in inputs)  # not kept for backward
+        assert len(inputs) == len(engine.blocks)
+        kept.append(sum(ref() is not None for ref in inputs))
         loss.backward()
         opt.step()
         opt.zero_grad()
+    return kept
+
+
+@pytest.mark.parametrize("offload", [True, "auto"])
+def test_no_block_input_stays_on_the_device(offload):
+    """Each block's input leaves the device after its forward; backward brings it back, and the host
+    buffers are reused from step to step (one per block). "auto" does so when device memory is short."""
+    model = own_llama(3)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, offload_inputs=offload)
+    engine.free_device_bytes = lambda: 1024  # less than one block's input: used by "auto" only
+    assert train_and_count_kept(model, engine, steps=3) == [0, 0, 0]
     assert len(engine.saved_inputs.buffers) == 3
-    one_input = batch.numel() * model.config.hidden_size * 4
+    one_input = input_bytes(model, token_batches(1)[0])
     assert engine.stats["input_offload_bytes"] == 3 * 3 * 2 * one_input  # steps x blocks x (down and up)
+    assert engine.stats["offloaded_passes"] == 3
+
+
+@pytest.mark.parametrize("offload", [False, "auto"])
+def test_inputs_stay_on_a_cpu_device(offload):
+    """Without offloading every block's input is kept for backward; on a CPU device "auto" (the default)
+    never offloads: the device's memory is host memory already."""
+    model = own_llama(3)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, offload_inputs=offload)
+    assert engine.offload_inputs == offload
+    assert train_and_count_kept(model, engine, steps=2) == [3, 3]
+    assert engine.stats["offloaded_passes"] == 0 and engine.stats["input_offload_bytes"] == 0
+    assert not engine.saved_inputs.buffers
+
+
+def test_auto_offloads_beyond_half_the_free_memory(caplog):
+    """The rule: offload when blocks x one block's input exceeds half the free device memory; an INFO
+    line says so once, with the sizes."""
+    assert not offload_needed(100, 200) and offload_needed(101, 200) and offload_needed(1, 1)
+    model = own_llama(3)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+    saved = 3 * input_bytes(model, token_batches(1)[0])
+    free = iter([2 * saved, 2 * saved - 2, 2 * saved - 2, 2 * saved])
+    engine.free_device_bytes = lambda: next(free)
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning"):
+        assert train_and_count_kept(model, engine, steps=4) == [3, 0, 0, 3]
+    assert engine.stats["offloaded_passes"] == 2
+    lines = [r for r in caplog.records if r.name == "megatrain_lightning" and "host memory" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert f"{saved / 2**30:.2f} GiB" in lines[0].getMessage()
 
 
 def test_two_forwards_before_one_backward():
@@ -94,6 +146,83 @@ def test_two_forwards_before_one_backward():
         for name, e in zip(engine.qualified_names(unit), unit.entries):
             assert torch.equal(unit.acc[e.offset : e.offset + e.numel].view(e.shape), grads[name]), name
     assert len(engine.saved_inputs.buffers) == 4
+
+
+def test_free_cuda_memory_counts_what_the_allocator_caches_unused(monkeypatch):
+    """The driver's free memory plus the caching allocator's reserved-but-unallocated memory (where the
+    previous step's saved inputs go once its backward frees them)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 6 << 30)
+    assert free_device_bytes(torch.device("cuda", 0)) == 7 << 30
+    assert free_device_bytes(torch.device("cpu")) is None
+
+
+def test_forwards_deciding_differently_before_one_backward():
+    """Two forwards of one loss, the first keeping its inputs on the device and the second offloading:
+    each block's backward finds its input where its own forward put it, and the gradients are exact."""
+    ref = own_llama(2)
+    mt = own_llama(2)
+    free = iter([10**12, 0])  # the first pass has room, the second none
+    engine = StreamingEngine(mt, device="cpu", compute_dtype=torch.float32, free_device_bytes=lambda: next(free))
+    engine.backward_mode = "accumulate"
+    HostAdamW(torch.optim.AdamW(mt.parameters(), lr=1e-3), engine)
+    x, y = token_batches(2)
+    (ref(x, targets=x) + 0.5 * ref(y, targets=y)).backward()
+    (mt(x, targets=x) + 0.5 * mt(y, targets=y)).backward()
+    engine.flush()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for unit in engine.units:
+        for name, e in zip(engine.qualified_names(unit), unit.entries):
+            assert torch.equal(unit.acc[e.offset : e.offset + e.numel].view(e.shape), grads[name]), name
+    assert engine.stats["offloaded_passes"] == 1 and len(engine.saved_inputs.buffers) == 2
+
+
+class FreeDeviceMemory(L.Callback):
+    """Sets the free device memory "auto" sees before each training batch (`free(batch_idx)`), and keeps
+    the engine's stats past teardown."""
+
+    def __init__(self, free: Callable[[int], int]) -> None:
+        self.free = free
+        self.stats: dict = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        engine = trainer.strategy.engine
+        engine.free_device_bytes = lambda: self.free(batch_idx)
+        self.stats = engine.stats
+
+
+@pytest.mark.parametrize(
+    ("streams", "pattern"), [("sync", "always"), ("async-seed0", "always"), ("sync", "odd"), ("async-lazy", "odd")]
+)
+def test_auto_offloading_trains_exactly(streams, pattern, monkeypatch):
+    """offload_inputs="auto" with little free device memory trains as ordinary Lightning does, bit for bit;
+    also when passes alternate between keeping and offloading, inside an accumulation window too."""
+    if streams != "sync":
+        async_streams.install(monkeypatch, **({"hold": 1.0} if streams == "async-lazy" else {"seed": 0}))
+    a, b = twin(lambda: hf_llama(layers=3, attention_dropout=0.1))
+    ref, mt = CausalLM(a, split_decay=True), CausalLM(b, split_decay=True)
+    batches, train = token_batches(8), dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
+    short = (lambda i: True) if pattern == "always" else (lambda i: i % 2 == 1)
+    free = FreeDeviceMemory(lambda i: 0 if short(i) else 10**12)
+    torch.manual_seed(5)
+    fit(ref, batches, strategy="auto", **train)
+    torch.manual_seed(5)
+    fit(mt, batches, strategy=MegatrainStrategy(), callbacks=[free], **train)
+    assert_same(ref, mt)
+    assert free.stats["offloaded_passes"] == sum(short(i) for i in range(len(batches)))
+
+
+@pytest.mark.parametrize("value", ["yes", None, 1, "True"])
+def test_a_bad_offload_inputs_value_is_refused(value):
+    with pytest.raises(ValueError, match=r"offload_inputs=.*True.*False.*'auto'") as err:
+        MegatrainStrategy(offload_inputs=value)
+    assert repr(value) in str(err.value)
+    with pytest.raises(ValueError, match="offload_inputs="):
+        StreamingEngine(own_llama(2), device="cpu", compute_dtype=torch.float32, offload_inputs=value)
+    engine = StreamingEngine(own_llama(2), device="cpu", compute_dtype=torch.float32)
+    with pytest.raises(ValueError, match="offload_inputs="):
+        engine.offload_inputs = value
 
 
 def test_a_step_dropped_without_backward_returns_its_buffers():

@@ -53,7 +53,8 @@ class CallState:
         self.recorded = 0  # how many tensors SideOutputs recorded in the forward
         self.side_index: list[int] = []  # which of them are outputs of the autograd node
         self.extra_ids: dict[int, int] = {}  # id of a tensor in `extra` -> its index among those outputs
-        self.saved: Any = None  # the input in host memory when the engine offloads saved inputs
+        self.offload = False  # this call saves its input in host memory (the engine's decision for its pass)
+        self.saved: Any = None  # the input in host memory when the call offloads it
         types = {"cpu", device.type}
         self.autocast = [
             (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t), torch.is_autocast_cache_enabled())
@@ -168,7 +169,7 @@ class _BlockFunction(torch.autograd.Function):
     def forward(ctx, runner: "BlockRunner", state: CallState, anchor: torch.Tensor, hidden: torch.Tensor):
         ctx.runner, ctx.state = runner, state
         engine = runner.engine
-        if engine.offload_inputs:
+        if state.offload:
             state.saved = engine.saved_inputs.store(hidden, owner=state)  # nothing of it stays on the device
         else:
             ctx.save_for_backward(hidden)
@@ -208,6 +209,7 @@ class BlockRunner:
             out, _ = engine.forward_block(self.idx, state, hidden, hidden.requires_grad, record=False)
             return state.rebuild(out)
         _refuse_training_inputs(self.idx, args, kwargs)
+        state.offload = engine.offloads_call(self.idx, hidden)
         out, *side = _BlockFunction.apply(self, state, engine.grad_anchor, hidden)
         state.extra = _replace(state.extra, state.extra_ids, side)
         return state.rebuild(out)

@@ -16,6 +16,7 @@ The engine is applied to an ordinary, built model (it imports no Lightning):
 
 from __future__ import annotations
 
+import logging
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -24,14 +25,23 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from megatrain_lightning.device_memory import free_device_bytes
 from megatrain_lightning.engine import pinned
 from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, select_side
 from megatrain_lightning.engine.discover import find_blocks
 from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
 from megatrain_lightning.engine.host_steps import HostSteps
-from megatrain_lightning.engine.saved_inputs import SavedInputs
+from megatrain_lightning.engine.saved_inputs import (
+    OffloadInputs,
+    SavedInputs,
+    check_offload_inputs,
+    offload_needed,
+)
 from megatrain_lightning.engine.streams import SlotPool, Streams
 from megatrain_lightning.optim.kernels import AdamHyper
+
+log = logging.getLogger("megatrain_lightning")
+
 
 class HostMemoryError(MemoryError):
     """The model's host-resident training state does not fit in this machine's memory."""
@@ -51,6 +61,8 @@ class StreamingEngine(HostSteps):
         pin_memory: bool | None = None,
         preserve_rng_state: bool = True,
         available_bytes: Callable[[], int] | None = None,
+        offload_inputs: OffloadInputs = "auto",
+        free_device_bytes: Callable[[], int] | None = None,
     ) -> None:
         if compute_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"compute_dtype={compute_dtype}: the engine computes in torch.float32 or torch.bfloat16")
@@ -59,6 +71,7 @@ class StreamingEngine(HostSteps):
             "h2d_bytes": 0,  # weights uploaded (blocks and outer parameters)
             "d2h_bytes": 0,  # gradients downloaded
             "input_offload_bytes": 0,  # saved block inputs to the host and back (offload_inputs)
+            "offloaded_passes": 0,  # forward passes whose saved block inputs went to the host
             "host_step_seconds": 0.0,  # worker: Adam steps
             "host_land_seconds": 0.0,  # worker: waiting for downloads, accumulating, norms
             "host_wait_seconds": 0.0,  # compute-issuing thread blocked on a pending host job
@@ -76,7 +89,11 @@ class StreamingEngine(HostSteps):
 
         self.streams = Streams(self.device)
         # Block inputs saved for backward: on the device, or (offload_inputs) in pinned host buffers.
-        self.offload_inputs = False
+        self.offload_inputs = offload_inputs
+        # Device memory free for saved inputs ("auto"); None measures the device (see _free_device_bytes).
+        self.free_device_bytes = free_device_bytes
+        self._pass_offloads: bool | None = None  # the decision of the forward pass under way
+        self._auto_announced = False
         self.saved_inputs = SavedInputs(self.streams, self.device, pin, self.stats)
         self._caches_off = _disable_kv_caches(model) if training else []
         self.units: list[HostUnit] = []
@@ -185,6 +202,53 @@ class StreamingEngine(HostSteps):
         # Outer units first: the embedding is the first thing the next forward needs.
         return self.outer_units + self.units
 
+    # -- where saved block inputs go ----------------------------------------------------------------
+    @property
+    def offload_inputs(self) -> OffloadInputs:
+        """True: saved block inputs go to pinned host memory; False: they stay on the device; "auto":
+        decided per forward pass from the device memory free for them (:func:`offload_needed`)."""
+        return self._offload_inputs
+
+    @offload_inputs.setter
+    def offload_inputs(self, value: OffloadInputs) -> None:
+        self._offload_inputs = check_offload_inputs(value)
+
+    def offloads_call(self, idx: int, hidden: torch.Tensor) -> bool:
+        """Whether this call of block `idx` (under grad) saves its input on the host.
+
+        Decided when block 0 starts a forward pass and then followed by every block of the pass, so a
+        setting or free memory that changes midway cannot split a pass. Each call keeps its answer
+        (CallState.offload, CallState.saved): its backward looks where its forward put the input."""
+        if idx == 0 or self._pass_offloads is None:
+            self._pass_offloads = self._decide_offload(hidden)
+            self.stats["offloaded_passes"] += int(self._pass_offloads)
+        return self._pass_offloads
+
+    def _decide_offload(self, hidden: torch.Tensor) -> bool:
+        if self.offload_inputs != "auto":
+            return self.offload_inputs
+        free = self._free_device_bytes()
+        if free is None:
+            return False
+        saved = len(self.blocks) * hidden.numel() * hidden.element_size()
+        offload = offload_needed(saved, free)
+        if offload and not self._auto_announced:
+            self._auto_announced = True  # once per run: the decision may flip with every step
+            log.info(
+                "offload_inputs='auto': saving block inputs in host memory: %d blocks x %s need %.2f GiB, "
+                "%.2f GiB of device memory free",
+                len(self.blocks), tuple(hidden.shape), saved / 2**30, free / 2**30,
+            )  # fmt: skip
+        return offload
+
+    def _free_device_bytes(self) -> int | None:
+        """Device memory free for saved inputs, or None where "auto" keeps them on the device: on a CPU
+        device the inputs already are in host memory (a copy would only duplicate them), and other
+        devices have no measure of free memory here."""
+        if self.free_device_bytes is not None:
+            return self.free_device_bytes()
+        return free_device_bytes(self.device)
+
     # -- forward / backward of one block ---------------------------------------------------------
     def forward_block(
         self, idx: int, state: CallState, hidden: torch.Tensor, input_requires_grad: bool, record: bool = True
@@ -263,10 +327,11 @@ class StreamingEngine(HostSteps):
             out = fn()
         self.pool.release(slot)
         # Prefetch after enqueueing the compute, so waiting for a pending host step never delays it.
-        if direction < 0 and self.offload_inputs and idx > 0:
+        if direction < 0 and idx > 0:
             earlier = self._forward_states[idx - 1]
             state = earlier() if earlier is not None else None
-            self.saved_inputs.prefetch(state.saved if state is not None else None)  # the next block's input
+            # The next block's input, if its call offloaded it (prefetch(None) does nothing).
+            self.saved_inputs.prefetch(state.saved if state is not None else None)
         ahead = [idx + direction * k for k in range(1, self.pool.num_slots)]
         for j in ahead:
             if 0 <= j < len(self.units):

@@ -13,18 +13,48 @@ ahead in backward::
 Each call of a block gets its own host buffer (from a pool of exact-size buffers reused across steps),
 so two forwards before one backward are as correct as one. A buffer returns to the pool when its block's
 backward has run; the next copy into it waits for the upload that read it.
+
+``offload_inputs="auto"`` (the default) decides at the first block of each forward pass, from the size of
+what the pass would save and the device memory free for it (:func:`offload_needed`). Every block of the
+pass follows that decision: each call records where its input went, and its backward looks there.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from megatrain_lightning.engine.host import host_empty
 from megatrain_lightning.engine.streams import Streams
+
+
+OffloadInputs = bool | Literal["auto"]
+OFFLOAD_CHOICES: tuple[OffloadInputs, ...] = (True, False, "auto")
+
+
+def check_offload_inputs(value: Any) -> OffloadInputs:
+    """`value` if it is one of :data:`OFFLOAD_CHOICES`, else a ValueError naming it and the choices."""
+    # isinstance, not `in`: 1 == True would let an int through
+    if isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
+        return value
+    raise ValueError(f"offload_inputs={value!r}: choose True (always offload), False (never) or 'auto'")
+
+
+def offload_needed(saved_bytes: int, free_bytes: int) -> bool:
+    """The "auto" rule: offload a forward pass's saved block inputs when they would take more than half of
+    the device memory free for them.
+
+    `saved_bytes` is what the pass would keep on the device (blocks x one block's input), `free_bytes` the
+    device memory free now, the allocator's cached but unused memory included (see device_memory.py).
+    The other half is the reserve for everything else the step needs on top of the saved inputs: one
+    block's recompute with grad (several hidden states' worth of activations), the loss and its logits, and
+    the allocator's fragmentation. Offloading costs one copy of each input each way, which the copy
+    streams mostly hide; running out of memory ends the run, so the rule errs towards offloading.
+    """
+    return saved_bytes > free_bytes // 2
 
 
 @dataclass
