@@ -60,9 +60,12 @@ class LlamaConfig:
     """Which HF architecture the checkpoint is written as."""
     loss_chunk_size: int = 4096
     """Tokens per chunk of the vocabulary loss, bounding its logits to chunk x vocab floats."""
-    mlp_chunk_size: int | None = None
-    """Tokens per tile of the MLP (long context): its gate/up/product intermediates then exist for one tile
-    at a time, in forward and (recomputed per tile) in backward. None: the whole sequence at once."""
+    token_chunk_size: int | Literal["auto"] | None = "auto"
+    """Tokens per tile of each decoder block (long context). Norms, projections, RoPE and the MLP run tile by
+    tile, each tile recomputed in backward, so their intermediates exist for one tile at a time; only the
+    attention core sees the whole sequence, and the final norm is folded into the chunked loss. "auto" sizes
+    tiles from free device memory (models/tiling.py), leaving sequences shorter than one tile untiled (on
+    the CPU: 8192 tokens). None: every block always sees the whole sequence at once."""
     token_ids: dict[str, Any] = field(default_factory=dict)
     """bos/eos/pad token ids read from a HF config, written back unchanged on save."""
 
@@ -80,8 +83,10 @@ class LlamaConfig:
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
         self._validate()
-        if self.mlp_chunk_size is not None:
-            self._check_positive("mlp_chunk_size")
+        if self.token_chunk_size not in (None, "auto") and not (
+            isinstance(self.token_chunk_size, int) and not isinstance(self.token_chunk_size, bool) and self.token_chunk_size > 0
+        ):
+            raise ValueError(f"token_chunk_size={self.token_chunk_size!r} must be a positive integer, 'auto' or None.")
 
     # ---------------------------------------------------------------- validation
 

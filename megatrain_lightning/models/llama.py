@@ -20,14 +20,18 @@ RoPE angles, attention's internal softmax and the loss, which use fp32 as in HF.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from torch import nn
 
 from .config import LlamaConfig
 from .loss import chunked_cross_entropy
+from .tiling import resolve_tile, run_tile
+
+Segments = tuple[tuple[tuple[int, int], ...], ...] | None
+"""Per row (one row standing for all), the (start, end) token spans of its documents."""
 
 
 class RMSNorm(nn.Module):
@@ -37,11 +41,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32, then cast back *before* the weight multiply: this is HF's exact
-        # order of operations, which is what makes bf16 outputs bit-compatible with theirs.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Statistics in fp32, then cast back *before* the weight multiply: this is HF's exact
+    # order of operations, which is what makes bf16 outputs bit-compatible with theirs.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -107,49 +115,60 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments = None) -> torch.Tensor:
+        return self.project_out(self.core(*self.project(x, cos, sin), segments))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotated q [B, heads, T, hd] and k, v [B, kv_heads, T, hd] of the (normed) input x [B, T, H]."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # kv heads are repeated explicitly instead of passing enable_gqa=True: with fp32 inputs on
-        # CUDA only the memory-efficient kernel applies and it has no GQA support, so enable_gqa
-        # would silently fall back to the math kernel that materializes the T x T scores.
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments = None) -> torch.Tensor:
+        """Causal attention [B, heads, T, hd]; with `segments`, each document attends only to itself."""
         groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # bf16 kernels (flash) share each kv head among its query heads natively (enable_gqa). With fp32
+        # inputs on CUDA only the memory-efficient kernel applies and it has no GQA support, so there
+        # enable_gqa would silently fall back to the math kernel that materializes the T x T scores:
+        # fp32 repeats the kv heads instead.
+        gqa = groups > 1 and q.dtype != torch.float32
+        if groups > 1 and not gqa:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if segments is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        rows = []
+        for b, spans in enumerate(segments if len(segments) == q.shape[0] else segments * q.shape[0]):
+            parts = [
+                F.scaled_dot_product_attention(q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e],
+                                               is_causal=True, enable_gqa=gqa)
+                for s, e in spans
+            ]  # fmt: skip
+            rows.append(torch.cat(parts, dim=2))
+        return torch.cat(rows, dim=0)
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """o_proj of the attention output [B, heads, T, hd] -> [B, T, H]."""
+        b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU; with ``mlp_chunk_size`` tiled over tokens, each tile recomputed in backward, so its
-    intermediates (about 4 x intermediate_size values per token) exist for one tile at a time."""
+    """SwiGLU."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.chunk = config.mlp_chunk_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.chunk is None or x.shape[-2] <= self.chunk:
-            return self.swiglu(x)
-        tiles = x.split(self.chunk, dim=-2)  # tokens are independent here
-        if torch.is_grad_enabled():
-            # No randomness inside: the recompute needs no RNG state.
-            return torch.cat([checkpoint(self.swiglu, t, use_reentrant=False, preserve_rng_state=False) for t in tiles], -2)
-        return torch.cat([self.swiglu(t) for t in tiles], -2)
-
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU block; a pure function of (parameters, hidden_states, cos, sin)."""
+    """Pre-norm attention + SwiGLU block; a pure function of its parameters and arguments."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -158,9 +177,37 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin)
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segments: Segments = None,
+        tile: int | None = None,
+    ) -> torch.Tensor:
+        """`segments`: per row, the (start, end) token spans of its documents (None: one causal sequence).
+        `tile`: tokens per tile (models/tiling.py); None: untiled."""
+        if tile is not None:
+            return self._tiled(hidden_states, cos, sin, segments, tile)
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, segments)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+    def _tiled(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments, tile: int) -> torch.Tensor:
+        """The same function tile by tile: q/k/v per tile, attention over the whole sequence, the rest
+        (o_proj, residual, second norm, MLP) per tile. Outside the attention core tokens are independent."""
+        xs = x.split(tile, dim=1)
+        qkv = [run_tile(self._project_tile, *t) for t in zip(xs, cos.split(tile, dim=1), sin.split(tile, dim=1))]
+        q, k, v = (torch.cat(parts, dim=2) for parts in zip(*qkv))
+        del qkv  # the tiles' own outputs: only the concatenated q, k, v live on
+        out = self.self_attn.core(q, k, v, segments)
+        return torch.cat([run_tile(self._rest_tile, xt, ot) for xt, ot in zip(xs, out.split(tile, dim=2))], dim=1)
+
+    def _project_tile(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def _rest_tile(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.project_out(attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
@@ -172,6 +219,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        self.config = config
 
     def position_embeddings(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, dtype: torch.dtype
@@ -183,12 +231,47 @@ class LlamaModel(nn.Module):
             position_ids = position_ids.unsqueeze(0)
         return self.rotary_emb(position_ids, dtype)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        final_norm: bool = True,
+        tile: int | None | Literal["config"] = "config",
+    ) -> torch.Tensor:
+        """Final normed hidden states (with ``final_norm=False`` the last block's output).
+
+        Where ``position_ids`` restart at 0 inside a row, a new document begins, and attention keeps to
+        documents (as Hugging Face's flash-attention path does for packed sequences). ``tile``: tokens per
+        tile of every block, by default as the config's ``token_chunk_size`` resolves for this input."""
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.position_embeddings(input_ids, position_ids, hidden_states.dtype)
+        segments = document_segments(position_ids)
+        if tile == "config":
+            tile = self.tile_for(input_ids)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin)
-        return self.norm(hidden_states)
+            hidden_states = layer(hidden_states, cos, sin, segments, tile)
+        return self.norm(hidden_states) if final_norm else hidden_states
+
+    def tile_for(self, input_ids: torch.Tensor) -> int | None:
+        """Tokens per tile for a pass over `input_ids` [B, T] (None: untiled); resolved once per pass, so
+        every block, and its recompute in backward, uses the same tiles."""
+        weight = self.embed_tokens.weight
+        return resolve_tile(self.config, input_ids.shape[-1], input_ids.reshape(-1, input_ids.shape[-1]).shape[0],
+                            weight.device, weight.element_size())  # fmt: skip
+
+
+def document_segments(position_ids: torch.Tensor | None) -> Segments:
+    """Per row of `position_ids` [B or 1, T], the (start, end) spans of its documents (one starts wherever
+    the position is 0); None when no row holds more than one. Reads the positions on the host: one sync
+    per forward pass, and only when positions are given."""
+    if position_ids is None:
+        return None
+    rows = position_ids.reshape(-1, position_ids.shape[-1]).cpu()
+    starts = [[0] + (row[1:] == 0).nonzero().flatten().add(1).tolist() for row in rows]
+    if all(len(s) == 1 for s in starts):
+        return None
+    end = rows.shape[-1]
+    return tuple(tuple(zip(s, s[1:] + [end])) for s in starts)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -234,18 +317,25 @@ class LlamaForCausalLM(nn.Module):
         ``targets`` [B, T] are already aligned (``targets[b, t]`` is the label of position t,
         -100 ignored); nothing is shifted here. The loss never materializes the full logits.
         """
-        hidden_states = self.model(input_ids, position_ids)
+        tile = self.model.tile_for(input_ids)
         if targets is None:
-            return self.lm_head(hidden_states)
-        return self.loss_from_hidden(hidden_states, targets)
+            return self.lm_head(self.model(input_ids, position_ids, tile=tile))
+        # Tiled (long context): the final norm runs chunk by chunk inside the loss, so neither the normed
+        # states nor the norm's fp32 copies of the whole sequence are kept for backward.
+        fold = tile is not None
+        hidden_states = self.model(input_ids, position_ids, final_norm=not fold, tile=tile)
+        return self.loss_from_hidden(hidden_states, targets, normed=not fold)
 
-    def loss_from_hidden(self, hidden_states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Chunked mean cross-entropy from final normed hidden states [..., H] and targets [...]."""
+    def loss_from_hidden(self, hidden_states: torch.Tensor, targets: torch.Tensor, normed: bool = True) -> torch.Tensor:
+        """Chunked mean cross-entropy from hidden states [..., H] and targets [...]: final normed states, or
+        with ``normed=False`` the last block's output, which the loss normalizes chunk by chunk."""
+        norm = None if normed else self.model.norm
         return chunked_cross_entropy(
             hidden_states.reshape(-1, hidden_states.shape[-1]),
             self.lm_head.weight,
             targets.reshape(-1),
             self.config.loss_chunk_size,
+            norm=None if norm is None else (norm.weight, norm.eps),
         )
 
     @torch.no_grad()

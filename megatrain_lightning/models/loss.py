@@ -24,9 +24,16 @@ def _target_logits(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Ten
     return logits.gather(1, safe.unsqueeze(1)).squeeze(1)
 
 
+def _normed(hidden: torch.Tensor, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # The model's own RMSNorm (imported late: llama.py imports this module).
+    from .llama import rms_norm
+
+    return hidden if norm_weight is None else rms_norm(hidden, norm_weight, eps)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index):
+    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, norm_weight, norm_eps):
         w = weight.to(hidden.dtype)  # no-op in the normal same-dtype case
         valid = targets != ignore_index
         # Clamped so that an all-ignored batch gives 0 / 1 = 0 rather than 0 / 0 = NaN. Kept as a
@@ -36,38 +43,68 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
-            logits = _chunk_logits(hidden[start:end], w)
+            logits = _chunk_logits(_normed(hidden[start:end], norm_weight, norm_eps), w)
             lse[start:end] = torch.logsumexp(logits, dim=-1)
             nll = lse[start:end] - _target_logits(logits, targets[start:end], valid[start:end])
             total += torch.where(valid[start:end], nll, torch.zeros_like(nll)).sum()
-        ctx.save_for_backward(hidden, weight, targets, lse, n_valid)
-        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        ctx.save_for_backward(hidden, weight, targets, lse, n_valid, norm_weight)
+        ctx.chunk_size, ctx.ignore_index, ctx.norm_eps = chunk_size, ignore_index, norm_eps
         return total / n_valid
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        hidden, weight, targets, lse, n_valid = ctx.saved_tensors
+        hidden, weight, targets, lse, n_valid, norm_weight = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_nw = norm_weight is not None and ctx.needs_input_grad[5]
         w = weight.to(hidden.dtype)
         valid = targets != ctx.ignore_index
         # d(mean loss)/d(logit) = (softmax - onehot) * grad / n_valid, zero on ignored rows.
         scale = (grad_loss.float() / n_valid)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_nw32 = torch.zeros(norm_weight.shape, dtype=torch.float32, device=hidden.device) if need_nw else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
-            h, v = hidden[start:end], valid[start:end]
-            g = _logit_grad(_chunk_logits(h, w), lse[start:end], targets[start:end], v, scale)
+            h, v = _ChunkNorm(hidden[start:end], norm_weight, ctx.norm_eps, need_h, need_nw), valid[start:end]
+            g = _logit_grad(_chunk_logits(h.out, w), lse[start:end], targets[start:end], v, scale)
             g = g.to(hidden.dtype)
-            if need_h:
-                grad_h[start:end] = g @ w
             if need_w:
                 # Each chunk's product may round to the compute dtype, but the running sum over
                 # chunks stays fp32 so long sequences do not lose small contributions.
-                grad_w32 += (g.t() @ h).float()
+                grad_w32 += (g.t() @ h.out).float()
+            if need_h or need_nw:
+                gh, gnw = h.backward(g @ w)
+                if need_h:
+                    grad_h[start:end] = gh
+                if need_nw:
+                    grad_nw32 += gnw.float()
         grad_w = grad_w32.to(weight.dtype) if need_w else None
-        return grad_h, grad_w, None, None, None
+        grad_nw = grad_nw32.to(norm_weight.dtype) if need_nw else None
+        return grad_h, grad_w, None, None, None, grad_nw, None
+
+
+class _ChunkNorm:
+    """One chunk's final norm, recomputed with grad in the loss's backward (or the chunk itself unnormed)."""
+
+    def __init__(self, hidden: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, need_h: bool, need_nw: bool):
+        self.inputs = []
+        if norm_weight is None:
+            self.out = hidden
+            return
+        with torch.enable_grad():
+            h = hidden.detach().requires_grad_(need_h)
+            nw = norm_weight.detach().requires_grad_(need_nw)
+            self.inputs = [h, nw]
+            self.out = _normed(h, nw, eps)
+
+    def backward(self, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Gradients of the chunk's hidden states and of the norm weight for `grad_out` of its output."""
+        if not self.inputs:
+            return grad_out, None
+        wanted = [t for t in self.inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(self.out, wanted, grad_out))
+        return tuple(next(grads) if t.requires_grad else None for t in self.inputs)
 
 
 def _logit_grad(logits, lse, targets, valid, scale):
@@ -85,6 +122,7 @@ def chunked_cross_entropy(
     targets: torch.Tensor,
     chunk_size: int = 4096,
     ignore_index: int = -100,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` over non-ignored tokens.
 
@@ -94,6 +132,8 @@ def chunked_cross_entropy(
         targets: [N] int64 labels, already aligned with ``hidden``; ``ignore_index`` marks tokens
             that do not count.
         chunk_size: tokens whose logits are live at once; memory is ``chunk_size * V * 4`` bytes.
+        norm: (weight [H], eps) of an RMSNorm applied to ``hidden`` first, chunk by chunk (recomputed in
+            backward): the final norm folded into the loss, so no normed copy of all tokens is kept.
 
     Returns a fp32 scalar. Unlike ``F.cross_entropy``, an all-ignored batch gives 0 (with zero
     gradients) instead of NaN, so a fully padded micro-batch cannot poison an accumulated step.
@@ -110,4 +150,5 @@ def chunked_cross_entropy(
         )
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be positive")
-    return _ChunkedCrossEntropy.apply(hidden, weight, targets, int(chunk_size), int(ignore_index))
+    norm_weight, norm_eps = norm if norm is not None else (None, 0.0)
+    return _ChunkedCrossEntropy.apply(hidden, weight, targets, int(chunk_size), int(ignore_index), norm_weight, norm_eps)

@@ -1,0 +1,177 @@
+"""Long context with this project's Llama: token tiles, the final norm folded into the loss, documents in
+attention, and offloaded block inputs, each against the untiled model or ordinary training.
+
+fp32 on the CPU with the torch-op optimizer. Tiles of 3 tokens over sequences of 16 (uneven: 5 x 3 + 1)
+and loss chunks of 5 put a tile and a chunk boundary in every stretch of a few tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatrain_lightning import HostAdamW, MegatrainStrategy, StreamingEngine
+from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+from megatrain_lightning.models.llama import document_segments
+from megatrain_lightning.models.tiling import auto_tile, resolve_tile, tile_bytes_per_token
+from tests.helpers import CausalLM, fit, own_loop, params_of
+
+TILE = 3
+
+
+@pytest.fixture(autouse=True)
+def torch_adam(monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+
+
+def llama(tile: int | None = None, **overrides) -> LlamaForCausalLM:
+    """The tiny preset with grouped-query attention, the same weights whatever the tiling."""
+    torch.manual_seed(0)
+    config = LlamaConfig.from_preset("tiny", token_chunk_size=tile, loss_chunk_size=5, **overrides)
+    assert config.num_attention_heads > config.num_key_value_heads  # GQA is exercised
+    return LlamaForCausalLM(config)
+
+
+def batches(steps: int = 10, batch: int = 2, seq: int = 16) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (batch, seq), generator=g) for _ in range(steps)]
+
+
+def train(model: LlamaForCausalLM, streamed: bool, offload: bool = False) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if streamed:
+        engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+        engine.offload_inputs = offload
+        opt = HostAdamW(opt, engine)
+    return own_loop(model, opt, batches())
+
+
+def relative_update_error(model: torch.nn.Module, ref: torch.nn.Module, start: dict) -> float:
+    """||p - p_ref|| / ||p_ref - p_0|| over the whole model."""
+    p, r = dict(model.named_parameters()), dict(ref.named_parameters())
+    error = sum(float((p[k] - r[k]).detach().norm()) ** 2 for k in start) ** 0.5
+    update = sum(float((r[k] - start[k]).detach().norm()) ** 2 for k in start) ** 0.5
+    return error / update
+
+
+def test_tiled_offloaded_training_equals_untiled_training():
+    """10 streamed steps with tiles of 3 tokens, loss chunks of 5 and offloaded block inputs against 10
+    ordinary steps of the untiled model: losses within 1e-6. Not bit for bit: a weight's gradient summed
+    tile by tile (and the final norm's chunk by chunk) adds in another order, and Adam turns last-bit
+    differences of tiny gradients into updates of up to lr, so parameters are bounded on the whole
+    model's update, ||p_tiled - p|| / ||p - p_0|| <= 5e-5 (as the native kernel's rounding is bounded in
+    tests/test_strategy.py)."""
+    untiled, tiled = llama(), llama(TILE)
+    start = params_of(untiled)
+    ref, got = train(untiled, streamed=False), train(tiled, streamed=True, offload=True)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-6
+    assert 0 < relative_update_error(tiled, untiled, start) <= 5e-5
+
+
+def test_tiled_offloaded_streaming_equals_ordinary_lightning_training():
+    """The tiled model trained by Lightning with strategy="megatrain" (offloaded inputs) and ordinarily:
+    forward without grad, recompute and each tile's recompute take the same tiles, so bit for bit."""
+    ref, mt = CausalLM(llama(TILE), loss_fn=own_loss), CausalLM(llama(TILE), loss_fn=own_loss)
+    fit(ref, batches(6), strategy="auto")
+    fit(mt, batches(6), strategy=MegatrainStrategy(offload_inputs=True))
+    assert mt.losses == ref.losses and len(ref.losses) == 6
+    pr, pm = params_of(ref.model), params_of(mt.model)
+    assert all(torch.equal(pm[k], pr[k]) for k in pr)
+
+
+def own_loss(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch[:, :-1], targets=batch[:, 1:])
+
+
+def test_folded_final_norm_gives_the_norm_its_gradient():
+    """With tiles the final norm runs inside the chunked loss: same loss and same gradients (the final
+    norm's weight included) as the unfolded model, to fp32 rounding."""
+    plain, folded = llama(), llama(TILE)
+    with torch.no_grad():
+        plain.model.norm.weight.uniform_(0.5, 1.5)  # a non-trivial norm weight
+        folded.model.norm.weight.copy_(plain.model.norm.weight)
+    x = batches(1)[0]
+    losses = [m(x, targets=x) for m in (plain, folded)]
+    for loss in losses:
+        loss.backward()
+    assert torch.allclose(losses[0], losses[1], rtol=1e-6)
+    for (name, a), b in zip(plain.named_parameters(), folded.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_tiles_keep_one_tile_of_intermediates():
+    """Under grad a tiled block saves its tiles' inputs and the attention core's tensors, never an
+    intermediate of the MLP's width for the whole sequence."""
+    model, seq = llama(4), 16
+    config = model.config
+    x = torch.randn(1, seq, config.hidden_size, requires_grad=True)
+    cos, sin = model.model.position_embeddings(x[..., 0].long(), None, x.dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        model.model.layers[0](x, cos, sin, None, 4).sum().backward()
+    assert max(saved) < config.intermediate_size * seq
+    assert max(saved) >= config.intermediate_size * 4  # (the tile recompute did run with grad)
+
+
+def test_resolve_tile():
+    cpu = torch.device("cpu")
+    assert resolve_tile(LlamaConfig.from_preset("tiny", token_chunk_size=None), 100, 1, cpu, 4) is None
+    assert resolve_tile(LlamaConfig.from_preset("tiny", token_chunk_size=64), 100, 1, cpu, 4) == 64
+    assert resolve_tile(LlamaConfig.from_preset("tiny", token_chunk_size=64), 64, 1, cpu, 4) is None  # one tile: untiled
+    assert resolve_tile(LlamaConfig.from_preset("tiny", token_chunk_size="auto"), 100_000, 1, cpu, 4) == 8192
+    assert resolve_tile(LlamaConfig.from_preset("tiny", token_chunk_size="auto"), 8192, 1, cpu, 4) is None
+
+
+def test_auto_tile_is_sized_from_free_device_memory():
+    """Untiled while the whole block transient takes at most 1/4 of the free memory; else the largest power
+    of two whose tile intermediates take at most 1/16 of it."""
+    config = LlamaConfig.from_preset("llama-3.1-8b")
+    per_token = tile_bytes_per_token(config, 2)  # ~248 KiB in bf16
+    free = 70 * 2**30
+    assert auto_tile(config, 8192, 4, 2, free) is None  # 32k tokens: ~10 GiB untiled, no need to tile
+    tile = auto_tile(config, 524288, 1, 2, free)
+    assert tile * per_token <= free // 16 < 2 * tile * per_token and tile == 16384
+    assert auto_tile(config, 131072, 4, 2, free) == 4096  # four rows per tile token
+    assert auto_tile(config, 524288, 1, 2, 2**30) == 1024  # never below 1024 tokens
+    with pytest.raises(ValueError, match="token_chunk_size='big'"):
+        LlamaConfig.from_preset("tiny", token_chunk_size="big")
+
+
+# -- documents in attention --------------------------------------------------------------------------
+
+
+def test_document_segments():
+    assert document_segments(None) is None
+    assert document_segments(torch.arange(6).unsqueeze(0)) is None
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
+    assert document_segments(pos) == (((0, 3), (3, 5), (5, 6)), ((0, 6),))
+
+
+@pytest.mark.parametrize("tile", [None, TILE])
+def test_packed_documents_see_only_themselves(tile):
+    """Logits of three documents packed in one row with restarting positions equal those of each
+    document run alone: attention keeps to documents, and RoPE sees each document's own positions."""
+    model = llama(tile).eval()
+    docs = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (7, 4, 5)]
+    packed = torch.cat(docs, dim=1)
+    pos = torch.cat([torch.arange(d.shape[1]) for d in docs]).unsqueeze(0)
+    with torch.no_grad():
+        together = model(packed, position_ids=pos)
+        alone = torch.cat([model(d) for d in docs], dim=1)
+    assert torch.allclose(together, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_documents_train_like_ordinary_training():
+    """Rows holding different document boundaries, streamed (tiled and offloaded) vs ordinary: the same
+    segments reach every block's forward and recompute, bit for bit."""
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5], list(range(15))])
+
+    def loss(model, batch):
+        return model(batch[:, :-1], targets=batch[:, 1:], position_ids=pos)
+
+    ref, mt = CausalLM(llama(TILE), loss_fn=loss), CausalLM(llama(TILE), loss_fn=loss)
+    fit(ref, batches(4), strategy="auto")
+    fit(mt, batches(4), strategy=MegatrainStrategy(offload_inputs=True))
+    assert mt.losses == ref.losses
+    pr, pm = params_of(ref.model), params_of(mt.model)
+    assert all(torch.equal(pm[k], pr[k]) for k in pr)
