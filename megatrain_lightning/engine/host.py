@@ -20,6 +20,7 @@ import enum
 import os
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -45,12 +46,20 @@ class ParamEntry:
     group: int | None  # optimizer param group, None when the optimizer does not own it
 
 
+host_observers: list[Callable[[torch.Tensor], None]] = []
+"""Called with every buffer `host_empty` returns (measure.py tells host from device memory by them)."""
+
+
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host buffer; page-locked when it is a DMA source or target so copies can be asynchronous.
+    """A host buffer; page-locked when it is a DMA source or target so copies can be asynchronous. Every
+    host buffer the engine owns comes from here.
 
     Pinned buffers are registered at their exact size (engine/pinned.py), not taken from torch's caching
     host allocator, which would round each one up to a power of two."""
-    return pinned.pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
+    t = pinned.pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
+    for observe in host_observers:
+        observe(t)
+    return t
 
 
 class HostUnit:
@@ -120,8 +129,8 @@ class HostUnit:
     # -- allocation -----------------------------------------------------------------------------
     def alloc_optimizer_state(self) -> None:
         if self.m is None:
-            self.m = torch.zeros(self.numel, dtype=torch.float32)
-            self.v = torch.zeros(self.numel, dtype=torch.float32)
+            self.m = host_empty(self.numel, torch.float32, pin=False).zero_()
+            self.v = host_empty(self.numel, torch.float32, pin=False).zero_()
 
     def ensure_slab(self) -> torch.Tensor:
         if self.slab is None:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatrain_lightning.engine.host import GradState, HostUnit
+from megatrain_lightning.engine.host import GradState, HostUnit, host_empty
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.optim.kernels import AdamHyper
 
@@ -110,7 +110,7 @@ class HostSteps:
         if accumulate or unit.grad_state is GradState.ACC:
             first = unit.grad_state is GradState.EMPTY
             if unit.acc is None:
-                unit.acc = torch.empty(unit.numel, dtype=torch.float32)
+                unit.acc = host_empty(unit.numel, torch.float32, pin=False)
             kernels.accumulate_(unit.acc, unit.slab, first)
             unit.grad_state = GradState.ACC
         else:
@@ -124,7 +124,7 @@ class HostSteps:
     def _promote(self, unit: HostUnit) -> None:
         """A second gradient arrives while the first still sits in the slab: move the first to fp32."""
         if unit.acc is None:
-            unit.acc = torch.empty(unit.numel, dtype=torch.float32)
+            unit.acc = host_empty(unit.numel, torch.float32, pin=False)
         kernels.accumulate_(unit.acc, unit.slab, True)
         unit.grad_state = GradState.ACC
 
