@@ -255,10 +255,23 @@ def plan_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-slots", type=int, default=2, help="device weight slots")
     ap.add_argument("--host-mem", type=_size, help="host memory to fit in, e.g. 512GiB")
     ap.add_argument("--gpu-mem", type=_size, help="GPU memory to fit in, e.g. 80GiB")
-    ap.add_argument("--mlp-chunk-size", type=int, help="tokens per MLP tile (the model's mlp_chunk_size; long context)")
-    ap.add_argument("--offload-inputs", action="store_true",
-                    help="plan MegatrainStrategy(offload_inputs=True): saved block inputs in pinned host memory")  # fmt: skip
+    ap.add_argument("--token-chunk-size", type=_tile,
+                    help="tokens per tile of each block, or auto (the model's token_chunk_size; long context)")  # fmt: skip
+    ap.add_argument("--offload-inputs", action=argparse.BooleanOptionalAction, default=None,
+                    help="plan MegatrainStrategy(offload_inputs=True/False): saved block inputs in pinned host memory "
+                         "(default: as the config says, else auto: offloaded when they would not fit --gpu-mem)")  # fmt: skip
+    ap.add_argument("--no-measure", dest="measure", action="store_false",
+                    help="skip the check of the GPU formulas by one training step on fake tensors (a few seconds)")  # fmt: skip
     return ap
+
+
+def _tile(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens or auto") from None
 
 
 def _size(text: str) -> int:
@@ -272,8 +285,9 @@ def plan_from_config(
     path: str,
     host_mem: int | None = None,
     gpu_mem: int | None = None,
-    offload_inputs: bool = False,
+    offload_inputs: bool | None = None,
     overrides: dict[str, Any] | None = None,
+    measure: bool = False,
 ) -> Plan:
     """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state.
     `offload_inputs` and model `overrides` add to what the config sets."""
@@ -286,12 +300,13 @@ def plan_from_config(
     strategy = trainer.get("strategy", {})
     init_args = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
     slots = init_args.get("num_slots", 2)
-    offload_inputs = offload_inputs or bool(init_args.get("offload_inputs", False))
+    if offload_inputs is None:
+        offload_inputs = init_args.get("offload_inputs", "auto")  # the strategy's default
     return plan(
         config, seq_len=data.get("seq_len", 2048), micro_batch=data.get("batch_size", 1),
         precision=trainer.get("precision") or default_precision(), accumulate=trainer.get("accumulate_grad_batches", 1),
         num_slots=slots, host_mem=host_mem, gpu_mem=gpu_mem, name=model.get("model") or model["init_from"],
-        offload_inputs=offload_inputs,
+        offload_inputs=offload_inputs, measure=measure,
     )  # fmt: skip
 
 
@@ -299,15 +314,16 @@ def plan_command(argv: list[str]) -> Plan:
     ap = plan_parser()
     args = ap.parse_args(argv)
     try:
-        overrides = {} if args.mlp_chunk_size is None else {"mlp_chunk_size": args.mlp_chunk_size}
+        overrides = {} if args.token_chunk_size is None else {"token_chunk_size": args.token_chunk_size}
         if args.config:
-            result = plan_from_config(args.config, args.host_mem, args.gpu_mem, args.offload_inputs, overrides)
+            result = plan_from_config(args.config, args.host_mem, args.gpu_mem, args.offload_inputs, overrides, args.measure)
         else:
             if not (args.model and args.seq_len and args.micro_batch):
                 ap.error("give --config, or --model, --seq-len and --micro-batch")
+            offload = "auto" if args.offload_inputs is None else args.offload_inputs
             result = plan(resolve_config(args.model, overrides), args.seq_len, args.micro_batch, args.precision, args.accumulate,
-                          args.num_slots, args.host_mem, args.gpu_mem, name=args.model,
-                          offload_inputs=args.offload_inputs)  # fmt: skip
+                          args.num_slots, args.host_mem, args.gpu_mem, name=args.model, offload_inputs=offload,
+                          measure=args.measure)  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
         user_error(str(err), ap.prog)
     print(result.table())

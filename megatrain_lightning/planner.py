@@ -12,38 +12,59 @@ Host bytes follow the engine's own buffers one for one (``engine/host.py``), per
 The copy and slab (in fp32 the master and slab) are page-locked at exactly these sizes (``engine/pinned.py``;
 no power-of-two rounding), and the engine's own host-memory check uses the same per-parameter figure.
 
-GPU bytes are the engine's fixed buffers plus what a step computes with (``elt`` = compute dtype bytes,
-``n`` = micro_batch x seq_len tokens, ``A`` = heads x head_dim, ``K`` = kv_heads x head_dim, ``I`` = MLP
-width, ``H`` = hidden, ``V`` = vocabulary):
+GPU bytes are the engine's fixed buffers plus what a step computes with; each item is a fixed part plus a
+part per token of the micro-batch (``elt`` = compute dtype bytes, ``n`` = micro_batch x seq_len tokens,
+``A`` = heads x head_dim, ``K`` = kv_heads x head_dim, ``I`` = MLP width, ``H`` = hidden, ``V`` = vocabulary,
+``c`` = tokens per tile):
 
     weight slots      num_slots x largest block x elt
     gradient slots    2 x largest block x elt
     outer parameters  (embedding + final norm + head, a tied head counted once) x elt
     saved inputs      layers x n x H x elt                      (the only activations kept for backward)
-                      with offload_inputs: 2 x n x H x elt (one coming back, one in use); the
+                      with offloaded inputs: 2 x n x H x elt (one coming back, one in use); the
                       layers x n x H x elt move to pinned host memory ("activations")
-    block recompute   n x (elt x (7A + 4K + 6I + 6H) + 8H) + block x elt        (transient, one block)
-                      with mlp_chunk_size c: the 6I term for min(c, n) tokens, plus n x H x elt of tile inputs
+    RoPE              cos and sin, n x head_dim x elt each (computed once per pass, shared by all blocks)
+    block recompute   untiled: n x (elt x (7A + 4K + 6I + 6H) + 8H) + block x elt      (transient, one block)
+                      tiled:   the larger of
+                               n x (elt x (4A + 4K' + 2H) + 4 heads) + attention workspace  (attention backward)
+                               n x elt x (3A + 2K' + 2H) + c x (elt x (6I + 6H) + 8H)       (a tile's backward)
+                               plus block x elt
     chunked loss      min(loss_chunk_size, n) x V x 4 x 3 + V x H x (4 + elt) + 2 n H elt  (transient)
     CUDA context      1 GiB fixed allowance for the context and allocator slack
 
-The recompute term counts what autograd keeps while one block is recomputed with grad: attention
+Untiled, the recompute term counts what autograd keeps while one block is recomputed with grad: attention
 q, rotated q, repeated k and v, attention output and its reshaped copy (7A); k, v and their rotations
 (4K); the MLP's gate, up, silu and product plus two gradients of that width in flight (6I); normed inputs,
 projections and residuals (6H); the two RMSNorms' fp32 copies (8H bytes); and the block's weight
-gradients before they are packed into a gradient slot. Attention uses the fused SDPA kernels (no T x T
-scores). The loss term is the chunk's fp32 logits, their gradient and a compute-dtype copy, plus the
-head's fp32 gradient sum and its cast. The two transients never coexist, so the peak takes the larger.
+gradients before they are packed into a gradient slot.
+
+Tiled (``token_chunk_size``, models/tiling.py), only the attention core sees the whole sequence, and the
+peak is one of two moments. In the attention's backward: q, the attention output, its gradient and dq
+(4A); k, v, dk and dv (4K', K' = K when bf16 kernels share kv heads, A + K when fp32 repeats them); the
+gradient coming into the block and the input's gradient gathered tile by tile (2H); the softmax
+statistics (4 bytes per head); and the attention workspace, what the CUDA flash kernel allocates inside
+its backward (bf16): an fp32 dq accumulator (4A) and, with grouped-query attention, dk and dv expanded
+to all heads (2A x elt); the fp32 memory-efficient kernel needs none. Or earlier, in a tile's backward:
+q, k, v and the output (3A + 2K' with the output's gradient gathering), the 2H above, and one tile's
+intermediates. These terms were read off the live tensors at the measured peak (``measure.py``).
+
+Attention uses the fused SDPA kernels (no T x T scores). The loss term is the chunk's fp32 logits, their
+gradient and a compute-dtype copy, plus the head's fp32 gradient sum and its cast, and the last hidden
+states with their gradient. The two transients never coexist, so the peak takes the larger.
+
+``megatrain plan`` prints beside these formulas the peak measured by running one training step of the
+engine and the model on fake tensors (``measure.py``): the formulas are checked, not only stated.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Callable, Literal
 
 from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.models.config import LlamaConfig
+from megatrain_lightning.models.tiling import auto_tile, tile_bytes_per_token
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
@@ -113,33 +134,68 @@ def host_breakdown(
     return {**{kind: b * n for kind, b in per_param.items()}, "activations": inputs}
 
 
-def gpu_breakdown(
-    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int, offload_inputs: bool = False
-) -> dict[str, int]:
-    """GPU bytes per item (see the module docstring for each formula)."""
-    elt, block, h = compute_bytes(precision), block_numel(config), config.hidden_size
+def gpu_items(
+    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int, offload_inputs: bool = False,
+    gpu_mem: int | None = None,
+) -> dict[str, tuple[int, int]]:
+    """GPU memory per item as (fixed bytes, bytes per token of the micro-batch); see the module docstring."""
+    elt, block, h, v = compute_bytes(precision), block_numel(config), config.hidden_size, config.vocab_size
     tokens = micro_batch * seq_len
-    chunk = min(config.loss_chunk_size, tokens)
     kept = 2 if offload_inputs else config.num_hidden_layers  # offloaded: the input in use and the prefetched one
+    tile = planned_tile(config, seq_len, micro_batch, elt, gpu_mem)
+    per_token, fixed = recompute_terms(config, elt, tile, tokens)
     return {
-        "weight_slots": num_slots * block * elt,
-        "grad_slots": 2 * block * elt,
-        "outer": outer_numel(config) * elt,
-        "saved_inputs": kept * saved_input_bytes(config, tokens, precision),
-        "recompute": recompute_bytes(config, tokens, elt) + block * elt,
-        "loss": chunk * config.vocab_size * 4 * 3 + config.vocab_size * h * (4 + elt) + 2 * tokens * h * elt,
-        "cuda_context": CUDA_CONTEXT_BYTES,
+        "weight_slots": (num_slots * block * elt, 0),
+        "grad_slots": (2 * block * elt, 0),
+        "outer": (outer_numel(config) * elt, 0),
+        "saved_inputs": (0, kept * h * elt),
+        "rope": (0, 2 * config.head_dim * elt),
+        "recompute": (fixed + block * elt, per_token),
+        "loss": (min(config.loss_chunk_size, tokens) * v * 4 * 3 + v * h * (4 + elt), 2 * h * elt),
+        "cuda_context": (CUDA_CONTEXT_BYTES, 0),
     }
 
 
-def recompute_bytes(config: LlamaConfig, tokens: int, elt: int) -> int:
-    """What autograd keeps while one block is recomputed with grad (the module docstring's terms)."""
+def gpu_breakdown(
+    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int, offload_inputs: bool = False,
+    gpu_mem: int | None = None,
+) -> dict[str, int]:
+    """GPU bytes per item for a micro-batch of `micro_batch` x `seq_len` tokens."""
+    tokens = micro_batch * seq_len
+    items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, gpu_mem)
+    return {key: fixed + per_token * tokens for key, (fixed, per_token) in items.items()}
+
+
+def planned_tile(config: LlamaConfig, seq_len: int, micro_batch: int, elt: int, gpu_mem: int | None) -> int | None:
+    """Tokens per tile the model would use (None: untiled). "auto" is sized from the whole `gpu_mem` (or 80 GiB),
+    an upper bound of the memory free at run time, so the planned tile is never smaller than the real one."""
+    setting = config.token_chunk_size
+    if setting == "auto":
+        setting = auto_tile(config, seq_len, micro_batch, elt, gpu_mem or 80 * GiB)
+    return setting if setting is not None and setting < seq_len else None
+
+
+def recompute_terms(config: LlamaConfig, elt: int, tile: int | None, tokens: int) -> tuple[int, int]:
+    """One block's recompute with grad for `tokens` tokens: (bytes per token, fixed bytes)."""
     h, i = config.hidden_size, config.intermediate_size
     a, k = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    rest = tokens * (elt * (7 * a + 4 * k + 6 * h) + 8 * h)
-    if config.mlp_chunk_size is None or config.mlp_chunk_size >= tokens:
-        return rest + tokens * elt * 6 * i
-    return rest + min(config.mlp_chunk_size, tokens) * elt * 6 * i + tokens * h * elt  # one tile + tile inputs
+    if tile is None:
+        return elt * (7 * a + 4 * k + 6 * i + 6 * h) + 8 * h, 0
+    grouped = config.num_attention_heads > config.num_key_value_heads
+    kv = k if elt == 2 or not grouped else a + k  # bf16 kernels share kv heads (enable_gqa); fp32 repeats them
+    workspace = (4 * a + (2 * a * elt if grouped else 0)) if elt == 2 else 0  # inside the CUDA flash backward
+    in_attention = elt * (4 * a + 4 * kv + 2 * h) + 4 * config.num_attention_heads + workspace
+    in_tile = elt * (3 * a + 2 * kv + 2 * h)
+    tile_fixed = tile * tile_bytes_per_token(config, elt)
+    if tokens * in_attention >= tokens * in_tile + tile_fixed:
+        return in_attention, 0
+    return in_tile, tile_fixed
+
+
+def recompute_bytes(config: LlamaConfig, tokens: int, elt: int, tile: int | None = None) -> int:
+    """What one block's recompute with grad holds for a micro-batch of `tokens` tokens (weight gradients aside)."""
+    per_token, fixed = recompute_terms(config, elt, tile, tokens)
+    return fixed + per_token * tokens
 
 
 def gpu_peak(gpu: dict[str, int]) -> int:
@@ -148,22 +204,36 @@ def gpu_peak(gpu: dict[str, int]) -> int:
     return sum(gpu.values()) - gpu["recompute"] - gpu["loss"] + transient
 
 
+def offload_needed(config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int, gpu_mem: int | None) -> bool:
+    """Whether ``offload_inputs="auto"`` offloads: when the run would not fit `gpu_mem` with its inputs kept."""
+    if gpu_mem is None:
+        return False
+    return gpu_peak(gpu_breakdown(config, seq_len, micro_batch, precision, num_slots, False, gpu_mem)) > gpu_mem
+
+
+def _largest(fits: Callable[[int], bool], limit: int = 2**24) -> int:
+    """The largest n >= 1 with fits(n) for a predicate that holds up to some n (0 when fits(1) fails)."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi < limit and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def max_micro_batch(
     config: LlamaConfig, seq_len: int, precision: str, num_slots: int, gpu_mem: int, offload_inputs: bool = False
 ) -> int:
     """Largest micro-batch whose GPU peak fits in ``gpu_mem`` (0 when even one sequence does not)."""
-    def fits(b: int) -> bool:
-        return gpu_peak(gpu_breakdown(config, seq_len, b, precision, num_slots, offload_inputs)) <= gpu_mem
+    return _largest(lambda b: gpu_peak(gpu_breakdown(config, seq_len, b, precision, num_slots, offload_inputs, gpu_mem)) <= gpu_mem)
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while fits(hi) and hi < 2**24:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:  # the peak grows with the micro-batch, so bisect
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+
+def max_seq_len(config: LlamaConfig, micro_batch: int, precision: str, num_slots: int, gpu_mem: int, offload_inputs: bool = True) -> int:
+    """Longest sequence whose GPU peak fits in ``gpu_mem`` at `micro_batch` (0 when none does)."""
+    return _largest(lambda t: gpu_peak(gpu_breakdown(config, t, micro_batch, precision, num_slots, offload_inputs, gpu_mem)) <= gpu_mem)
 
 
 @dataclass(frozen=True)
@@ -182,13 +252,21 @@ class Plan:
     host: dict[str, int]
     """Host bytes per buffer: master, adam, copy, slab, acc, activations."""
     gpu: dict[str, int]
-    """GPU bytes per item: weight_slots, grad_slots, outer, saved_inputs, recompute, loss, cuda_context."""
+    """GPU bytes per item: weight_slots, grad_slots, outer, saved_inputs, rope, recompute, loss, cuda_context."""
     host_mem: int | None = None
     """Host memory limit checked against (None: not checked)."""
     gpu_mem: int | None = None
     """GPU memory limit checked against (None: not checked)."""
     max_micro_batch: int | None = None
     """Largest micro-batch that fits in ``gpu_mem`` (None without a GPU limit, 0 when none fits)."""
+    tile: int | None = None
+    """Tokens per tile of each block (None: untiled)."""
+    per_token: dict[str, int] = field(default_factory=dict)
+    """GPU bytes per token of the micro-batch, per item (the part of ``gpu`` that grows with the sequence)."""
+    max_seq_len: int | None = None
+    """Longest sequence that fits in ``gpu_mem`` at this micro-batch, inputs offloaded (None without a limit)."""
+    measured: Any = None
+    """The GPU peak of one step measured on fake tensors (:class:`megatrain_lightning.measure.Measured`), or None."""
 
     @property
     def num_parameters(self) -> int:
@@ -239,6 +317,7 @@ class Plan:
             f"{_count(block_numel(self.config))}), seq_len {self.seq_len} x micro-batch {self.micro_batch}, "
             f"{self.precision}, accumulate {self.accumulate}, {self.num_slots} slots"
             + (", block inputs offloaded to host" if self.offload_inputs else "")
+            + (f", tiles of {self.tile} tokens" if self.tile else "")
         )
         return "\n".join([title, "", *self._host_lines(), "", *self._gpu_lines(), *self._limit_lines()])
 
@@ -257,10 +336,22 @@ class Plan:
         shape = dict(s=self.num_slots, layers=2 if self.offload_inputs else c.num_hidden_layers, b=self.micro_batch, t=self.seq_len,
                      h=c.hidden_size, elt=compute_bytes(self.precision))  # fmt: skip
         unit, scale = self._unit()
-        lines = [f"{'GPU memory':<70}{unit:>10}"]
+        lines = [f"{'GPU memory':<70}{'KiB/token':>10}{unit:>10}"]
         for key, value in [*self.gpu.items(), ("peak", self.gpu_peak)]:
-            lines.append(f"  {_GPU_LABELS[key].format(**shape):<68}{value / scale:>10.2f}")
+            rate = self.per_token.get(key, 0) if key != "peak" else sum(self._transient_rates())
+            lines.append(f"  {_GPU_LABELS[key].format(**shape):<68}{rate / 1024:>10.1f}{value / scale:>10.2f}")
+        if self.measured is not None:
+            m = self.measured
+            lines.append(f"  {'measured: one step on fake tensors + context allowance':<68}{'':>10}"
+                         f"{(m.peak + self.gpu['cuda_context']) / scale:>10.2f}")  # fmt: skip
+            lines.append(f"    (allocator peak {format_size(m.peak)}: forward {format_size(m.forward_peak)}, backward "
+                         f"{format_size(m.backward_peak)}, of which modelled kernel workspace {format_size(m.workspace)})")  # fmt: skip
         return lines
+
+    def _transient_rates(self) -> list[int]:
+        """Per-token rates of the persistent items and of the transient the peak takes."""
+        big = "recompute" if self.gpu["recompute"] >= self.gpu["loss"] else "loss"
+        return [r for k, r in self.per_token.items() if k not in ("recompute", "loss") or k == big]
 
     def _unit(self) -> tuple[str, int]:
         return ("GiB", GiB) if self.host_total >= GiB else ("MiB", 2**20)
@@ -274,6 +365,8 @@ class Plan:
             ok = "fits" if self.gpu_peak <= self.gpu_mem else "DOES NOT FIT"
             best = self.max_micro_batch
             lines.append(f"GPU limit {format_size(self.gpu_mem)}: {ok}; largest micro-batch that fits: {best}")
+            lines.append(f"largest sequence that fits at micro-batch {self.micro_batch} (inputs offloaded): "
+                         f"{self.max_seq_len} tokens")  # fmt: skip
         return lines if len(lines) > 1 else []
 
 
@@ -295,6 +388,7 @@ _GPU_LABELS = {
     "grad_slots": "gradient slots (2 x largest block)",
     "outer": "embedding, final norm, head (tied counted once)",
     "saved_inputs": "saved block inputs ({layers} x {b} x {t} x {h} x {elt} B)",
+    "rope": "RoPE cos and sin (all blocks share them)",
     "recompute": "one block's recompute with grad (transient)",
     "loss": "chunked loss + head gradient (transient)",
     "cuda_context": "CUDA context and allocator slack (allowance)",
@@ -312,25 +406,48 @@ def plan(
     host_mem: int | None = None,
     gpu_mem: int | None = None,
     name: str = "model",
-    offload_inputs: bool = False,
+    offload_inputs: bool | Literal["auto"] = "auto",
+    measure: bool = False,
 ) -> Plan:
     """Itemized host and GPU bytes of training ``config`` with ``strategy="megatrain"``.
 
     ``host_mem``/``gpu_mem`` (bytes) are the limits :attr:`Plan.fits` checks; with ``gpu_mem`` the plan
-    also finds the largest micro-batch that fits. ``offload_inputs`` plans
-    ``MegatrainStrategy(offload_inputs=True)``: block inputs in pinned host memory instead of on the GPU.
+    also finds the largest micro-batch and the longest sequence that fit. ``offload_inputs`` plans
+    ``MegatrainStrategy(offload_inputs=...)``: True keeps block inputs in pinned host memory instead of on
+    the GPU, "auto" does so when they would not fit ``gpu_mem``. ``measure`` also runs one training step on
+    fake tensors and records its GPU peak beside the formulas (a few seconds for an 8B model).
     """
     for key, value, least in (("seq_len", seq_len, 1), ("micro_batch", micro_batch, 1),
                               ("accumulate", accumulate, 1), ("num_slots", num_slots, 2)):  # fmt: skip
         if not isinstance(value, int) or value < least:
             raise ValueError(f"{key}={value!r} must be an integer >= {least}")
-    compute_bytes(precision)  # validates the precision
+    if offload_inputs not in (True, False, "auto"):
+        raise ValueError(f"offload_inputs={offload_inputs!r}: choose True, False or 'auto'")
+    elt = compute_bytes(precision)  # validates the precision
+    if offload_inputs == "auto":
+        offload_inputs = offload_needed(config, seq_len, micro_batch, precision, num_slots, gpu_mem)
     best = None if gpu_mem is None else max_micro_batch(config, seq_len, precision, num_slots, gpu_mem, offload_inputs)
+    longest = None if gpu_mem is None else max_seq_len(config, micro_batch, precision, num_slots, gpu_mem)
     tokens = seq_len * micro_batch
+    items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, gpu_mem)
+    tile = planned_tile(config, seq_len, micro_batch, elt, gpu_mem)
+    measured = None
+    if measure:
+        from megatrain_lightning.measure import measure_step  # imports the engine; only when asked
+
+        measured = measure_step(_with_tile(config, tile), seq_len, micro_batch, precision, num_slots, offload_inputs)
     return Plan(
         name=name, config=config, seq_len=seq_len, micro_batch=micro_batch, precision=precision,
         accumulate=accumulate, num_slots=num_slots, offload_inputs=offload_inputs,
         host=host_breakdown(config, precision, accumulate, tokens, offload_inputs),
-        gpu=gpu_breakdown(config, seq_len, micro_batch, precision, num_slots, offload_inputs), host_mem=host_mem,
-        gpu_mem=gpu_mem, max_micro_batch=best,
+        gpu={k: fixed + rate * tokens for k, (fixed, rate) in items.items()}, host_mem=host_mem,
+        gpu_mem=gpu_mem, max_micro_batch=best, tile=tile, per_token={k: rate for k, (_, rate) in items.items()},
+        max_seq_len=longest, measured=measured,
     )  # fmt: skip
+
+
+def _with_tile(config: LlamaConfig, tile: int | None) -> LlamaConfig:
+    """The config with the planned tile fixed (the fake run has no free device memory to size "auto" from)."""
+    import dataclasses
+
+    return dataclasses.replace(config, token_chunk_size=tile)

@@ -146,7 +146,7 @@ def test_data_vocabulary_larger_than_the_model_is_refused(tmp_path, capsys):
 
 
 def test_plan_prints_the_table(capsys):
-    plan = run(["plan", "--model", "llama-3.1-8b", "--seq-len", "4096", "--micro-batch", "1"])
+    plan = run(["plan", "--model", "llama-3.1-8b", "--seq-len", "4096", "--micro-batch", "1", "--no-measure"])
     out = capsys.readouterr().out
     assert "llama-3.1-8b: 8.03B parameters" in out and f"{plan.host_total / 2**30:.2f}" in out
     assert re.search(r"total\s+16\s+119.66", out)
@@ -154,32 +154,35 @@ def test_plan_prints_the_table(capsys):
 
 def test_plan_refuses_what_does_not_fit(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        run(["plan", "--model", "qwen2.5-72b", "--seq-len", "4096", "--micro-batch", "1", "--host-mem", "512GiB"])
+        run(["plan", "--model", "qwen2.5-72b", "--seq-len", "4096", "--micro-batch", "1", "--host-mem", "512GiB", "--no-measure"])
     assert exit_info.value.code == 1
     assert "needs 1083.4 GiB" in capsys.readouterr().err
 
 
 def test_plan_with_offloaded_inputs_fits_128k_tokens_of_8b_in_less_gpu_memory(capsys):
-    """--offload-inputs moves 32 saved block inputs (1 GiB each at 128k tokens in bf16) to host memory."""
-    args = ["plan", "--model", "llama-3.1-8b", "--seq-len", "131072", "--micro-batch", "1", "--gpu-mem", "80GiB"]
-    kept, offloaded = run(args), run([*args, "--offload-inputs"])
+    """--offload-inputs moves 32 saved block inputs (1 GiB each at 128k tokens in bf16) to host memory;
+    by default (auto) they stay on the GPU, where they fit."""
+    args = ["plan", "--model", "llama-3.1-8b", "--seq-len", "131072", "--micro-batch", "1", "--gpu-mem", "80GiB", "--no-measure"]
+    auto, kept, offloaded = run(args), run([*args, "--no-offload-inputs"]), run([*args, "--offload-inputs"])
     out = capsys.readouterr().out
     assert "block inputs offloaded to host" in out and offloaded.fits and kept.fits
+    assert auto.gpu == kept.gpu and not auto.offload_inputs
     assert kept.gpu_peak - offloaded.gpu_peak == 30 * 2**30  # 32 inputs on the device -> 2
     assert offloaded.host["activations"] == 32 * 2**30 and kept.host["activations"] == 0
 
 
 def test_plan_of_a_config_takes_the_long_context_options_too(capsys):
     config = str(REPO / "configs" / "llama-3.1-8b.yaml")
-    plain = run(["plan", "--config", config])
-    tiled = run(["plan", "--config", config, "--mlp-chunk-size", "1024", "--offload-inputs"])
-    assert tiled.config.mlp_chunk_size == 1024 and tiled.offload_inputs and not plain.offload_inputs
+    plain = run(["plan", "--config", config, "--no-measure"])
+    tiled = run(["plan", "--config", config, "--token-chunk-size", "1024", "--offload-inputs", "--no-measure"])
+    assert tiled.config.token_chunk_size == 1024 and tiled.tile == 1024 and plain.tile is None
+    assert tiled.offload_inputs and not plain.offload_inputs
     assert tiled.gpu["recompute"] < plain.gpu["recompute"] and tiled.gpu["saved_inputs"] < plain.gpu["saved_inputs"]
 
 
 def test_plan_rejects_a_bad_size(capsys):
     with pytest.raises(SystemExit):
-        run(["plan", "--model", "tiny", "--seq-len", "8", "--micro-batch", "1", "--gpu-mem", "80G"])
+        run(["plan", "--model", "tiny", "--seq-len", "8", "--micro-batch", "1", "--gpu-mem", "80G", "--no-measure"])
     assert "ambiguous" in capsys.readouterr().err
 
 

@@ -14,7 +14,8 @@ from megatrain_lightning.callbacks import rss_bytes
 from megatrain_lightning.engine.host import host_bytes_per_param
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim.adamw import HostAdamW
-from megatrain_lightning.planner import format_size, max_micro_batch, parse_size, plan
+from megatrain_lightning.models.tiling import tile_bytes_per_token
+from megatrain_lightning.planner import block_numel, format_size, max_micro_batch, parse_size, plan
 
 PRECISION = {torch.bfloat16: "bf16-mixed", torch.float32: "32-true"}
 
@@ -104,18 +105,19 @@ def test_refuses_a_model_too_big_for_host_memory():
 
 
 def test_refuses_when_no_micro_batch_fits_the_gpu():
-    p = plan(LlamaConfig.from_preset("llama-3.1-8b"), 131072, 1, gpu_mem=parse_size("24GiB"))
+    p = plan(LlamaConfig.from_preset("llama-3.1-8b"), 131072, 1, gpu_mem=parse_size("24GiB"), offload_inputs=False)
     assert p.max_micro_batch == 0 and not p.fits
     assert "no micro-batch fits" in p.problems()[0] and "seq_len" in p.problems()[0]
 
 
 def test_suggests_the_largest_micro_batch_that_fits():
-    p = plan(LlamaConfig.from_preset("llama-3.1-8b"), 4096, 64, gpu_mem=parse_size("80GiB"))
+    config, gpu = LlamaConfig.from_preset("llama-3.1-8b"), parse_size("80GiB")
+    p = plan(config, 4096, 64, gpu_mem=gpu, offload_inputs=False)
     assert 1 <= p.max_micro_batch < 64
     assert f"--micro-batch {p.max_micro_batch}" in p.problems()[0]
-    fitting = plan(LlamaConfig.from_preset("llama-3.1-8b"), 4096, p.max_micro_batch, gpu_mem=parse_size("80GiB"))
-    assert fitting.fits and fitting.gpu_peak <= parse_size("80GiB")
-    assert plan(LlamaConfig.from_preset("llama-3.1-8b"), 4096, p.max_micro_batch + 1).gpu_peak > parse_size("80GiB")
+    fitting = plan(config, 4096, p.max_micro_batch, gpu_mem=gpu, offload_inputs=False)
+    assert fitting.fits and fitting.gpu_peak <= gpu
+    assert plan(config, 4096, p.max_micro_batch + 1, gpu_mem=gpu, offload_inputs=False).gpu_peak > gpu
 
 
 def test_max_micro_batch_is_monotonic():
@@ -167,15 +169,32 @@ def test_format_size():
     assert format_size(119.66 * 2**30) == "119.7 GiB" and format_size(13 * 2**20) == "13.0 MiB"
 
 
-def test_a_tiled_mlp_shrinks_the_planned_recompute_by_its_intermediates():
-    """mlp_chunk_size keeps the MLP's 6 x intermediate_size values per token for one tile only (plus the tile
-    inputs), the rest of the block's recompute is unchanged."""
+def test_tiles_shrink_the_planned_recompute_to_one_tile_of_intermediates():
+    """Tiled, the recompute keeps the tile's intermediates for one tile only; what grows with the sequence
+    is the attention core's tensors. Untiled, every intermediate grows with it."""
     config = LlamaConfig.from_preset("llama-3.1-8b")
-    tiled = dataclasses.replace(config, mlp_chunk_size=16384)
-    tokens, elt = 131072, 2
-    full = plan(config, seq_len=tokens, micro_batch=1).gpu["recompute"]
-    part = plan(tiled, seq_len=tokens, micro_batch=1).gpu["recompute"]
-    intermediates = 6 * config.intermediate_size * elt
-    assert full - part == (tokens - 16384) * intermediates - tokens * config.hidden_size * elt
-    short = plan(tiled, seq_len=8192, micro_batch=1).gpu["recompute"]
-    assert short == plan(config, seq_len=8192, micro_batch=1).gpu["recompute"]  # one tile: nothing changes
+    tokens, tile = 131072, 16384
+    untiled = plan(dataclasses.replace(config, token_chunk_size=None), seq_len=tokens, micro_batch=1)
+    tiled = plan(dataclasses.replace(config, token_chunk_size=tile), seq_len=tokens, micro_batch=1)
+    assert tiled.tile == tile and untiled.tile is None
+    weight_grads = block_numel(config) * 2
+    # 128k tokens: the attention's backward is the peak, nothing of a tile in it
+    assert tiled.gpu["recompute"] == weight_grads + tiled.per_token["recompute"] * tokens
+    assert tiled.per_token["recompute"] < untiled.per_token["recompute"] / 2
+    # 32k tokens: a tile's backward (its intermediates for 16k tokens) is the larger moment
+    short = plan(dataclasses.replace(config, token_chunk_size=tile), seq_len=32768, micro_batch=1)
+    fixed = tile * tile_bytes_per_token(config, 2)
+    assert short.gpu["recompute"] == weight_grads + fixed + short.per_token["recompute"] * 32768
+    assert short.per_token["recompute"] < tiled.per_token["recompute"]
+    short = plan(dataclasses.replace(config, token_chunk_size=tile), seq_len=8192, micro_batch=1)
+    assert short.tile is None and short.gpu["recompute"] == plan(config, seq_len=8192, micro_batch=1).gpu["recompute"]
+
+
+def test_the_8b_models_fit_half_a_million_tokens_in_80_gib():
+    """The defaults (tiles and input offload sized automatically) fit 512k tokens of llama-3.1-8b and
+    qwen2.5-7b on an 80 GiB GPU, by formula; tests/test_measure.py checks the formula on fake tensors."""
+    for name in ("llama-3.1-8b", "qwen2.5-7b"):
+        p = plan(LlamaConfig.from_preset(name), 524288, 1, gpu_mem=parse_size("80GiB"))
+        assert p.fits and p.offload_inputs and p.tile is not None, name
+        assert p.gpu_peak <= parse_size("70GiB") and p.max_seq_len > 524288, name
+        assert "largest sequence that fits" in p.table()
