@@ -21,13 +21,14 @@ part per token of the micro-batch (``elt`` = compute dtype bytes, ``n`` = micro_
     gradient slots    2 x largest block x elt
     outer parameters  (embedding + final norm + head, a tied head counted once) x elt
     saved inputs      layers x n x H x elt                      (the only activations kept for backward)
-                      with offloaded inputs: 2 x n x H x elt (one coming back, one in use); the
-                      layers x n x H x elt move to pinned host memory ("activations")
+                      with offloaded inputs: n x H x elt (the block in use; the next one is fetched
+                      after its recompute is issued); the layers x n x H x elt move to pinned host
+                      memory ("activations")
     RoPE              cos and sin, n x head_dim x elt each (computed once per pass, shared by all blocks)
     block recompute   untiled: n x (elt x (7A + 4K + 6I + 6H) + 8H) + block x elt      (transient, one block)
                       tiled:   the larger of
-                               n x (elt x (4A + 4K' + 2H) + 4 heads) + attention workspace  (attention backward)
-                               n x elt x (3A + 2K' + 2H) + c x (elt x (6I + 6H) + 8H)       (a tile's backward)
+                               n x (elt x (4A + 4K' + 3H) + 4 heads) + attention workspace  (attention backward)
+                               n x elt x (3A + 2K' + 3H) + c x (elt x (6I + 6H) + 8H)       (a tile's backward)
                                plus block x elt
     chunked loss      min(loss_chunk_size, n) x V x 4 x 3 + V x H x (4 + elt) + 2 n H elt  (transient)
     CUDA context      1 GiB fixed allowance for the context and allocator slack
@@ -41,11 +42,11 @@ gradients before they are packed into a gradient slot.
 Tiled (``token_chunk_size``, models/tiling.py), only the attention core sees the whole sequence, and the
 peak is one of two moments. In the attention's backward: q, the attention output, its gradient and dq
 (4A); k, v, dk and dv (4K', K' = K when bf16 kernels share kv heads, A + K when fp32 repeats them); the
-gradient coming into the block and the input's gradient gathered tile by tile (2H); the softmax
+block's output, the gradient coming into the block and the input's gradient gathered tile by tile (3H); the softmax
 statistics (4 bytes per head); and the attention workspace, what the CUDA flash kernel allocates inside
 its backward (bf16): an fp32 dq accumulator (4A) and, with grouped-query attention, dk and dv expanded
 to all heads (2A x elt); the fp32 memory-efficient kernel needs none. Or earlier, in a tile's backward:
-q, k, v and the output (3A + 2K' with the output's gradient gathering), the 2H above, and one tile's
+q, k, v and the output (3A + 2K' with the output's gradient gathering), the 3H above, and one tile's
 intermediates. These terms were read off the live tensors at the measured peak (``measure.py``).
 
 Attention uses the fused SDPA kernels (no T x T scores). The loss term is the chunk's fp32 logits, their
@@ -59,6 +60,7 @@ engine and the model on fake tensors (``measure.py``): the formulas are checked,
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -141,7 +143,7 @@ def gpu_items(
     """GPU memory per item as (fixed bytes, bytes per token of the micro-batch); see the module docstring."""
     elt, block, h, v = compute_bytes(precision), block_numel(config), config.hidden_size, config.vocab_size
     tokens = micro_batch * seq_len
-    kept = 2 if offload_inputs else config.num_hidden_layers  # offloaded: the input in use and the prefetched one
+    kept = 1 if offload_inputs else config.num_hidden_layers  # offloaded: at the peak, the input of the block in use
     tile = planned_tile(config, seq_len, micro_batch, elt, gpu_mem)
     per_token, fixed = recompute_terms(config, elt, tile, tokens)
     return {
@@ -184,8 +186,8 @@ def recompute_terms(config: LlamaConfig, elt: int, tile: int | None, tokens: int
     grouped = config.num_attention_heads > config.num_key_value_heads
     kv = k if elt == 2 or not grouped else a + k  # bf16 kernels share kv heads (enable_gqa); fp32 repeats them
     workspace = (4 * a + (2 * a * elt if grouped else 0)) if elt == 2 else 0  # inside the CUDA flash backward
-    in_attention = elt * (4 * a + 4 * kv + 2 * h) + 4 * config.num_attention_heads + workspace
-    in_tile = elt * (3 * a + 2 * kv + 2 * h)
+    in_attention = elt * (4 * a + 4 * kv + 3 * h) + 4 * config.num_attention_heads + workspace
+    in_tile = elt * (3 * a + 2 * kv + 3 * h)
     tile_fixed = tile * tile_bytes_per_token(config, elt)
     if tokens * in_attention >= tokens * in_tile + tile_fixed:
         return in_attention, 0
@@ -296,7 +298,16 @@ class Plan:
             )
         if self.gpu_mem is not None and self.gpu_peak > self.gpu_mem:
             out.append(self._gpu_problem())
+        elif self.gpu_mem is not None and self.measured_peak is not None and self.measured_peak > self.gpu_mem:
+            out.append(f"GPU memory: the formulas fit {format_size(self.gpu_mem)} but one step measured on fake tensors "
+                       f"needs {format_size(self.measured_peak)} with the context allowance; plan less (shorter "
+                       "seq_len, a smaller micro-batch or token_chunk_size).")  # fmt: skip
         return out
+
+    @property
+    def measured_peak(self) -> int | None:
+        """The measured allocator peak plus the CUDA context allowance (None when not measured)."""
+        return None if self.measured is None else self.measured.peak + self.gpu["cuda_context"]
 
     def _gpu_problem(self) -> str:
         need = f"micro-batch {self.micro_batch} at seq_len {self.seq_len} needs {format_size(self.gpu_peak)} of GPU memory"
@@ -333,7 +344,7 @@ class Plan:
 
     def _gpu_lines(self) -> list[str]:
         c = self.config
-        shape = dict(s=self.num_slots, layers=2 if self.offload_inputs else c.num_hidden_layers, b=self.micro_batch, t=self.seq_len,
+        shape = dict(s=self.num_slots, layers=1 if self.offload_inputs else c.num_hidden_layers, b=self.micro_batch, t=self.seq_len,
                      h=c.hidden_size, elt=compute_bytes(self.precision))  # fmt: skip
         unit, scale = self._unit()
         lines = [f"{'GPU memory':<70}{'KiB/token':>10}{unit:>10}"]
@@ -343,7 +354,7 @@ class Plan:
         if self.measured is not None:
             m = self.measured
             lines.append(f"  {'measured: one step on fake tensors + context allowance':<68}{'':>10}"
-                         f"{(m.peak + self.gpu['cuda_context']) / scale:>10.2f}")  # fmt: skip
+                         f"{self.measured_peak / scale:>10.2f}")  # fmt: skip
             lines.append(f"    (allocator peak {format_size(m.peak)}: forward {format_size(m.forward_peak)}, backward "
                          f"{format_size(m.backward_peak)}, of which modelled kernel workspace {format_size(m.workspace)})")  # fmt: skip
         return lines
@@ -362,7 +373,7 @@ class Plan:
             ok = "fits" if self.host_total <= self.host_mem else "DOES NOT FIT"
             lines.append(f"host limit {format_size(self.host_mem)}: {ok}")
         if self.gpu_mem is not None:
-            ok = "fits" if self.gpu_peak <= self.gpu_mem else "DOES NOT FIT"
+            ok = "fits" if self.gpu_peak <= self.gpu_mem and (self.measured_peak or 0) <= self.gpu_mem else "DOES NOT FIT"
             best = self.max_micro_batch
             lines.append(f"GPU limit {format_size(self.gpu_mem)}: {ok}; largest micro-batch that fits: {best}")
             lines.append(f"largest sequence that fits at micro-batch {self.micro_batch} (inputs offloaded): "
@@ -435,6 +446,8 @@ def plan(
     if measure:
         from megatrain_lightning.measure import measure_step  # imports the engine; only when asked
 
+        print(f"measuring one training step of {name} on fake tensors (about a minute at 512k tokens; "
+              "--no-measure skips it)...", file=sys.stderr, flush=True)  # fmt: skip
         measured = measure_step(_with_tile(config, tile), seq_len, micro_batch, precision, num_slots, offload_inputs)
     return Plan(
         name=name, config=config, seq_len=seq_len, micro_batch=micro_batch, precision=precision,

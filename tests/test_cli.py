@@ -167,7 +167,7 @@ def test_plan_with_offloaded_inputs_fits_128k_tokens_of_8b_in_less_gpu_memory(ca
     out = capsys.readouterr().out
     assert "block inputs offloaded to host" in out and offloaded.fits and kept.fits
     assert auto.gpu == kept.gpu and not auto.offload_inputs
-    assert kept.gpu_peak - offloaded.gpu_peak == 30 * 2**30  # 32 inputs on the device -> 2
+    assert kept.gpu_peak - offloaded.gpu_peak == 31 * 2**30  # 32 inputs on the device -> 1
     assert offloaded.host["activations"] == 32 * 2**30 and kept.host["activations"] == 0
 
 
@@ -178,6 +178,16 @@ def test_plan_of_a_config_takes_the_long_context_options_too(capsys):
     assert tiled.config.token_chunk_size == 1024 and tiled.tile == 1024 and plain.tile is None
     assert tiled.offload_inputs and not plain.offload_inputs
     assert tiled.gpu["recompute"] < plain.gpu["recompute"] and tiled.gpu["saved_inputs"] < plain.gpu["saved_inputs"]
+
+
+def test_plan_measures_one_step_beside_the_formulas(capsys):
+    """By default the plan runs one step on fake tensors; its peak (+ the context allowance) is printed
+    beside the formulas and counts for the fit."""
+    plan = run(["plan", "--model", "tiny", "--seq-len", "256", "--micro-batch", "2", "--gpu-mem", "2GiB"])
+    captured = capsys.readouterr()
+    assert plan.measured is not None and plan.measured.peak > 0 and "fake tensors" in captured.err
+    assert re.search(r"measured: one step on fake tensors \+ context allowance\s+[\d.]+", captured.out)
+    assert plan.measured_peak == plan.measured.peak + plan.gpu["cuda_context"]
 
 
 def test_plan_rejects_a_bad_size(capsys):

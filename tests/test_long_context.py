@@ -24,10 +24,10 @@ def torch_adam(monkeypatch):
     monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
 
 
-def llama(tile: int | None = None, **overrides) -> LlamaForCausalLM:
-    """The tiny preset with grouped-query attention, the same weights whatever the tiling."""
+def llama(tile: int | None = None, preset: str = "tiny") -> LlamaForCausalLM:
+    """A tiny preset with grouped-query attention, the same weights whatever the tiling."""
     torch.manual_seed(0)
-    config = LlamaConfig.from_preset("tiny", token_chunk_size=tile, loss_chunk_size=5, **overrides)
+    config = LlamaConfig.from_preset(preset, token_chunk_size=tile, loss_chunk_size=5)
     assert config.num_attention_heads > config.num_key_value_heads  # GQA is exercised
     return LlamaForCausalLM(config)
 
@@ -38,7 +38,10 @@ def batches(steps: int = 10, batch: int = 2, seq: int = 16) -> list[torch.Tensor
 
 
 def train(model: LlamaForCausalLM, streamed: bool, offload: bool = False) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    # lr 1e-3: at 1e-2 Adam's normalization amplifies the last-bit differences of tiny gradients (a key
+    # bias's true gradient is exactly 0) into lr-sized steps, and after 10 steps the losses of two
+    # summation orders of the same function part by ~5e-6 in the Qwen shape.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     if streamed:
         engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
         engine.offload_inputs = offload
@@ -47,21 +50,24 @@ def train(model: LlamaForCausalLM, streamed: bool, offload: bool = False) -> lis
 
 
 def relative_update_error(model: torch.nn.Module, ref: torch.nn.Module, start: dict) -> float:
-    """||p - p_ref|| / ||p_ref - p_0|| over the whole model."""
+    """||p - p_ref|| / ||p_ref - p_0|| over the whole model, key biases aside: their true gradient is 0
+    (softmax ignores a shift of all scores), so their updates are Adam-normalized rounding noise."""
+    start = {k: v for k, v in start.items() if not k.endswith("k_proj.bias")}
     p, r = dict(model.named_parameters()), dict(ref.named_parameters())
     error = sum(float((p[k] - r[k]).detach().norm()) ** 2 for k in start) ** 0.5
     update = sum(float((r[k] - start[k]).detach().norm()) ** 2 for k in start) ** 0.5
     return error / update
 
 
-def test_tiled_offloaded_training_equals_untiled_training():
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen"])  # Qwen: q/k/v biases and a tied head
+def test_tiled_offloaded_training_equals_untiled_training(preset):
     """10 streamed steps with tiles of 3 tokens, loss chunks of 5 and offloaded block inputs against 10
     ordinary steps of the untiled model: losses within 1e-6. Not bit for bit: a weight's gradient summed
     tile by tile (and the final norm's chunk by chunk) adds in another order, and Adam turns last-bit
     differences of tiny gradients into updates of up to lr, so parameters are bounded on the whole
     model's update, ||p_tiled - p|| / ||p - p_0|| <= 5e-5 (as the native kernel's rounding is bounded in
     tests/test_strategy.py)."""
-    untiled, tiled = llama(), llama(TILE)
+    untiled, tiled = llama(None, preset), llama(TILE, preset)
     start = params_of(untiled)
     ref, got = train(untiled, streamed=False), train(tiled, streamed=True, offload=True)
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-6
