@@ -40,6 +40,12 @@ class MegatrainStrategy(SingleDeviceStrategy):
             device. ``"auto"`` (default): decided at the start of each forward pass, offloading when the
             inputs would take more than half of the device memory free at that moment (on a CPU device:
             never). ``engine.stats["offloaded_passes"]`` counts the passes that offloaded.
+        host_layout: ``"default"`` keeps a pinned compute-dtype copy of every weight and a gradient slab per
+            unit (16 B/param in bf16); ``"lean"`` casts weights into a small ring of pinned staging buffers
+            just before each upload and lands gradients through a ring where the step consumes them at once
+            (12 B/param plus buffers in flight; with clipping a per-unit gradient stays, 2 B/param in bf16).
+        nvme_dir: a local directory for the Adam moments (8 B/param off host memory), read ahead and
+            written behind per unit by the host worker; scratch only (checkpoints stay the durable copy).
         checkpoint_format: ``"sharded"`` streams per-block shards to any fsspec URL and commits atomically
             (see :mod:`megatrain_lightning.checkpoint`); ``"torch"`` writes Lightning's usual single file,
             which ordinary strategies can also resume from (small models only: it is built in memory).
@@ -53,6 +59,8 @@ class MegatrainStrategy(SingleDeviceStrategy):
         num_slots: int = 2,
         overlap_optimizer: bool = True,
         offload_inputs: bool | Literal["auto"] = "auto",
+        host_layout: Literal["default", "lean"] = "default",
+        nvme_dir: str | None = None,
         checkpoint_format: Literal["sharded", "torch"] = "sharded",
         **kwargs: Any,
     ) -> None:
@@ -61,11 +69,14 @@ class MegatrainStrategy(SingleDeviceStrategy):
         if num_slots < 2:
             raise ValueError(f"num_slots={num_slots}: the strategy needs at least 2 slots (one computing, one loading)")
         check_offload_inputs(offload_inputs)
+        if host_layout not in ("default", "lean"):
+            raise ValueError(f"host_layout={host_layout!r}: choose 'default' or 'lean'")
         super().__init__(device=device or "cpu", **kwargs)
         self._device_arg = device
         self.num_slots = num_slots
         self.overlap_optimizer = overlap_optimizer
         self.offload_inputs = offload_inputs
+        self.host_layout, self.nvme_dir = host_layout, nvme_dir
         self.checkpoint_format = checkpoint_format
         self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
         self.engine: StreamingEngine | None = None
@@ -116,6 +127,8 @@ class MegatrainStrategy(SingleDeviceStrategy):
                 self.lightning_module, device=self.root_device, compute_dtype=plugin.compute_dtype,
                 num_slots=self.num_slots, training=fitting,
                 accumulating=fitting and _accumulates(trainer),  # the fp32 accumulator counts too
+                clipping=bool(fitting and trainer.gradient_clip_val),
+                host_layout=self.host_layout, nvme_dir=self.nvme_dir,
             )  # fmt: skip
         self.engine.overlap_optimizer = self.overlap_optimizer
         self.engine.offload_inputs = self.offload_inputs

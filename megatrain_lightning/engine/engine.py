@@ -31,6 +31,7 @@ from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutp
 from megatrain_lightning.engine.discover import find_blocks
 from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
 from megatrain_lightning.engine.host_steps import HostSteps
+from megatrain_lightning.engine.ring import HostRing
 from megatrain_lightning.engine.saved_inputs import (
     OffloadInputs,
     SavedInputs,
@@ -58,11 +59,14 @@ class StreamingEngine(HostSteps):
         num_slots: int = 2,
         training: bool = True,
         accumulating: bool = False,  # gradients summed over micro-batches: count the fp32 accumulator
+        clipping: bool = False,  # gradients wait for a global norm: the lean layout keeps a slab per unit
         pin_memory: bool | None = None,
         preserve_rng_state: bool = True,
         available_bytes: Callable[[], int] | None = None,
         offload_inputs: OffloadInputs = "auto",
         free_device_bytes: Callable[[], int] | None = None,
+        host_layout: str = "default",  # "lean": no persistent compute copy, gradients through a ring
+        nvme_dir: str | None = None,  # Adam moments in files there (engine/nvme.py)
     ) -> None:
         if compute_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"compute_dtype={compute_dtype}: the engine computes in torch.float32 or torch.bfloat16")
@@ -76,6 +80,9 @@ class StreamingEngine(HostSteps):
             "host_land_seconds": 0.0,  # worker: waiting for downloads, accumulating, norms
             "host_wait_seconds": 0.0,  # compute-issuing thread blocked on a pending host job
         }
+        if host_layout not in ("default", "lean"):
+            raise ValueError(f"host_layout={host_layout!r}: choose 'default' or 'lean'")
+        self.host_layout, self.nvme_dir = host_layout, nvme_dir
         self.model = model
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
@@ -85,7 +92,8 @@ class StreamingEngine(HostSteps):
         block_params = [list(b.named_parameters()) for b in self.blocks]
         in_blocks = {id(p) for params in block_params for _, p in params}
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
-        self._check_host_memory(block_params, outer, training, available_bytes, accumulating)
+        largest = max(sum(p.numel() for _, p in params) for params in [*block_params, *([x] for x in outer)])
+        self._check_host_memory(block_params, outer, training, available_bytes, accumulating, clipping, largest)
 
         self.streams = Streams(self.device)
         # Block inputs saved for backward: on the device, or (offload_inputs) in pinned host buffers.
@@ -98,7 +106,15 @@ class StreamingEngine(HostSteps):
         self._caches_off = _disable_kv_caches(model) if training else []
         self.units: list[HostUnit] = []
         self.outer_units: list[HostUnit] = []
+        self._staging: HostRing | None = None  # lean layout: uploads cast the master into these
+        self._uploaded: Any = None  # event: the end of the upload issued last (holds its staging buffer)
+        self._grad_ring: HostRing | None = None  # lean layout: gradients landed at once go through these
         try:
+            if host_layout == "lean":
+                if compute_dtype != torch.float32:  # in fp32 the pinned master is the upload source
+                    self._staging = HostRing(num_slots, largest, compute_dtype, pin)
+                if training:
+                    self._grad_ring = HostRing(2, largest, compute_dtype, pin)
             self._build_blocks(block_params, pin)
             self._build_outer(outer, pin)
         except BaseException:
@@ -129,7 +145,7 @@ class StreamingEngine(HostSteps):
         """Move each block into a host unit, bind its parameters to the master, route its forward here."""
         self.runners: list[BlockRunner] = []
         for i, (blk, params) in enumerate(zip(self.blocks, block_params)):
-            self.units.append(HostUnit(f"{self.blocks_name}.{i}", params, self.compute_dtype, pin))
+            self.units.append(HostUnit(f"{self.blocks_name}.{i}", params, self.compute_dtype, pin, self._keep_copy))
             _bind(self.units[-1], self.units[-1].master)  # frees the block's own storage right away
             self.runners.append(BlockRunner(self, i, blk))
             blk.forward = self.runners[-1]
@@ -138,7 +154,7 @@ class StreamingEngine(HostSteps):
     def _build_outer(self, outer: list, pin: bool) -> None:
         """A unit per outer parameter, its compute copy on the device, a hook to ship its gradient."""
         for n, p in outer:
-            self.outer_units.append(HostUnit(n, [(n, p)], self.compute_dtype, pin))
+            self.outer_units.append(HostUnit(n, [(n, p)], self.compute_dtype, pin, self._keep_copy))
         self._outer_buffers_to(self.device)
         self._outer_device: list[torch.Tensor] = []
         for unit in self.outer_units:
@@ -151,18 +167,25 @@ class StreamingEngine(HostSteps):
             if e.param.requires_grad
         ]
 
-    def _check_host_memory(self, block_params, outer, training: bool, available_bytes, accumulating: bool = False) -> None:
+    @property
+    def _keep_copy(self) -> bool:
+        return self.host_layout != "lean"
+
+    def _check_host_memory(
+        self, block_params, outer, training: bool, available_bytes, accumulating: bool, clipping: bool, largest: int
+    ) -> None:
         numel = sum(p.numel() for params in block_params for _, p in params) + sum(p.numel() for _, p in outer)
-        per_param = host_bytes_per_param(self.compute_dtype, training, accumulating)
-        need = numel * per_param
+        layout, elt = self.host_layout, torch.tensor([], dtype=self.compute_dtype).element_size()
+        per_param = host_bytes_per_param(self.compute_dtype, training, accumulating, layout, clipping)
+        rings = largest * elt * (2 + 2) if layout == "lean" else 0  # staging and gradient rings (upper bound)
+        need = numel * per_param + rings
         # The model's own parameters are released unit by unit as they move into flat buffers.
         reclaim = sum(p.numel() * p.element_size() for params in block_params for _, p in params if p.device.type == "cpu")
         have = (available_bytes or available_host_bytes)() + reclaim
         if need > have:
-            elt = torch.tensor([], dtype=self.compute_dtype).element_size()
             labels = {"master": "fp32 master", "adam": "Adam m and v", "copy": "transfer copy",
                       "slab": "gradient slab", "acc": "fp32 gradient accumulator"}  # fmt: skip
-            kinds = [labels[k] for k, b in host_bytes_by_kind(elt, training, accumulating).items() if b]
+            kinds = [labels[k] for k, b in host_bytes_by_kind(elt, training, accumulating, layout, clipping).items() if b]
             raise HostMemoryError(
                 f"the model's {numel / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB of host memory "
                 f"({per_param} bytes/param: {', '.join(kinds[:-1])} and {kinds[-1]}) but about "
@@ -356,20 +379,37 @@ class StreamingEngine(HostSteps):
 
     def _load(self, idx: int, protect: set[int]) -> int:
         unit = self.units[idx]
-        if self.pool.slot_of(idx) is None:
-            self._wait(unit)  # a pending optimizer step is still rewriting the copy
-            self.stats["h2d_bytes"] += unit.numel * unit.copy.element_size()
-        slot = self.pool.load(idx, unit.copy, protect)
+        slot = self.pool.slot_of(idx)
+        if slot is None:
+            self._wait(unit)  # a pending optimizer step is still rewriting the master (and copy)
+            self.stats["h2d_bytes"] += unit.numel * self.pool.buffers[0].element_size()
+            with self._upload_source(unit) as source:
+                slot = self.pool.load(idx, source, protect)
+                self._uploaded = self.pool.ready[slot]
         unit.upload_done = self.pool.ready[slot]
         return slot
+
+    @contextmanager
+    def _upload_source(self, unit: HostUnit) -> Iterator[torch.Tensor]:
+        """The host buffer an upload of `unit` reads: its compute copy, or (lean layout) the next staging
+        buffer with the master just cast into it, held until the upload issued meanwhile (whose end
+        `self._uploaded` names) has read it."""
+        if unit.copy is not None:
+            yield unit.copy
+            return
+        i, staged = self._staging.take(unit.numel)
+        staged.copy_(unit.master)  # the rounding the step's fused cast would do: the same bits go up
+        yield staged
+        self._staging.hold(i, self._uploaded)
 
     # -- outer parameters --------------------------------------------------------------------------
     def _upload_outer(self, unit: HostUnit, dev: torch.Tensor) -> None:
         """Refresh the device copy of an outer parameter from its host copy and bind the parameter to it."""
         self.streams.wait(self.streams.h2d, self.streams.event())  # earlier compute may still read it
-        self.streams.copy(self.streams.h2d, dev, unit.copy)
+        with self._upload_source(unit) as source:
+            self.streams.copy(self.streams.h2d, dev, source)
+            self._uploaded = unit.upload_done = self.streams.event(self.streams.h2d)
         self.stats["h2d_bytes"] += dev.numel() * dev.element_size()
-        unit.upload_done = self.streams.event(self.streams.h2d)
         self.streams.wait(None, unit.upload_done)
         _bind(unit, dev)
 
@@ -421,6 +461,8 @@ class StreamingEngine(HostSteps):
         for unit in self.all_units():
             for kind, n in unit.nbytes().items():
                 total[kind] = total.get(kind, 0) + n
+        if self.host_layout == "lean":
+            total["ring"] = sum(r.nbytes() for r in (self._staging, self._grad_ring) if r is not None)
         return total
 
     def pinned_bytes(self) -> int:
@@ -429,7 +471,8 @@ class StreamingEngine(HostSteps):
         return pinned.registered_bytes(self._pinnable())
 
     def _pinnable(self) -> list[torch.Tensor | None]:
-        return [t for unit in self.all_units() for t in (unit.master, unit.copy, unit.slab)] + self.saved_inputs.buffers
+        rings = [b for r in (self._staging, self._grad_ring) if r is not None for b in r.buffers]
+        return [t for unit in self.all_units() for t in (unit.master, unit.copy, unit.slab)] + self.saved_inputs.buffers + rings
 
     def num_parameters(self) -> int:
         return sum(u.numel for u in self.all_units())

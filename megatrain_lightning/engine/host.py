@@ -12,6 +12,9 @@ consecutive parameters (a Llama block with a no-decay group for norms has four r
 | copy   | compute dtype  | 2 (bf16)    | pinned DMA source, rewritten by every optimizer step |
 | slab   | compute dtype  | 2 / 4       | pinned DMA target for gradients, from first backward |
 | acc    | fp32           | 4           | only while gradients are being accumulated          |
+
+With ``host_layout="lean"`` (engine/ring.py) there is no copy, and a slab only for a gradient that waits
+for a clipped step: uploads and landings go through rings of a few buffers instead.
 """
 
 from __future__ import annotations
@@ -71,7 +74,10 @@ class HostUnit:
         params: list[tuple[str, nn.Parameter]],
         compute_dtype: torch.dtype,
         pin: bool,
+        keep_copy: bool = True,
     ) -> None:
+        """`keep_copy=False` (the lean layout, engine/ring.py): no persistent compute-dtype copy; uploads
+        cast the master into a staging ring instead. In fp32 the master is the copy either way."""
         self.name = name
         self.compute_dtype = compute_dtype
         self.pin = pin
@@ -86,9 +92,9 @@ class HostUnit:
         self.master = host_empty(self.numel, torch.float32, pin and fp32_copy)
         for e in entries:
             self.master[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
-        self.copy = self.master if fp32_copy else host_empty(self.numel, compute_dtype, pin)
+        self.copy: torch.Tensor | None = self.master
         if not fp32_copy:
-            self.copy.copy_(self.master)
+            self.copy = host_empty(self.numel, compute_dtype, pin).copy_(self.master) if keep_copy else None
         self.m: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.slab: torch.Tensor | None = None
@@ -151,7 +157,7 @@ class HostUnit:
 
     def refresh_copy(self) -> None:
         """Rewrite the compute copy from the master (after loading weights)."""
-        if self.copy is not self.master:
+        if self.copy is not None and self.copy is not self.master:
             self.copy.copy_(self.master)
 
 
@@ -171,19 +177,26 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def host_bytes_by_kind(compute_elt: int, training: bool, accumulating: bool = False) -> dict[str, int]:
-    """Bytes per parameter of each host buffer kind (the table above), for a compute element size."""
+def host_bytes_by_kind(
+    compute_elt: int, training: bool, accumulating: bool = False, layout: str = "default", clipping: bool = False
+) -> dict[str, int]:
+    """Bytes per parameter of each host buffer kind (the table above), for a compute element size. The lean
+    layout (engine/ring.py) has no copy, and a per-unit slab only for gradients waiting for a clipped step;
+    its rings (a few units' worth, not per parameter) are not in these figures."""
+    lean = layout == "lean"
     return {
         "master": 4,
         "adam": 8 if training else 0,
-        "copy": 0 if compute_elt == 4 else compute_elt,  # in fp32 the master is the copy
-        "slab": compute_elt if training else 0,
+        "copy": 0 if compute_elt == 4 or lean else compute_elt,  # in fp32 the master is the copy
+        "slab": compute_elt if training and (not lean or (clipping and not accumulating)) else 0,
         "acc": 4 if accumulating else 0,
     }
 
 
-def host_bytes_per_param(compute_dtype: torch.dtype, training: bool, accumulating: bool = False) -> int:
+def host_bytes_per_param(
+    compute_dtype: torch.dtype, training: bool, accumulating: bool = False, layout: str = "default", clipping: bool = False
+) -> int:
     """Bytes the engine allocates per parameter (master, copy, and when training m, v and the slab; the
     fp32 accumulator too when gradients are accumulated over micro-batches)."""
     elt = torch.tensor([], dtype=compute_dtype).element_size()
-    return sum(host_bytes_by_kind(elt, training, accumulating).values())
+    return sum(host_bytes_by_kind(elt, training, accumulating, layout, clipping).values())

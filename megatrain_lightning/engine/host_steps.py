@@ -65,6 +65,14 @@ class HostSteps:
         self._wait(unit)  # the worker must be done reading the slab before it is overwritten
         if unit.grad_state is GradState.SLAB:
             self._promote(unit)
+        accumulate = self.backward_mode == "accumulate"
+        eager = self._eager_ok()
+        # Lean layout: a gradient the landing job consumes at once (into the accumulator, or by the step
+        # itself) goes through the gradient ring; one that waits for the optimizer step needs its own slab.
+        consumed = accumulate or eager or unit.grad_state is GradState.ACC
+        ring = self._grad_ring if consumed else None
+        if ring is not None:
+            i, unit.slab = ring.take(unit.numel)
         slab = unit.ensure_slab()
         self.stats["d2h_bytes"] += flat.numel() * flat.element_size()
         produced = self.streams.event()
@@ -75,11 +83,11 @@ class HostSteps:
             self._grad_slot_free[grad_slot] = done
         elif self.streams.is_cuda:
             flat.record_stream(self.streams.d2h)  # autograd's grad buffer lives until the copy has read it
-        accumulate = self.backward_mode == "accumulate"
-        eager = self._eager_ok()
         hyper = self.hyper() if eager else None
         want_norm = self.want_norms and not accumulate
-        self._submit(unit, lambda: self._land(unit, done, present, accumulate, want_norm, hyper))
+        self._submit(unit, lambda: self._land(unit, done, present, accumulate, want_norm, hyper, ring is not None))
+        if ring is not None:
+            ring.hold(i, unit.future)  # free once the landing job has consumed it
         if eager:
             self._eager.add(unit)
             self._pending.discard(unit)  # earlier micro-batches' sum is consumed by this step
@@ -102,6 +110,7 @@ class HostSteps:
         accumulate: bool,
         want_norm: bool,
         hyper: list[AdamHyper] | None,
+        from_ring: bool = False,
     ) -> None:
         t0 = time.perf_counter()
         done.synchronize()  # never read pinned memory before its copy has finished
@@ -120,6 +129,8 @@ class HostSteps:
         self.stats["host_land_seconds"] += time.perf_counter() - t0
         if hyper is not None:
             self._step_unit(unit, hyper, 1.0)
+        if from_ring:
+            unit.slab = None  # the ring buffer goes to the next unit; this gradient is consumed
 
     def _promote(self, unit: HostUnit) -> None:
         """A second gradient arrives while the first still sits in the slab: move the first to fp32."""

@@ -1,0 +1,53 @@
+"""A ring of host buffers for the lean host layout: memory for what is in flight, not one buffer per unit.
+
+The default layout keeps, per unit, a pinned compute-dtype copy of the weights (rewritten by each Adam
+step) and a pinned gradient slab: 2 + 2 bytes/param in bf16. ``host_layout="lean"`` keeps neither:
+
+- uploads: just before a unit's weights go to the device, its fp32 master is cast into the next staging
+  buffer of a ring, and the H2D copy reads from there (the cast is what the step would have written: the
+  same rounding, so the same bits reach the device);
+- gradients: when the host worker consumes a unit's gradient as it lands (an overlapped optimizer step,
+  or accumulation into the fp32 accumulator), the D2H copy goes into the next buffer of a gradient ring,
+  free again when that landing job is done. A gradient that must wait for the optimizer step (clipping
+  needs the global norm first) still goes to a per-unit slab.
+
+A buffer is handed out again only after what last used it is complete: the H2D copy that read it (an
+event), or the host job that consumed it (a future).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatrain_lightning.engine.host import host_empty
+
+
+class HostRing:
+    """`count` host buffers of `numel` elements, handed out in turn."""
+
+    def __init__(self, count: int, numel: int, dtype: torch.dtype, pin: bool) -> None:
+        self.buffers = [host_empty(numel, dtype, pin) for _ in range(count)]
+        self._busy: list[Any] = [None] * count  # event (synchronize) or future (result) of the last user
+        self._next = 0
+
+    def take(self, numel: int) -> tuple[int, torch.Tensor]:
+        """The next buffer (its first `numel` elements), once its last user is done with it."""
+        i, self._next = self._next, (self._next + 1) % len(self.buffers)
+        self.wait(i)
+        return i, self.buffers[i][:numel]
+
+    def hold(self, i: int, until: Any) -> None:
+        """Buffer `i` is in use until `until` (an event or a future) completes."""
+        self._busy[i] = until
+
+    def wait(self, i: int | None = None) -> None:
+        """Block until buffer `i` (every buffer when None) is free."""
+        for j in range(len(self.buffers)) if i is None else [i]:
+            busy, self._busy[j] = self._busy[j], None
+            if busy is not None:
+                busy.synchronize() if hasattr(busy, "synchronize") else busy.result()
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
