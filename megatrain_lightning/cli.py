@@ -3,6 +3,7 @@
     megatrain fit --config configs/demo.yaml [--trainer.max_steps=50 --model.lr=1e-3 ...]
     megatrain validate | test | predict ...        (Lightning's own subcommands, same options)
     megatrain plan --model llama-3.1-8b --seq-len 4096 --micro-batch 1 [--gpu-mem 80GiB --host-mem 512GiB]
+    megatrain plan --model llama-120b --host-mem 512GiB --nvme-dir /mnt/nvme
     megatrain plan --config configs/llama-3.1-8b.yaml
     megatrain convert CKPT --to torch OUT.ckpt | --to hf OUT_DIR [--dtype bf16]
     megatrain env
@@ -37,7 +38,7 @@ from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.callbacks import MegatrainMonitor
 from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.module import CausalLMModule, check_init_from, resolve_config
-from megatrain_lightning.planner import PRECISIONS, Plan, parse_size, plan
+from megatrain_lightning.planner import HOST_LAYOUTS, NVME_GBPS, PRECISIONS, Plan, parse_size, plan
 
 USAGE = """usage: megatrain {fit,validate,test,predict,plan,convert,env} ...
 
@@ -244,12 +245,35 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 # -- megatrain plan -------------------------------------------------------------------------------
+PLAN_EPILOG = """\
+host layouts (MegatrainStrategy(host_layout=...)), host bytes per parameter in bf16:
+  default  16: fp32 master 4, Adam m + v 8, pinned bf16 copy 2, gradient slab 2 (+4 accumulating)
+  lean     12: master and Adam only, plus two small rings of the largest unit in flight
+           (+2 with gradient clipping, +4 accumulating)
+  --nvme-dir moves Adam m + v (8) into files there: 16 bytes/param of drive traffic per optimizer step
+  auto (the default with --model) plans default if it fits --host-mem, else lean, else lean + --nvme-dir
+
+The last line printed is machine-readable, one line on stdout whenever a plan is made:
+  host_plan: model=NAME params=N host_gib=X nvme_gib=Y fits=yes|no
+Exit status 0 when the plan fits, 1 when it does not (the reasons on stderr, before that line), 2 on bad
+input (no plan, no host_plan line).
+
+examples:  megatrain plan --model llama-120b --host-mem 1536GiB
+           megatrain plan --model llama-120b --host-mem 512GiB --nvme-dir /mnt/nvme
+           megatrain plan --config configs/llama-3.1-8b.yaml --host-mem 512GiB --gpu-mem 80GiB"""
+
+MODEL_DEFAULTS = {"seq_len": 4096, "micro_batch": 1}
+"""What --model plans when --seq-len / --micro-batch are not given."""
+
+
 def plan_parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="megatrain plan", description="Host and GPU memory of a megatrain run.")
+    ap = OneLineParser(prog="megatrain plan", description="Host and GPU memory of a megatrain run.",
+                       epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--config", help="a megatrain fit YAML config to plan (its model, seq_len, batch, precision)")
     ap.add_argument("--model", help="preset (e.g. llama-3.1-8b), Hugging Face config.json or checkpoint directory")
-    ap.add_argument("--seq-len", type=int, help="tokens per sequence")
-    ap.add_argument("--micro-batch", type=int, help="sequences per micro-batch")
+    ap.add_argument("--seq-len", type=int, help=f"tokens per sequence (--model: default {MODEL_DEFAULTS['seq_len']})")
+    ap.add_argument("--micro-batch", type=int,
+                    help=f"sequences per micro-batch (--model: default {MODEL_DEFAULTS['micro_batch']})")  # fmt: skip
     ap.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     ap.add_argument("--num-slots", type=int, default=2, help="device weight slots")
@@ -260,6 +284,18 @@ def plan_parser() -> argparse.ArgumentParser:
     ap.add_argument("--offload-inputs", action=argparse.BooleanOptionalAction, default=None,
                     help="plan MegatrainStrategy(offload_inputs=True/False): saved block inputs in pinned host memory "
                          "(default: as the config says, else auto: offloaded when they would not fit --gpu-mem)")  # fmt: skip
+    ap.add_argument("--host-layout", choices=HOST_LAYOUTS,
+                    help="plan MegatrainStrategy(host_layout=...) (default: as the config says, else auto: the first "
+                         "of default, lean, lean with Adam on --nvme-dir that fits --host-mem)")  # fmt: skip
+    ap.add_argument("--nvme-dir", metavar="DIR",
+                    help="plan MegatrainStrategy(nvme_dir=DIR): Adam m + v in files on a local NVMe drive; with "
+                         "--host-layout auto only when host memory needs it (default: as the config says)")  # fmt: skip
+    ap.add_argument("--nvme-gbps", type=float, default=NVME_GBPS, metavar="X",
+                    help=f"the drive's bandwidth in GB/s, read and write each, for the NVMe time per optimizer step "
+                         f"(default {NVME_GBPS}: a PCIe 4.0 x4 drive)")  # fmt: skip
+    ap.add_argument("--clip", action=argparse.BooleanOptionalAction, default=None,
+                    help="plan with gradient clipping, which the lean layout pays for with a gradient slab (2 bytes/param "
+                         "in bf16) (default: the config's trainer.gradient_clip_val, else off)")  # fmt: skip
     ap.add_argument("--no-measure", dest="measure", action="store_false",
                     help="skip the check of the GPU formulas by one training step on fake tensors (a few seconds)")  # fmt: skip
     return ap
@@ -288,9 +324,14 @@ def plan_from_config(
     offload_inputs: bool | None = None,
     overrides: dict[str, Any] | None = None,
     measure: bool = False,
+    host_layout: str | None = None,
+    nvme_dir: str | None = None,
+    clipping: bool | None = None,
+    nvme_gbps: float = NVME_GBPS,
 ) -> Plan:
     """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state.
-    `offload_inputs` and model `overrides` add to what the config sets."""
+    `offload_inputs`, `host_layout`, `nvme_dir`, `clipping` and model `overrides` add to (or replace) what
+    the config sets; the strategy's own defaults are host_layout "default" and no NVMe directory."""
     import yaml
 
     with open(path, encoding="utf-8") as f:
@@ -302,11 +343,13 @@ def plan_from_config(
     slots = init_args.get("num_slots", 2)
     if offload_inputs is None:
         offload_inputs = init_args.get("offload_inputs", "auto")  # the strategy's default
+    clipping = bool(trainer.get("gradient_clip_val")) if clipping is None else clipping  # 0 or null: off, as Lightning
     return plan(
         config, seq_len=data.get("seq_len", 2048), micro_batch=data.get("batch_size", 1),
         precision=trainer.get("precision") or default_precision(), accumulate=trainer.get("accumulate_grad_batches", 1),
         num_slots=slots, host_mem=host_mem, gpu_mem=gpu_mem, name=model.get("model") or model["init_from"],
-        offload_inputs=offload_inputs, measure=measure,
+        offload_inputs=offload_inputs, measure=measure, host_layout=host_layout or init_args.get("host_layout", "default"),
+        nvme_dir=nvme_dir or init_args.get("nvme_dir"), clipping=clipping, nvme_gbps=nvme_gbps,
     )  # fmt: skip
 
 
@@ -314,23 +357,33 @@ def plan_command(argv: list[str]) -> Plan:
     ap = plan_parser()
     args = ap.parse_args(argv)
     try:
-        overrides = {} if args.token_chunk_size is None else {"token_chunk_size": args.token_chunk_size}
-        if args.config:
-            result = plan_from_config(args.config, args.host_mem, args.gpu_mem, args.offload_inputs, overrides, args.measure)
-        else:
-            if not (args.model and args.seq_len and args.micro_batch):
-                ap.error("give --config, or --model, --seq-len and --micro-batch")
-            offload = "auto" if args.offload_inputs is None else args.offload_inputs
-            result = plan(resolve_config(args.model, overrides), args.seq_len, args.micro_batch, args.precision, args.accumulate,
-                          args.num_slots, args.host_mem, args.gpu_mem, name=args.model, offload_inputs=offload,
-                          measure=args.measure)  # fmt: skip
+        result = _plan_of(args, ap)
     except (ValueError, FileNotFoundError) as err:
         user_error(str(err), ap.prog)
-    print(result.table())
+    print(result.table(), flush=True)
+    if not result.fits:  # before the summary, so that it stays the last line in a terminal too
+        print("\n".join(f"megatrain plan: error: {p}" for p in result.problems()), file=sys.stderr, flush=True)
+    print(result.host_plan_line(), flush=True)
     if not result.fits:
-        print("\n".join(f"megatrain plan: error: {p}" for p in result.problems()), file=sys.stderr)
         raise SystemExit(1)
     return result
+
+
+def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
+    """The plan the parsed `megatrain plan` options ask for: of a config, or of a model."""
+    overrides = {} if args.token_chunk_size is None else {"token_chunk_size": args.token_chunk_size}
+    if args.config:
+        return plan_from_config(args.config, args.host_mem, args.gpu_mem, args.offload_inputs, overrides, args.measure,
+                                args.host_layout, args.nvme_dir, args.clip, args.nvme_gbps)  # fmt: skip
+    if not args.model:
+        ap.error("give --config FILE or --model NAME")
+    offload = "auto" if args.offload_inputs is None else args.offload_inputs
+    seq_len = MODEL_DEFAULTS["seq_len"] if args.seq_len is None else args.seq_len
+    micro_batch = MODEL_DEFAULTS["micro_batch"] if args.micro_batch is None else args.micro_batch
+    return plan(resolve_config(args.model, overrides), seq_len, micro_batch, args.precision, args.accumulate,
+                args.num_slots, args.host_mem, args.gpu_mem, name=args.model, offload_inputs=offload,
+                measure=args.measure, host_layout=args.host_layout or "auto", nvme_dir=args.nvme_dir,
+                clipping=bool(args.clip), nvme_gbps=args.nvme_gbps)  # fmt: skip
 
 
 # -- megatrain convert ----------------------------------------------------------------------------

@@ -4,10 +4,24 @@
 settings, so ``megatrain plan`` and resource requests (a Ray trial asks for ``{"memory": host bytes}``)
 can size a run before anything is allocated.
 
-Host bytes follow the engine's own buffers one for one (``engine/host.py``), per parameter:
+Host bytes follow the engine's own buffers one for one (``engine/host.py``, ``engine/ring.py``), for the
+host layout planned (``MegatrainStrategy(host_layout=..., nvme_dir=...)``), per parameter:
 
-    fp32 master 4 + Adam m, v 8 + pinned compute copy (2 in bf16; 0 in fp32, where the master is the copy)
-    + gradient slab (2 in bf16, 4 in fp32) + fp32 accumulator 4 (only when accumulate > 1)
+    default   fp32 master 4 + Adam m, v 8 + pinned compute copy (2 in bf16; 0 in fp32, where the master is
+              the copy) + gradient slab (2 in bf16, 4 in fp32) + fp32 accumulator 4 (only when accumulate > 1)
+    lean      fp32 master 4 + Adam m, v 8 + fp32 accumulator 4 (only when accumulate > 1)
+              + gradient slab (2 in bf16, 4 in fp32) only with clipping and accumulate = 1, where each
+                gradient waits for the global norm
+              + two rings, not per parameter: 2 pinned buffers of the largest unit in the compute dtype
+                that uploads cast the master into, and 2 that gradients land in
+    nvme_dir  Adam m, v (8) in files on that directory instead of host memory; the host keeps them for
+              4 units in flight (4 x largest unit x 8 bytes). Each optimizer step reads and writes all
+              of them: 16 bytes/param of drive traffic, timed at ``nvme_gbps`` GB/s read and as much write
+
+The largest unit is the larger of a decoder block and the vocab x hidden embedding or head (each parameter
+outside the blocks is a unit of its own). ``host_layout="auto"`` plans the first that fits ``host_mem``:
+default, lean, then (given ``nvme_dir``) lean with Adam on NVMe; each step down saves host memory and costs
+time (the lean casts on the host; the drive traffic).
 
 The copy and slab (in fp32 the master and slab) are page-locked at exactly these sizes (``engine/pinned.py``;
 no power-of-two rounding), and the engine's own host-memory check uses the same per-parameter figure.
@@ -59,6 +73,7 @@ engine and the model on fake tensors (``measure.py``): the formulas are checked,
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -73,6 +88,15 @@ PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
 GiB = 2**30
 CUDA_CONTEXT_BYTES = GiB
 """Allowance for the CUDA context and allocator fragmentation; not visible to ``max_memory_allocated``."""
+HOST_LAYOUTS: tuple[str, ...] = ("default", "lean", "auto")
+RING_BUFFERS = 2
+"""Pinned buffers of the largest unit in the lean layout's gradient ring."""
+NVME_UNITS_IN_FLIGHT = 4
+"""Units whose Adam m, v the host holds while the drive reads ahead and writes behind."""
+NVME_GBPS = 6.0
+"""Drive bandwidth assumed by default, GB/s (10^9 bytes) read and as much write: a PCIe 4.0 x4 NVMe drive."""
+TIERS: tuple[tuple[str, bool], ...] = (("default", False), ("lean", False), ("lean", True))
+"""(host layout, Adam on NVMe) in the order ``host_layout="auto"`` tries them: less host memory each."""
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -125,15 +149,72 @@ def saved_input_bytes(config: LlamaConfig, tokens: int, precision: str) -> int:
     return tokens * config.hidden_size * compute_bytes(precision)
 
 
+def largest_unit(config: LlamaConfig) -> int:
+    """Parameters of the largest streamed unit: a decoder block, or the vocab x hidden embedding or head."""
+    return max(block_numel(config), config.vocab_size * config.hidden_size)
+
+
+def check_host_layout(host_layout: str) -> None:
+    if host_layout not in HOST_LAYOUTS:
+        raise ValueError(f"host_layout={host_layout!r}: choose one of {', '.join(HOST_LAYOUTS)} "
+                         "(auto: default if it fits host_mem, else lean, else lean with Adam on NVMe)")  # fmt: skip
+
+
 def host_breakdown(
-    config: LlamaConfig, precision: str, accumulate: int, tokens: int = 0, offload_inputs: bool = False
+    config: LlamaConfig, precision: str, accumulate: int, tokens: int = 0, offload_inputs: bool = False,
+    *, layout: str = "default", nvme: bool = False, clipping: bool = False, num_slots: int = 2,
 ) -> dict[str, int]:
-    """Host bytes per buffer kind, as the engine allocates them after the first training step; with
-    `offload_inputs`, the pinned buffers holding every block's input for a micro-batch of `tokens` tokens."""
-    n = config.num_parameters()
-    per_param = host_bytes_by_kind(compute_bytes(precision), training=True, accumulating=accumulate > 1)
+    """Host bytes per buffer kind, as the engine allocates them after the first training step, for host
+    `layout` "default" or "lean" (with `clipping`: gradient clipping on); `nvme`: Adam m, v in files, the
+    host holding only the units in flight. With `offload_inputs`, the pinned buffers holding every
+    block's input for a micro-batch of `tokens` tokens."""
+    if layout not in ("default", "lean"):
+        raise ValueError(f"layout={layout!r}: host_breakdown takes 'default' or 'lean' (plan() resolves 'auto')")
+    elt, n = compute_bytes(precision), config.num_parameters()
+    if layout == "default":
+        per_param = host_bytes_by_kind(elt, training=True, accumulating=accumulate > 1)
+        out = {kind: b * n for kind, b in per_param.items()}
+    else:
+        out = lean_breakdown(config, elt, accumulate, clipping, num_slots)
+    if nvme:  # in the Adam line's place, so the table keeps its order
+        held = NVME_UNITS_IN_FLIGHT * largest_unit(config) * 8
+        out = {("nvme_buffers" if k == "adam" else k): (held if k == "adam" else v) for k, v in out.items()}
     inputs = config.num_hidden_layers * saved_input_bytes(config, tokens, precision) if offload_inputs else 0
-    return {**{kind: b * n for kind, b in per_param.items()}, "activations": inputs}
+    return {**out, "activations": inputs}
+
+
+def lean_breakdown(config: LlamaConfig, elt: int, accumulate: int, clipping: bool, num_slots: int = 2) -> dict[str, int]:
+    """The lean layout's host bytes (engine/ring.py): no persistent copy, but one staging buffer of a block
+    per prefetch in flight (none in fp32, where the pinned master is the upload source; larger outer units go
+    up in pieces) and a gradient ring of the largest unit; a gradient slab only where a gradient must wait
+    for the step (clipping needs the global norm first; an accumulated one waits in the fp32 accumulator)."""
+    n = config.num_parameters()
+    accumulating = accumulate > 1
+    return {
+        "master": 4 * n,
+        "adam": 8 * n,
+        "staging": (num_slots - 1) * block_numel(config) * elt if elt == 2 else 0,
+        "grad_ring": RING_BUFFERS * largest_unit(config) * elt,
+        "slab": elt * n if clipping and not accumulating else 0,
+        "acc": 4 * n if accumulating else 0,
+    }
+
+
+def nvme_bytes(config: LlamaConfig) -> int:
+    """Bytes of the Adam m, v files on the NVMe directory."""
+    return 8 * config.num_parameters()
+
+
+def choose_tiers(
+    host_total: Callable[[str, bool], int], host_layout: str, nvme_dir: str | None, host_mem: int | None
+) -> tuple[str, bool]:
+    """(layout, Adam on NVMe) to plan. An explicit layout is planned as given (on NVMe when `nvme_dir` is);
+    "auto" takes the first of :data:`TIERS` whose `host_total` fits `host_mem` (NVMe only given `nvme_dir`),
+    or, when none fits, the last tried: the one that comes closest."""
+    if host_layout != "auto":
+        return host_layout, nvme_dir is not None
+    tried = [t for t in TIERS if nvme_dir is not None or not t[1]]
+    return next((t for t in tried if host_mem is None or host_total(*t) <= host_mem), tried[-1])
 
 
 def gpu_items(
@@ -252,7 +333,8 @@ class Plan:
     num_slots: int
     offload_inputs: bool
     host: dict[str, int]
-    """Host bytes per buffer: master, adam, copy, slab, acc, activations."""
+    """Host bytes per buffer: master, adam, copy, slab, acc, activations (default layout); the lean layout has
+    staging and grad_ring in place of copy; with Adam on NVMe, nvme_buffers replaces adam."""
     gpu: dict[str, int]
     """GPU bytes per item: weight_slots, grad_slots, outer, saved_inputs, rope, recompute, loss, cuda_context."""
     host_mem: int | None = None
@@ -269,10 +351,49 @@ class Plan:
     """Longest sequence that fits in ``gpu_mem`` at this micro-batch, inputs offloaded (None without a limit)."""
     measured: Any = None
     """The GPU peak of one step measured on fake tensors (:class:`megatrain_lightning.measure.Measured`), or None."""
+    host_layout: str = "default"
+    """The host layout planned: "default" or "lean" (what "auto" chose)."""
+    host_layout_asked: str = "default"
+    """The layout asked for: "default", "lean" or "auto"."""
+    nvme_dir: str | None = None
+    """The NVMe directory given (None: none)."""
+    nvme: bool = False
+    """Whether Adam m, v are planned in files on ``nvme_dir`` ("auto" leaves them in host memory when that fits)."""
+    clipping: bool = False
+    """Gradient clipping on (the lean layout then keeps a gradient slab per unit until the step)."""
+    nvme_gbps: float = NVME_GBPS
+    """Drive bandwidth the NVMe time per step assumes, GB/s read and as much write."""
 
     @property
     def num_parameters(self) -> int:
         return self.config.num_parameters()
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes of the Adam m, v files on the NVMe directory (0 when they stay in host memory)."""
+        return nvme_bytes(self.config) if self.nvme else 0
+
+    @property
+    def nvme_traffic(self) -> int:
+        """Drive bytes per optimizer step: every Adam m, v read, then written back."""
+        return 2 * self.nvme_bytes
+
+    @property
+    def nvme_seconds(self) -> float:
+        """Drive time per optimizer step at ``nvme_gbps``, reads and writes not overlapped (a drive's mixed
+        throughput is rarely the sum of its read and write rates)."""
+        return self.nvme_traffic / (self.nvme_gbps * 1e9)
+
+    def host_total_for(self, layout: str, nvme: bool) -> int:
+        """Host bytes of this run with another host layout or NVMe choice."""
+        tokens = self.seq_len * self.micro_batch
+        return sum(host_breakdown(self.config, self.precision, self.accumulate, tokens, self.offload_inputs,
+                                  layout=layout, nvme=nvme, clipping=self.clipping, num_slots=self.num_slots).values())  # fmt: skip
+
+    def host_plan_line(self) -> str:
+        """The machine-readable summary ``megatrain plan`` prints last."""
+        return (f"host_plan: model={self.name} params={self.num_parameters} host_gib={self.host_total / GiB:.1f} "
+                f"nvme_gib={self.nvme_bytes / GiB:.1f} fits={'yes' if self.fits else 'no'}")  # fmt: skip
 
     @property
     def host_total(self) -> int:
@@ -290,12 +411,7 @@ class Plan:
         """Why the run does not fit the given limits, each naming the need, the limit and what to change."""
         out = []
         if self.host_mem is not None and self.host_total > self.host_mem:
-            out.append(
-                f"host memory: the {self.num_parameters / 1e9:.2f}B-parameter model needs {format_size(self.host_total)} "
-                f"({self.host_total / self.num_parameters:.0f} bytes/param) but the limit is {format_size(self.host_mem)}. "
-                "Use a machine with more host memory or a smaller model"
-                + ("; accumulate=1 drops the 4 bytes/param fp32 accumulator." if self.accumulate > 1 else ".")
-            )
+            out.append(self._host_problem())
         if self.gpu_mem is not None and self.gpu_peak > self.gpu_mem:
             out.append(self._gpu_problem())
         elif self.gpu_mem is not None and self.measured_peak is not None and self.measured_peak > self.gpu_mem:
@@ -308,6 +424,53 @@ class Plan:
     def measured_peak(self) -> int | None:
         """The measured allocator peak plus the CUDA context allowance (None when not measured)."""
         return None if self.measured is None else self.measured.peak + self.gpu["cuda_context"]
+
+    def _host_problem(self) -> str:
+        """What the host needs with each tier tried, the limit, and the first leaner tier that fits."""
+        tried = TIERS[: TIERS.index(self._tier) + 1] if self.host_layout_asked == "auto" else [self._tier]
+        totals = [(t, self.host_total_for(*t)) for t in tried]
+        needs = _and([f"{format_size(b)} with {_tier_text(*t)} ({_per_param(b / self.num_parameters)} bytes/param)"
+                      for t, b in totals])  # fmt: skip
+        return (f"host memory: the {self.num_parameters / 1e9:.2f}B-parameter model needs {needs} but the limit is "
+                f"{format_size(self.host_mem)}. {self._host_fix()}")  # fmt: skip
+
+    @property
+    def _tier(self) -> tuple[str, bool]:
+        return self.host_layout, self.nvme
+
+    def _host_fix(self) -> str:
+        """The first leaner tier that fits the host limit, as the options to give; then the other ways out."""
+        later = TIERS[TIERS.index(self._tier) + 1 :] if self._tier in TIERS else [("lean", True)]
+        advice = ""
+        for layout, nvme in later:
+            total, flags = self.host_total_for(layout, nvme), self._flags(layout, nvme)
+            if total <= self.host_mem:
+                disk = f" + {format_size(nvme_bytes(self.config))} on the drive" if nvme else ""
+                advice = f"{flags} fits: {format_size(total)} of host memory{disk}. Or use"
+                break
+            advice = f"Even {flags} needs {format_size(total)}. Use"
+        hints = []
+        if self.accumulate > 1:
+            hints.append("accumulate=1 drops the 4 bytes/param fp32 accumulator")
+        if self.host_layout == "lean" and self.clipping and self.accumulate == 1:
+            hints.append(f"without gradient clipping lean drops the {compute_bytes(self.precision)} bytes/param "
+                         "gradient slab")  # fmt: skip
+        way_out = f"{advice or 'Use'} a machine with more host memory or a smaller model"
+        return way_out + "".join(f"; {h}" for h in hints) + "."
+
+    def _flags(self, layout: str, nvme: bool) -> str:
+        """The options that move this plan to (layout, nvme), on the command line and the strategy, and what
+        they do ("auto" moves to lean by itself)."""
+        flags, args, what = [], [], []
+        if layout != self.host_layout and self.host_layout_asked != "auto":
+            flags.append(f"--host-layout {layout}")
+            args.append(f"host_layout={layout!r}")
+            what.append("no pinned compute copy, gradients through a ring")
+        if nvme and not self.nvme:
+            flags.append("--nvme-dir DIR")
+            args.append("nvme_dir=DIR")
+            what.append("Adam m + v in files on a local NVMe drive, 16 bytes/param of drive traffic per optimizer step")
+        return f"{' '.join(flags)} (MegatrainStrategy({', '.join(args)}): {'; '.join(what)})"
 
     def _gpu_problem(self) -> str:
         need = f"micro-batch {self.micro_batch} at seq_len {self.seq_len} needs {format_size(self.gpu_peak)} of GPU memory"
@@ -329,18 +492,48 @@ class Plan:
             f"{self.precision}, accumulate {self.accumulate}, {self.num_slots} slots"
             + (", block inputs offloaded to host" if self.offload_inputs else "")
             + (f", tiles of {self.tile} tokens" if self.tile else "")
+            + f", host layout {self.host_layout}" + (", Adam on NVMe" if self.nvme else "")
         )
-        return "\n".join([title, "", *self._host_lines(), "", *self._gpu_lines(), *self._limit_lines()])
+        return "\n".join([title, "", *self._host_lines(), *self._nvme_lines(), "", *self._gpu_lines(), *self._limit_lines()])
 
     def _host_lines(self) -> list[str]:
         n, dtype = self.num_parameters, _DTYPE[compute_bytes(self.precision)]
         copy = "bf16" if dtype == "bf16" else "none: the fp32 master is the copy"
         unit, scale = self._unit()
         lines = [f"{'host memory':<58}{'bytes/param':>12}{unit:>10}"]
+        labels = {**_HOST_LABELS, **(_LEAN_LABELS if self.host_layout == "lean" else {})}
         for key, value in [*self.host.items(), ("total", self.host_total)]:
-            label = _HOST_LABELS.get(key, key).format(dtype=dtype, copy=copy)
-            lines.append(f"  {label:<56}{value / n:>12.0f}{value / scale:>10.2f}")
-        return lines
+            label = labels.get(key, key).format(dtype=dtype, copy=copy, units=NVME_UNITS_IN_FLIGHT)
+            lines.append(f"  {label:<56}{_per_param(value / n):>12}{value / scale:>10.2f}")
+        return [*lines, f"  {self._layout_note()}"]
+
+    def _layout_note(self) -> str:
+        """Which layout is planned and why ("auto": the leaner tiers it passed over)."""
+        where = "Adam m + v on NVMe" if self.nvme else "Adam m + v in host memory"
+        if self.host_layout_asked != "auto":
+            return f"host_layout={self.host_layout!r} as asked; {where}"
+        if self.host_mem is None:
+            return f"host_layout={self.host_layout!r} (auto, with no host limit to fit); {where}"
+        passed = TIERS[: TIERS.index(self._tier)]
+        over = "; ".join(f"{_tier_text(*t)} needs {format_size(self.host_total_for(*t))}" for t in passed)
+        return f"host_layout={self.host_layout!r} chosen by auto; {where}" + (f" ({over})" if over else "")
+
+    def _nvme_lines(self) -> list[str]:
+        """The drive tier: bytes on it and the traffic (and time) of each optimizer step."""
+        if self.nvme_dir is None:
+            return []
+        if not self.nvme:  # only "auto" leaves a given directory unused
+            why = "no host limit to fit" if self.host_mem is None else "Adam m + v fit in host memory"
+            return ["", f"NVMe ({self.nvme_dir}): not used by host_layout='auto' ({why})"]
+        unit, scale = self._unit()
+        n, gb = self.num_parameters, self.nvme_traffic / 1e9
+        return [
+            "",
+            f"{f'NVMe ({self.nvme_dir})':<58}{'bytes/param':>12}{unit:>10}",
+            f"  {'Adam m + v files (fp32)':<56}{_per_param(self.nvme_bytes / n):>12}{self.nvme_bytes / scale:>10.2f}",
+            f"  traffic per optimizer step: read 8 + write 8 bytes/param = {gb:.1f} GB, {self.nvme_seconds:.1f} s at "
+            f"{self.nvme_gbps:.1f} GB/s read and {self.nvme_gbps:.1f} GB/s write (not overlapped)",
+        ]
 
     def _gpu_lines(self) -> list[str]:
         c = self.config
@@ -385,6 +578,19 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _per_param(value: float) -> str:
+    """Bytes per parameter: whole numbers as such (16), the rings' and buffers' fractions to two places."""
+    return f"{value:.0f}" if abs(value - round(value)) < 0.005 else f"{value:.2f}"
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _tier_text(layout: str, nvme: bool) -> str:
+    return f"host_layout={layout!r}" + (" and Adam on NVMe" if nvme else "")
+
+
 _DTYPE = {2: "bf16", 4: "fp32"}
 _HOST_LABELS = {
     "master": "fp32 master weights",
@@ -393,7 +599,11 @@ _HOST_LABELS = {
     "slab": "pinned gradient slab ({dtype})",
     "acc": "fp32 gradient accumulator (only when accumulate > 1)",
     "activations": "offloaded block inputs (pinned, offload_inputs)",
+    "staging": "upload staging ring (slots - 1 x largest block, {dtype})",
+    "grad_ring": "gradient ring (2 x largest unit, {dtype})",
+    "nvme_buffers": "Adam m + v of {units} units in flight (Adam on NVMe)",
 }
+_LEAN_LABELS = {"slab": "gradient slab until the step (clipping only, {dtype})"}
 _GPU_LABELS = {
     "weight_slots": "weight slots ({s} x largest block)",
     "grad_slots": "gradient slots (2 x largest block)",
@@ -419,6 +629,10 @@ def plan(
     name: str = "model",
     offload_inputs: bool | Literal["auto"] = "auto",
     measure: bool = False,
+    host_layout: Literal["default", "lean", "auto"] = "default",
+    nvme_dir: str | os.PathLike[str] | None = None,
+    clipping: bool = False,
+    nvme_gbps: float = NVME_GBPS,
 ) -> Plan:
     """Itemized host and GPU bytes of training ``config`` with ``strategy="megatrain"``.
 
@@ -427,6 +641,11 @@ def plan(
     ``MegatrainStrategy(offload_inputs=...)``: True keeps block inputs in pinned host memory instead of on
     the GPU, "auto" does so when they would not fit ``gpu_mem``. ``measure`` also runs one training step on
     fake tensors and records its GPU peak beside the formulas (a few seconds for an 8B model).
+
+    ``host_layout`` and ``nvme_dir`` plan ``MegatrainStrategy(host_layout=..., nvme_dir=...)``; "auto" picks
+    the first of default, lean, lean with Adam on NVMe (only given ``nvme_dir``) that fits ``host_mem``.
+    ``clipping``: gradient clipping on (the lean layout keeps each gradient until the step). ``nvme_gbps``:
+    the drive's read and its write bandwidth, GB/s, for the NVMe time per step.
     """
     for key, value, least in (("seq_len", seq_len, 1), ("micro_batch", micro_batch, 1),
                               ("accumulate", accumulate, 1), ("num_slots", num_slots, 2)):  # fmt: skip
@@ -434,12 +653,22 @@ def plan(
             raise ValueError(f"{key}={value!r} must be an integer >= {least}")
     if offload_inputs not in (True, False, "auto"):
         raise ValueError(f"offload_inputs={offload_inputs!r}: choose True, False or 'auto'")
+    check_host_layout(host_layout)
+    if isinstance(nvme_gbps, bool) or not isinstance(nvme_gbps, (int, float)) or not nvme_gbps > 0:
+        raise ValueError(f"nvme_gbps={nvme_gbps!r} must be a positive number of GB/s, e.g. 6.0 for a PCIe 4.0 drive")
+    nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
     elt = compute_bytes(precision)  # validates the precision
     if offload_inputs == "auto":
         offload_inputs = offload_needed(config, seq_len, micro_batch, precision, num_slots, gpu_mem)
     best = None if gpu_mem is None else max_micro_batch(config, seq_len, precision, num_slots, gpu_mem, offload_inputs)
     longest = None if gpu_mem is None else max_seq_len(config, micro_batch, precision, num_slots, gpu_mem)
     tokens = seq_len * micro_batch
+
+    def host(layout: str, nvme: bool) -> dict[str, int]:
+        return host_breakdown(config, precision, accumulate, tokens, offload_inputs, layout=layout, nvme=nvme,
+                              clipping=clipping, num_slots=num_slots)  # fmt: skip
+
+    layout, nvme = choose_tiers(lambda *t: sum(host(*t).values()), host_layout, nvme_dir, host_mem)
     items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, gpu_mem)
     tile = planned_tile(config, seq_len, micro_batch, elt, gpu_mem)
     measured = None
@@ -452,10 +681,11 @@ def plan(
     return Plan(
         name=name, config=config, seq_len=seq_len, micro_batch=micro_batch, precision=precision,
         accumulate=accumulate, num_slots=num_slots, offload_inputs=offload_inputs,
-        host=host_breakdown(config, precision, accumulate, tokens, offload_inputs),
+        host=host(layout, nvme),
         gpu={k: fixed + rate * tokens for k, (fixed, rate) in items.items()}, host_mem=host_mem,
         gpu_mem=gpu_mem, max_micro_batch=best, tile=tile, per_token={k: rate for k, (_, rate) in items.items()},
-        max_seq_len=longest, measured=measured,
+        max_seq_len=longest, measured=measured, host_layout=layout, host_layout_asked=host_layout,
+        nvme_dir=nvme_dir, nvme=nvme, clipping=bool(clipping), nvme_gbps=float(nvme_gbps),
     )  # fmt: skip
 
 

@@ -156,7 +156,78 @@ def test_plan_refuses_what_does_not_fit(capsys):
     with pytest.raises(SystemExit) as exit_info:
         run(["plan", "--model", "qwen2.5-72b", "--seq-len", "4096", "--micro-batch", "1", "--host-mem", "512GiB", "--no-measure"])
     assert exit_info.value.code == 1
-    assert "needs 1083.4 GiB" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "needs 1083.4 GiB" in captured.err and "--nvme-dir DIR" in captured.err
+    assert captured.out.splitlines()[-1] == "host_plan: model=qwen2.5-72b params=72706203648 host_gib=818.8 nvme_gib=0.0 fits=no"
+
+
+HOST_PLAN = re.compile(r"^host_plan: model=(\S+) params=(\d+) host_gib=(\d+\.\d) nvme_gib=(\d+\.\d) fits=(yes|no)$")
+
+
+def host_plan(out: str) -> tuple[str, int, float, float, str]:
+    """The fields of the host_plan line, which must be the last line of stdout."""
+    found = HOST_PLAN.match(out.splitlines()[-1])
+    assert found, out.splitlines()[-1]
+    name, params, host, nvme, fits = found.groups()
+    return name, int(params), float(host), float(nvme), fits
+
+
+def test_plan_of_a_120b_model_fits_1536_gib_with_the_defaults(capsys):
+    """--model plans 4096 tokens x 1 sequence unless told otherwise, and host_layout auto: lean fits."""
+    result = run(["plan", "--model", "llama-120b", "--host-mem", "1536GiB", "--no-measure"])
+    out = capsys.readouterr().out
+    assert (result.seq_len, result.micro_batch, result.host_layout, result.nvme) == (4096, 1, "lean", False)
+    name, params, host, nvme, fits = host_plan(out)
+    assert (name, fits, nvme) == ("llama-120b", "yes", 0.0) and params > 100e9 and host <= 1536
+    explicit = run(["plan", "--model", "llama-120b", "--seq-len", "4096", "--micro-batch", "1", "--host-mem", "1536GiB",
+                    "--no-measure"])  # fmt: skip
+    assert capsys.readouterr().out.splitlines()[-1] == out.splitlines()[-1] and explicit.host == result.host
+
+
+def test_plan_of_a_120b_model_in_512_gib_needs_the_nvme_dir(capsys, tmp_path):
+    args = ["plan", "--model", "llama-120b", "--seq-len", "4096", "--micro-batch", "1", "--host-mem", "512GiB", "--no-measure"]
+    result = run([*args, "--nvme-dir", str(tmp_path), "--nvme-gbps", "7"])
+    out = capsys.readouterr().out
+    name, params, host, nvme, fits = host_plan(out)
+    assert fits == "yes" and params > 100e9 and host <= 512 and nvme > 0 and result.nvme_dir == str(tmp_path)
+    assert "traffic per optimizer step" in out and "7.0 GB/s read" in out
+    with pytest.raises(SystemExit) as exit_info:
+        run(args)
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 1 and host_plan(captured.out)[-1] == "no"
+    assert "--nvme-dir DIR" in captured.err and "fits: 506.9 GiB of host memory" in captured.err
+
+
+def test_plan_with_clipping_and_an_explicit_layout(capsys):
+    args = ["plan", "--model", "llama-3.1-8b", "--host-layout", "lean", "--no-measure"]
+    lean, clipped = run(args), run([*args, "--clip"])
+    assert clipped.host_total - lean.host_total == 2 * lean.num_parameters  # the bf16 slab until the step
+    assert lean.host_layout == clipped.host_layout == "lean" and clipped.clipping and not lean.clipping
+
+
+def test_plan_of_a_config_takes_its_host_layout_nvme_dir_and_clipping(tmp_path, capsys):
+    config = tmp_path / "big.yaml"
+    config.write_text(
+        "trainer:\n  precision: bf16-mixed\n  gradient_clip_val: 1.0\n  strategy:\n"
+        "    class_path: megatrain_lightning.MegatrainStrategy\n"
+        f"    init_args:\n      host_layout: lean\n      nvme_dir: {tmp_path}\n"
+        "model:\n  model: llama-120b\ndata:\n  seq_len: 4096\n  batch_size: 1\n"
+    )
+    planned = run(["plan", "--config", str(config), "--no-measure"])
+    assert (planned.host_layout, planned.nvme, planned.clipping, planned.nvme_dir) == ("lean", True, True, str(tmp_path))
+    n = planned.num_parameters
+    overridden = run(["plan", "--config", str(config), "--no-clip", "--host-layout", "default", "--no-measure"])
+    assert (overridden.host_layout, overridden.clipping) == ("default", False) and overridden.nvme
+    assert planned.host["slab"] == 2 * n and host_plan(capsys.readouterr().out)[0] == "llama-120b"
+    assert plan_from_config(str(REPO / "configs" / "llama-3.1-70b.yaml")).host_layout == "default"  # the strategy's default
+
+
+def test_plan_prints_the_host_plan_line_last_on_stdout_of_the_process():
+    """In a real process (buffered stdout, errors on stderr) the summary is still stdout's last line."""
+    out = subprocess.run([sys.executable, "-m", "megatrain_lightning.cli", "plan", "--model", "llama-120b", "--host-mem",
+                          "512GiB", "--no-measure"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 1 and "megatrain plan: error: host memory" in out.stderr
+    assert out.stdout.endswith("fits=no\n") and host_plan(out.stdout)[0] == "llama-120b"
 
 
 def test_plan_with_offloaded_inputs_fits_128k_tokens_of_8b_in_less_gpu_memory(capsys):

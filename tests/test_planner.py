@@ -15,7 +15,15 @@ from megatrain_lightning.engine.host import host_bytes_per_param
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim.adamw import HostAdamW
 from megatrain_lightning.models.tiling import tile_bytes_per_token
-from megatrain_lightning.planner import block_numel, format_size, max_micro_batch, parse_size, plan
+from megatrain_lightning.planner import (
+    block_numel,
+    format_size,
+    host_breakdown,
+    largest_unit,
+    max_micro_batch,
+    parse_size,
+    plan,
+)
 
 PRECISION = {torch.bfloat16: "bf16-mixed", torch.float32: "32-true"}
 
@@ -199,3 +207,99 @@ def test_the_8b_models_fit_half_a_million_tokens_in_80_gib():
         assert p.fits and p.offload_inputs and p.tile is not None, name
         assert p.gpu_peak <= parse_size("70GiB") and p.max_seq_len > 524288, name
         assert "largest sequence that fits" in p.table()
+
+
+# ---------------------------------------------------------------------------- host layouts and the NVMe tier
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(("precision", "elt"), [("bf16-mixed", 2), ("32-true", 4)])
+def test_lean_layout_is_twelve_bytes_per_param_plus_rings(precision, elt):
+    """lean: master 4 + Adam 8 per parameter, plus a staging buffer of a block per prefetch in flight (bf16;
+    in fp32 the pinned master is the upload source) and a gradient ring of 2 buffers of the largest unit;
+    clipping keeps each gradient in a slab until the step (elt bytes/param); accumulating uses the fp32
+    accumulator instead."""
+    config = LlamaConfig.from_preset("llama-3.1-8b")
+    n, grad_ring = config.num_parameters(), 2 * largest_unit(config) * elt
+    staging = block_numel(config) * elt if elt == 2 else 0
+    rings = staging + grad_ring
+    assert largest_unit(config) == config.vocab_size * config.hidden_size  # the 128k-token embedding beats a block
+
+    def lean(**kw):
+        return plan(config, 4096, 1, precision=precision, host_layout="lean", **kw)
+
+    assert lean().host_total == 12 * n + rings
+    assert lean().host["staging"] == staging and lean().host["grad_ring"] == grad_ring
+    assert lean(clipping=True).host_total == (12 + elt) * n + rings
+    assert lean(accumulate=4).host_total == lean(accumulate=4, clipping=True).host_total == 16 * n + rings
+    assert lean().host["master"] == 4 * n and lean().host["adam"] == 8 * n and "copy" not in lean().host
+
+
+def test_default_layout_ignores_clipping():
+    """The default layout keeps a slab per unit anyway: clipping costs it nothing."""
+    config = LlamaConfig.from_preset("llama-3.2-1b")
+    assert plan(config, 1024, 1, clipping=True).host == plan(config, 1024, 1).host == host_breakdown(config, "bf16-mixed", 1)
+
+
+def test_nvme_moves_adam_to_the_drive_keeping_four_units_in_flight():
+    config = LlamaConfig.from_preset("llama-120b")
+    n, unit = config.num_parameters(), largest_unit(config)
+    p = plan(config, 4096, 1, host_layout="lean", nvme_dir="/mnt/nvme", nvme_gbps=4.0)
+    assert p.nvme and "adam" not in p.host and p.host["nvme_buffers"] == 4 * unit * 8
+    assert p.host_total == 4 * n + block_numel(config) * 2 + 2 * unit * 2 + 4 * unit * 8
+    assert p.nvme_bytes == 8 * n and p.nvme_traffic == 16 * n
+    assert p.nvme_seconds == pytest.approx(16 * n / 4e9)
+    table = p.table()
+    assert "NVMe (/mnt/nvme)" in table and "Adam m + v files (fp32)" in table
+    assert f"{16 * n / 1e9:.1f} GB, {16 * n / 4e9:.1f} s at 4.0 GB/s read and 4.0 GB/s write" in table
+    assert p.host_plan_line().endswith(f"host_gib={p.host_total / GIB:.1f} nvme_gib={8 * n / GIB:.1f} fits=yes")
+
+
+def test_llama_120b_fits_1536_gib_by_choosing_the_lean_layout():
+    """16 bytes/param would be 1757 GiB; auto takes lean (12 + rings), which fits."""
+    config = LlamaConfig.from_preset("llama-120b")
+    p = plan(config, 4096, 1, host_mem=parse_size("1536GiB"), host_layout="auto")
+    assert p.fits and p.host_layout == "lean" and not p.nvme and p.nvme_bytes == 0
+    assert plan(config, 4096, 1, host_mem=parse_size("1536GiB")).host_total > parse_size("1536GiB")  # default
+    assert "chosen by auto" in p.table() and "host_layout='default' needs 1757.0 GiB" in p.table()
+    roomy = plan(config, 4096, 1, host_mem=parse_size("2TiB"), host_layout="auto", nvme_dir="/mnt/nvme")
+    assert roomy.host_layout == "default" and not roomy.nvme and "not used" in roomy.table()  # the fastest that fits
+
+
+def test_llama_120b_fits_512_gib_only_with_adam_on_nvme():
+    config, limit = LlamaConfig.from_preset("llama-120b"), parse_size("512GiB")
+    assert config.num_parameters() > 100e9
+    p = plan(config, 4096, 1, host_mem=limit, host_layout="auto", nvme_dir="/mnt/nvme")
+    assert p.fits and (p.host_layout, p.nvme) == ("lean", True) and p.host_total <= limit and p.nvme_bytes > 0
+    without = plan(config, 4096, 1, host_mem=limit, host_layout="auto")
+    assert not without.fits and (without.host_layout, without.nvme) == ("lean", False)
+    [problem] = without.problems()
+    assert "--nvme-dir DIR" in problem and "fits: 506.9 GiB of host memory" in problem
+    assert "1757.0 GiB with host_layout='default'" in problem and "host_layout='lean' (12.10 bytes/param)" in problem
+
+
+def test_an_explicit_layout_that_does_not_fit_names_the_options_that_would():
+    config, limit = LlamaConfig.from_preset("llama-120b"), parse_size("1536GiB")
+    [problem] = plan(config, 4096, 1, host_mem=limit, host_layout="default").problems()
+    assert "--host-layout lean (MegatrainStrategy(host_layout='lean')" in problem and "fits: 1328.4 GiB" in problem
+    [problem] = plan(config, 4096, 1, host_mem=parse_size("256GiB"), host_layout="lean", nvme_dir="d", clipping=True).problems()
+    assert "more host memory" in problem and "without gradient clipping lean drops the 2 bytes/param" in problem
+
+
+def test_plan_refuses_bad_host_options():
+    tiny = LlamaConfig.from_preset("tiny")
+    with pytest.raises(ValueError, match="host_layout='small': choose one of default, lean, auto"):
+        plan(tiny, 128, 1, host_layout="small")
+    with pytest.raises(ValueError, match="nvme_gbps=0 must be a positive number"):
+        plan(tiny, 128, 1, nvme_gbps=0)
+
+
+@pytest.mark.parametrize(("name", "count"), [("llama-120b", 117_909_663_744), ("llama-3.1-405b", 405_853_388_800)])
+def test_large_presets(name, count):
+    """llama-3.1-405b is the published shape (405B); llama-120b a Llama-3-shaped ~118B for planning."""
+    config = LlamaConfig.from_preset(name)
+    with torch.device("meta"):
+        built = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    assert config.num_parameters() == built == count
+    assert config.intermediate_size % 256 == 0 and config.num_key_value_heads == 8 and config.vocab_size == 128256

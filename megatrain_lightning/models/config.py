@@ -293,11 +293,16 @@ def _qwen25(hidden: int, intermediate: int, layers: int, heads: int, kv: int, ep
     )
 
 
-# Shapes from the published config.json of each base model on the Hugging Face Hub.
+# Shapes from the published config.json of each base model on the Hugging Face Hub (llama-120b aside).
 PRESETS: dict[str, LlamaConfig] = {
     "llama-3.2-1b": _llama31(2048, 8192, 16, 32, rope_scaling=_llama3_rope(32.0), tie_word_embeddings=True),
     "llama-3.1-8b": _llama31(4096, 14336, 32, 32),
     "llama-3.1-70b": _llama31(8192, 28672, 80, 64),
+    "llama-3.1-405b": _llama31(16384, 53248, 126, 128),  # 405.85B parameters
+    # Not a published model: a Llama-3-shaped 117.91B (intermediate 3.5 x hidden) for planning 100B+ runs. 60
+    # blocks rather than 61 (119.82B) so that it fits 512 GiB of host memory with Adam m + v on NVMe
+    # (`megatrain plan --model llama-120b --host-mem 512GiB --nvme-dir DIR`: 510.5 GiB).
+    "llama-120b": _llama31(12288, 43008, 60, 96),
     "qwen2.5-7b": _qwen25(3584, 18944, 28, 28, 4, 1e-6),
     "qwen2.5-14b": _qwen25(5120, 13824, 48, 40, 8, 1e-5),
     "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8, 1e-5),
