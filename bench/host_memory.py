@@ -1,13 +1,18 @@
 """Host bytes per parameter that strategy='megatrain' actually allocates, by accounting and by RSS.
 
-    python bench/host_memory.py [--layers 8] [--hidden 1024]
+    python bench/host_memory.py [--layers 20] [--hidden 2048] [--nvme-dir DIR]
 
-Builds this project's Llama on the CPU, hands it to the engine, runs one training step and prints the
-engine's own per-buffer accounting next to the growth of the process's resident memory. The model's
-own fp32 parameters (4 B/param) are released while the engine takes over, so the RSS column adds them
-back: allocated = RSS after the step - RSS before the engine + 4 B/param. On a CPU-only machine the
-"device" weight slots, gradient slots and outer-parameter copies are host memory too, so RSS exceeds
-the accounting by about (2 slots + 2 grad slots) x one block + the outer copies.
+Builds this project's Llama (about 1B parameters by default) on the CPU, hands it to the engine, runs two
+training steps and prints, per host layout, the engine's own per-buffer accounting next to the growth of
+the process's resident memory, each run in a fresh process:
+
+- allocated (RSS) = RSS after the steps - RSS before the engine + 4 B/param: the model's own fp32
+  parameters (4 B/param) are released while the engine takes over, so they are added back;
+- host (RSS) = allocated - the engine's "device" buffers: on a CPU-only machine the weight slots, gradient
+  slots and outer-parameter copies that a GPU run keeps on the GPU are host memory too, so they are taken
+  off to show what the host holds in a GPU run.
+
+With ``--nvme-dir`` the lean layout also runs with the Adam moments in files there.
 """
 
 from __future__ import annotations
@@ -23,38 +28,51 @@ from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim.adamw import HostAdamW
 
 
-def measure(layers: int, hidden: int, dtype: torch.dtype) -> dict:
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
+def measure(layers: int, hidden: int, dtype: torch.dtype, layout: str, nvme_dir: str | None) -> dict:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
                       num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256,
-                      loss_chunk_size=256)  # fmt: skip
+                      loss_chunk_size=256, token_chunk_size=None)  # fmt: skip
     model = LlamaForCausalLM(cfg)
     n = sum(p.numel() for p in model.parameters())
     before = rss_bytes()
-    engine = StreamingEngine(model, device="cpu", compute_dtype=dtype)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=dtype, host_layout=layout, nvme_dir=nvme_dir)
     opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-4), engine)
-    tokens = torch.randint(0, 1024, (1, 32))
-    model(tokens, targets=tokens).backward()
-    opt.step()
+    engine.backward_mode = "step"  # as the strategy sets it: the optimizer overlaps backward
+    for _ in range(2):
+        tokens = torch.randint(0, cfg.vocab_size, (1, 32))
+        model(tokens, targets=tokens).backward()
+        opt.step()
+        opt.zero_grad()
     engine.flush()
-    acct = engine.host_bytes()
-    return {"params": n, "acct": {k: v / n for k, v in acct.items()}, "rss": (rss_bytes() - before) / n + 4}
+    allocated = (rss_bytes() - before) / n + 4
+    device = sum(engine.device_bytes().values()) / n
+    acct = {k: v / n for k, v in engine.host_bytes().items()}
+    nvme = engine.nvme_bytes() / n if hasattr(engine, "nvme_bytes") else 0.0
+    engine.release()
+    return {"params": n, "acct": acct, "allocated": allocated, "host": allocated - device, "nvme": nvme}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--nvme-dir", help="also run the lean layout with the Adam moments in files here")
     args = ap.parse_args()
-    print("| compute dtype | params | master | adam m+v | copy | grad slab | total (accounting) | allocated (RSS) |")
-    print("|---|---|---|---|---|---|---|---|")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    runs = [("default", None), ("lean", None)] + ([("lean", args.nvme_dir)] if args.nvme_dir else [])
+    print("| layout | params | master | adam m+v | copy | grad slab | rings | NVMe | total (accounting) | allocated (RSS) | host (RSS) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     ctx = multiprocessing.get_context("spawn")  # a fresh process per run, so RSS figures don't mix
-    for dtype in (torch.bfloat16, torch.float32):
+    for layout, nvme in runs:
         with ctx.Pool(1) as pool:
-            r = pool.apply(measure, (args.layers, args.hidden, dtype))
+            r = pool.apply(measure, (args.layers, args.hidden, dtype, layout, nvme))
         a = r["acct"]
-        total = sum(a.values())
-        print(f"| {str(dtype).split('.')[-1]} | {r['params'] / 1e6:.1f}M | {a['master']:.2f} | {a['adam']:.2f} | "
-              f"{a['copy']:.2f} | {a['slab']:.2f} | {total:.2f} B/param | {r['rss']:.2f} B/param |")  # fmt: skip
+        name = layout + (" + NVMe" if nvme else "")
+        print(f"| {name} ({args.dtype}) | {r['params'] / 1e9:.2f}B | {a['master']:.2f} | {a['adam']:.2f} | {a['copy']:.2f} | "
+              f"{a['slab']:.2f} | {a.get('ring', 0.0):.2f} | {r['nvme']:.2f} | {sum(a.values()):.2f} B/param | "
+              f"{r['allocated']:.2f} B/param | {r['host']:.2f} B/param |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -26,9 +26,10 @@ def torch_adam(monkeypatch):
     monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
 
 
-def train(layout: str, precision: str, ckpt_path=None, **trainer_kwargs) -> CausalLM:
+def train(layout: str, precision: str, ckpt_path=None, vocab: int | None = None, **trainer_kwargs) -> CausalLM:
     torch.manual_seed(0)
-    module = CausalLM(hf_llama(layers=3), split_decay=True, schedule=STEPS)
+    model = hf_llama(layers=3, **({} if vocab is None else {"vocab_size": vocab}))
+    module = CausalLM(model, split_decay=True, schedule=STEPS)
     torch.manual_seed(5)
     fit(module, token_batches(STEPS), strategy=MegatrainStrategy(host_layout=layout), precision=precision,
         ckpt_path=ckpt_path, **trainer_kwargs)  # fmt: skip
@@ -50,12 +51,20 @@ def test_lean_layout_trains_exactly_like_the_default(precision, train_kwargs):
     assert_same(train("lean", precision, **train_kwargs), train("default", precision, **train_kwargs))
 
 
+def test_outer_parameters_larger_than_a_block_go_up_in_pieces():
+    """A 1000-token vocabulary makes the embedding and head (32000 values) larger than a block (9280), so
+    their uploads go through the block-sized staging buffer in four pieces: still the same bits."""
+    kwargs = {"gradient_clip_val": 0.5}
+    assert_same(train("lean", "bf16-mixed", vocab=1000, **kwargs), train("default", "bf16-mixed", vocab=1000, **kwargs))
+
+
 @pytest.mark.parametrize("streams", ["async-lazy", "async-seed0"])
 def test_lean_layout_under_asynchronous_copy_streams(streams, monkeypatch):
     """Staging and gradient ring buffers are reused only after the copy that read or wrote them finished:
-    under copy streams that run late, a buffer handed out too early would show stale or torn data."""
+    under copy streams that run late, a buffer handed out too early would show stale or torn data. (A
+    1000-token vocabulary: the embedding and head go up in pieces through one staging buffer.)"""
     async_streams.install(monkeypatch, **({"hold": 1.0} if streams == "async-lazy" else {"seed": 0}))
-    kwargs = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+    kwargs = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5, "vocab": 1000}
     lean = train("lean", "bf16-mixed", **kwargs)
     monkeypatch.undo()
     monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
@@ -70,6 +79,26 @@ class HostBytesAtEnd(L.Callback):
         engine.flush()
         self.held, self.n = engine.host_bytes(), engine.num_parameters()
         self.largest = max(u.numel for u in engine.all_units())
+        self.largest_block = max(u.numel for u in engine.units)
+
+
+def test_the_double_catches_a_staging_buffer_reused_too_early(monkeypatch):
+    """Without the hold that keeps a staging buffer until its upload has read it, the next cast overwrites
+    weights still on their way, and under the asynchronous double the training changes."""
+    from megatrain_lightning.engine.ring import HostRing
+
+    kwargs = {"gradient_clip_val": 0.5, "vocab": 1000}
+    reference = train("default", "bf16-mixed", **kwargs)
+    async_streams.install(monkeypatch, seed=0)
+    real_hold = HostRing.hold
+
+    def hold_gradients_only(ring, i, until):
+        if len(ring.buffers) > 1:  # the gradient ring (two buffers); the staging ring has one with 2 slots
+            real_hold(ring, i, until)
+
+    monkeypatch.setattr(HostRing, "hold", hold_gradients_only)
+    broken = train("lean", "bf16-mixed", **kwargs)
+    assert broken.losses != reference.losses
 
 
 def test_lean_layout_holds_no_copy_and_no_slab_between_steps():
@@ -80,7 +109,8 @@ def test_lean_layout_holds_no_copy_and_no_slab_between_steps():
     held = probe.held
     assert held["copy"] == 0 and held["slab"] == 0 and held["acc"] == 0
     assert held["master"] + held["adam"] == 12 * probe.n
-    assert held["ring"] == 2 * 2 * probe.largest * 2  # 2 staging (num_slots) + 2 gradient buffers, bf16
+    # one staging buffer of the largest block (per prefetch in flight) + 2 gradient buffers of the largest unit
+    assert held["ring"] == (probe.largest_block + 2 * probe.largest) * 2
     assert host_bytes_per_param(torch.bfloat16, True, layout="lean") == 12
 
 

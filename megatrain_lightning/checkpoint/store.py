@@ -32,6 +32,7 @@ import time
 import uuid
 import warnings
 import zlib
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import fsspec
@@ -82,9 +83,11 @@ def save(
     engine.flush()
     units = []
     for i, unit in enumerate(engine.all_units()):
-        with_adam = optimizer and unit.m is not None
-        tensors = [("master", unit.master)] + ([("exp_avg", unit.m), ("exp_avg_sq", unit.v)] if with_adam else [])
-        info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
+        with_adam = optimizer and unit.has_moments
+        # On the NVMe tier the moments come into a working buffer for the write, one unit at a time.
+        with unit.moments(write=False) if with_adam else nullcontext((None, None)) as (m, v):
+            tensors = [("master", unit.master)] + ([("exp_avg", m), ("exp_avg_sq", v)] if with_adam else [])
+            info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
         units.append(_unit_record(engine, unit, i, info, with_adam))
         if after_unit is not None:
             after_unit(i)
@@ -268,13 +271,14 @@ def restore(engine: StreamingEngine, url: str, *, optimizer: bool) -> dict:
         raise CheckpointError(f"{url} holds weights only (save_weights_only=True); it cannot resume training")
     engine.flush()
     for unit, rec in zip(engine.all_units(), index["units"]):
-        targets = {"master": unit.master}
-        if optimizer and rec["adam"]:
-            targets.update(exp_avg=unit.m, exp_avg_sq=unit.v)
-        try:
-            stream.read_into(fs, f"{vdir}/{rec['file']}", targets, rec)
-        except stream.ShardError as err:
-            raise CheckpointError(f"{err}; resume from an earlier checkpoint") from None
+        adam = optimizer and rec["adam"]
+        # fresh: the shard overwrites both moments (on the NVMe tier they go to its files afterwards).
+        with unit.moments(fresh=True) if adam else nullcontext((None, None)) as (m, v):
+            targets = {"master": unit.master, **({"exp_avg": m, "exp_avg_sq": v} if adam else {})}
+            try:
+                stream.read_into(fs, f"{vdir}/{rec['file']}", targets, rec)
+            except stream.ShardError as err:
+                raise CheckpointError(f"{err}; resume from an earlier checkpoint") from None
         if optimizer:
             unit.steps = [param_step(rec, p) if rec["adam"] else 0 for p in rec["params"]]
     _restore_buffers(engine, fs, vdir, index, url)

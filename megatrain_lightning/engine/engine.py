@@ -31,6 +31,7 @@ from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutp
 from megatrain_lightning.engine.discover import find_blocks
 from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
 from megatrain_lightning.engine.host_steps import HostSteps
+from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
 from megatrain_lightning.engine.ring import HostRing
 from megatrain_lightning.engine.saved_inputs import (
     OffloadInputs,
@@ -92,8 +93,11 @@ class StreamingEngine(HostSteps):
         block_params = [list(b.named_parameters()) for b in self.blocks]
         in_blocks = {id(p) for params in block_params for _, p in params}
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
-        largest = max(sum(p.numel() for _, p in params) for params in [*block_params, *([x] for x in outer)])
+        largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
+        largest = max(largest_block, *(p.numel() for _, p in outer))
         self._check_host_memory(block_params, outer, training, available_bytes, accumulating, clipping, largest)
+        # Checked (directory, free space) before the model is taken apart; the moments need it only to train.
+        self.tier = NvmeTier(nvme_dir, _numel(block_params, outer), largest) if training and nvme_dir else None
 
         self.streams = Streams(self.device)
         # Block inputs saved for backward: on the device, or (offload_inputs) in pinned host buffers.
@@ -112,13 +116,16 @@ class StreamingEngine(HostSteps):
         try:
             if host_layout == "lean":
                 if compute_dtype != torch.float32:  # in fp32 the pinned master is the upload source
-                    self._staging = HostRing(num_slots, largest, compute_dtype, pin)
+                    # one buffer per prefetch in flight, a block each: larger outer units go up in pieces
+                    self._staging = HostRing(num_slots - 1, largest_block, compute_dtype, pin)
                 if training:
                     self._grad_ring = HostRing(2, largest, compute_dtype, pin)
             self._build_blocks(block_params, pin)
             self._build_outer(outer, pin)
         except BaseException:
             pinned.unregister(self._pinnable())  # what was already page-locked (e.g. the limit ran out midway)
+            if self.tier is not None:
+                self.tier.close()
             raise
         self._forward_states: list[Any] = [None] * len(self.units)  # weakref: the latest call of each block
         max_numel = max(u.numel for u in self.units)
@@ -174,18 +181,21 @@ class StreamingEngine(HostSteps):
     def _check_host_memory(
         self, block_params, outer, training: bool, available_bytes, accumulating: bool, clipping: bool, largest: int
     ) -> None:
-        numel = sum(p.numel() for params in block_params for _, p in params) + sum(p.numel() for _, p in outer)
+        numel = _numel(block_params, outer)
         layout, elt = self.host_layout, torch.tensor([], dtype=self.compute_dtype).element_size()
         per_param = host_bytes_per_param(self.compute_dtype, training, accumulating, layout, clipping)
         rings = largest * elt * (2 + 2) if layout == "lean" else 0  # staging and gradient rings (upper bound)
-        need = numel * per_param + rings
+        nvme = training and bool(self.nvme_dir)  # m, v on the drive: a few units' working buffers instead
+        per_param -= 8 if nvme else 0
+        need = numel * per_param + rings + (BUFFERS * largest * 8 if nvme else 0)
         # The model's own parameters are released unit by unit as they move into flat buffers.
         reclaim = sum(p.numel() * p.element_size() for params in block_params for _, p in params if p.device.type == "cpu")
         have = (available_bytes or available_host_bytes)() + reclaim
         if need > have:
             labels = {"master": "fp32 master", "adam": "Adam m and v", "copy": "transfer copy",
                       "slab": "gradient slab", "acc": "fp32 gradient accumulator"}  # fmt: skip
-            kinds = [labels[k] for k, b in host_bytes_by_kind(elt, training, accumulating, layout, clipping).items() if b]
+            kinds = [labels[k] for k, b in host_bytes_by_kind(elt, training, accumulating, layout, clipping).items()
+                     if b and not (nvme and k == "adam")]  # fmt: skip
             raise HostMemoryError(
                 f"the model's {numel / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB of host memory "
                 f"({per_param} bytes/param: {', '.join(kinds[:-1])} and {kinds[-1]}) but about "
@@ -218,6 +228,7 @@ class StreamingEngine(HostSteps):
         self.param_order = param_order
         for unit in self.all_units():
             unit.set_groups(groups)
+            unit.tier = self.tier
             unit.alloc_optimizer_state()
         self.hyper = hyper
 
@@ -305,6 +316,8 @@ class StreamingEngine(HostSteps):
     ) -> torch.Tensor | None:
         """Recompute block `idx` with grad; ship its parameters' gradients to the host, return the input's."""
         unit, blk, runner = self.units[idx], self.blocks[idx], self.runners[idx]
+        if idx == len(self.units) - 1:
+            self._read_ahead_backward()
         # Parameters the user froze get no gradient, exactly as in ordinary training (checked now: a
         # parameter may be frozen or unfrozen between steps).
         trained = [i for i, e in enumerate(unit.entries) if e.param.requires_grad]
@@ -390,25 +403,32 @@ class StreamingEngine(HostSteps):
         return slot
 
     @contextmanager
-    def _upload_source(self, unit: HostUnit) -> Iterator[torch.Tensor]:
-        """The host buffer an upload of `unit` reads: its compute copy, or (lean layout) the next staging
-        buffer with the master just cast into it, held until the upload issued meanwhile (whose end
-        `self._uploaded` names) has read it."""
+    def _upload_source(self, unit: HostUnit, lo: int = 0, hi: int | None = None) -> Iterator[torch.Tensor]:
+        """The host buffer an upload of `unit`'s elements lo..hi reads: its compute copy, or (lean layout)
+        the next staging buffer with the master just cast into it, held until the upload issued meanwhile
+        (whose end `self._uploaded` names) has read it."""
+        hi = unit.numel if hi is None else hi
         if unit.copy is not None:
-            yield unit.copy
+            yield unit.copy[lo:hi]
             return
-        i, staged = self._staging.take(unit.numel)
-        staged.copy_(unit.master)  # the rounding the step's fused cast would do: the same bits go up
+        i, staged = self._staging.take(hi - lo)
+        staged.copy_(unit.master[lo:hi])  # the rounding the step's fused cast would do: the same bits go up
         yield staged
         self._staging.hold(i, self._uploaded)
+
+    def _pieces(self, unit: HostUnit) -> list[tuple[int, int]]:
+        """Element ranges an upload of `unit` goes in: one, unless staging buffers are smaller than it."""
+        size = unit.numel if unit.copy is not None else self._staging.buffers[0].numel()
+        return [(lo, min(lo + size, unit.numel)) for lo in range(0, unit.numel, size)]
 
     # -- outer parameters --------------------------------------------------------------------------
     def _upload_outer(self, unit: HostUnit, dev: torch.Tensor) -> None:
         """Refresh the device copy of an outer parameter from its host copy and bind the parameter to it."""
         self.streams.wait(self.streams.h2d, self.streams.event())  # earlier compute may still read it
-        with self._upload_source(unit) as source:
-            self.streams.copy(self.streams.h2d, dev, source)
-            self._uploaded = unit.upload_done = self.streams.event(self.streams.h2d)
+        for lo, hi in self._pieces(unit):
+            with self._upload_source(unit, lo, hi) as source:
+                self.streams.copy(self.streams.h2d, dev[lo:hi], source)
+                self._uploaded = unit.upload_done = self.streams.event(self.streams.h2d)
         self.stats["h2d_bytes"] += dev.numel() * dev.element_size()
         self.streams.wait(None, unit.upload_done)
         _bind(unit, dev)
@@ -463,7 +483,13 @@ class StreamingEngine(HostSteps):
                 total[kind] = total.get(kind, 0) + n
         if self.host_layout == "lean":
             total["ring"] = sum(r.nbytes() for r in (self._staging, self._grad_ring) if r is not None)
+        if self.tier is not None:  # the moments in host memory: the NVMe tier's working buffers only
+            total["adam"] = total.get("adam", 0) + self.tier.buffer_bytes()
         return total
+
+    def nvme_bytes(self) -> int:
+        """Bytes of Adam moments in files under nvme_dir (0 without the NVMe tier)."""
+        return 0 if self.tier is None else self.tier.file_bytes()
 
     def pinned_bytes(self) -> int:
         """Page-locked host bytes the engine holds: exactly its pinned buffers' sizes, no rounding (the
@@ -482,6 +508,8 @@ class StreamingEngine(HostSteps):
         self.flush()
         self.streams.synchronize()  # no copy may still read or write a device buffer freed below
         self._worker.shutdown(wait=True)
+        if self.tier is not None:
+            self.tier.close()  # the moments are scratch: the run directory goes with them
         for handle in self._hooks:
             handle.remove()
         for config in self._caches_off:
@@ -497,6 +525,10 @@ class StreamingEngine(HostSteps):
         self.pool.buffers.clear()
         self._grad_slots.clear()
         pinned.unregister(self._pinnable())  # they stay allocated (the masters as the model's parameters)
+
+def _numel(block_params: list, outer: list) -> int:
+    return sum(p.numel() for params in block_params for _, p in params) + sum(p.numel() for _, p in outer)
+
 
 def _bind(unit: HostUnit, flat: torch.Tensor) -> None:
     """Point each parameter of `unit` at its slice of `flat` (no copy)."""

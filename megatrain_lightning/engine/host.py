@@ -12,6 +12,10 @@ consecutive parameters (a Llama block with a no-decay group for norms has four r
 | copy   | compute dtype  | 2 (bf16)    | pinned DMA source, rewritten by every optimizer step |
 | slab   | compute dtype  | 2 / 4       | pinned DMA target for gradients, from first backward |
 | acc    | fp32           | 4           | only while gradients are being accumulated          |
+| (NVMe) | fp32 m, v      | 0 host      | with nvme_dir: m, v in files, a few units in flight  |
+
+With ``nvme_dir`` (engine/nvme.py) ``m`` and ``v`` stay None: the moments live in one file per unit and
+come into a working buffer only for a step (or a checkpoint), through :meth:`HostUnit.moments`.
 
 With ``host_layout="lean"`` (engine/ring.py) there is no copy, and a slab only for a gradient that waits
 for a clipped step: uploads and landings go through rings of a few buffers instead.
@@ -22,13 +26,17 @@ from __future__ import annotations
 import enum
 import os
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
 
 from megatrain_lightning.engine import pinned
+
+if TYPE_CHECKING:
+    from megatrain_lightning.engine.nvme import NvmeTier
 
 
 class GradState(enum.Enum):
@@ -133,10 +141,32 @@ class HostUnit:
         ]
 
     # -- allocation -----------------------------------------------------------------------------
+    tier: NvmeTier | None = None  # set by the engine with nvme_dir: the moments live there, not in m, v
+
     def alloc_optimizer_state(self) -> None:
-        if self.m is None:
+        if self.tier is not None:
+            self.tier.alloc(self)  # zeros, read from a fresh file
+        elif self.m is None:
             self.m = host_empty(self.numel, torch.float32, pin=False).zero_()
             self.v = host_empty(self.numel, torch.float32, pin=False).zero_()
+
+    @property
+    def has_moments(self) -> bool:
+        """Whether Adam moments exist for this unit (in host memory or on the NVMe tier)."""
+        return self.m is not None or (self.tier is not None and self.tier.holds(self))
+
+    @contextmanager
+    def moments(self, write: bool = True, fresh: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(m, v) for the duration of a `with`, whoever reads or writes them: the host buffers themselves,
+        or, on the NVMe tier, a working buffer read from the unit's file and written back after the block
+        when `write`. `fresh`: the block overwrites every element, so the file need not be read first."""
+        if self.tier is not None:
+            with self.tier.resident(self, write=write, fresh=fresh) as mv:
+                yield mv
+        elif self.m is None:
+            raise RuntimeError(f"{self.name} has no Adam moments: no optimizer is attached")
+        else:
+            yield self.m, self.v
 
     def ensure_slab(self) -> torch.Tensor:
         if self.slab is None:
@@ -144,7 +174,8 @@ class HostUnit:
         return self.slab
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held per buffer kind (the copy counts zero when it is the master itself)."""
+        """Bytes held per buffer kind (the copy counts zero when it is the master itself; on the NVMe tier
+        m and v are None: the tier's working buffers are counted by the engine)."""
         out = {"master": _nb(self.master), "copy": 0 if self.copy is self.master else _nb(self.copy)}
         out.update(adam=_nb(self.m) + _nb(self.v), slab=_nb(self.slab), acc=_nb(self.acc))
         return out

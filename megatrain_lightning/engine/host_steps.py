@@ -13,6 +13,7 @@ or, when it completes the step and nothing needs the global norm first, steps th
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -164,6 +165,8 @@ class HostSteps:
         clip_val, self._clip = self._clip, None
         hyper = self.hyper()
         todo = [u for u in self.all_units() if u in self._pending]
+        if todo:  # (after a backward that stepped everything, the plan it set reaches into the next one)
+            self._read_ahead(todo)  # the moments come in while the clipping norm is being computed
         scale = self._clip_scale(todo, clip_val) if clip_val else 1.0
         block_of = {id(u): i for i, u in enumerate(self.units)}
         for unit in todo:
@@ -178,6 +181,23 @@ class HostSteps:
         self._pending.clear()
         self._eager.clear()
         self.optimizer_steps += 1
+
+    def _read_ahead(self, units: list[HostUnit]) -> None:
+        """Tell the NVMe tier the order the next steps take, so it reads their moments ahead of them. The
+        plan goes through the worker queue: it takes effect after the jobs submitted before it, so no step
+        already queued is in it, and the order it names is the order the worker will step in."""
+        if self.tier is not None:
+            trained = [u for u in units if any(e.group is not None and e.param.requires_grad for e in u.entries)]
+            self._worker.submit(self.tier.plan, trained)
+
+    def _read_ahead_backward(self) -> None:
+        """At the first block of a backward that steps each unit as its gradient lands: blocks L-1..0, then
+        the outer parameters not stepped yet (their gradients come last, e.g. the embedding's), then those
+        already stepped (the head's and final norm's were shipped before the blocks' backward began): they
+        come first in the next step's backward, so their moments are read during the forward before it."""
+        if self.tier is not None and self._eager_ok():
+            later = [u for u in self.outer_units if u not in self._eager]
+            self._read_ahead(self.units[::-1] + later + [u for u in self.outer_units if u in self._eager])
 
     def _clip_scale(self, todo: list[HostUnit], clip_val: float) -> float:
         by_param: dict[int, torch.Tensor] = {}
@@ -195,12 +215,14 @@ class HostSteps:
             unit.upload_done.synchronize()  # an in-flight upload may still be reading the copy
         grad = self._grad_of(unit)
         copy_out = None if unit.copy is unit.master else unit.copy
-        for group, step, start, end in unit.segments():
-            seg_copy = None if copy_out is None else copy_out[start:end]
-            kernels.adam_step_(
-                unit.master[start:end], unit.m[start:end], unit.v[start:end], grad[start:end], seg_copy,
-                hyper[group], step + 1, scale,
-            )  # fmt: skip
+        runs = unit.segments()
+        with unit.moments() if runs else nullcontext((None, None)) as (m, v):  # NVMe: read ahead, written behind
+            for group, step, start, end in runs:
+                seg_copy = None if copy_out is None else copy_out[start:end]
+                kernels.adam_step_(
+                    unit.master[start:end], m[start:end], v[start:end], grad[start:end], seg_copy,
+                    hyper[group], step + 1, scale,
+                )  # fmt: skip
         unit.steps = [s + int(g and e.group is not None) for s, g, e in zip(unit.steps, unit.has_grad, unit.entries)]
         unit.grad_state, unit.norms = GradState.EMPTY, None
         unit.has_grad = [False] * len(unit.entries)

@@ -102,22 +102,32 @@ class HostAdamW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self.engine.flush()
-        where, state, index, groups = self._entries(), {}, 0, []
+        where, moments, state, index, groups = self._entries(), self._stepped_moments(), {}, 0, []
         for group in self.param_groups:
             ids = []
             for p in group["params"]:
                 unit, i, e = where[id(p)]
-                sl = slice(e.offset, e.offset + e.numel)
                 if unit.steps[i] > 0:  # torch.optim keeps state only for parameters it has stepped
-                    state[index] = {
-                        "step": torch.tensor(float(unit.steps[i])),
-                        "exp_avg": unit.m[sl].view(e.shape),
-                        "exp_avg_sq": unit.v[sl].view(e.shape),
-                    }
+                    exp_avg, exp_avg_sq = moments[id(p)]
+                    state[index] = {"step": torch.tensor(float(unit.steps[i])), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
                 ids.append(index)
                 index += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
         return {"state": state, "param_groups": groups}
+
+    def _stepped_moments(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """(exp_avg, exp_avg_sq) of every stepped parameter, by id: views of the host moments, or copies
+        where they come from the NVMe tier (its working buffer is reused once the unit is done)."""
+        out = {}
+        for unit in self.engine.all_units():
+            stepped = [e for e, step in zip(unit.entries, unit.steps) if step > 0]
+            if not stepped:
+                continue
+            with unit.moments(write=False) as (m, v):
+                for e in stepped:
+                    pair = (m[e.offset : e.offset + e.numel].view(e.shape), v[e.offset : e.offset + e.numel].view(e.shape))
+                    out[id(e.param)] = pair if unit.tier is None else tuple(t.clone() for t in pair)
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.engine.flush()
@@ -129,18 +139,27 @@ class HostAdamW(torch.optim.Optimizer):
                 "the optimizer state in the checkpoint has a different number of param groups or parameters "
                 "than configure_optimizers returned; resume with the same optimizer configuration"
             )
-        where = self._entries()
+        loaded: dict[int, dict | None] = {}  # by parameter id: its saved state, None when never stepped
         for saved, group in zip(saved_groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
-            for idx, p in zip(saved["params"], group["params"]):
-                unit, i, e = where[id(p)]
-                entry = state_dict["state"].get(idx)
-                sl = slice(e.offset, e.offset + e.numel)
+            loaded.update((id(p), state_dict["state"].get(idx)) for idx, p in zip(saved["params"], group["params"]))
+        for unit in self.engine.all_units():
+            if any(id(e.param) in loaded for e in unit.entries):
+                self._load_unit(unit, loaded)
+
+    @staticmethod
+    def _load_unit(unit: Any, loaded: dict[int, dict | None]) -> None:
+        """Write the saved state of `unit`'s parameters into its moments (one read and write on the tier)."""
+        with unit.moments() as (m, v):
+            for i, e in enumerate(unit.entries):
+                if id(e.param) not in loaded:
+                    continue
+                entry, sl = loaded[id(e.param)], slice(e.offset, e.offset + e.numel)
                 if entry is None:  # never stepped: fresh Adam state, as torch.optim would have
-                    unit.m[sl].zero_()
-                    unit.v[sl].zero_()
+                    m[sl].zero_()
+                    v[sl].zero_()
                     unit.steps[i] = 0
                     continue
-                unit.m[sl].copy_(entry["exp_avg"].reshape(-1))
-                unit.v[sl].copy_(entry["exp_avg_sq"].reshape(-1))
+                m[sl].copy_(entry["exp_avg"].reshape(-1))
+                v[sl].copy_(entry["exp_avg_sq"].reshape(-1))
                 unit.steps[i] = int(entry["step"])

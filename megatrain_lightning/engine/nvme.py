@@ -1,0 +1,347 @@
+"""The NVMe tier: Adam moments in files on a local drive, in host memory only while a unit steps.
+
+With ``nvme_dir`` the 8 bytes/param of fp32 ``m`` and ``v`` leave host memory. Each unit gets one file
+(``m`` then ``v``, ``numel`` fp32 each) in a run directory made for this engine inside ``nvme_dir``
+(``megatrain-adam-moments-scratch-*``), removed by ``engine.release()`` (and at interpreter exit if
+release never ran). The files are scratch: a checkpoint holds everything a resume needs, and a resume
+writes the checkpoint's moments back into fresh files.
+
+Host memory holds at most ``buffers`` working buffers (default 4), each sized to the largest unit (both
+moments). A buffer is bound to at most one unit and moves through::
+
+    (unbound) -> READING -> CLEAN -> BUSY (a `resident` block) -> WRITING -> CLEAN -> ... -> (unbound)
+
+- read-ahead: :meth:`NvmeTier.plan` names the units the next steps touch, in order (blocks L-1..0 in an
+  overlapped backward, the ``todo`` list of ``optimizer_step``); the first ``buffers - 1`` of them not yet
+  bound are read on the IO threads while the worker steps earlier units. In steady state one buffer
+  steps, one writes behind and two hold the next units, read ahead;
+- write-behind: leaving a ``resident`` block hands the buffer to an IO thread that writes it back
+  (``fdatasync`` then drops the file's pages from the page cache, so the moments do not come back into
+  host memory as cache); the buffer stays bound to the unit, CLEAN, and is reused from there when the
+  unit comes back before the buffer is taken for another one;
+- a buffer is only rebound once CLEAN (its write finished), so a unit is never read from its file while
+  its newest moments are still on their way there, and only one buffer ever holds a unit: every read
+  sees the last write. A unit asked for out of plan takes a free buffer, else a CLEAN one (the one needed
+  last), else waits for an IO to finish; IO jobs never wait on anything, so that wait always ends.
+
+The worker thread runs the steps; the IO threads (``io_threads``, default 2: one read and one write at
+once) only move bytes, with ``os.preadv``/``os.pwrite``, which release the GIL.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from megatrain_lightning.engine.host import host_empty
+
+BUFFERS = 4  # one stepping, one writing behind, two read ahead
+IO_THREADS = 2
+_CHUNK = 256 << 20  # bytes per system call: Linux moves at most ~2 GiB in one read or write
+_ALIGN = 16  # fp32 elements: `v` starts on a 64-byte boundary inside a working buffer, as a fresh tensor does
+PREFIX = "megatrain-adam-moments-scratch-"
+
+
+class NvmeTierError(ValueError):
+    """nvme_dir cannot hold the Adam moments (missing, not writable, too small), or its IO failed."""
+
+
+class _State(enum.Enum):
+    READING = "reading"
+    CLEAN = "clean"  # equals the unit's file
+    BUSY = "busy"  # inside a `resident` block
+    WRITING = "writing"
+
+
+class _Buffer:
+    """One working buffer: room for the m and v of the largest unit."""
+
+    def __init__(self, max_numel: int) -> None:
+        self.v_at = -(-max_numel // _ALIGN) * _ALIGN
+        # Touched now, once: faulting its pages in during the first reads into it halves their speed.
+        self.flat = host_empty(self.v_at + max_numel, torch.float32, pin=False).zero_()
+        self.unit: Any = None
+        self.state: _State | None = None
+
+    def views(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.flat[:numel], self.flat[self.v_at : self.v_at + numel]
+
+
+def check_directory(directory: str, numel: int) -> int:
+    """The bytes the moments of `numel` parameters need in `directory`; NvmeTierError naming the
+    directory, the bytes and the fix when it does not exist or has too little free space."""
+    need = numel * 8
+    size = f"{need / 2**30:.2f} GiB ({need} bytes, 8 per parameter for {numel / 1e9:.3f}B parameters)"
+    if not os.path.isdir(directory):
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise NvmeTierError(
+            f"nvme_dir={directory!r} {what}; the Adam moments need {size} there. Create it on a local drive "
+            f"(mkdir -p {directory}), or leave nvme_dir unset to keep the moments in host memory"
+        )
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise NvmeTierError(
+            f"nvme_dir={directory!r} has {free / 2**30:.2f} GiB free, but the Adam moments need {size}. "
+            "Free space there, point nvme_dir at a larger drive, or leave it unset to keep them in host memory"
+        )
+    return need
+
+
+class NvmeTier:
+    """The Adam moments of every unit in files under a fresh run directory inside `directory`."""
+
+    def __init__(
+        self,
+        directory: str,
+        numel: int,
+        max_numel: int,
+        *,
+        buffers: int = BUFFERS,
+        io_threads: int = IO_THREADS,
+        drop_cache: bool = True,
+    ) -> None:
+        if buffers < 2:
+            raise ValueError(f"buffers={buffers}: the tier needs at least 2 (one stepping, one reading ahead)")
+        self.need_bytes = check_directory(directory, numel)
+        try:
+            self.path = tempfile.mkdtemp(prefix=PREFIX, dir=directory)
+        except OSError as err:
+            raise NvmeTierError(
+                f"nvme_dir={directory!r} is not writable ({err.strerror}); the Adam moments need "
+                f"{self.need_bytes / 2**30:.2f} GiB there. Give this process write access, choose another "
+                "directory, or leave nvme_dir unset"
+            ) from None
+        self._remove = weakref.finalize(self, shutil.rmtree, self.path, True)  # also at interpreter exit
+        self.max_numel, self.buffers, self.drop_cache = max_numel, buffers, drop_cache
+        self._fds: dict[Any, int] = {}
+        self._pool: list[_Buffer] = []  # allocated on demand, at most `buffers`
+        self._bound: dict[Any, _Buffer] = {}
+        self._plan: list[Any] = []
+        self._wanted: list[Any] = []  # units a thread waits for in `resident`: their buffers are not taken
+        self._cv = threading.Condition()
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="megatrain-nvme")
+        self._failed: BaseException | None = None
+        self._closed = False
+        self.stats = {"read_bytes": 0, "write_bytes": 0, "read_seconds": 0.0, "write_seconds": 0.0,
+                      "wait_seconds": 0.0}  # fmt: skip
+
+    # -- files ----------------------------------------------------------------------------------
+    def alloc(self, unit: Any) -> None:
+        """Create `unit`'s file, reserving its space now (so a full drive fails here, not hours later);
+        reserved blocks read as zeros, the fresh Adam state."""
+        if unit in self._fds:
+            return
+        fd = os.open(os.path.join(self.path, f"{len(self._fds):05d}.adam"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, unit.numel * 8)
+        except OSError as err:
+            os.close(fd)
+            raise NvmeTierError(
+                f"reserving {unit.numel * 8} bytes for the Adam moments of {unit.name} in {self.path} failed "
+                f"({err.strerror}); free space there or point nvme_dir at another drive"
+            ) from err
+        self._fds[unit] = fd
+
+    def holds(self, unit: Any) -> bool:
+        return unit in self._fds
+
+    def file_bytes(self) -> int:
+        return sum(u.numel * 8 for u in self._fds)
+
+    def buffer_bytes(self) -> int:
+        """Host bytes of the working buffers allocated so far (the tier's whole host footprint)."""
+        return sum(b.flat.numel() * 4 for b in self._pool)
+
+    # -- the plan -------------------------------------------------------------------------------
+    def plan(self, units: list) -> None:
+        """The units the next steps will touch, in order: reads start for the first `buffers - 1`."""
+        with self._cv:
+            self._plan = [u for u in units if u in self._fds]
+            self._fill()
+
+    def _window(self) -> list:
+        return self._plan[: self.buffers - 1]
+
+    def _fill(self) -> None:
+        """Start reads for planned units without a buffer while buffers are free (lock held)."""
+        window = self._window()
+        for unit in window:
+            if unit in self._bound:
+                continue
+            buf = self._take(keep=window)
+            if buf is None:
+                return
+            self._start_read(buf, unit)
+
+    def _take(self, keep: list) -> _Buffer | None:
+        """A buffer to bind: unbound, else a new one, else the CLEAN one whose unit is needed last and
+        not in `keep` (lock held)."""
+        for buf in self._pool:
+            if buf.unit is None:
+                return buf
+        if len(self._pool) < self.buffers:
+            self._pool.append(_Buffer(self.max_numel))
+            return self._pool[-1]
+        rank = {id(u): i for i, u in enumerate(self._plan)}
+        clean = [b for b in self._pool if b.state is _State.CLEAN and b.unit not in keep and b.unit not in self._wanted]
+        if not clean:
+            return None
+        buf = max(clean, key=lambda b: rank.get(id(b.unit), len(rank)))
+        del self._bound[buf.unit]
+        buf.unit, buf.state = None, None
+        return buf
+
+    # -- one unit in host memory ------------------------------------------------------------------
+    @contextmanager
+    def resident(self, unit: Any, write: bool = True, fresh: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """`unit`'s (m, v) in a working buffer for the block; written back afterwards when `write` (on an
+        error inside the block the buffer is dropped and the file keeps the moments from before).
+        `fresh`: the caller overwrites every element, so the file is not read (and the buffer is written)."""
+        write = write or fresh  # a fresh buffer matches no file until it is written
+        buf = self._acquire(unit, fresh)
+        ok = False
+        try:
+            yield buf.views(unit.numel)
+            ok = True
+        finally:
+            self._release(buf, write and ok, dropped=not ok)
+
+    def _acquire(self, unit: Any, fresh: bool) -> _Buffer:
+        t0 = time.perf_counter()
+        with self._cv:
+            self._check(unit)
+            if unit in self._plan:
+                self._plan.remove(unit)
+            self._wanted.append(unit)
+            try:
+                while True:
+                    buf = self._bound.get(unit) or self._bind(unit, fresh)
+                    self._fill()
+                    if buf is not None and buf.state is _State.CLEAN:
+                        buf.state = _State.BUSY
+                        self.stats["wait_seconds"] += time.perf_counter() - t0
+                        return buf
+                    self._cv.wait()  # for its read, its write, or any IO to free a buffer
+                    self._check(unit)
+            finally:
+                self._wanted.remove(unit)
+
+    def _bind(self, unit: Any, fresh: bool) -> _Buffer | None:
+        """Bind a buffer to `unit` out of plan: read its file into it, or (`fresh`) take it as it is."""
+        buf = self._take(keep=[])
+        if buf is None:
+            return None
+        if fresh:
+            buf.unit, buf.state = unit, _State.CLEAN
+            self._bound[unit] = buf
+        else:
+            self._start_read(buf, unit)
+        return buf
+
+    def _release(self, buf: _Buffer, write: bool, dropped: bool) -> None:
+        with self._cv:
+            if dropped:  # an error mid-block: what the buffer holds is no longer known
+                del self._bound[buf.unit]
+                buf.unit, buf.state = None, None
+            elif write:
+                buf.state = _State.WRITING
+                self._io.submit(self._write, buf, buf.unit)
+            else:
+                buf.state = _State.CLEAN
+            self._fill()
+            self._cv.notify_all()
+
+    def _check(self, unit: Any) -> None:
+        if self._closed:
+            raise RuntimeError("the NVMe tier was closed by engine.release(); its moments are gone")
+        if self._failed is not None:
+            raise NvmeTierError(f"IO on the Adam moments in {self.path} failed: {self._failed}") from self._failed
+        if unit not in self._fds:
+            raise RuntimeError(f"{unit.name} has no Adam moments: no optimizer is attached")
+
+    # -- IO threads -------------------------------------------------------------------------------
+    def _start_read(self, buf: _Buffer, unit: Any) -> None:
+        buf.unit, buf.state = unit, _State.READING
+        self._bound[unit] = buf
+        self._io.submit(self._read, buf, unit)
+
+    def _read(self, buf: _Buffer, unit: Any) -> None:
+        self._io_job(buf, unit, "read", lambda fd, n: _transfer(os.preadv, fd, buf.views(n), n))
+
+    def _write(self, buf: _Buffer, unit: Any) -> None:
+        def write(fd: int, n: int) -> None:
+            _transfer(os.pwrite, fd, buf.views(n), n)
+            if self.drop_cache:
+                os.fdatasync(fd)  # dirty pages cannot be dropped: write them out first
+
+        self._io_job(buf, unit, "write", write)
+
+    def _io_job(self, buf: _Buffer, unit: Any, kind: str, move: Any) -> None:
+        t0 = time.perf_counter()
+        fd, n = self._fds[unit], unit.numel
+        try:
+            move(fd, n)
+            if self.drop_cache:  # the moments are in the buffer (or the file): no second copy as page cache
+                os.posix_fadvise(fd, 0, n * 8, os.POSIX_FADV_DONTNEED)
+        except BaseException as err:
+            with self._cv:
+                self._failed = err
+                self._cv.notify_all()
+            raise
+        with self._cv:
+            self.stats[f"{kind}_bytes"] += n * 8
+            self.stats[f"{kind}_seconds"] += time.perf_counter() - t0
+            buf.state = _State.CLEAN
+            self._fill()
+            self._cv.notify_all()
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Wait for every read and write in flight, then unbind every buffer (the next use of any unit
+        reads its file)."""
+        with self._cv:
+            self._plan = []
+            while any(b.state in (_State.READING, _State.WRITING) for b in self._pool) and self._failed is None:
+                self._cv.wait()
+            for buf in self._pool:
+                if buf.state is not _State.BUSY:
+                    self._bound.pop(buf.unit, None)
+                    buf.unit, buf.state = None, None
+
+    def close(self) -> None:
+        """Finish the IO in flight, free the buffers, close and delete the files and the run directory."""
+        if self._closed:
+            return
+        with self._cv:
+            self._plan = []  # the IO threads start no more reads
+        self._io.shutdown(wait=True)
+        with self._cv:
+            self._closed = True
+            self._pool.clear()
+            self._bound.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._remove()
+
+
+def _transfer(call: Any, fd: int, views: tuple[torch.Tensor, torch.Tensor], numel: int) -> None:
+    """Move m (file offset 0) and v (offset numel * 4) between the file and their views, in chunks."""
+    for i, view in enumerate(views):
+        mem, offset, done = memoryview(view.numpy()).cast("B"), i * numel * 4, 0
+        while done < mem.nbytes:
+            part = mem[done : done + _CHUNK]
+            n = call(fd, [part], offset + done) if call is os.preadv else call(fd, part, offset + done)
+            if n == 0:
+                raise OSError(f"the moments file ends early at byte {offset + done}")
+            done += n
