@@ -129,12 +129,10 @@ def test_auto_offloads_beyond_half_the_free_memory(caplog):
     assert f"{saved / 2**30:.2f} GiB" in lines[0].getMessage()
 
 
-def test_two_forwards_before_one_backward():
-    """Each block call keeps its own host buffer: a loss over two forwards of the model is exact."""
-    ref = own_llama(2)
-    mt = own_llama(2)
-    engine = StreamingEngine(mt, device="cpu", compute_dtype=torch.float32)
-    engine.offload_inputs = True
+def two_forwards_one_backward(**engine_kwargs) -> StreamingEngine:
+    """A loss over two forwards of a 2-block model, its gradients checked against ordinary autograd's."""
+    ref, mt = own_llama(2), own_llama(2)
+    engine = StreamingEngine(mt, device="cpu", compute_dtype=torch.float32, **engine_kwargs)
     engine.backward_mode = "accumulate"
     HostAdamW(torch.optim.AdamW(mt.parameters(), lr=1e-3), engine)
     x, y = token_batches(2)
@@ -145,6 +143,12 @@ def test_two_forwards_before_one_backward():
     for unit in engine.units:
         for name, e in zip(engine.qualified_names(unit), unit.entries):
             assert torch.equal(unit.acc[e.offset : e.offset + e.numel].view(e.shape), grads[name]), name
+    return engine
+
+
+def test_two_forwards_before_one_backward():
+    """Each block call keeps its own host buffer: a loss over two forwards of the model is exact."""
+    engine = two_forwards_one_backward(offload_inputs=True)
     assert len(engine.saved_inputs.buffers) == 4
 
 
@@ -161,20 +165,8 @@ def test_free_cuda_memory_counts_what_the_allocator_caches_unused(monkeypatch):
 def test_forwards_deciding_differently_before_one_backward():
     """Two forwards of one loss, the first keeping its inputs on the device and the second offloading:
     each block's backward finds its input where its own forward put it, and the gradients are exact."""
-    ref = own_llama(2)
-    mt = own_llama(2)
     free = iter([10**12, 0])  # the first pass has room, the second none
-    engine = StreamingEngine(mt, device="cpu", compute_dtype=torch.float32, free_device_bytes=lambda: next(free))
-    engine.backward_mode = "accumulate"
-    HostAdamW(torch.optim.AdamW(mt.parameters(), lr=1e-3), engine)
-    x, y = token_batches(2)
-    (ref(x, targets=x) + 0.5 * ref(y, targets=y)).backward()
-    (mt(x, targets=x) + 0.5 * mt(y, targets=y)).backward()
-    engine.flush()
-    grads = {n: p.grad for n, p in ref.named_parameters()}
-    for unit in engine.units:
-        for name, e in zip(engine.qualified_names(unit), unit.entries):
-            assert torch.equal(unit.acc[e.offset : e.offset + e.numel].view(e.shape), grads[name]), name
+    engine = two_forwards_one_backward(free_device_bytes=lambda: next(free))
     assert engine.stats["offloaded_passes"] == 1 and len(engine.saved_inputs.buffers) == 2
 
 
