@@ -181,3 +181,26 @@ def test_packed_documents_train_like_ordinary_training():
     assert mt.losses == ref.losses
     pr, pm = params_of(ref.model), params_of(mt.model)
     assert all(torch.equal(pm[k], pr[k]) for k in pr)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_query_attention_shares_kv_heads_in_bf16(dtype, monkeypatch):
+    """bf16 hands the kernel k and v with their own (fewer) heads and enable_gqa=True; fp32 repeats them,
+    since the fp32 CUDA kernel has no GQA and enable_gqa would fall back to the T x T math kernel."""
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.shape[1], k.shape[1], kwargs.get("enable_gqa", False)))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = llama().to(dtype)
+    config = model.config
+    with torch.no_grad():
+        model(batches(1)[0])
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    expected = (heads, kv, True) if dtype == torch.bfloat16 else (heads, heads, False)
+    assert seen and all(s == expected for s in seen)
