@@ -379,8 +379,9 @@ class TextDataModule(L.LightningDataModule):
     def _check_document_eos(self) -> None:
         """Refuse to guess where the documents of token files end: byte 0 is right only for byte tokens."""
         hp = self.hparams
-        paths = [p for p in (hp.path, hp.val_path) if p is not None and not p.startswith(BUILTIN)]
-        formats = {_files(p, hp.format)[1] for p in paths}
+        formats = {self.format}  # the training files' format, found once in __init__
+        if hp.val_path is not None and not hp.val_path.startswith(BUILTIN):
+            formats.add(_files(hp.val_path, hp.format)[1])
         if "tokens" in formats and hp.tokenizer is None and hp.eos_token_id is None:
             raise ValueError(
                 f"data document_positions=true reads the token files of {hp.path!r} but cannot tell their "

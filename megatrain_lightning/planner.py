@@ -80,6 +80,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from megatrain_lightning.engine.host import host_bytes_by_kind
+from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
 from megatrain_lightning.models.config import LlamaConfig
 from megatrain_lightning.models.tiling import auto_tile, tile_bytes_per_token
 
@@ -91,8 +92,8 @@ CUDA_CONTEXT_BYTES = GiB
 HOST_LAYOUTS: tuple[str, ...] = ("default", "lean", "auto")
 RING_BUFFERS = 2
 """Pinned buffers of the largest unit in the lean layout's gradient ring."""
-NVME_UNITS_IN_FLIGHT = 4
-"""Units whose Adam m, v the host holds while the drive reads ahead and writes behind."""
+NVME_UNITS_IN_FLIGHT = NVME_BUFFERS
+"""Units whose Adam m, v the host holds while the drive reads ahead and writes behind (the tier's buffers)."""
 NVME_GBPS = 6.0
 """Drive bandwidth assumed by default, GB/s (10^9 bytes) read and as much write: a PCIe 4.0 x4 NVMe drive."""
 TIERS: tuple[tuple[str, bool], ...] = (("default", False), ("lean", False), ("lean", True))
@@ -189,14 +190,14 @@ def lean_breakdown(config: LlamaConfig, elt: int, accumulate: int, clipping: boo
     up in pieces) and a gradient ring of the largest unit; a gradient slab only where a gradient must wait
     for the step (clipping needs the global norm first; an accumulated one waits in the fp32 accumulator)."""
     n = config.num_parameters()
-    accumulating = accumulate > 1
+    per_param = host_bytes_by_kind(elt, training=True, accumulating=accumulate > 1, layout="lean", clipping=clipping)
     return {
-        "master": 4 * n,
-        "adam": 8 * n,
+        "master": per_param["master"] * n,
+        "adam": per_param["adam"] * n,
         "staging": (num_slots - 1) * block_numel(config) * elt if elt == 2 else 0,
         "grad_ring": RING_BUFFERS * largest_unit(config) * elt,
-        "slab": elt * n if clipping and not accumulating else 0,
-        "acc": 4 * n if accumulating else 0,
+        "slab": per_param["slab"] * n,
+        "acc": per_param["acc"] * n,
     }
 
 

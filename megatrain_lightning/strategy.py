@@ -197,6 +197,16 @@ class MegatrainStrategy(SingleDeviceStrategy):
         return self.engine.master_state_dict()
 
     @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """For a sharded checkpoint only the param groups: the moments go to the checkpoint's own shards, and
+        gathering them here as well would hold every moment in host memory at once (read back from the
+        NVMe tier, too)."""
+        inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps it
+        if self.checkpoint_format == "sharded" and isinstance(inner, HostAdamW):
+            return inner.state_dict(with_moments=False)
+        return super().optimizer_state(optimizer)
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Sharded: stream the host buffers unit by unit; Lightning's tensors in `checkpoint` are not used."""
         if self.checkpoint_format == "torch":

@@ -138,6 +138,19 @@ def test_resume_with_nvme_is_exact(fmt, first_on_nvme, tmp_path):
     assert list(drive.iterdir()) == []
 
 
+def test_a_sharded_save_never_gathers_the_moments(tmp_path, monkeypatch):
+    """Lightning asks the strategy for the optimizer state at every save; for a sharded checkpoint that is
+    the param groups alone (the moments stream from the tier into the shards unit by unit), so saving a
+    100B+ model on the tier never holds all its moments in host memory."""
+    drive = tmp_path / "nvme"
+    drive.mkdir()
+    monkeypatch.setattr(HostAdamW, "_stepped_moments", lambda self: pytest.fail("moments gathered for a sharded save"))
+    cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
+    fit(CausalLM(hf_llama(layers=2)), token_batches(4), strategy=MegatrainStrategy(nvme_dir=str(drive)),
+        enable_checkpointing=True, callbacks=[cb])  # fmt: skip
+    assert (tmp_path / "ckpt" / "last.ckpt").exists()
+
+
 def assert_same_params(a: CausalLM, b: CausalLM) -> None:
     pa, pb = params_of(a.model), params_of(b.model)
     for name in pa:

@@ -299,11 +299,16 @@ class NvmeTier:
                 self._cv.notify_all()
             raise
         with self._cv:
-            self.stats[f"{kind}_bytes"] += n * 8
-            self.stats[f"{kind}_seconds"] += time.perf_counter() - t0
-            buf.state = _State.CLEAN
-            self._fill()
-            self._cv.notify_all()
+            try:
+                self.stats[f"{kind}_bytes"] += n * 8
+                self.stats[f"{kind}_seconds"] += time.perf_counter() - t0
+                buf.state = _State.CLEAN
+                self._fill()  # may allocate a buffer or submit a read: its failure must not strand a waiter
+            except BaseException as err:
+                self._failed = err
+                raise
+            finally:
+                self._cv.notify_all()
 
     # -- teardown ---------------------------------------------------------------------------------
     def drain(self) -> None:

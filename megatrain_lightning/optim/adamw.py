@@ -100,14 +100,18 @@ class HostAdamW(torch.optim.Optimizer):
         """Where each parameter (by id) lives: its unit and its index among the unit's entries."""
         return {id(e.param): (u, i, e) for u in self.engine.all_units() for i, e in enumerate(u.entries)}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, with_moments: bool = True) -> dict[str, Any]:
+        """torch.optim's layout. ``with_moments=False`` leaves ``state`` empty: the param groups alone, for a
+        checkpoint that stores the moments itself (gathering them would hold every moment in memory at once,
+        and read all of them back from the NVMe tier)."""
         self.engine.flush()
-        where, moments, state, index, groups = self._entries(), self._stepped_moments(), {}, 0, []
+        where, state, index, groups = self._entries(), {}, 0, []
+        moments = self._stepped_moments() if with_moments else {}
         for group in self.param_groups:
             ids = []
             for p in group["params"]:
                 unit, i, e = where[id(p)]
-                if unit.steps[i] > 0:  # torch.optim keeps state only for parameters it has stepped
+                if with_moments and unit.steps[i] > 0:  # torch.optim keeps state only for parameters it has stepped
                     exp_avg, exp_avg_sq = moments[id(p)]
                     state[index] = {"step": torch.tensor(float(unit.steps[i])), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
                 ids.append(index)
@@ -143,6 +147,12 @@ class HostAdamW(torch.optim.Optimizer):
         for saved, group in zip(saved_groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
             loaded.update((id(p), state_dict["state"].get(idx)) for idx, p in zip(saved["params"], group["params"]))
+        held = {id(e.param) for unit in self.engine.all_units() for e in unit.entries}
+        if not loaded.keys() <= held:
+            raise ValueError(
+                f"the optimizer's param groups name {len(loaded.keys() - held)} parameter(s) the streaming engine "
+                "does not hold; build the optimizer from the parameters of the model the strategy was set up with"
+            )
         for unit in self.engine.all_units():
             if any(id(e.param) in loaded for e in unit.entries):
                 self._load_unit(unit, loaded)
