@@ -81,6 +81,8 @@ def save(
     vdir = f"{path}.d/{version}"
     fs.makedirs(f"{vdir}/units", exist_ok=True)
     engine.flush()
+    if optimizer and engine.tier is not None:  # the moments are read ahead while earlier units are written
+        engine.tier.plan([u for u in engine.all_units() if u.has_moments])
     units = []
     for i, unit in enumerate(engine.all_units()):
         with_adam = optimizer and unit.has_moments
