@@ -82,7 +82,7 @@ from typing import Any, Callable, Literal
 from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
 from megatrain_lightning.models.config import LlamaConfig
-from megatrain_lightning.models.tiling import auto_tile, tile_bytes_per_token
+from megatrain_lightning.models.tiling import auto_tile, tile_bytes_per_token, untiled_bytes_per_token
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
@@ -261,10 +261,10 @@ def planned_tile(config: LlamaConfig, seq_len: int, micro_batch: int, elt: int, 
 
 def recompute_terms(config: LlamaConfig, elt: int, tile: int | None, tokens: int) -> tuple[int, int]:
     """One block's recompute with grad for `tokens` tokens: (bytes per token, fixed bytes)."""
-    h, i = config.hidden_size, config.intermediate_size
-    a, k = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     if tile is None:
-        return elt * (7 * a + 4 * k + 6 * i + 6 * h) + 8 * h, 0
+        return untiled_bytes_per_token(config, elt), 0  # the figure "auto" sizes tiles by, too
+    h = config.hidden_size
+    a, k = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     grouped = config.num_attention_heads > config.num_key_value_heads
     kv = k if elt == 2 or not grouped else a + k  # bf16 kernels share kv heads (enable_gqa); fp32 repeats them
     workspace = (4 * a + (2 * a * elt if grouped else 0)) if elt == 2 else 0  # inside the CUDA flash backward

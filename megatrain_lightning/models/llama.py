@@ -256,8 +256,8 @@ class LlamaModel(nn.Module):
         """Tokens per tile for a pass over `input_ids` [B, T] (None: untiled); resolved once per pass, so
         every block, and its recompute in backward, uses the same tiles."""
         weight = self.embed_tokens.weight
-        return resolve_tile(self.config, input_ids.shape[-1], input_ids.reshape(-1, input_ids.shape[-1]).shape[0],
-                            weight.device, weight.element_size())  # fmt: skip
+        tokens = input_ids.shape[-1]
+        return resolve_tile(self.config, tokens, input_ids.numel() // tokens, weight.device, weight.element_size())
 
 
 def document_segments(position_ids: torch.Tensor | None) -> Segments:
