@@ -12,7 +12,9 @@ the process's resident memory, each run in a fresh process:
   slots and outer-parameter copies that a GPU run keeps on the GPU are host memory too, so they are taken
   off to show what the host holds in a GPU run.
 
-With ``--nvme-dir`` the lean layout also runs with the Adam moments in files there.
+With ``--nvme-dir`` the lean layout also runs with the Adam moments in files there, and the same run
+compares the drive speeds the tier reached while training (bytes over the time its IO threads spent in
+reads and writes) with a dd-style sequential pass and bench/nvme.py's tier pass over that directory.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import multiprocessing
 import torch
 
 from megatrain_lightning import StreamingEngine
+from nvme import measure_sequential, measure_tier
 from megatrain_lightning.callbacks import rss_bytes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim.adamw import HostAdamW
@@ -48,9 +51,10 @@ def measure(layers: int, hidden: int, dtype: torch.dtype, layout: str, nvme_dir:
     allocated = (rss_bytes() - before) / n + 4
     device = sum(engine.device_bytes().values()) / n
     acct = {k: v / n for k, v in engine.host_bytes().items()}
-    nvme = engine.nvme_bytes() / n if hasattr(engine, "nvme_bytes") else 0.0
+    nvme = engine.nvme_bytes() / n
+    io = dict(engine.tier.stats, piece=engine.piece) if engine.tier is not None else None
     engine.release()
-    return {"params": n, "acct": acct, "allocated": allocated, "host": allocated - device, "nvme": nvme}
+    return {"params": n, "acct": acct, "allocated": allocated, "host": allocated - device, "nvme": nvme, "io": io}
 
 
 def main() -> None:
@@ -65,14 +69,33 @@ def main() -> None:
     print("| layout | params | master | adam m+v | copy | grad slab | rings | NVMe | total (accounting) | allocated (RSS) | host (RSS) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ctx = multiprocessing.get_context("spawn")  # a fresh process per run, so RSS figures don't mix
+    io = None
     for layout, nvme in runs:
         with ctx.Pool(1) as pool:
             r = pool.apply(measure, (args.layers, args.hidden, dtype, layout, nvme))
+        io = r["io"] or io
         a = r["acct"]
         name = layout + (" + NVMe" if nvme else "")
         print(f"| {name} ({args.dtype}) | {r['params'] / 1e9:.2f}B | {a['master']:.2f} | {a['adam']:.2f} | {a['copy']:.2f} | "
               f"{a['slab']:.2f} | {a.get('ring', 0.0):.2f} | {r['nvme']:.2f} | {sum(a.values()):.2f} B/param | "
               f"{r['allocated']:.2f} B/param | {r['host']:.2f} B/param |")  # fmt: skip
+
+
+    if io is not None:
+        print_drive(args.nvme_dir, io)
+
+
+def print_drive(directory: str, io: dict) -> None:
+    """The tier's GB/s while training beside dd-style and tier passes over 2 GiB in the same directory."""
+    seq = measure_sequential(directory, 2 << 30)
+    tier = measure_tier(directory, 2 << 30, io["piece"] * 8)
+    print(f"\nNVMe directory {directory}, pieces of {io['piece']} elements ({io['piece'] * 8 / 2**20:.0f} MiB of m + v)")
+    print("| path | write GB/s | read GB/s |")
+    print("|---|---|---|")
+    print(f"| tier while training (bytes / IO seconds) | {io['write_bytes'] / max(io['write_seconds'], 1e-9) / 1e9:.2f} | "
+          f"{io['read_bytes'] / max(io['read_seconds'], 1e-9) / 1e9:.2f} |")  # fmt: skip
+    print(f"| tier pass (bench/nvme.py, 2 GiB) | {tier['write']:.2f} | {tier['read']:.2f} |")
+    print(f"| sequential (dd-style, 64 MiB blocks, fsync) | {seq['write']:.2f} | {seq['read']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ def measure_tier(directory: str, size_bytes: int, unit_bytes: int = 256 << 20, b
     try:
         for u in units:
             tier.alloc(u)
+        units = [p for u in units for p in tier.pieces(u)]  # one piece each: the tier's pieces are `numel`
         for u in units[:buffers]:  # every working buffer allocated before timing, holding random bytes
             with tier.resident(u, fresh=True) as (m, v):  # (zeros could be turned into discards by a drive)
                 m.copy_(torch.randn(numel))

@@ -12,10 +12,11 @@ host layout planned (``MegatrainStrategy(host_layout=..., nvme_dir=...)``), per 
     lean      fp32 master 4 + Adam m, v 8 + fp32 accumulator 4 (only when accumulate > 1)
               + gradient slab (2 in bf16, 4 in fp32) only with clipping and accumulate = 1, where each
                 gradient waits for the global norm
-              + two rings, not per parameter: 2 pinned buffers of the largest unit in the compute dtype
-                that uploads cast the master into, and 2 that gradients land in
+              + two rings of pieces (``engine/ring.py``: a piece is 1/32 of the largest unit, at least 2^22
+                elements), not per parameter, in the compute dtype: 4 pieces that uploads cast the master
+                into (none in fp32), and a block's pieces + 1 that gradients land in
     nvme_dir  Adam m, v (8) in files on that directory instead of host memory; the host keeps them for
-              4 units in flight (4 x largest unit x 8 bytes). Each optimizer step reads and writes all
+              4 pieces in flight (4 x piece x 8 bytes). Each optimizer step reads and writes all
               of them: 16 bytes/param of drive traffic, timed at ``nvme_gbps`` GB/s read and as much write
 
 The largest unit is the larger of a decoder block and the vocab x hidden embedding or head (each parameter
@@ -81,6 +82,7 @@ from typing import Any, Callable, Literal
 
 from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
+from megatrain_lightning.engine.ring import piece_numel, ring_counts
 from megatrain_lightning.models.config import LlamaConfig
 from megatrain_lightning.models.tiling import auto_tile, tile_bytes_per_token, untiled_bytes_per_token
 
@@ -90,10 +92,8 @@ GiB = 2**30
 CUDA_CONTEXT_BYTES = GiB
 """Allowance for the CUDA context and allocator fragmentation; not visible to ``max_memory_allocated``."""
 HOST_LAYOUTS: tuple[str, ...] = ("default", "lean", "auto")
-RING_BUFFERS = 2
-"""Pinned buffers of the largest unit in the lean layout's gradient ring."""
-NVME_UNITS_IN_FLIGHT = NVME_BUFFERS
-"""Units whose Adam m, v the host holds while the drive reads ahead and writes behind (the tier's buffers)."""
+NVME_PIECES_IN_FLIGHT = NVME_BUFFERS
+"""Pieces whose Adam m, v the host holds while the drive reads ahead and writes behind (the tier's buffers)."""
 NVME_GBPS = 6.0
 """Drive bandwidth assumed by default, GB/s (10^9 bytes) read and as much write: a PCIe 4.0 x4 NVMe drive."""
 TIERS: tuple[tuple[str, bool], ...] = (("default", False), ("lean", False), ("lean", True))
@@ -178,24 +178,26 @@ def host_breakdown(
     else:
         out = lean_breakdown(config, elt, accumulate, clipping, num_slots)
     if nvme:  # in the Adam line's place, so the table keeps its order
-        held = NVME_UNITS_IN_FLIGHT * largest_unit(config) * 8
+        held = NVME_PIECES_IN_FLIGHT * piece_numel(largest_unit(config)) * 8
         out = {("nvme_buffers" if k == "adam" else k): (held if k == "adam" else v) for k, v in out.items()}
     inputs = config.num_hidden_layers * saved_input_bytes(config, tokens, precision) if offload_inputs else 0
     return {**out, "activations": inputs}
 
 
 def lean_breakdown(config: LlamaConfig, elt: int, accumulate: int, clipping: bool, num_slots: int = 2) -> dict[str, int]:
-    """The lean layout's host bytes (engine/ring.py): no persistent copy, but one staging buffer of a block
-    per prefetch in flight (none in fp32, where the pinned master is the upload source; larger outer units go
-    up in pieces) and a gradient ring of the largest unit; a gradient slab only where a gradient must wait
-    for the step (clipping needs the global norm first; an accumulated one waits in the fp32 accumulator)."""
+    """The lean layout's host bytes (engine/ring.py): no persistent copy, but a staging ring of pieces that
+    uploads cast the master into (none in fp32, where the pinned master is the upload source) and a gradient
+    ring of pieces; a gradient slab only where a gradient must wait for the step (clipping needs the global
+    norm first; an accumulated one waits in the fp32 accumulator). `num_slots` does not change them."""
     n = config.num_parameters()
     per_param = host_bytes_by_kind(elt, training=True, accumulating=accumulate > 1, layout="lean", clipping=clipping)
+    piece = piece_numel(largest_unit(config))
+    staging, grads = ring_counts(block_numel(config), piece)
     return {
         "master": per_param["master"] * n,
         "adam": per_param["adam"] * n,
-        "staging": (num_slots - 1) * block_numel(config) * elt if elt == 2 else 0,
-        "grad_ring": RING_BUFFERS * largest_unit(config) * elt,
+        "staging": staging * piece * elt if elt == 2 else 0,
+        "grad_ring": grads * piece * elt,
         "slab": per_param["slab"] * n,
         "acc": per_param["acc"] * n,
     }
@@ -504,7 +506,7 @@ class Plan:
         lines = [f"{'host memory':<58}{'bytes/param':>12}{unit:>10}"]
         labels = {**_HOST_LABELS, **(_LEAN_LABELS if self.host_layout == "lean" else {})}
         for key, value in [*self.host.items(), ("total", self.host_total)]:
-            label = labels.get(key, key).format(dtype=dtype, copy=copy, units=NVME_UNITS_IN_FLIGHT)
+            label = labels.get(key, key).format(dtype=dtype, copy=copy, units=NVME_PIECES_IN_FLIGHT)
             lines.append(f"  {label:<56}{_per_param(value / n):>12}{value / scale:>10.2f}")
         return [*lines, f"  {self._layout_note()}"]
 
@@ -600,9 +602,9 @@ _HOST_LABELS = {
     "slab": "pinned gradient slab ({dtype})",
     "acc": "fp32 gradient accumulator (only when accumulate > 1)",
     "activations": "offloaded block inputs (pinned, offload_inputs)",
-    "staging": "upload staging ring (slots - 1 x largest block, {dtype})",
-    "grad_ring": "gradient ring (2 x largest unit, {dtype})",
-    "nvme_buffers": "Adam m + v of {units} units in flight (Adam on NVMe)",
+    "staging": "upload staging ring (4 pieces, {dtype})",
+    "grad_ring": "gradient ring (a block's pieces + 1, {dtype})",
+    "nvme_buffers": "Adam m + v of {units} pieces in flight (Adam on NVMe)",
 }
 _LEAN_LABELS = {"slab": "gradient slab until the step (clipping only, {dtype})"}
 _GPU_LABELS = {

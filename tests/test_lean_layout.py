@@ -19,11 +19,18 @@ from tests import async_streams
 from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches
 
 STEPS = 20
+SMALL_PIECE = 1000  # elements: every unit of the tiny model is cut into pieces, most parameters split
 
 
 @pytest.fixture(autouse=True)
 def torch_adam(monkeypatch):
     monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+
+
+def small_pieces(monkeypatch) -> None:
+    """Rings (and the NVMe tier) in pieces of SMALL_PIECE elements: a tiny model's units are smaller than the
+    smallest piece a real run uses (engine/ring.py), so without this every unit would be a single piece."""
+    monkeypatch.setattr("megatrain_lightning.engine.engine.piece_numel", lambda largest: SMALL_PIECE)
 
 
 def train(layout: str, precision: str, ckpt_path=None, vocab: int | None = None, **trainer_kwargs) -> CausalLM:
@@ -43,26 +50,25 @@ def assert_same(a: CausalLM, b: CausalLM) -> None:
         assert torch.equal(pa[name], pb[name]), name
 
 
+@pytest.mark.parametrize("pieces", ["whole", "small"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("train_kwargs", [{}, {"accumulate_grad_batches": 2}, {"gradient_clip_val": 0.5},
                                           {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}],
                          ids=["plain", "accumulate", "clip", "accumulate+clip"])  # fmt: skip
-def test_lean_layout_trains_exactly_like_the_default(precision, train_kwargs):
+def test_lean_layout_trains_exactly_like_the_default(precision, train_kwargs, pieces, monkeypatch):
+    """"whole": each unit one piece; "small": uploads, gradient landings and Adam steps go piece by piece,
+    pieces cutting through parameters (and through param groups' runs)."""
+    if pieces == "small":
+        small_pieces(monkeypatch)
     assert_same(train("lean", precision, **train_kwargs), train("default", precision, **train_kwargs))
-
-
-def test_outer_parameters_larger_than_a_block_go_up_in_pieces():
-    """A 1000-token vocabulary makes the embedding and head (32000 values) larger than a block (9280), so
-    their uploads go through the block-sized staging buffer in four pieces: still the same bits."""
-    kwargs = {"gradient_clip_val": 0.5}
-    assert_same(train("lean", "bf16-mixed", vocab=1000, **kwargs), train("default", "bf16-mixed", vocab=1000, **kwargs))
 
 
 @pytest.mark.parametrize("streams", ["async-lazy", "async-seed0"])
 def test_lean_layout_under_asynchronous_copy_streams(streams, monkeypatch):
     """Staging and gradient ring buffers are reused only after the copy that read or wrote them finished:
     under copy streams that run late, a buffer handed out too early would show stale or torn data. (A
-    1000-token vocabulary: the embedding and head go up in pieces through one staging buffer.)"""
+    1000-token vocabulary and pieces of 1000 elements: every unit goes up in pieces through the ring.)"""
+    small_pieces(monkeypatch)
     async_streams.install(monkeypatch, **({"hold": 1.0} if streams == "async-lazy" else {"seed": 0}))
     kwargs = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5, "vocab": 1000}
     lean = train("lean", "bf16-mixed", **kwargs)
@@ -77,9 +83,9 @@ class HostBytesAtEnd(L.Callback):
     def on_train_end(self, trainer, pl_module):
         engine = trainer.strategy.engine
         engine.flush()
-        self.held, self.n = engine.host_bytes(), engine.num_parameters()
-        self.largest = max(u.numel for u in engine.all_units())
+        self.held, self.n, self.piece = engine.host_bytes(), engine.num_parameters(), engine.piece
         self.largest_block = max(u.numel for u in engine.units)
+        self.largest = max(u.numel for u in engine.all_units())
 
 
 def test_the_double_catches_a_staging_buffer_reused_too_early(monkeypatch):
@@ -89,11 +95,12 @@ def test_the_double_catches_a_staging_buffer_reused_too_early(monkeypatch):
 
     kwargs = {"gradient_clip_val": 0.5, "vocab": 1000}
     reference = train("default", "bf16-mixed", **kwargs)
+    small_pieces(monkeypatch)
     async_streams.install(monkeypatch, seed=0)
     real_hold = HostRing.hold
 
     def hold_gradients_only(ring, i, until):
-        if len(ring.buffers) > 1:  # the gradient ring (two buffers); the staging ring has one with 2 slots
+        if ring.kind != "staging":
             real_hold(ring, i, until)
 
     monkeypatch.setattr(HostRing, "hold", hold_gradients_only)
@@ -109,8 +116,9 @@ def test_lean_layout_holds_no_copy_and_no_slab_between_steps():
     held = probe.held
     assert held["copy"] == 0 and held["slab"] == 0 and held["acc"] == 0
     assert held["master"] + held["adam"] == 12 * probe.n
-    # one staging buffer of the largest block (per prefetch in flight) + 2 gradient buffers of the largest unit
-    assert held["ring"] == (probe.largest_block + 2 * probe.largest) * 2
+    # 4 staging pieces + a block's pieces and one more for gradients, 2 bytes each (one piece: the embedding)
+    assert probe.piece == probe.largest
+    assert held["ring"] == (4 + 1 + 1) * probe.piece * 2
     assert host_bytes_per_param(torch.bfloat16, True, layout="lean") == 12
 
 

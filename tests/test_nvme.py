@@ -252,14 +252,16 @@ class Unit:
 
 
 def test_random_use_always_sees_the_last_write(tmp_path):
-    """Two buffers, six units, plans that are followed, broken or stale, reads with and without write
-    back, fresh overwrites, from two threads: every unit always holds what was last written to it."""
+    """Two buffers, six units cut into 2-3 pieces of up to 500 elements (the last one shorter), plans that
+    are followed, broken or stale, reads with and without write back, fresh overwrites, from two threads:
+    every piece always holds what was last written to it."""
     units = [Unit(f"u{i}", 1000 + 37 * i) for i in range(6)]
-    tier = NvmeTier(str(tmp_path), sum(u.numel for u in units), max(u.numel for u in units), buffers=2)
-    truth = {}
+    tier = NvmeTier(str(tmp_path), sum(u.numel for u in units), 500, buffers=2)
     for u in units:
         tier.alloc(u)
-        truth[u] = (torch.zeros(u.numel), torch.zeros(u.numel))
+    units = [p for u in units for p in tier.pieces(u)]  # the tier's keys from here on
+    assert len(units) == 17 and [p.numel for p in units[:5]] == [500, 500, 500, 500, 37]
+    truth = {u: (torch.zeros(u.numel), torch.zeros(u.numel)) for u in units}
     lock = threading.Lock()
 
     def use(seed: int) -> None:
@@ -293,9 +295,9 @@ def test_random_use_always_sees_the_last_write(tmp_path):
 
 
 def test_an_error_inside_leaves_the_file_as_it_was(tmp_path):
-    u = Unit("u", 100)
     tier = NvmeTier(str(tmp_path), 100, 100)
-    tier.alloc(u)
+    tier.alloc(unit := Unit("u", 100))
+    (u,) = tier.pieces(unit)
     with pytest.raises(RuntimeError, match="boom"):
         with tier.resident(u) as (m, v):
             m.fill_(1.0)
@@ -309,9 +311,9 @@ def test_an_error_inside_leaves_the_file_as_it_was(tmp_path):
 
 
 def test_a_failed_write_is_reported(tmp_path, monkeypatch):
-    u = Unit("u", 100)
     tier = NvmeTier(str(tmp_path), 100, 100)
-    tier.alloc(u)
+    tier.alloc(unit := Unit("u", 100))
+    (u,) = tier.pieces(unit)
 
     def full(*args):
         raise OSError(28, "No space left on device")

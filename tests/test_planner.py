@@ -216,15 +216,18 @@ GIB = 2**30
 
 @pytest.mark.parametrize(("precision", "elt"), [("bf16-mixed", 2), ("32-true", 4)])
 def test_lean_layout_is_twelve_bytes_per_param_plus_rings(precision, elt):
-    """lean: master 4 + Adam 8 per parameter, plus a staging buffer of a block per prefetch in flight (bf16;
-    in fp32 the pinned master is the upload source) and a gradient ring of 2 buffers of the largest unit;
-    clipping keeps each gradient in a slab until the step (elt bytes/param); accumulating uses the fp32
-    accumulator instead."""
+    """lean: master 4 + Adam 8 per parameter, plus rings of pieces (engine/ring.py): 4 staging pieces (bf16;
+    in fp32 the pinned master is the upload source) and a block's pieces + 1 for gradients; clipping keeps
+    each gradient in a slab until the step (elt bytes/param); accumulating uses the fp32 accumulator instead."""
     config = LlamaConfig.from_preset("llama-3.1-8b")
-    n, grad_ring = config.num_parameters(), 2 * largest_unit(config) * elt
-    staging = block_numel(config) * elt if elt == 2 else 0
-    rings = staging + grad_ring
     assert largest_unit(config) == config.vocab_size * config.hidden_size  # the 128k-token embedding beats a block
+    # A piece is 1/32 of the 525M embedding rounded up to a multiple of 2^20: 16 x 2^20 elements; a block
+    # (218.1M, just over 13 pieces) takes 14 of them, so 15 gradient pieces.
+    piece = 16 * 2**20
+    assert 15 * 2**20 < largest_unit(config) / 32 <= piece and 13 * piece < block_numel(config) <= 14 * piece
+    n, grad_ring = config.num_parameters(), 15 * piece * elt
+    staging = 4 * piece * elt if elt == 2 else 0
+    rings = staging + grad_ring
 
     def lean(**kw):
         return plan(config, 4096, 1, precision=precision, host_layout="lean", **kw)
@@ -242,12 +245,16 @@ def test_default_layout_ignores_clipping():
     assert plan(config, 1024, 1, clipping=True).host == plan(config, 1024, 1).host == host_breakdown(config, "bf16-mixed", 1)
 
 
-def test_nvme_moves_adam_to_the_drive_keeping_four_units_in_flight():
+def test_nvme_moves_adam_to_the_drive_keeping_four_pieces_in_flight():
     config = LlamaConfig.from_preset("llama-120b")
     n, unit = config.num_parameters(), largest_unit(config)
+    # The largest unit is a block (1.91B > the 1.58B embedding); a piece is 1/32 of it rounded up to a
+    # multiple of 2^20 elements: 58 x 2^20. A block takes 32 pieces: 33 in the gradient ring, 4 staging.
+    piece = 58 * 2**20
+    assert unit == block_numel(config) and 57 * 2**20 < unit / 32 <= piece and 31 * piece < unit <= 32 * piece
     p = plan(config, 4096, 1, host_layout="lean", nvme_dir="/mnt/nvme", nvme_gbps=4.0)
-    assert p.nvme and "adam" not in p.host and p.host["nvme_buffers"] == 4 * unit * 8
-    assert p.host_total == 4 * n + block_numel(config) * 2 + 2 * unit * 2 + 4 * unit * 8
+    assert p.nvme and "adam" not in p.host and p.host["nvme_buffers"] == 4 * piece * 8
+    assert p.host_total == 4 * n + 4 * piece * 2 + 33 * piece * 2 + 4 * piece * 8
     assert p.nvme_bytes == 8 * n and p.nvme_traffic == 16 * n
     assert p.nvme_seconds == pytest.approx(16 * n / 4e9)
     table = p.table()
@@ -275,14 +282,15 @@ def test_llama_120b_fits_512_gib_only_with_adam_on_nvme():
     without = plan(config, 4096, 1, host_mem=limit, host_layout="auto")
     assert not without.fits and (without.host_layout, without.nvme) == ("lean", False)
     [problem] = without.problems()
-    assert "--nvme-dir DIR" in problem and "fits: 506.9 GiB of host memory" in problem
-    assert "1757.0 GiB with host_layout='default'" in problem and "host_layout='lean' (12.10 bytes/param)" in problem
+    nvme_host = 4 * config.num_parameters() + (4 * 2 + 33 * 2 + 4 * 8) * 58 * 2**20  # master + rings + NVMe buffers
+    assert "--nvme-dir DIR" in problem and f"fits: {nvme_host / GIB:.1f} GiB of host memory" in problem
+    assert "1757.0 GiB with host_layout='default'" in problem and "host_layout='lean' (12.04 bytes/param)" in problem
 
 
 def test_an_explicit_layout_that_does_not_fit_names_the_options_that_would():
     config, limit = LlamaConfig.from_preset("llama-120b"), parse_size("1536GiB")
     [problem] = plan(config, 4096, 1, host_mem=limit, host_layout="default").problems()
-    assert "--host-layout lean (MegatrainStrategy(host_layout='lean')" in problem and "fits: 1328.4 GiB" in problem
+    assert "--host-layout lean (MegatrainStrategy(host_layout='lean')" in problem and "fits: 1321.9 GiB" in problem
     [problem] = plan(config, 4096, 1, host_mem=parse_size("256GiB"), host_layout="lean", nvme_dir="d", clipping=True).problems()
     assert "more host memory" in problem and "without gradient clipping lean drops the 2 bytes/param" in problem
 

@@ -32,7 +32,6 @@ import time
 import uuid
 import warnings
 import zlib
-from contextlib import nullcontext
 from typing import Any, Callable
 
 import fsspec
@@ -82,14 +81,13 @@ def save(
     fs.makedirs(f"{vdir}/units", exist_ok=True)
     engine.flush()
     if optimizer and engine.tier is not None:  # the moments are read ahead while earlier units are written
-        engine.tier.plan([u for u in engine.all_units() if u.has_moments])
+        held = [u for u in engine.all_units() if u.has_moments]
+        engine.tier.plan([p for u in held for _ in range(2) for p in engine.tier.pieces(u)])  # m's pass, v's pass
     units = []
     for i, unit in enumerate(engine.all_units()):
         with_adam = optimizer and unit.has_moments
-        # On the NVMe tier the moments come into a working buffer for the write, one unit at a time.
-        with unit.moments(write=False) if with_adam else nullcontext((None, None)) as (m, v):
-            tensors = [("master", unit.master)] + ([("exp_avg", m), ("exp_avg_sq", v)] if with_adam else [])
-            info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
+        tensors = [("master", unit.master)] + (list(_moments(unit, write=False).items()) if with_adam else [])
+        info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
         units.append(_unit_record(engine, unit, i, info, with_adam))
         if after_unit is not None:
             after_unit(i)
@@ -107,6 +105,18 @@ def save(
     _commit(fs, path, {"format": FORMAT, "version": VERSION, "data": version, "index_crc32": zlib.crc32(index_bytes)})
     if previous and previous["data"] != version:
         fs.rm(f"{path}.d/{previous['data']}", recursive=True)
+
+
+def _moments(unit: Any, write: bool) -> dict[str, Any]:
+    """A unit's exp_avg and exp_avg_sq for a shard: its host tensors, or on the NVMe tier the moments
+    streamed a piece at a time, m's pieces then v's (each piece read from its file; for a restore, `write`,
+    filled from the shard and written back, so the host never holds a whole unit's moments)."""
+    if unit.tier is None:
+        return {"exp_avg": unit.m, "exp_avg_sq": unit.v}
+    return {
+        name: stream.Chunked(unit.numel, torch.float32, lambda k=k: (p[2 + k] for p in unit.moment_pieces(write=write)))
+        for k, name in enumerate(("exp_avg", "exp_avg_sq"))
+    }
 
 
 def _unit_record(engine: StreamingEngine, unit: Any, i: int, info: dict, with_adam: bool) -> dict:
@@ -274,13 +284,11 @@ def restore(engine: StreamingEngine, url: str, *, optimizer: bool) -> dict:
     engine.flush()
     for unit, rec in zip(engine.all_units(), index["units"]):
         adam = optimizer and rec["adam"]
-        # fresh: the shard overwrites both moments (on the NVMe tier they go to its files afterwards).
-        with unit.moments(fresh=True) if adam else nullcontext((None, None)) as (m, v):
-            targets = {"master": unit.master, **({"exp_avg": m, "exp_avg_sq": v} if adam else {})}
-            try:
-                stream.read_into(fs, f"{vdir}/{rec['file']}", targets, rec)
-            except stream.ShardError as err:
-                raise CheckpointError(f"{err}; resume from an earlier checkpoint") from None
+        targets = {"master": unit.master, **(_moments(unit, write=True) if adam else {})}
+        try:
+            stream.read_into(fs, f"{vdir}/{rec['file']}", targets, rec)
+        except stream.ShardError as err:
+            raise CheckpointError(f"{err}; resume from an earlier checkpoint") from None
         if optimizer:
             unit.steps = [param_step(rec, p) if rec["adam"] else 0 for p in rec["params"]]
     _restore_buffers(engine, fs, vdir, index, url)

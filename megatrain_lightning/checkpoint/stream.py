@@ -5,6 +5,9 @@ gigabytes, so this module writes the format itself: an 8-byte little-endian head
 header (padded with spaces to 8 bytes), then each tensor's bytes written from a memoryview of the
 tensor — no copy. Reading goes the other way with ``readinto`` the destination tensor's memory. A
 CRC32 of every byte is kept on the way, so a damaged shard is caught by its checksum.
+
+A tensor that is never whole in host memory (Adam moments on the NVMe tier) is a :class:`Chunked`: its
+parts are written, or read into, one after another as its iterator hands them out.
 """
 
 from __future__ import annotations
@@ -12,12 +15,34 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32"}
 _NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class Chunked:
+    """A flat tensor of `numel` elements given as consecutive parts: `parts()` yields CPU tensors that
+    together hold its elements in order (to write from, or to read into; each part is done with when the
+    iterator is asked for the next one)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, parts: Callable[[], Iterator[torch.Tensor]]) -> None:
+        self.dtype, self.shape, self.parts, self._numel = dtype, torch.Size([numel]), parts, numel
+
+    def numel(self) -> int:
+        return self._numel
+
+    def element_size(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+    def is_contiguous(self) -> bool:
+        return True
+
+
+def _parts(t: torch.Tensor | Chunked) -> Iterator[torch.Tensor]:
+    return t.parts() if isinstance(t, Chunked) else iter((t,))
 
 
 class ShardError(ValueError):
@@ -43,16 +68,22 @@ def _header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | 
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write(fs: Any, path: str, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> dict:
-    """Write `tensors` (CPU) as one safetensors file; returns {"bytes": n, "crc32": c}."""
+def write(fs: Any, path: str, tensors: list[tuple[str, Any]], metadata: dict[str, str] | None = None) -> dict:
+    """Write `tensors` (CPU tensors or :class:`Chunked`) as one safetensors file; returns {"bytes": n,
+    "crc32": c}."""
     head = _header(tensors, metadata)
     crc, size = zlib.crc32(head), len(head)
     with fs.open(path, "wb") as f:
         f.write(head)
-        for _, t in tensors:
-            view = _bytes(t)
-            f.write(view)
-            crc, size = zlib.crc32(view, crc), size + view.nbytes
+        for name, t in tensors:
+            written = 0
+            for part in _parts(t):
+                view = _bytes(part)
+                f.write(view)
+                crc, written = zlib.crc32(view, crc), written + view.nbytes
+            if written != t.numel() * t.element_size():
+                raise ValueError(f"tensor {name!r}: its parts hold {written} bytes, its header says {t.numel() * t.element_size()}")
+            size += written
     return {"bytes": size, "crc32": crc}
 
 
@@ -65,9 +96,9 @@ def read_header(f: Any) -> tuple[dict, bytes]:
     return json.loads(raw), raw_len + raw
 
 
-def read_into(fs: Any, path: str, targets: dict[str, torch.Tensor], expect: dict) -> None:
-    """Fill `targets` (contiguous CPU tensors) from the file's tensors of the same names, checking that
-    names, dtypes and shapes match and that the file's CRC32 equals ``expect["crc32"]``."""
+def read_into(fs: Any, path: str, targets: dict[str, Any], expect: dict) -> None:
+    """Fill `targets` (contiguous CPU tensors, or :class:`Chunked`) from the file's tensors of the same
+    names, checking that names, dtypes and shapes match and that the file's CRC32 equals ``expect["crc32"]``."""
     with fs.open(path, "rb") as f:
         header, head_bytes = read_header(f)
         crc = zlib.crc32(head_bytes)
@@ -75,9 +106,10 @@ def read_into(fs: Any, path: str, targets: dict[str, torch.Tensor], expect: dict
         for name, meta in entries:
             dst = targets.get(name)
             _check_entry(path, name, meta, dst)
-            view = _bytes(dst) if dst is not None else memoryview(bytearray(_span(meta)))
-            _readinto_fully(f, view, path)
-            crc = zlib.crc32(view, crc)
+            for part in _parts(dst) if dst is not None else iter((torch.empty(_span(meta), dtype=torch.uint8),)):
+                view = _bytes(part)
+                _readinto_fully(f, view, path)
+                crc = zlib.crc32(view, crc)
     missing = sorted(set(targets) - {k for k, _ in entries})
     if missing:
         raise ShardError(f"{path} lacks tensors {missing}")
@@ -106,7 +138,7 @@ def _span(meta: dict) -> int:
     return end - start
 
 
-def _check_entry(path: str, name: str, meta: dict, dst: torch.Tensor | None) -> None:
+def _check_entry(path: str, name: str, meta: dict, dst: torch.Tensor | Chunked | None) -> None:
     if dst is None:
         return
     if not dst.is_contiguous():

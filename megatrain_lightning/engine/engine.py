@@ -32,7 +32,7 @@ from megatrain_lightning.engine.discover import find_blocks
 from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
 from megatrain_lightning.engine.host_steps import HostSteps
 from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
-from megatrain_lightning.engine.ring import HostRing
+from megatrain_lightning.engine.ring import HostRing, piece_numel, pieces, ring_counts
 from megatrain_lightning.engine.saved_inputs import (
     OffloadInputs,
     SavedInputs,
@@ -68,6 +68,7 @@ class StreamingEngine(HostSteps):
         free_device_bytes: Callable[[], int] | None = None,
         host_layout: str = "default",  # "lean": no persistent compute copy, gradients through a ring
         nvme_dir: str | None = None,  # Adam moments in files there (engine/nvme.py)
+        piece: int | None = None,  # elements per piece of the rings and the NVMe tier (engine/ring.py)
     ) -> None:
         if compute_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"compute_dtype={compute_dtype}: the engine computes in torch.float32 or torch.bfloat16")
@@ -95,9 +96,12 @@ class StreamingEngine(HostSteps):
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
         largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
         largest = max(largest_block, *(p.numel() for _, p in outer))
-        self._check_host_memory(block_params, outer, training, available_bytes, accumulating, clipping, largest)
+        self.piece = piece_numel(largest) if piece is None else piece
+        if self.piece < 1:
+            raise ValueError(f"piece={piece}: elements per piece must be at least 1 (None picks a size)")
+        self._check_host_memory(block_params, outer, training, available_bytes, accumulating, clipping, largest_block)
         # Checked (directory, free space) before the model is taken apart; the moments need it only to train.
-        self.tier = NvmeTier(nvme_dir, _numel(block_params, outer), largest) if training and nvme_dir else None
+        self.tier = NvmeTier(nvme_dir, _numel(block_params, outer), self.piece) if training and nvme_dir else None
 
         self.streams = Streams(self.device)
         # Block inputs saved for backward: on the device, or (offload_inputs) in pinned host buffers.
@@ -115,11 +119,11 @@ class StreamingEngine(HostSteps):
         self._grad_ring: HostRing | None = None  # lean layout: gradients landed at once go through these
         try:
             if host_layout == "lean":
+                staging, grads = ring_counts(largest_block, self.piece)
                 if compute_dtype != torch.float32:  # in fp32 the pinned master is the upload source
-                    # one buffer per prefetch in flight, a block each: larger outer units go up in pieces
-                    self._staging = HostRing(num_slots - 1, largest_block, compute_dtype, pin)
+                    self._staging = HostRing("staging", staging, self.piece, compute_dtype, pin)
                 if training:
-                    self._grad_ring = HostRing(2, largest, compute_dtype, pin)
+                    self._grad_ring = HostRing("gradient", grads, self.piece, compute_dtype, pin)
             self._build_blocks(block_params, pin)
             self._build_outer(outer, pin)
         except BaseException:
@@ -179,15 +183,15 @@ class StreamingEngine(HostSteps):
         return self.host_layout != "lean"
 
     def _check_host_memory(
-        self, block_params, outer, training: bool, available_bytes, accumulating: bool, clipping: bool, largest: int
+        self, block_params, outer, training: bool, available_bytes, accumulating: bool, clipping: bool, largest_block: int
     ) -> None:
         numel = _numel(block_params, outer)
         layout, elt = self.host_layout, torch.tensor([], dtype=self.compute_dtype).element_size()
         per_param = host_bytes_per_param(self.compute_dtype, training, accumulating, layout, clipping)
-        rings = largest * elt * (2 + 2) if layout == "lean" else 0  # staging and gradient rings (upper bound)
-        nvme = training and bool(self.nvme_dir)  # m, v on the drive: a few units' working buffers instead
+        rings = sum(ring_counts(largest_block, self.piece)) * self.piece * elt if layout == "lean" else 0
+        nvme = training and bool(self.nvme_dir)  # m, v on the drive: a few pieces' working buffers instead
         per_param -= 8 if nvme else 0
-        need = numel * per_param + rings + (BUFFERS * largest * 8 if nvme else 0)
+        need = numel * per_param + rings + (BUFFERS * self.piece * 8 if nvme else 0)
         # The model's own parameters are released unit by unit as they move into flat buffers.
         reclaim = sum(p.numel() * p.element_size() for params in block_params for _, p in params if p.device.type == "cpu")
         have = (available_bytes or available_host_bytes)() + reclaim
@@ -396,11 +400,19 @@ class StreamingEngine(HostSteps):
         if slot is None:
             self._wait(unit)  # a pending optimizer step is still rewriting the master (and copy)
             self.stats["h2d_bytes"] += unit.numel * self.pool.buffers[0].element_size()
-            with self._upload_source(unit) as source:
-                slot = self.pool.load(idx, source, protect)
-                self._uploaded = self.pool.ready[slot]
+            slot = self.pool.load(idx, protect, lambda dst: self._upload(unit, dst))
         unit.upload_done = self.pool.ready[slot]
         return slot
+
+    def _upload(self, unit: HostUnit, dst: torch.Tensor) -> object:
+        """Issue the H2D copies of `unit`'s weights into `dst` (the caller made the H2D stream wait until
+        `dst` may be overwritten): whole from its compute copy, or piece by piece through the staging
+        ring. Returns the event of the last copy, which ends them all (one stream, in order)."""
+        for lo, hi in self._pieces(unit):
+            with self._upload_source(unit, lo, hi) as source:
+                self.streams.copy(self.streams.h2d, dst[lo:hi], source)
+                self._uploaded = self.streams.event(self.streams.h2d)
+        return self._uploaded
 
     @contextmanager
     def _upload_source(self, unit: HostUnit, lo: int = 0, hi: int | None = None) -> Iterator[torch.Tensor]:
@@ -418,17 +430,13 @@ class StreamingEngine(HostSteps):
 
     def _pieces(self, unit: HostUnit) -> list[tuple[int, int]]:
         """Element ranges an upload of `unit` goes in: one, unless staging buffers are smaller than it."""
-        size = unit.numel if unit.copy is not None else self._staging.buffers[0].numel()
-        return [(lo, min(lo + size, unit.numel)) for lo in range(0, unit.numel, size)]
+        return pieces(unit.numel, unit.numel if unit.copy is not None else self.piece)
 
     # -- outer parameters --------------------------------------------------------------------------
     def _upload_outer(self, unit: HostUnit, dev: torch.Tensor) -> None:
         """Refresh the device copy of an outer parameter from its host copy and bind the parameter to it."""
         self.streams.wait(self.streams.h2d, self.streams.event())  # earlier compute may still read it
-        for lo, hi in self._pieces(unit):
-            with self._upload_source(unit, lo, hi) as source:
-                self.streams.copy(self.streams.h2d, dev[lo:hi], source)
-                self._uploaded = unit.upload_done = self.streams.event(self.streams.h2d)
+        unit.upload_done = self._upload(unit, dev)
         self.stats["h2d_bytes"] += dev.numel() * dev.element_size()
         self.streams.wait(None, unit.upload_done)
         _bind(unit, dev)

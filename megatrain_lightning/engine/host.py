@@ -15,7 +15,8 @@ consecutive parameters (a Llama block with a no-decay group for norms has four r
 | (NVMe) | fp32 m, v      | 0 host      | with nvme_dir: m, v in files, a few units in flight  |
 
 With ``nvme_dir`` (engine/nvme.py) ``m`` and ``v`` stay None: the moments live in one file per unit and
-come into a working buffer only for a step (or a checkpoint), through :meth:`HostUnit.moments`.
+come into working buffers a piece at a time for a step (or a checkpoint), through
+:meth:`HostUnit.moment_pieces`.
 
 With ``host_layout="lean"`` (engine/ring.py) there is no copy, and a slab only for a gradient that waits
 for a clipped step: uploads and landings go through rings of a few buffers instead.
@@ -26,7 +27,6 @@ from __future__ import annotations
 import enum
 import os
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -155,18 +155,38 @@ class HostUnit:
         """Whether Adam moments exist for this unit (in host memory or on the NVMe tier)."""
         return self.m is not None or (self.tier is not None and self.tier.holds(self))
 
-    @contextmanager
-    def moments(self, write: bool = True, fresh: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(m, v) for the duration of a `with`, whoever reads or writes them: the host buffers themselves,
-        or, on the NVMe tier, a working buffer read from the unit's file and written back after the block
-        when `write`. `fresh`: the block overwrites every element, so the file need not be read first."""
-        if self.tier is not None:
-            with self.tier.resident(self, write=write, fresh=fresh) as mv:
-                yield mv
-        elif self.m is None:
-            raise RuntimeError(f"{self.name} has no Adam moments: no optimizer is attached")
-        else:
-            yield self.m, self.v
+    def moment_pieces(
+        self, write: bool = True, fresh: bool = False, lo: int = 0, hi: int | None = None,
+        only: list[tuple[int, int]] | None = None,
+    ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(start, end, m, v) for the elements lo..hi, piece by piece, each valid until the loop moves on:
+        the host buffers themselves (one piece), or, on the NVMe tier, a working buffer per piece read from
+        the unit's file and written back when the loop moves on if `write` (not if the loop body raised).
+        `fresh`: the loop overwrites every element, so the file need not be read first. On the tier, lo and
+        hi must fall on piece boundaries (the gradient ring's pieces do: engine/ring.py). `only`: skip the
+        pieces that overlap none of these (start, end) ranges (a step reads no moments it does not update)."""
+        hi = self.numel if hi is None else hi
+        if self.tier is None:
+            if self.m is None:
+                raise RuntimeError(f"{self.name} has no Adam moments: no optimizer is attached")
+            yield lo, hi, self.m[lo:hi], self.v[lo:hi]
+            return
+        for piece in self.tier.pieces(self):
+            if only is not None and not any(a < piece.hi and b > piece.lo for a, b in only):
+                continue
+            if piece.lo >= lo and piece.hi <= hi:
+                with self.tier.resident(piece, write=write, fresh=fresh) as (m, v):
+                    yield piece.lo, piece.hi, m, v
+            elif piece.lo < hi and piece.hi > lo:
+                raise ValueError(f"elements {lo}..{hi} of {self.name} cut its NVMe piece {piece.lo}..{piece.hi}")
+
+    def overlaps(self, lo: int, hi: int, entries: list[ParamEntry] | None = None) -> Iterator[tuple[ParamEntry, int, int]]:
+        """(entry, start, end) for each parameter of `entries` (all when None) with elements in lo..hi:
+        start..end is the overlap, in the unit's element numbering."""
+        for e in self.entries if entries is None else entries:
+            start, end = max(lo, e.offset), min(hi, e.offset + e.numel)
+            if start < end:
+                yield e, start, end
 
     def ensure_slab(self) -> torch.Tensor:
         if self.slab is None:

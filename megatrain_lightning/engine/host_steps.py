@@ -8,17 +8,21 @@ copy before that future has finished.
 Per unit the gradient goes: grad slot on the device -> D2H into the unit's pinned slab -> the worker
 waits for the copy event, then keeps it (slab), adds it into the fp32 accumulator, computes its norms,
 or, when it completes the step and nothing needs the global norm first, steps the unit right away.
+
+In the lean layout a gradient the worker consumes at once (into the accumulator, or by the step) skips the
+slab: it comes down piece by piece (engine/ring.py) into a ring, and each piece is landed (and stepped)
+as soon as its copy is done, so the host holds a few pieces of gradient, not a unit's.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
 
 from megatrain_lightning.engine.host import GradState, HostUnit, host_empty
+from megatrain_lightning.engine.ring import pieces
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.optim.kernels import AdamHyper
 
@@ -70,25 +74,22 @@ class HostSteps:
         eager = self._eager_ok()
         # Lean layout: a gradient the landing job consumes at once (into the accumulator, or by the step
         # itself) goes through the gradient ring; one that waits for the optimizer step needs its own slab.
-        consumed = accumulate or eager or unit.grad_state is GradState.ACC
-        ring = self._grad_ring if consumed else None
-        if ring is not None:
-            i, unit.slab = ring.take(unit.numel)
-        slab = unit.ensure_slab()
+        to_acc = accumulate or unit.grad_state is GradState.ACC
         self.stats["d2h_bytes"] += flat.numel() * flat.element_size()
-        produced = self.streams.event()
-        self.streams.wait(self.streams.d2h, produced)
-        self.streams.copy(self.streams.d2h, slab, flat)
-        done = self.streams.event(self.streams.d2h)
+        self.streams.wait(self.streams.d2h, self.streams.event())  # the gradient has been produced
+        hyper = self.hyper() if eager else None
+        want_norm = self.want_norms and not accumulate
+        if self._grad_ring is not None and (to_acc or eager):
+            done = self._ship_pieces(unit, flat, present, to_acc, want_norm, hyper)
+        else:
+            slab = unit.ensure_slab()
+            self.streams.copy(self.streams.d2h, slab, flat)
+            done = self.streams.event(self.streams.d2h)
+            self._submit(unit, lambda: self._land(unit, done, present, accumulate, want_norm, hyper))
         if grad_slot is not None:
             self._grad_slot_free[grad_slot] = done
         elif self.streams.is_cuda:
             flat.record_stream(self.streams.d2h)  # autograd's grad buffer lives until the copy has read it
-        hyper = self.hyper() if eager else None
-        want_norm = self.want_norms and not accumulate
-        self._submit(unit, lambda: self._land(unit, done, present, accumulate, want_norm, hyper, ring is not None))
-        if ring is not None:
-            ring.hold(i, unit.future)  # free once the landing job has consumed it
         if eager:
             self._eager.add(unit)
             self._pending.discard(unit)  # earlier micro-batches' sum is consumed by this step
@@ -96,6 +97,45 @@ class HostSteps:
                 self.pool.invalidate(block_idx)
         else:
             self._pending.add(unit)
+
+    def _ship_pieces(
+        self, unit: HostUnit, flat: torch.Tensor, present: list[bool], to_acc: bool, want_norm: bool,
+        hyper: list[AdamHyper] | None,
+    ) -> object:
+        """Lean layout: download `flat` piece by piece into the gradient ring, each piece landed (and, when
+        `hyper`, stepped) by its own host job; returns the event of the last copy. A ring buffer is taken
+        again only after the job that consumed it, so the host holds the ring's pieces, no slab."""
+        first = unit.grad_state is GradState.EMPTY  # (stable: the unit's earlier jobs are done)
+        for lo, hi in pieces(unit.numel, self.piece):
+            i, buf = self._grad_ring.take(hi - lo)
+            self.streams.copy(self.streams.d2h, buf, flat[lo:hi])
+            done = self.streams.event(self.streams.d2h)
+            job = (unit, done, present, buf, lo, hi, to_acc, first, want_norm, hyper)
+            self._submit(unit, lambda job=job: self._land_piece(*job))
+            self._grad_ring.hold(i, unit.future)  # free once the landing job has consumed it
+        return done
+
+    def _land_piece(
+        self, unit: HostUnit, done: Any, present: list[bool], buf: torch.Tensor, lo: int, hi: int, to_acc: bool,
+        first: bool, want_norm: bool, hyper: list[AdamHyper] | None,
+    ) -> None:
+        """Land elements lo..hi of a gradient from a ring buffer: add them into the fp32 accumulator, and/or
+        step them (`hyper`); the piece that ends the unit finishes its bookkeeping."""
+        t0 = time.perf_counter()
+        done.synchronize()  # never read pinned memory before its copy has finished
+        if lo == 0:  # the step's runs depend on which parameters got a gradient
+            unit.has_grad = [a or b for a, b in zip(unit.has_grad, present)]
+        if to_acc:
+            if unit.acc is None:
+                unit.acc = host_empty(unit.numel, torch.float32, pin=False)
+            kernels.accumulate_(unit.acc[lo:hi], buf, first)
+        last = hi == unit.numel
+        if last and hyper is None:
+            unit.grad_state = GradState.ACC
+            unit.norms = self._norms(unit) if want_norm else None
+        self.stats["host_land_seconds"] += time.perf_counter() - t0
+        if hyper is not None:
+            self._step_unit(unit, hyper, 1.0, lo, hi, unit.acc[lo:hi] if to_acc else buf, last)
 
     def _eager_ok(self) -> bool:
         """Step a unit the moment its last gradient lands: the optimizer overlaps the rest of backward."""
@@ -111,7 +151,6 @@ class HostSteps:
         accumulate: bool,
         want_norm: bool,
         hyper: list[AdamHyper] | None,
-        from_ring: bool = False,
     ) -> None:
         t0 = time.perf_counter()
         done.synchronize()  # never read pinned memory before its copy has finished
@@ -130,8 +169,6 @@ class HostSteps:
         self.stats["host_land_seconds"] += time.perf_counter() - t0
         if hyper is not None:
             self._step_unit(unit, hyper, 1.0)
-        if from_ring:
-            unit.slab = None  # the ring buffer goes to the next unit; this gradient is consumed
 
     def _promote(self, unit: HostUnit) -> None:
         """A second gradient arrives while the first still sits in the slab: move the first to fp32."""
@@ -187,8 +224,11 @@ class HostSteps:
         plan goes through the worker queue: it takes effect after the jobs submitted before it, so no step
         already queued is in it, and the order it names is the order the worker will step in."""
         if self.tier is not None:
-            trained = [u for u in units if any(e.group is not None and e.param.requires_grad for e in u.entries)]
-            self._worker.submit(self.tier.plan, trained)
+            planned = []
+            for unit in units:
+                runs = [(e.offset, e.offset + e.numel) for e in unit.entries if e.group is not None and e.param.requires_grad]
+                planned += [p for p in self.tier.pieces(unit) if any(a < p.hi and b > p.lo for a, b in runs)]
+            self._worker.submit(self.tier.plan, planned)
 
     def _read_ahead_backward(self) -> None:
         """At the first block of a backward that steps each unit as its gradient lands: blocks L-1..0, then
@@ -209,24 +249,37 @@ class HostSteps:
         # clip_grad_norm_ walks the optimizer's parameters that have a gradient, in group order; so does this.
         return kernels.clip_coefficient([by_param[i] for i in self.param_order if i in by_param], clip_val)
 
-    def _step_unit(self, unit: HostUnit, hyper: list[AdamHyper], scale: float) -> None:
+    def _step_unit(
+        self, unit: HostUnit, hyper: list[AdamHyper], scale: float, lo: int = 0, hi: int | None = None,
+        grad: torch.Tensor | None = None, last: bool = True,
+    ) -> None:
+        """Adam on elements lo..hi of `unit` (all by default), reading their gradient from `grad` (element lo
+        first; the unit's slab or accumulator when None). The moments come a piece at a time (NVMe: read
+        ahead, written behind). `last`: this call ends the unit's step, so its counts advance."""
         t0 = time.perf_counter()
         if unit.upload_done is not None:
             unit.upload_done.synchronize()  # an in-flight upload may still be reading the copy
-        grad = self._grad_of(unit)
+        hi = unit.numel if hi is None else hi
+        grad, base = (self._grad_of(unit), 0) if grad is None else (grad, lo)
         copy_out = None if unit.copy is unit.master else unit.copy
         runs = unit.segments()
-        with unit.moments() if runs else nullcontext((None, None)) as (m, v):  # NVMe: read ahead, written behind
+        spans = [(start, end) for _, _, start, end in runs]
+        for plo, phi, m, v in unit.moment_pieces(lo=lo, hi=hi, only=spans) if runs else ():
             for group, step, start, end in runs:
-                seg_copy = None if copy_out is None else copy_out[start:end]
-                kernels.adam_step_(
-                    unit.master[start:end], m[start:end], v[start:end], grad[start:end], seg_copy,
-                    hyper[group], step + 1, scale,
-                )  # fmt: skip
+                a, b = max(start, plo), min(end, phi)
+                if a < b:
+                    kernels.adam_step_(
+                        unit.master[a:b], m[a - plo : b - plo], v[a - plo : b - plo], grad[a - base : b - base],
+                        None if copy_out is None else copy_out[a:b], hyper[group], step + 1, scale,
+                    )  # fmt: skip
+        self.stats["host_step_seconds"] += time.perf_counter() - t0
+        if last:
+            self._finish_step(unit)
+
+    def _finish_step(self, unit: HostUnit) -> None:
         unit.steps = [s + int(g and e.group is not None) for s, g, e in zip(unit.steps, unit.has_grad, unit.entries)]
         unit.grad_state, unit.norms = GradState.EMPTY, None
         unit.has_grad = [False] * len(unit.entries)
-        self.stats["host_step_seconds"] += time.perf_counter() - t0
 
     def zero_grad(self) -> None:
         self.flush()

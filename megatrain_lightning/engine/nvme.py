@@ -1,4 +1,4 @@
-"""The NVMe tier: Adam moments in files on a local drive, in host memory only while a unit steps.
+"""The NVMe tier: Adam moments in files on a local drive, in host memory only while a piece steps.
 
 With ``nvme_dir`` the 8 bytes/param of fp32 ``m`` and ``v`` leave host memory. Each unit gets one file
 (``m`` then ``v``, ``numel`` fp32 each) in a run directory made for this engine inside ``nvme_dir``
@@ -6,22 +6,24 @@ With ``nvme_dir`` the 8 bytes/param of fp32 ``m`` and ``v`` leave host memory. E
 release never ran). The files are scratch: a checkpoint holds everything a resume needs, and a resume
 writes the checkpoint's moments back into fresh files.
 
-Host memory holds at most ``buffers`` working buffers (default 4), each sized to the largest unit (both
-moments). A buffer is bound to at most one unit and moves through::
+The tier works in *pieces* (engine/ring.py): a unit's elements lo..hi, at most ``piece_numel`` of them,
+stored in its file at byte ``lo * 8`` as m then v of the piece. Host memory holds at most ``buffers``
+working buffers (default 4), each one piece (both moments), however large the largest unit is. A buffer
+is bound to at most one piece and moves through::
 
     (unbound) -> READING -> CLEAN -> BUSY (a `resident` block) -> WRITING -> CLEAN -> ... -> (unbound)
 
-- read-ahead: :meth:`NvmeTier.plan` names the units the next steps touch, in order (blocks L-1..0 in an
+- read-ahead: :meth:`NvmeTier.plan` names the pieces the next steps touch, in order (blocks L-1..0 in an
   overlapped backward, the ``todo`` list of ``optimizer_step``); the first ``buffers - 1`` of them not yet
-  bound are read on the IO threads while the worker steps earlier units. In steady state one buffer
-  steps, one writes behind and two hold the next units, read ahead;
+  bound are read on the IO threads while the worker steps earlier pieces. In steady state one buffer
+  steps, one writes behind and two hold the next pieces, read ahead;
 - write-behind: leaving a ``resident`` block hands the buffer to an IO thread that writes it back
   (``fdatasync`` then drops the file's pages from the page cache, so the moments do not come back into
   host memory as cache); the buffer stays bound to the unit, CLEAN, and is reused from there when the
-  unit comes back before the buffer is taken for another one;
-- a buffer is only rebound once CLEAN (its write finished), so a unit is never read from its file while
-  its newest moments are still on their way there, and only one buffer ever holds a unit: every read
-  sees the last write. A unit asked for out of plan takes a free buffer, else a CLEAN one (the one needed
+  piece comes back before the buffer is taken for another one;
+- a buffer is only rebound once CLEAN (its write finished), so a piece is never read from its file while
+  its newest moments are still on their way there, and only one buffer ever holds a piece: every read
+  sees the last write. A piece asked for out of plan takes a free buffer, else a CLEAN one (the one needed
   last), else waits for an IO to finish; IO jobs never wait on anything, so that wait always ends.
 
 The worker thread runs the steps; the IO threads (``io_threads``, default 2: one read and one write at
@@ -63,14 +65,31 @@ class _State(enum.Enum):
     WRITING = "writing"
 
 
+class Piece:
+    """Elements lo..hi of a unit: what the tier reads, writes and holds in a working buffer."""
+
+    __slots__ = ("unit", "lo", "hi")
+
+    def __init__(self, unit: Any, lo: int, hi: int) -> None:
+        self.unit, self.lo, self.hi = unit, lo, hi
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def name(self) -> str:
+        return f"{self.unit.name}[{self.lo}:{self.hi}]"
+
+
 class _Buffer:
-    """One working buffer: room for the m and v of the largest unit."""
+    """One working buffer: room for the m and v of one piece."""
 
     def __init__(self, max_numel: int) -> None:
         self.v_at = -(-max_numel // _ALIGN) * _ALIGN
         # Touched now, once: faulting its pages in during the first reads into it halves their speed.
         self.flat = host_empty(self.v_at + max_numel, torch.float32, pin=False).zero_()
-        self.unit: Any = None
+        self.piece: Any = None
         self.state: _State | None = None
 
     def views(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +123,7 @@ class NvmeTier:
         self,
         directory: str,
         numel: int,
-        max_numel: int,
+        max_numel: int,  # elements per piece (engine/ring.py: piece_numel)
         *,
         buffers: int = BUFFERS,
         io_threads: int = IO_THREADS,
@@ -124,6 +143,7 @@ class NvmeTier:
         self._remove = weakref.finalize(self, shutil.rmtree, self.path, True)  # also at interpreter exit
         self.max_numel, self.buffers, self.drop_cache = max_numel, buffers, drop_cache
         self._fds: dict[Any, int] = {}
+        self._pieces: dict[Any, list[Piece]] = {}
         self._pool: list[_Buffer] = []  # allocated on demand, at most `buffers`
         self._bound: dict[Any, _Buffer] = {}
         self._plan: list[Any] = []
@@ -151,9 +171,16 @@ class NvmeTier:
                 f"({err.strerror}); free space there or point nvme_dir at another drive"
             ) from err
         self._fds[unit] = fd
+        self._pieces[unit] = [Piece(unit, lo, min(lo + self.max_numel, unit.numel))
+                              for lo in range(0, unit.numel, self.max_numel)]  # fmt: skip
 
     def holds(self, unit: Any) -> bool:
         return unit in self._fds
+
+    def pieces(self, unit: Any) -> list[Piece]:
+        """`unit`'s pieces in element order (its moments in files: see :meth:`alloc`)."""
+        self._check(unit)
+        return self._pieces[unit]
 
     def file_bytes(self) -> int:
         return sum(u.numel * 8 for u in self._fds)
@@ -163,99 +190,99 @@ class NvmeTier:
         return sum(b.flat.numel() * 4 for b in self._pool)
 
     # -- the plan -------------------------------------------------------------------------------
-    def plan(self, units: list) -> None:
-        """The units the next steps will touch, in order: reads start for the first `buffers - 1`."""
+    def plan(self, pieces: list[Piece]) -> None:
+        """The pieces the next steps will touch, in order: reads start for the first `buffers - 1`."""
         with self._cv:
-            self._plan = [u for u in units if u in self._fds]
+            self._plan = [p for p in pieces if p.unit in self._fds]
             self._fill()
 
     def _window(self) -> list:
         return self._plan[: self.buffers - 1]
 
     def _fill(self) -> None:
-        """Start reads for planned units without a buffer while buffers are free (lock held)."""
+        """Start reads for planned pieces without a buffer while buffers are free (lock held)."""
         window = self._window()
-        for unit in window:
-            if unit in self._bound:
+        for piece in window:
+            if piece in self._bound:
                 continue
             buf = self._take(keep=window)
             if buf is None:
                 return
-            self._start_read(buf, unit)
+            self._start_read(buf, piece)
 
     def _take(self, keep: list) -> _Buffer | None:
-        """A buffer to bind: unbound, else a new one, else the CLEAN one whose unit is needed last and
+        """A buffer to bind: unbound, else a new one, else the CLEAN one whose piece is needed last and
         not in `keep` (lock held)."""
         for buf in self._pool:
-            if buf.unit is None:
+            if buf.piece is None:
                 return buf
         if len(self._pool) < self.buffers:
             self._pool.append(_Buffer(self.max_numel))
             return self._pool[-1]
         rank = {id(u): i for i, u in enumerate(self._plan)}
-        clean = [b for b in self._pool if b.state is _State.CLEAN and b.unit not in keep and b.unit not in self._wanted]
+        clean = [b for b in self._pool if b.state is _State.CLEAN and b.piece not in keep and b.piece not in self._wanted]
         if not clean:
             return None
-        buf = max(clean, key=lambda b: rank.get(id(b.unit), len(rank)))
-        del self._bound[buf.unit]
-        buf.unit, buf.state = None, None
+        buf = max(clean, key=lambda b: rank.get(id(b.piece), len(rank)))
+        del self._bound[buf.piece]
+        buf.piece, buf.state = None, None
         return buf
 
-    # -- one unit in host memory ------------------------------------------------------------------
+    # -- one piece in host memory ------------------------------------------------------------------
     @contextmanager
-    def resident(self, unit: Any, write: bool = True, fresh: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """`unit`'s (m, v) in a working buffer for the block; written back afterwards when `write` (on an
+    def resident(self, piece: Piece, write: bool = True, fresh: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """A piece's (m, v) in a working buffer for the block; written back afterwards when `write` (on an
         error inside the block the buffer is dropped and the file keeps the moments from before).
         `fresh`: the caller overwrites every element, so the file is not read (and the buffer is written)."""
         write = write or fresh  # a fresh buffer matches no file until it is written
-        buf = self._acquire(unit, fresh)
+        buf = self._acquire(piece, fresh)
         ok = False
         try:
-            yield buf.views(unit.numel)
+            yield buf.views(piece.numel)
             ok = True
         finally:
             self._release(buf, write and ok, dropped=not ok)
 
-    def _acquire(self, unit: Any, fresh: bool) -> _Buffer:
+    def _acquire(self, piece: Any, fresh: bool) -> _Buffer:
         t0 = time.perf_counter()
         with self._cv:
-            self._check(unit)
-            if unit in self._plan:
-                self._plan.remove(unit)
-            self._wanted.append(unit)
+            self._check(piece.unit)
+            if piece in self._plan:
+                self._plan.remove(piece)
+            self._wanted.append(piece)
             try:
                 while True:
-                    buf = self._bound.get(unit) or self._bind(unit, fresh)
+                    buf = self._bound.get(piece) or self._bind(piece, fresh)
                     self._fill()
                     if buf is not None and buf.state is _State.CLEAN:
                         buf.state = _State.BUSY
                         self.stats["wait_seconds"] += time.perf_counter() - t0
                         return buf
                     self._cv.wait()  # for its read, its write, or any IO to free a buffer
-                    self._check(unit)
+                    self._check(piece.unit)
             finally:
-                self._wanted.remove(unit)
+                self._wanted.remove(piece)
 
-    def _bind(self, unit: Any, fresh: bool) -> _Buffer | None:
-        """Bind a buffer to `unit` out of plan: read its file into it, or (`fresh`) take it as it is."""
+    def _bind(self, piece: Any, fresh: bool) -> _Buffer | None:
+        """Bind a buffer to `piece` out of plan: read its file into it, or (`fresh`) take it as it is."""
         buf = self._take(keep=[])
         if buf is None:
             return None
         if fresh:
-            buf.unit, buf.state = unit, _State.CLEAN
-            self._bound[unit] = buf
+            buf.piece, buf.state = piece, _State.CLEAN
+            self._bound[piece] = buf
         else:
-            self._start_read(buf, unit)
+            self._start_read(buf, piece)
         return buf
 
     def _release(self, buf: _Buffer, write: bool, dropped: bool) -> None:
         with self._cv:
             if dropped:  # an error mid-block: what the buffer holds is no longer known
-                del self._bound[buf.unit]
-                buf.unit, buf.state = None, None
+                del self._bound[buf.piece]
+                buf.piece, buf.state = None, None
             elif write:
                 buf.state = _State.WRITING
-                self._io.submit(self._write, buf, buf.unit)
+                self._io.submit(self._write, buf, buf.piece)
             else:
                 buf.state = _State.CLEAN
             self._fill()
@@ -270,29 +297,29 @@ class NvmeTier:
             raise RuntimeError(f"{unit.name} has no Adam moments: no optimizer is attached")
 
     # -- IO threads -------------------------------------------------------------------------------
-    def _start_read(self, buf: _Buffer, unit: Any) -> None:
-        buf.unit, buf.state = unit, _State.READING
-        self._bound[unit] = buf
-        self._io.submit(self._read, buf, unit)
+    def _start_read(self, buf: _Buffer, piece: Any) -> None:
+        buf.piece, buf.state = piece, _State.READING
+        self._bound[piece] = buf
+        self._io.submit(self._read, buf, piece)
 
-    def _read(self, buf: _Buffer, unit: Any) -> None:
-        self._io_job(buf, unit, "read", lambda fd, n: _transfer(os.preadv, fd, buf.views(n), n))
+    def _read(self, buf: _Buffer, piece: Piece) -> None:
+        self._io_job(buf, piece, "read", lambda fd, n: _transfer(os.preadv, fd, buf.views(n), piece.lo * 8))
 
-    def _write(self, buf: _Buffer, unit: Any) -> None:
+    def _write(self, buf: _Buffer, piece: Piece) -> None:
         def write(fd: int, n: int) -> None:
-            _transfer(os.pwrite, fd, buf.views(n), n)
+            _transfer(os.pwrite, fd, buf.views(n), piece.lo * 8)
             if self.drop_cache:
                 os.fdatasync(fd)  # dirty pages cannot be dropped: write them out first
 
-        self._io_job(buf, unit, "write", write)
+        self._io_job(buf, piece, "write", write)
 
-    def _io_job(self, buf: _Buffer, unit: Any, kind: str, move: Any) -> None:
+    def _io_job(self, buf: _Buffer, piece: Piece, kind: str, move: Any) -> None:
         t0 = time.perf_counter()
-        fd, n = self._fds[unit], unit.numel
+        fd, n = self._fds[piece.unit], piece.numel
         try:
             move(fd, n)
             if self.drop_cache:  # the moments are in the buffer (or the file): no second copy as page cache
-                os.posix_fadvise(fd, 0, n * 8, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(fd, piece.lo * 8, n * 8, os.POSIX_FADV_DONTNEED)
         except BaseException as err:
             with self._cv:
                 self._failed = err
@@ -320,8 +347,8 @@ class NvmeTier:
                 self._cv.wait()
             for buf in self._pool:
                 if buf.state is not _State.BUSY:
-                    self._bound.pop(buf.unit, None)
-                    buf.unit, buf.state = None, None
+                    self._bound.pop(buf.piece, None)
+                    buf.piece, buf.state = None, None
 
     def close(self) -> None:
         """Finish the IO in flight, free the buffers, close and delete the files and the run directory."""
@@ -337,13 +364,16 @@ class NvmeTier:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._pieces.clear()
         self._remove()
 
 
-def _transfer(call: Any, fd: int, views: tuple[torch.Tensor, torch.Tensor], numel: int) -> None:
-    """Move m (file offset 0) and v (offset numel * 4) between the file and their views, in chunks."""
+def _transfer(call: Any, fd: int, views: tuple[torch.Tensor, torch.Tensor], base: int) -> None:
+    """Move a piece's m (file offset `base`) and v (right after it) between the file and their views, in
+    chunks."""
     for i, view in enumerate(views):
-        mem, offset, done = memoryview(view.numpy()).cast("B"), i * numel * 4, 0
+        mem, done = memoryview(view.numpy()).cast("B"), 0
+        offset = base + i * view.numel() * 4
         while done < mem.nbytes:
             part = mem[done : done + _CHUNK]
             n = call(fd, [part], offset + done) if call is os.preadv else call(fd, part, offset + done)

@@ -39,6 +39,7 @@ before it issues the copy.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
 
@@ -133,16 +134,15 @@ class SlotPool:
             if idx is None or held == idx:
                 self.holder[s] = None
 
-    def load(self, idx: int, source: torch.Tensor, protect: set[int]) -> int:
-        """Make sure block `idx` is resident or on its way; returns its slot. `source` is its host copy."""
+    def load(self, idx: int, protect: set[int], upload: Callable[[torch.Tensor], object]) -> int:
+        """Make sure block `idx` is resident or on its way; returns its slot. `upload(dst)` issues the H2D
+        copies of its weights into the slot's buffer and returns the event that ends them."""
         s = self.slot_of(idx)
         if s is not None:
             return s
         s = self._victim(protect | {idx})
-        dst = self.buffers[s][: source.numel()]
         self.streams.wait(self.streams.h2d, self.free[s])  # never overwrite weights still being read
-        self.streams.copy(self.streams.h2d, dst, source)
-        self.ready[s] = self.streams.event(self.streams.h2d)
+        self.ready[s] = upload(self.buffers[s])
         self.holder[s] = idx
         self.last_use[s] = self._tick()
         self.uploads += 1

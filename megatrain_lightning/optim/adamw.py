@@ -127,10 +127,15 @@ class HostAdamW(torch.optim.Optimizer):
             stepped = [e for e, step in zip(unit.entries, unit.steps) if step > 0]
             if not stepped:
                 continue
-            with unit.moments(write=False) as (m, v):
-                for e in stepped:
-                    pair = (m[e.offset : e.offset + e.numel].view(e.shape), v[e.offset : e.offset + e.numel].view(e.shape))
-                    out[id(e.param)] = pair if unit.tier is None else tuple(t.clone() for t in pair)
+            if unit.tier is None:
+                out.update((id(e.param), (unit.m[e.offset : e.offset + e.numel].view(e.shape),
+                                          unit.v[e.offset : e.offset + e.numel].view(e.shape))) for e in stepped)  # fmt: skip
+                continue
+            out.update((id(e.param), (torch.empty(e.shape), torch.empty(e.shape))) for e in stepped)
+            for lo, hi, m, v in unit.moment_pieces(write=False, only=_spans(stepped)):
+                for e, a, b in unit.overlaps(lo, hi, stepped):
+                    for dst, src in zip(out[id(e.param)], (m, v)):
+                        dst.view(-1)[a - e.offset : b - e.offset].copy_(src[a - lo : b - lo])
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -159,17 +164,22 @@ class HostAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _load_unit(unit: Any, loaded: dict[int, dict | None]) -> None:
-        """Write the saved state of `unit`'s parameters into its moments (one read and write on the tier)."""
-        with unit.moments() as (m, v):
-            for i, e in enumerate(unit.entries):
-                if id(e.param) not in loaded:
-                    continue
-                entry, sl = loaded[id(e.param)], slice(e.offset, e.offset + e.numel)
-                if entry is None:  # never stepped: fresh Adam state, as torch.optim would have
-                    m[sl].zero_()
-                    v[sl].zero_()
-                    unit.steps[i] = 0
-                    continue
-                m[sl].copy_(entry["exp_avg"].reshape(-1))
-                v[sl].copy_(entry["exp_avg_sq"].reshape(-1))
-                unit.steps[i] = int(entry["step"])
+        """Write the saved state of `unit`'s parameters into its moments (a read and a write of each piece
+        on the tier). A parameter never stepped gets fresh Adam state, as torch.optim would have."""
+        named = [e for e in unit.entries if id(e.param) in loaded]
+        for lo, hi, m, v in unit.moment_pieces(only=_spans(named)):
+            for e, a, b in unit.overlaps(lo, hi, named):
+                entry = loaded[id(e.param)]
+                for dst, key in ((m, "exp_avg"), (v, "exp_avg_sq")):
+                    if entry is None:
+                        dst[a - lo : b - lo].zero_()
+                    else:
+                        dst[a - lo : b - lo].copy_(entry[key].reshape(-1)[a - e.offset : b - e.offset])
+        for i, e in enumerate(unit.entries):
+            if id(e.param) in loaded:
+                entry = loaded[id(e.param)]
+                unit.steps[i] = 0 if entry is None else int(entry["step"])
+
+
+def _spans(entries: list) -> list[tuple[int, int]]:
+    return [(e.offset, e.offset + e.numel) for e in entries]
