@@ -5,7 +5,7 @@
 // AdamW needs two more passes for the same job (grad bf16->fp32 cast before, master->bf16 copy after).
 //
 // Plain C ABI on raw pointers (no torch or Python headers here); loaded from Python with ctypes by
-// megatrain_lightning/optim/native.py. Stateless apart from two settings (thread count, ISA cap).
+// megatrain_lightning/optim/native.py. Stateless apart from settings (thread count, ISA cap, placement).
 //
 // Numerics follow torch's single-tensor AdamW (torch/optim/adam.py, _single_tensor_adam) op by op,
 // with each scalar hyperparameter turned into a float exactly the way ATen does (derived in double,
@@ -36,11 +36,26 @@
 // are 64-byte aligned, as torch's CPU allocator makes them). Each thread gets at least 32K elements;
 // smaller calls run on fewer threads, below 64K elements on the calling thread alone. Without OpenMP
 // the same code runs single-threaded.
+//
+// Placement (NUMA): a thread may name a CPU for each member of the teams its calls start
+// (mt_set_team_cpus; megatrain_lightning/optim/threads.py computes the list on machines with several
+// NUMA nodes). Member t >= 1, an OpenMP helper thread, moves itself onto cpus[t] when a call starts and
+// keeps it until the list changes; member 0 is the caller, whose own affinity is left as its owner set
+// it. The list belongs to the calling thread (the engine's host worker), so kernel calls from other
+// threads are not pinned. Placement never changes results: the ranges depend on the team size only.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <atomic>
+#include <vector>
+
+#if defined(__linux__)
+#include <sched.h>  // sched_setaffinity, CPU_SET (g++ defines _GNU_SOURCE)
+#define MT_CAN_PIN 1
+#else
+#define MT_CAN_PIN 0
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -63,7 +78,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 enum DType : int { kF32 = 0, kBF16 = 1 };
@@ -77,6 +92,9 @@ constexpr int64_t kChunkAlign = 64;
 
 std::atomic<int> g_num_threads{0};   // 0: OpenMP default of the calling thread
 std::atomic<int> g_isa_cap{-1};      // -1: best the CPU supports
+
+// CPUs for the members of the teams this thread's calls start (empty: no placement).
+thread_local std::vector<int> tl_team_cpus;
 
 struct AdamK {
   float decay;     // (float)(1 - lr*wd), used when mode == kWdDecoupled
@@ -301,6 +319,34 @@ int threads_for(int64_t n) {
 #endif
 }
 
+#ifdef _OPENMP
+// Team member t (t >= 1) onto cpus[t]; back to the CPUs it had before its first move once the caller's
+// list no longer names one for it. A system call only when the CPU changes; a refused move (a CPU
+// outside the cgroup) leaves the thread where it was.
+void place_member(const std::vector<int>& cpus, int t) {
+#if MT_CAN_PIN
+  thread_local int placed = -1;
+  thread_local bool saved_valid = false;
+  thread_local cpu_set_t saved;
+  const int want = (t >= 1 && t < int(cpus.size())) ? cpus[t] : -1;
+  if (t == 0 || want == placed) return;
+  if (want >= 0 && want < CPU_SETSIZE) {
+    if (!saved_valid) saved_valid = sched_getaffinity(0, sizeof(saved), &saved) == 0;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(want, &one);
+    if (sched_setaffinity(0, sizeof(one), &one) == 0) placed = want;
+  } else if (placed >= 0) {
+    if (saved_valid) sched_setaffinity(0, sizeof(saved), &saved);
+    placed = -1;
+  }
+#else
+  (void)cpus;
+  (void)t;
+#endif
+}
+#endif  // _OPENMP
+
 // Runs f(begin, end) over [0, n): one contiguous range per thread.
 template <class F>
 void parallel_ranges(int64_t n, F&& f) {
@@ -310,10 +356,12 @@ void parallel_ranges(int64_t n, F&& f) {
     return;
   }
 #ifdef _OPENMP
+  const std::vector<int>& cpus = tl_team_cpus;  // the caller's list, read by every member
 #pragma omp parallel num_threads(nt)
   {
     const int64_t t = omp_get_thread_num();
     const int64_t team = omp_get_num_threads();
+    place_member(cpus, int(t));
     int64_t per = (n + team - 1) / team;
     per = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
     const int64_t b = t * per < n ? t * per : n;
@@ -393,6 +441,22 @@ MT_EXPORT int mt_has_openmp(void) {
 // default of the calling thread (OMP_NUM_THREADS / omp_set_num_threads / number of CPUs).
 MT_EXPORT void mt_set_num_threads(int n) { g_num_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
 
+// CPUs for the members of the teams that later calls from the calling thread start: member t >= 1 runs
+// on cpus[t] (cpus[0], the caller's own, is not applied). n == 0 clears the list: members go back to
+// the CPUs they had. Returns 1 when threads can be placed (Linux, OpenMP build), else 0 (a no-op).
+MT_EXPORT int mt_set_team_cpus(const int* cpus, int n) {
+  if (cpus != nullptr && n > 0) {
+    tl_team_cpus.assign(cpus, cpus + n);
+  } else {
+    tl_team_cpus.clear();
+  }
+#if MT_CAN_PIN && defined(_OPENMP)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 // The thread count a large call would use from the calling thread.
 MT_EXPORT int mt_get_num_threads(void) {
 #ifdef _OPENMP
@@ -463,10 +527,12 @@ MT_EXPORT double sq_norm(const void* x, int dtype, int64_t n) {
   double partial[256] = {0};
   const int team_max = nt < 256 ? nt : 256;
 #ifdef _OPENMP
+  const std::vector<int>& cpus = tl_team_cpus;
 #pragma omp parallel num_threads(team_max)
   {
     const int64_t t = omp_get_thread_num();
     const int64_t team = omp_get_num_threads();
+    place_member(cpus, int(t));
     int64_t per = (n + team - 1) / team;
     per = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
     const int64_t b = t * per < n ? t * per : n;

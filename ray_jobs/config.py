@@ -16,6 +16,7 @@ max_concurrent_trials: 8
 failure_budget: 3                  # retries per trial before it counts as errored
 checkpoint_every: 200              # optimizer steps between checkpoints
 resources: {cpus_per_trial: 8, gpus_per_trial: 1, node_resource: bigmem, memory_headroom: 8GiB}
+strategy: {host_layout: lean, nvme_dir: /mnt/nvme, host_threads: 7}   # each trial's MegatrainStrategy
 ```
 
 Write numbers in exponent form with a dot and a signed exponent (``1.0e-5``): YAML reads ``1e-5`` as a
@@ -44,7 +45,7 @@ ASHA_KEYS = ("max_t", "grace_period", "reduction_factor", "brackets", "stop_last
 # run_trial sets these itself; a sweep file setting them would break every trial.
 TRAINER_RESERVED = ("strategy", "callbacks")
 # Keys that may differ between a sweep's stored config and a resubmitted one (see `changes`).
-RESTORE_MAY_CHANGE = ("name", "storage", "resources")
+RESTORE_MAY_CHANGE = ("name", "storage", "resources", "strategy")
 RECORD = "sweep.yaml"
 
 
@@ -62,6 +63,23 @@ class Resources:
     """A custom node resource (e.g. `bigmem`) that only the big-memory nodes declare; None: no such filter."""
     memory_headroom: str = "4GiB"
     """Host memory added to the planner's figure for the Python process, data and allocator slack."""
+
+
+@dataclass
+class TrialStrategy:
+    """Options of each trial's ``MegatrainStrategy`` (the trial builds the strategy itself, so
+    ``base.trainer.strategy`` cannot set them). None of them changes what a trial computes: training is
+    bit-identical across host layouts, with or without the NVMe tier, and at any thread count."""
+
+    host_layout: Literal["default", "lean", "auto"] = "default"
+    """"default" (16 B/param in bf16), "lean" (12) or "auto": the first of default, lean and (given
+    `nvme_dir`) lean with Adam on NVMe whose memory request fits the largest node that can run a trial,
+    chosen by the driver once the cluster is known (ray_jobs/resources.py)."""
+    nvme_dir: str | None = None
+    """An absolute local directory on every node that runs trials (not a URL): the Adam moments go there,
+    8 B/param per trial, taking them off the memory request. Each trial uses its own subdirectory."""
+    host_threads: int | None = None
+    """Threads of the trial's host optimizer; None: resources.cpus_per_trial minus one (at least 1)."""
 
 
 @dataclass
@@ -84,6 +102,7 @@ class SweepConfig:
     metric: str = "val_loss"
     mode: Literal["min", "max"] = "min"
     resources: Resources = field(default_factory=Resources)
+    strategy: TrialStrategy = field(default_factory=TrialStrategy)
 
     @property
     def root(self) -> str:
@@ -177,15 +196,21 @@ def from_dict(raw: Any, where: str = "<sweep>") -> SweepConfig:
     if missing:
         raise SweepConfigError(f"{where}: missing {missing} (see ray_jobs/config.py for a complete example)")
     raw = dict(raw)
-    resources = raw.get("resources") or {}
-    res_known = [f.name for f in fields(Resources)]
-    if not isinstance(resources, dict) or set(resources) - set(res_known):
-        bad = sorted(set(resources) - set(res_known)) if isinstance(resources, dict) else resources
-        raise SweepConfigError(f"{where}: resources: unknown keys {bad}; known keys are {res_known}")
-    raw["resources"] = Resources(**resources)
+    raw["resources"] = _section(raw, "resources", Resources, where)
+    raw["strategy"] = _section(raw, "strategy", TrialStrategy, where)
     cfg = SweepConfig(**raw)
     _check(cfg, where)
     return cfg
+
+
+def _section(raw: dict[str, Any], key: str, cls: type, where: str) -> Any:
+    """The mapping `raw[key]` as a `cls` dataclass (its defaults where it is absent)."""
+    values = raw.get(key) or {}
+    known = [f.name for f in fields(cls)]
+    if not isinstance(values, dict) or set(values) - set(known):
+        bad = sorted(set(values) - set(known)) if isinstance(values, dict) else values
+        raise SweepConfigError(f"{where}: {key}: unknown keys {bad}; known keys are {known}")
+    return cls(**values)
 
 
 def _check(cfg: SweepConfig, where: str) -> None:
@@ -206,6 +231,7 @@ def _check(cfg: SweepConfig, where: str) -> None:
         fail(f"metric={cfg.metric!r} must be the name of a logged metric, e.g. val_loss")
     _check_scheduler(cfg.scheduler, fail)
     _check_resources(cfg.resources, fail)
+    _check_strategy(cfg.strategy, cfg.resources, fail)
     _check_base(cfg.base, fail)
     if not isinstance(cfg.search_space, dict):
         fail(f"search_space must map dotted keys to {{sampler: [...]}}, got {cfg.search_space!r}")
@@ -241,6 +267,32 @@ def _check_resources(res: Resources, fail) -> None:
         parse_size(res.memory_headroom)
     except (ValueError, TypeError) as err:
         fail(f"resources.memory_headroom: {err}")
+
+
+def _check_strategy(st: TrialStrategy, res: Resources, fail) -> None:
+    from megatrain_lightning.planner import HOST_LAYOUTS
+
+    if st.host_layout not in HOST_LAYOUTS:
+        fail(f"strategy.host_layout={st.host_layout!r}; choose one of {', '.join(HOST_LAYOUTS)} (auto: the first of "
+             "default, lean and lean with Adam on nvme_dir whose trials fit the largest node)")  # fmt: skip
+    if st.nvme_dir is not None:
+        if not isinstance(st.nvme_dir, str) or not st.nvme_dir:
+            fail(f"strategy.nvme_dir={st.nvme_dir!r} must be a local directory on every node, e.g. /mnt/nvme")
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", st.nvme_dir):
+            fail(f"strategy.nvme_dir={st.nvme_dir!r} is a URL, but the Adam moments are read and written every "
+                 "step on a local drive: give a directory that exists on every node, e.g. /mnt/nvme (checkpoints "
+                 "go to `storage`)")  # fmt: skip
+        if not st.nvme_dir.startswith("/"):
+            fail(f"strategy.nvme_dir={st.nvme_dir!r} is relative; trials run in Ray's directories on each node, so "
+                 "give an absolute path that exists on every node, e.g. /mnt/nvme")  # fmt: skip
+    if st.host_threads is not None:
+        if not _is_int(st.host_threads) or st.host_threads < 1:
+            fail(f"strategy.host_threads={st.host_threads!r} must be an integer >= 1, or unset for "
+                 "resources.cpus_per_trial minus one")  # fmt: skip
+        if st.host_threads > res.cpus_per_trial:
+            fail(f"strategy.host_threads={st.host_threads} is more than the {res.cpus_per_trial:g} cores Ray "
+                 f"reserves per trial (resources.cpus_per_trial): raise cpus_per_trial to {st.host_threads} "
+                 "or lower host_threads")  # fmt: skip
 
 
 def _check_base(base: Any, fail) -> None:
@@ -383,9 +435,10 @@ def as_dict(cfg: SweepConfig) -> dict[str, Any]:
 def changes(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """What differs between a sweep's stored config and `current`, one `key: old -> new` per leaf.
 
-    `name` and `storage` (where the sweep lives) and `resources` (where its trials may run; they do
-    apply to resumed trials) may change; anything else changes what the trials compute or how Ray
-    schedules them, which restoring the stored sweep would not honour.
+    `name` and `storage` (where the sweep lives), `resources` (where its trials may run) and `strategy`
+    (how much memory a trial needs; training is bit-identical across its options) may change, and do apply
+    to resumed trials; anything else changes what the trials compute or how Ray schedules them, which
+    restoring the stored sweep would not honour.
     """
     a, b = _flatten(stored), _flatten(current)
     out = []

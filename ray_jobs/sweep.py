@@ -8,9 +8,9 @@ memory (sized by the memory planner). Trials checkpoint to the sweep's storage a
 retried, on any node, from its last checkpoint. Submitting the same command again after the driver
 died continues the sweep: finished trials are kept, unfinished ones resume. The sweep file a sweep was
 started with is stored as `<storage>/<name>/sweep.yaml`; a resubmitted sweep file that differs from it
-(other than in `resources`) is refused rather than restored. The job exits non-zero when trials errored
-beyond the failure budget, after writing the results table to storage and stdout; a bad sweep file,
-storage or cluster ends it with exit code 2 and one line saying what to fix.
+(other than in `resources` or `strategy`) is refused rather than restored. The job exits non-zero when
+trials errored beyond the failure budget, after writing the results table to storage and stdout; a bad
+sweep file, storage or cluster ends it with exit code 2 and one line saying what to fix.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from typing import Any
 import fsspec
 import yaml
 
+from megatrain_lightning.planner import format_size
 from ray_jobs.config import (RECORD, SweepConfig, SweepConfigError, as_dict, changes, is_shipped, load, one_line,
                              param_space, resolve)
-from ray_jobs.resources import SweepRefused, check_fits, trial_resources
+from ray_jobs.resources import SweepRefused, Tier, check_fits, planned_tier, strategy_options, trial_resources
 from ray_jobs.trial import tune_trainable
 
 
@@ -82,12 +83,16 @@ _STORAGE_FIX = ("use a bucket/directory that exists and every node reaches; for 
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY on every node or in the job's env_vars")  # fmt: skip
 
 
-def build_tuner(cfg: SweepConfig) -> Any:
-    """A new Tuner, or the restored one when this sweep's experiment already exists in storage."""
+def build_tuner(cfg: SweepConfig, tier: Tier | None = None) -> Any:
+    """A new Tuner, or the restored one when this sweep's experiment already exists in storage. Every trial
+    runs with `tier` (default: :func:`planned_tier` without a cluster); a restored sweep takes the current
+    file's `strategy` and `resources`, which do not change what a trial computes."""
     from ray import tune
 
+    tier = planned_tier(cfg) if tier is None else tier
     trainable = tune.with_resources(
-        tune_trainable(cfg.root, cfg.base, cfg.checkpoint_every), trial_resources(cfg)
+        tune_trainable(cfg.root, cfg.base, cfg.checkpoint_every, strategy_options(cfg, tier)),
+        trial_resources(cfg, tier=tier),
     )
     if tune.Tuner.can_restore(cfg.root):
         print(f"restoring sweep {cfg.name} from {cfg.root}: finished trials are kept, the others resume", flush=True)
@@ -175,14 +180,20 @@ def _run(args: argparse.Namespace) -> int:
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise SweepError(f"no Ray cluster at {args.address or 'auto'} ({one_line(err)}); start one with `ray start --head` "
                          "and submit with `ray job submit`, or pass --address HEAD:6379") from None  # fmt: skip
+    nodes = ray.nodes()
+    tier = planned_tier(cfg, nodes)
+    if cfg.strategy.host_layout == "auto":
+        request = trial_resources(cfg, tier=tier)
+        print(f"strategy.host_layout auto: {tier[0]}{', Adam on NVMe' if tier[1] else ''} "
+              f"(a trial asks for {format_size(request['memory'])} of host memory)", flush=True)  # fmt: skip
     try:
-        check_fits(request, ray.nodes())
+        check_fits(request, nodes)
     except SweepRefused as err:
         print(f"sweep {cfg.name} refused: {err}", file=sys.stderr, flush=True)
         return 2
     if not recorded:
         record_config(cfg)
-    results = build_tuner(cfg).fit()
+    results = build_tuner(cfg, tier).fit()
     rows = results_table(cfg, results)
     url = write_table(cfg, rows)
     errored = [r for r in rows if r["status"] == "error"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from typing import Any, Callable
 
@@ -21,10 +22,12 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning.checkpoint import ModelCheckpoint, is_checkpoint
 from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.engine.nvme import PREFIX as NVME_SCRATCH_PREFIX
 from megatrain_lightning.module import CausalLMModule
+from megatrain_lightning.optim.threads import usable_cpus
+from megatrain_lightning.strategy import MegatrainStrategy
 
 Report = Callable[[dict[str, Any]], None]
 
@@ -70,8 +73,46 @@ class _Attempt(Callback):
         fs.pipe_file(f"{root}/{time.time_ns()}.json", json.dumps(record).encode())
 
 
-def run_trial(run: dict[str, Any], trial_dir: str, checkpoint_every: int, report: Report | None = None) -> dict:
-    """Train the config `run` (model / data / trainer sections), checkpointing to `trial_dir`."""
+def trial_strategy(options: dict[str, Any] | None, trial_dir: str) -> MegatrainStrategy:
+    """The trial's strategy from :func:`ray_jobs.resources.strategy_options` (None: the defaults).
+
+    `host_threads` is capped at the cores of this node (a node may declare more CPUs to Ray than it has).
+    With `nvme_dir`, the moments go to ``<nvme_dir>/megatrain-trial-<trial id>``. The engine already makes a
+    fresh scratch directory of its own in there, so concurrent trials on one node never share files; the
+    per-trial directory is for the attempts of one trial: an attempt killed outright (out of memory, node
+    agent) leaves its scratch files behind (8 B/param), and the next attempt of the same trial, which Ray
+    starts only after the previous one is gone, removes them before the engine checks the free space.
+    """
+    options = dict(options or {})
+    if options.get("host_threads"):
+        options["host_threads"] = min(options["host_threads"], len(usable_cpus()))
+    if options.get("nvme_dir"):
+        options["nvme_dir"] = _trial_scratch(options["nvme_dir"], trial_dir.rstrip("/").rsplit("/", 1)[-1])
+    return MegatrainStrategy(**options)
+
+
+def _trial_scratch(nvme_dir: str, trial_id: str) -> str:
+    """This trial's directory inside `nvme_dir`, emptied of earlier attempts' scratch (see trial_strategy).
+    A missing `nvme_dir` is left for the engine to report (it names the bytes needed and the fix)."""
+    if not os.path.isdir(nvme_dir):
+        return nvme_dir
+    own = os.path.join(nvme_dir, f"megatrain-trial-{trial_id}")
+    os.makedirs(own, exist_ok=True)
+    for name in os.listdir(own):
+        if name.startswith(NVME_SCRATCH_PREFIX):
+            shutil.rmtree(os.path.join(own, name), ignore_errors=True)
+    return own
+
+
+def run_trial(
+    run: dict[str, Any],
+    trial_dir: str,
+    checkpoint_every: int,
+    report: Report | None = None,
+    strategy: dict[str, Any] | None = None,
+) -> dict:
+    """Train the config `run` (model / data / trainer sections), checkpointing to `trial_dir`, with
+    ``MegatrainStrategy(**strategy)`` (see :func:`trial_strategy`)."""
     torch.manual_seed(int(run.get("seed", 0)))
     module = CausalLMModule(**run.get("model", {}))
     data = TextDataModule(**run.get("data", {"path": "builtin:python-docs"}))
@@ -87,8 +128,13 @@ def run_trial(run: dict[str, Any], trial_dir: str, checkpoint_every: int, report
         callbacks.append(_Report(report))
     trainer_kwargs = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
     trainer_kwargs.update(run.get("trainer", {}))
-    trainer = L.Trainer(strategy="megatrain", callbacks=callbacks, **trainer_kwargs)
-    trainer.fit(module, data, ckpt_path=last if is_checkpoint(last) else None)
+    megatrain = trial_strategy(strategy, trial_dir)
+    trainer = L.Trainer(strategy=megatrain, callbacks=callbacks, **trainer_kwargs)
+    try:
+        trainer.fit(module, data, ckpt_path=last if is_checkpoint(last) else None)
+    finally:
+        if megatrain.nvme_dir and os.path.isdir(megatrain.nvme_dir) and not os.listdir(megatrain.nvme_dir):
+            os.rmdir(megatrain.nvme_dir)  # the trial's own directory, emptied by the engine's release
     if not attempt.recorded:
         # Resumed from a checkpoint already at the end (the trial finished, but the sweep had not recorded
         # it when it stopped): Lightning trains nothing and validates nothing. Record the attempt, and
@@ -99,8 +145,11 @@ def run_trial(run: dict[str, Any], trial_dir: str, checkpoint_every: int, report
     return {**metrics, "step": trainer.global_step, "checkpoint": last}
 
 
-def tune_trainable(root: str, base: dict[str, Any], checkpoint_every: int) -> Callable[[dict[str, Any]], None]:
-    """The Ray Tune function trainable for a sweep rooted at `root` with base config `base`."""
+def tune_trainable(
+    root: str, base: dict[str, Any], checkpoint_every: int, strategy: dict[str, Any] | None = None
+) -> Callable[[dict[str, Any]], None]:
+    """The Ray Tune function trainable for a sweep rooted at `root` with base config `base`, each trial with
+    ``MegatrainStrategy(**strategy)``."""
 
     def trainable(params: dict[str, Any]) -> None:
         from ray import tune
@@ -108,7 +157,7 @@ def tune_trainable(root: str, base: dict[str, Any], checkpoint_every: int) -> Ca
         from ray_jobs.config import apply
 
         trial_dir = f"{root}/trials/{tune.get_context().get_trial_id()}"
-        final = run_trial(apply(base, params), trial_dir, checkpoint_every, report=tune.report)
+        final = run_trial(apply(base, params), trial_dir, checkpoint_every, report=tune.report, strategy=strategy)
         tune.report({**final, "done": True})
 
     return trainable

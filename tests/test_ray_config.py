@@ -287,3 +287,192 @@ def test_a_trial_resumed_at_its_end_still_reports_its_metric(tmp_path):
     assert again["val_loss"] == first["val_loss"]  # the same final weights, validated again
     starts = [json.loads(p.read_text())["start_step"] for p in sorted((tmp_path / "trial" / "attempts").iterdir())]
     assert starts == [0, 4]
+
+
+# ------------------------------------------------------------------ the trials' strategy and its memory
+
+
+def strategy_cfg(tmp_path: Path, strategy: dict | None = None, trainer: dict | None = None, layers: int = 16,
+                 **overrides):  # fmt: skip
+    """A sweep of the tiny Llama with 16 blocks: enough parameters that the lean rings and the NVMe tier's
+    working buffers (a few units' worth) are well below the 4 and 8 B/param they replace."""
+    model = {**BASE["model"], "overrides": {"num_hidden_layers": layers}}
+    base = {**BASE, "model": model, "trainer": {**BASE["trainer"], **(trainer or {})}}
+    return load(sweep_file(tmp_path, base=base, **({"strategy": strategy} if strategy is not None else {}), **overrides))
+
+
+def test_strategy_section_round_trips_through_the_stored_record(tmp_path):
+    cfg = strategy_cfg(tmp_path, {"host_layout": "lean", "nvme_dir": "/mnt/nvme", "host_threads": 3},
+                       resources={"cpus_per_trial": 4})  # fmt: skip
+    assert (cfg.strategy.host_layout, cfg.strategy.nvme_dir, cfg.strategy.host_threads) == ("lean", "/mnt/nvme", 3)
+    assert config_mod.from_dict(as_dict(cfg)) == cfg
+    record_config(cfg)
+    stored = load(f"{cfg.root}/sweep.yaml")
+    assert stored == cfg and as_dict(stored)["strategy"] == {"host_layout": "lean", "nvme_dir": "/mnt/nvme", "host_threads": 3}
+    assert strategy_cfg(tmp_path).strategy == config_mod.TrialStrategy()  # absent: the strategy's defaults
+
+
+def test_strategy_may_change_on_resubmission(tmp_path):
+    """A leaner layout, the NVMe tier or another thread count changes no result, only what a trial asks for."""
+    record_config(strategy_cfg(tmp_path))
+    assert check_unchanged(strategy_cfg(tmp_path, {"host_layout": "lean", "nvme_dir": "/mnt/nvme"}))
+
+
+BAD_STRATEGY = [
+    ({"host_layout": "compact"}, "strategy.host_layout='compact'; choose one of default, lean, auto"),
+    ({"nvme_dir": "s3://bucket/nvme"}, "strategy.nvme_dir='s3://bucket/nvme' is a URL"),
+    ({"nvme_dir": "scratch/nvme"}, "strategy.nvme_dir='scratch/nvme' is relative"),
+    ({"host_threads": 0}, "strategy.host_threads=0 must be an integer >= 1"),
+    ({"host_threads": 4}, "strategy.host_threads=4 is more than the 1 cores Ray reserves per trial"),
+    ({"nvme": "/mnt/nvme"}, "strategy: unknown keys ['nvme']; known keys are ['host_layout', 'nvme_dir', 'host_threads']"),
+]
+
+
+@pytest.mark.parametrize("strategy,expected", BAD_STRATEGY, ids=[e for _, e in BAD_STRATEGY])
+def test_bad_strategy_ends_in_one_line(tmp_path, capsys, no_ray, strategy, expected):
+    assert main(["--config", sweep_file(tmp_path, strategy=strategy)]) == 2
+    err = one_line_error(capsys)
+    assert expected in err and err.startswith("sweep: ")
+
+
+def _expected_request(cfg, layout: str, nvme: bool) -> float:
+    """What a trial should ask for: the engine's own bytes per parameter, less the moments on NVMe, plus what
+    is not per parameter (the lean rings, the NVMe working buffers: the planner's items), plus headroom."""
+    import torch
+
+    from megatrain_lightning.engine.host import host_bytes_per_param
+    from megatrain_lightning.module import resolve_config
+    from megatrain_lightning.planner import parse_size, plan
+
+    trainer = cfg.base["trainer"]
+    config = resolve_config("tiny", cfg.base["model"].get("overrides"))
+    n = config.num_parameters()
+    dtype = torch.float32 if trainer["precision"] == "32-true" else torch.bfloat16
+    accumulate, clipping = trainer.get("accumulate_grad_batches", 1), bool(trainer.get("gradient_clip_val"))
+    need = host_bytes_per_param(dtype, True, accumulate > 1, layout, clipping) * n - (8 * n if nvme else 0)
+    p = plan(config, 64, 8, trainer["precision"], accumulate, host_layout=layout,
+             nvme_dir="/mnt/nvme" if nvme else None, clipping=clipping)  # fmt: skip
+    buffers = {k: v for k, v in p.host.items() if k in ("staging", "grad_ring", "nvme_buffers")}
+    assert set(buffers) == ({"staging", "grad_ring"} if layout == "lean" else set()) | ({"nvme_buffers"} if nvme else set())
+    return float(need + sum(buffers.values()) + parse_size(cfg.resources.memory_headroom))
+
+
+TIERS = [("default", False), ("lean", False), ("default", True), ("lean", True)]
+
+
+@pytest.mark.parametrize("trainer", [{}, {"precision": "bf16-mixed", "gradient_clip_val": 1.0},
+                                     {"precision": "bf16-mixed", "accumulate_grad_batches": 4}],
+                         ids=["fp32", "bf16-clip", "bf16-accumulate"])  # fmt: skip
+def test_memory_request_follows_the_layout_and_nvme(tmp_path, trainer):
+    from ray_jobs.resources import planned_tier, trial_resources
+
+    requests = {}
+    for layout, nvme in TIERS:
+        cfg = strategy_cfg(tmp_path, {"host_layout": layout, "nvme_dir": "/mnt/nvme" if nvme else None}, trainer)
+        assert planned_tier(cfg) == (layout, nvme)
+        requests[layout, nvme] = trial_resources(cfg)["memory"]
+        assert requests[layout, nvme] == _expected_request(cfg, layout, nvme)
+    assert requests["default", False] > requests["lean", False] > requests["lean", True]
+    assert requests["default", False] > requests["default", True]
+
+
+def _node(memory: float, gpu: float = 1.0) -> dict:
+    return {"Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 8.0, "GPU": gpu, "memory": memory}}
+
+
+def test_auto_takes_the_first_tier_that_fits_the_largest_node_for_trials(tmp_path):
+    from ray_jobs.resources import SweepRefused, check_fits, planned_tier, trial_resources
+
+    cfg = strategy_cfg(tmp_path, {"host_layout": "auto", "nvme_dir": "/mnt/nvme"}, {"precision": "bf16-mixed"})
+    need = {t: trial_resources(cfg, tier=t)["memory"] for t in (("default", False), ("lean", False), ("lean", True))}
+    assert planned_tier(cfg) == ("default", False)  # no cluster known yet
+    assert planned_tier(cfg, [_node(need["default", False])]) == ("default", False)
+    assert planned_tier(cfg, [_node(need["lean", False]), _node(1e15, gpu=0)]) == ("lean", False)  # no GPU there
+    assert planned_tier(cfg, [_node(need["lean", True]), _node(need["lean", True] - 1)]) == ("lean", True)
+    too_small = [_node(need["lean", True] - 1)]
+    tier = planned_tier(cfg, too_small)  # none fits: the closest, which the driver then refuses
+    assert tier == ("lean", True)
+    with pytest.raises(SweepRefused, match="a leaner strategy"):
+        check_fits(trial_resources(cfg, tier=tier), too_small)
+    no_drive = strategy_cfg(tmp_path, {"host_layout": "auto"}, {"precision": "bf16-mixed"})
+    assert planned_tier(no_drive, too_small) == ("lean", False)  # NVMe only given nvme_dir
+    explicit = strategy_cfg(tmp_path, {"host_layout": "lean"}, {"precision": "bf16-mixed"})
+    assert planned_tier(explicit, [_node(1e15)]) == ("lean", False)  # a named layout is used as given
+
+
+def test_driver_resolves_auto_and_hands_the_tier_to_the_tuner(tmp_path, capsys, monkeypatch):
+    import ray
+
+    from ray_jobs import sweep
+    from ray_jobs.resources import trial_resources
+
+    path = sweep_file(tmp_path, base={**BASE, "trainer": {**BASE["trainer"], "precision": "bf16-mixed"}},
+                      strategy={"host_layout": "auto"})  # fmt: skip
+    lean = trial_resources(load(path), tier=("lean", False))["memory"]
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "nodes", lambda: [_node(lean)])
+    built = []
+    monkeypatch.setattr(sweep, "build_tuner", lambda cfg, tier: built.append(tier) or types.SimpleNamespace(fit=list))
+    assert main(["--config", path]) == 0
+    assert built == [("lean", False)]
+    assert "strategy.host_layout auto: lean (a trial asks for" in capsys.readouterr().out
+
+
+def test_each_trial_gets_the_strategy_options(tmp_path, monkeypatch):
+    from ray_jobs import sweep
+    from ray_jobs.resources import strategy_options, trial_resources
+
+    cfg = strategy_cfg(tmp_path, {"host_layout": "lean", "nvme_dir": "/mnt/nvme"}, resources={"cpus_per_trial": 8})
+    assert strategy_options(cfg, ("lean", True)) == {"host_layout": "lean", "nvme_dir": "/mnt/nvme", "host_threads": 7}
+    assert strategy_options(cfg, ("lean", False))["nvme_dir"] is None  # auto left the moments in host memory
+    one_core = strategy_cfg(tmp_path, {"host_threads": None})
+    assert strategy_options(one_core, ("default", False))["host_threads"] == 1
+    seen = {}
+    monkeypatch.setattr(sweep, "tune_trainable", lambda root, base, every, strategy: seen.update(strategy=strategy) or
+                        (lambda params: None))  # fmt: skip
+    monkeypatch.setattr("ray.tune.with_resources", lambda fn, res: seen.update(resources=res) or fn)
+    sweep.build_tuner(cfg, ("lean", True))
+    assert seen == {"strategy": strategy_options(cfg, ("lean", True)), "resources": trial_resources(cfg, tier=("lean", True))}
+
+
+def test_a_trials_strategy_and_its_own_nvme_directory(tmp_path):
+    from megatrain_lightning.engine.nvme import PREFIX
+    from megatrain_lightning.optim.threads import usable_cpus
+    from ray_jobs.trial import trial_strategy
+
+    drive = tmp_path / "nvme"
+    own = drive / "megatrain-trial-abc_00001"
+    (own / f"{PREFIX}left-by-a-killed-attempt").mkdir(parents=True)
+    (own / "notes.txt").write_text("not ours to remove")
+    st = trial_strategy({"host_layout": "lean", "nvme_dir": str(drive), "host_threads": 10**6}, "s3://b/sweeps/x/trials/abc_00001")
+    assert (st.host_layout, st.nvme_dir, st.host_threads) == ("lean", str(own), len(usable_cpus()))
+    assert sorted(p.name for p in own.iterdir()) == ["notes.txt"]
+    missing = str(tmp_path / "no-such-drive")
+    assert trial_strategy({"nvme_dir": missing}, "/x/trials/t").nvme_dir == missing  # the engine names the fix
+    assert trial_strategy(None, "/x/trials/t").host_layout == "default"
+
+
+def test_a_trial_trains_with_its_strategy(tmp_path, monkeypatch):
+    from megatrain_lightning.strategy import MegatrainStrategy
+    from ray_jobs import trial as trial_mod
+
+    used = []
+
+    class Recording(MegatrainStrategy):
+        def setup(self, trainer):
+            super().setup(trainer)
+            used.append((self.engine.host_layout, self.engine.tier is not None, os.listdir(self.nvme_dir)))
+
+    monkeypatch.setattr(trial_mod, "MegatrainStrategy", Recording)
+    drive = tmp_path / "nvme"
+    drive.mkdir()
+    run = {"seed": 0, "model": {"model": "tiny", "warmup_steps": 1},
+           "data": {"path": "builtin:python-docs", "seq_len": 32, "batch_size": 2, "val_fraction": 0.02},
+           "trainer": {"max_steps": 2, "precision": "32-true", "val_check_interval": 2, "limit_val_batches": 1,
+                       "accelerator": "cpu"}}  # fmt: skip
+    result = trial_mod.run_trial(run, str(tmp_path / "trials" / "t1"), checkpoint_every=2,
+                                 strategy={"host_layout": "lean", "nvme_dir": str(drive), "host_threads": 1})  # fmt: skip
+    assert result["step"] == 2
+    (layout, tier, scratch) = used[0]
+    assert layout == "lean" and tier and len(scratch) == 1
+    assert list(drive.iterdir()) == []  # the trial's directory went with the engine's scratch

@@ -33,7 +33,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-def sweep_yaml(tmp_path: Path, name: str, lrs: list[float], steps: int, concurrent: int = 2) -> str:
+def sweep_yaml(tmp_path: Path, name: str, lrs: list[float], steps: int, concurrent: int = 2,
+               strategy: dict | None = None) -> str:  # fmt: skip
     cfg = {
         "name": name,
         "storage": "s3://megatrain/sweeps",
@@ -49,6 +50,7 @@ def sweep_yaml(tmp_path: Path, name: str, lrs: list[float], steps: int, concurre
         "failure_budget": 2,
         "checkpoint_every": 10,
         "resources": {"cpus_per_trial": 1, "gpus_per_trial": 1, "memory_headroom": "1GiB"},
+        "strategy": strategy or {},
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -126,9 +128,14 @@ def attempts(trial_dir: str) -> list[dict]:
 
 
 def test_two_trial_sweep_through_ray_job_submit(cluster, s3_env, tmp_path):
+    """With the lean layout and the Adam moments on a local directory (both nodes are this machine)."""
     _, dashboard, _ = cluster
-    client, job = submit(dashboard, sweep_yaml(tmp_path, "e2e", [1e-3, 3e-3], steps=20), s3_env)
+    drive = tmp_path / "nvme"
+    drive.mkdir()
+    config = sweep_yaml(tmp_path, "e2e", [1e-3, 3e-3], steps=20, strategy={"host_layout": "lean", "nvme_dir": str(drive)})
+    client, job = submit(dashboard, config, s3_env)
     assert wait_job(client, job) == "SUCCEEDED", client.get_job_logs(job)[-3000:]
+    assert list(drive.iterdir()) == []  # each trial's scratch directory went with its engine
     rows = s3().cat_file("megatrain/sweeps/e2e/results.csv").decode().strip().splitlines()
     assert len(rows) == 3 and all(",ok," in r for r in rows[1:])
     from megatrain_lightning.checkpoint import is_checkpoint
@@ -137,6 +144,7 @@ def test_two_trial_sweep_through_ray_job_submit(cluster, s3_env, tmp_path):
     assert len(dirs) == 2
     stored = yaml.safe_load(s3().cat_file("megatrain/sweeps/e2e/sweep.yaml"))  # what a resubmission must match
     assert stored["search_space"] == {"model.lr": {"grid": [1e-3, 3e-3]}}
+    assert stored["strategy"] == {"host_layout": "lean", "nvme_dir": str(drive), "host_threads": None}
     for d in dirs:
         assert is_checkpoint(f"s3://{d}/checkpoints/last.ckpt")
         assert len(attempts(d)) == 1

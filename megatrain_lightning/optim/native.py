@@ -37,12 +37,13 @@ __all__ = [
     "sq_norm",
     "set_num_threads",
     "get_num_threads",
+    "set_team_cpus",
     "set_isa",
 ]
 
 LIBRARY_MODULE = "megatrain_lightning._adamw_native"
 DISABLE_ENV = "MEGATRAIN_NATIVE_ADAMW"
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _ISA_LEVELS = {name: level for level, name in _ISA_NAMES.items()}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -84,6 +85,8 @@ def _open_library() -> tuple[ctypes.CDLL, str]:
     lib.mt_set_isa.argtypes = [i]
     lib.mt_set_num_threads.restype = None
     lib.mt_set_num_threads.argtypes = [i]
+    lib.mt_set_team_cpus.restype = i
+    lib.mt_set_team_cpus.argtypes = [ctypes.POINTER(ctypes.c_int), i]
     return lib, path
 
 
@@ -175,6 +178,24 @@ def set_num_threads(n: int | None) -> None:
 def get_num_threads() -> int:
     """Threads a large kernel call from this thread would use."""
     return _require().mt_get_num_threads()
+
+
+def set_team_cpus(cpus: list[int] | None) -> bool:
+    """Place the threads of the kernel calls made from *this* Python thread: member ``t >= 1`` of a call's
+    team (an OpenMP helper thread) moves onto CPU ``cpus[t]`` when the call starts and stays there until
+    the list changes; ``cpus[0]`` stands for the calling thread itself, whose affinity is not touched.
+    ``None`` or ``[]``: no placement (helpers go back to the CPUs they had, at their next call). Calls
+    from other threads are not affected. Results do not depend on placement.
+
+    Returns whether threads can be placed (Linux and an OpenMP build); otherwise this is a no-op.
+    :func:`megatrain_lightning.optim.threads.configure_host_threads` computes the list from the NUMA nodes.
+    """
+    lib = _require()
+    cpus = list(cpus or [])
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cpus):
+        raise ValueError(f"set_team_cpus: cpus={cpus!r} must be non-negative CPU numbers (or None for no placement)")
+    array = (ctypes.c_int * len(cpus))(*cpus)
+    return bool(lib.mt_set_team_cpus(array, len(cpus)))
 
 
 def set_isa(isa: str | None) -> str:
