@@ -20,9 +20,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
+from megatrain_lightning.engine.block_fn import compile_block_calls
 from megatrain_lightning.engine.engine import StreamingEngine
 from megatrain_lightning.engine.saved_inputs import check_offload_inputs
 from megatrain_lightning.optim.adamw import HostAdamW
+from megatrain_lightning.optim.threads import resolve_host_threads
 from megatrain_lightning.precision import MegatrainPrecision
 
 
@@ -46,9 +48,18 @@ class MegatrainStrategy(SingleDeviceStrategy):
             (12 B/param plus buffers in flight; with clipping a per-unit gradient stays, 2 B/param in bf16).
         nvme_dir: a local directory for the Adam moments (8 B/param off host memory), read ahead and
             written behind per unit by the host worker; scratch only (checkpoints stay the durable copy).
+        host_threads: threads of the host optimizer (the native Adam kernel and torch's ops on the host
+            worker thread); default: the cores this process may use minus one, kept for the thread that
+            launches the GPU's kernels. Spread over the NUMA nodes when there are several
+            (:mod:`megatrain_lightning.optim.threads`). Results do not depend on it.
         checkpoint_format: ``"sharded"`` streams per-block shards to any fsspec URL and commits atomically
             (see :mod:`megatrain_lightning.checkpoint`); ``"torch"`` writes Lightning's usual single file,
             which ordinary strategies can also resume from (small models only: it is built in memory).
+        compile_blocks: run each decoder block's forward, and its recompute in backward, through
+            ``torch.compile`` (one compiled function per block class, shared by all its blocks; see
+            :class:`~megatrain_lightning.engine.block_fn.CompiledBlock`): twice per run (without and with
+            grad), more for other sequence lengths. Equal to eager training within round-off, not bit for bit.
+            A block that cannot compile as one graph raises at its first call, naming its class.
     """
 
     strategy_name = "megatrain"
@@ -61,9 +72,13 @@ class MegatrainStrategy(SingleDeviceStrategy):
         offload_inputs: bool | Literal["auto"] = "auto",
         host_layout: Literal["default", "lean"] = "default",
         nvme_dir: str | None = None,
+        host_threads: int | None = None,
         checkpoint_format: Literal["sharded", "torch"] = "sharded",
+        compile_blocks: bool = False,
         **kwargs: Any,
     ) -> None:
+        if not isinstance(compile_blocks, bool):
+            raise ValueError(f"compile_blocks={compile_blocks!r}: pass True or False")
         if checkpoint_format not in ("sharded", "torch"):
             raise ValueError(f"checkpoint_format={checkpoint_format!r}: choose 'sharded' or 'torch'")
         if num_slots < 2:
@@ -71,13 +86,16 @@ class MegatrainStrategy(SingleDeviceStrategy):
         check_offload_inputs(offload_inputs)
         if host_layout not in ("default", "lean"):
             raise ValueError(f"host_layout={host_layout!r}: choose 'default' or 'lean'")
+        resolve_host_threads(host_threads)  # ValueError for < 1 or more than the cores
         super().__init__(device=device or "cpu", **kwargs)
         self._device_arg = device
         self.num_slots = num_slots
         self.overlap_optimizer = overlap_optimizer
         self.offload_inputs = offload_inputs
         self.host_layout, self.nvme_dir = host_layout, nvme_dir
+        self.host_threads = host_threads  # None: resolved where the worker starts (cores - 1)
         self.checkpoint_format = checkpoint_format
+        self.compile_blocks = compile_blocks
         self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
         self.engine: StreamingEngine | None = None
 
@@ -128,8 +146,10 @@ class MegatrainStrategy(SingleDeviceStrategy):
                 num_slots=self.num_slots, training=fitting,
                 accumulating=fitting and _accumulates(trainer),  # the fp32 accumulator counts too
                 clipping=bool(fitting and trainer.gradient_clip_val),
-                host_layout=self.host_layout, nvme_dir=self.nvme_dir,
+                host_layout=self.host_layout, nvme_dir=self.nvme_dir, host_threads=self.host_threads,
             )  # fmt: skip
+            if self.compile_blocks:
+                compile_block_calls(self.engine.blocks, self.engine.runners)
         self.engine.overlap_optimizer = self.overlap_optimizer
         self.engine.offload_inputs = self.offload_inputs
         self.engine.want_norms = bool(fitting and trainer.gradient_clip_val)
@@ -168,6 +188,14 @@ class MegatrainStrategy(SingleDeviceStrategy):
         super().teardown()
 
     # -- training hooks -------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The step, with the engine learning (the first time) which outer parameters its forward reads
+        before the last block, so the others are refreshed after an optimizer step only when needed."""
+        assert self.engine is not None
+        with self.engine.record_outer_use():
+            return super().training_step(*args, **kwargs)
+
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Tell the engine whether this gradient completes an optimizer step, then run backward."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatrain_lightning import HostAdamW, StreamingEngine
+from megatrain_lightning.engine.block_fn import SideOutputs
 
 VOCAB, WIDTH, EXPERTS = 37, 16, 4
 
@@ -157,3 +158,23 @@ def test_hooks_see_differentiable_outputs_and_fire_in_recompute():
     assert len(model.hooked) == 2 and all(t.requires_grad for t in model.hooked)
     loss.backward()
     assert len(model.hooked) == 4
+
+
+def test_no_global_hook_while_no_submodule_carries_one():
+    """SideOutputs records hooked submodules' outputs through a global forward hook, registered only while a
+    module of the block carries a hook: hook-free blocks keep nn.Module's fast path, and a compiled block
+    sees the same global hooks (none) at every call."""
+    global_hooks = nn.modules.module._global_forward_hooks
+    block = MoEBlock()
+    side = SideOutputs(block)
+    with side.recording():
+        assert not global_hooks
+    around = block.register_forward_hook(lambda module, args, out: None)  # fires around the call, not in it
+    with side.recording():
+        assert not global_hooks
+    inside = block.router.gate.register_forward_hook(lambda module, args, out: None)
+    with side.recording():
+        assert len(global_hooks) == 1
+    around.remove()
+    inside.remove()
+    assert not global_hooks

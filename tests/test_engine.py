@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -261,8 +262,9 @@ def test_host_worker_thread_uses_the_engines_gpu(monkeypatch):
     """The worker waits on CUDA events; without set_device it would create a context on GPU 0."""
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
-    worker_init(torch.device("cuda", 1))
-    worker_init(torch.device("cpu"))
+    with ThreadPoolExecutor(max_workers=1) as thread:  # worker_init sets the calling thread's torch threads
+        thread.submit(worker_init, torch.device("cuda", 1)).result()
+        thread.submit(worker_init, torch.device("cpu")).result()
     assert calls == [torch.device("cuda", 1)]
-    engine = StreamingEngine(own_llama(2), device="cpu")
-    assert engine._worker._initializer is worker_init and engine._worker._initargs == (engine.device,)
+    engine = StreamingEngine(own_llama(2), device="cpu", host_threads=1)
+    assert engine._worker._initializer is worker_init and engine._worker._initargs == (engine.device, 1)

@@ -150,6 +150,36 @@ def test_layers_hold_no_buffers_and_are_pure():
     torch.testing.assert_close(layer(x, cos, sin), layer(x.clone(), cos, sin), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True])
+def test_block_math_is_hf_bit_for_bit(dtype, grad):
+    """RMSNorm, RoPE and SwiGLU equal HF's LlamaRMSNorm, apply_rotary_pos_emb and silu(gate) * up bit for bit,
+    outputs and input gradients, with a graph and without one (where they run in place): the engine's
+    forward runs without a graph, its recompute and ordinary training with one."""
+    from transformers.models.llama import modeling_llama as hf
+
+    from megatrain_lightning.models.llama import RotaryEmbedding, apply_rope, rms_norm, swiglu
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(2, 4, 10, 16), (2, 2, 10, 16), (2, 10, 64), (2, 10, 96), (2, 10, 96)]
+    q, k, hidden, gate, up = (torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad) for shape in shapes)
+    config = _config("llama_gqa_rope")
+    cos, sin = RotaryEmbedding(config)(torch.arange(300, 310).unsqueeze(0), dtype)
+    norm = hf.LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1, generator=g)
+    with torch.set_grad_enabled(grad):
+        ours = [apply_rope(q, cos, sin), apply_rope(k, cos, sin), rms_norm(hidden, norm.weight, 1e-5), swiglu(gate, up)]
+        theirs = [*hf.apply_rotary_pos_emb(q, k, cos, sin), norm(hidden), F.silu(gate) * up]
+    for a, b in zip(ours, theirs):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    if grad:
+        inputs = [q, k, hidden, gate, up, norm.weight]
+        grads = [torch.autograd.grad(sum(o.float().square().sum() for o in outs), inputs) for outs in (ours, theirs)]
+        for name, a, b in zip(["q", "k", "hidden", "gate", "up", "norm.weight"], *grads):
+            assert torch.equal(a, b), name
+
+
 def test_generate_greedy_matches_argmax():
     model = LlamaForCausalLM(_config("llama_tied")).eval()
     prompt = _tokens(model.config, batch=2, seq=5)

@@ -32,6 +32,7 @@ from megatrain_lightning.engine.discover import find_blocks
 from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
 from megatrain_lightning.engine.host_steps import HostSteps
 from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
+from megatrain_lightning.engine.outer import OuterParams, _bind
 from megatrain_lightning.engine.ring import HostRing, piece_numel, pieces, ring_counts
 from megatrain_lightning.engine.saved_inputs import (
     OffloadInputs,
@@ -41,6 +42,7 @@ from megatrain_lightning.engine.saved_inputs import (
 )
 from megatrain_lightning.engine.streams import SlotPool, Streams
 from megatrain_lightning.optim.kernels import AdamHyper
+from megatrain_lightning.optim.threads import configure_host_threads, resolve_host_threads
 
 log = logging.getLogger("megatrain_lightning")
 
@@ -48,7 +50,7 @@ log = logging.getLogger("megatrain_lightning")
 class HostMemoryError(MemoryError):
     """The model's host-resident training state does not fit in this machine's memory."""
 
-class StreamingEngine(HostSteps):
+class StreamingEngine(HostSteps, OuterParams):
     """Streams a model's decoder blocks through device slots; all persistent state stays on the host."""
 
     def __init__(
@@ -69,6 +71,7 @@ class StreamingEngine(HostSteps):
         host_layout: str = "default",  # "lean": no persistent compute copy, gradients through a ring
         nvme_dir: str | None = None,  # Adam moments in files there (engine/nvme.py)
         piece: int | None = None,  # elements per piece of the rings and the NVMe tier (engine/ring.py)
+        host_threads: int | None = None,  # the host worker's thread budget (optim/threads.py); None: cores - 1
     ) -> None:
         if compute_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"compute_dtype={compute_dtype}: the engine computes in torch.float32 or torch.bfloat16")
@@ -85,6 +88,7 @@ class StreamingEngine(HostSteps):
         if host_layout not in ("default", "lean"):
             raise ValueError(f"host_layout={host_layout!r}: choose 'default' or 'lean'")
         self.host_layout, self.nvme_dir = host_layout, nvme_dir
+        self.host_threads = resolve_host_threads(host_threads)  # ValueError before anything is allocated
         self.model = model
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
@@ -139,8 +143,9 @@ class StreamingEngine(HostSteps):
         self._next_grad_slot = 0
         self.grad_anchor = torch.empty(0, requires_grad=True)
         self._worker = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="megatrain-host", initializer=worker_init, initargs=(self.device,)
-        )
+            max_workers=1, thread_name_prefix="megatrain-host", initializer=worker_init,
+            initargs=(self.device, self.host_threads),
+        )  # fmt: skip
         self.backward_mode: str | None = None  # None | "accumulate" | "step": set by the trainer glue
         self.hyper: Callable[[], list[AdamHyper]] | None = None  # the attached optimizer's groups, now
         self.param_order: list[int] = []  # ids of the optimizer's parameters in group order
@@ -161,22 +166,6 @@ class StreamingEngine(HostSteps):
             self.runners.append(BlockRunner(self, i, blk))
             blk.forward = self.runners[-1]
         self._refresh_block_buffers()
-
-    def _build_outer(self, outer: list, pin: bool) -> None:
-        """A unit per outer parameter, its compute copy on the device, a hook to ship its gradient."""
-        for n, p in outer:
-            self.outer_units.append(HostUnit(n, [(n, p)], self.compute_dtype, pin, self._keep_copy))
-        self._outer_buffers_to(self.device)
-        self._outer_device: list[torch.Tensor] = []
-        for unit in self.outer_units:
-            self._outer_device.append(torch.empty(unit.numel, dtype=self.compute_dtype, device=self.device))
-            self._upload_outer(unit, self._outer_device[-1])
-        self._hooks = [  # a frozen parameter gets no gradient, hence no hook
-            e.param.register_post_accumulate_grad_hook(self._outer_grad_hook(u))
-            for u in self.outer_units
-            for e in u.entries
-            if e.param.requires_grad
-        ]
 
     @property
     def _keep_copy(self) -> bool:
@@ -304,7 +293,7 @@ class StreamingEngine(HostSteps):
                 return state.call(runner.inner, x)
 
         with torch.no_grad():
-            out, state.kind, state.extra = state.split(self._run(idx, +1, call))
+            out, state.kind, state.extra = state.split(self._run(idx, +1, call, (state.args, state.kwargs)))
         if side is None:
             return out, []
         side.add(state.extra)
@@ -359,11 +348,12 @@ class StreamingEngine(HostSteps):
             self._ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot)
         return grads[0] if need_input_grad else None
 
-    def _run(self, idx: int, direction: int, fn: Callable[[], Any]) -> Any:
-        """Bind block `idx`'s weights from a slot, enqueue `fn`, then prefetch the next blocks."""
+    def _run(self, idx: int, direction: int, fn: Callable[[], Any], call_args: Any = None) -> Any:
+        """Bind block `idx`'s weights from a slot, enqueue `fn`, then prefetch the next blocks (those whose
+        optimizer step is done: a pending one is waited for when its block runs, not before)."""
         unit = self.units[idx]
         slot = self._load(idx, {idx})
-        with self._bound(idx, self.pool.acquire(slot, unit.numel)):
+        with self._bound(idx, self.pool.acquire(slot, unit.numel)), self._unrecorded_block(call_args):
             out = fn()
         self.pool.release(slot)
         # Prefetch after enqueueing the compute, so waiting for a pending host step never delays it.
@@ -372,10 +362,12 @@ class StreamingEngine(HostSteps):
             state = earlier() if earlier is not None else None
             # The next block's input, if its call offloaded it (prefetch(None) does nothing).
             self.saved_inputs.prefetch(state.saved if state is not None else None)
-        ahead = [idx + direction * k for k in range(1, self.pool.num_slots)]
+        ahead = [j for j in (idx + direction * k for k in range(1, self.pool.num_slots)) if 0 <= j < len(self.units)]
         for j in ahead:
-            if 0 <= j < len(self.units):
-                self._load(j, {idx, *ahead})
+            if self._load(j, {idx, *ahead}, wait=False) is None:
+                break  # steps finish in forward order: the blocks after it are not ready either
+        if direction > 0:
+            self._after_forward_block(idx)
         return out
 
     @contextmanager
@@ -394,10 +386,14 @@ class StreamingEngine(HostSteps):
             for b, host, _ in buffers:
                 b.data = host
 
-    def _load(self, idx: int, protect: set[int]) -> int:
+    def _load(self, idx: int, protect: set[int], wait: bool = True) -> int | None:
+        """Block `idx`'s slot, uploading it unless resident; with `wait=False` None (and nothing issued)
+        while its optimizer step is still pending."""
         unit = self.units[idx]
         slot = self.pool.slot_of(idx)
         if slot is None:
+            if not wait and unit.future is not None and not unit.future.done():
+                return None
             self._wait(unit)  # a pending optimizer step is still rewriting the master (and copy)
             self.stats["h2d_bytes"] += unit.numel * self.pool.buffers[0].element_size()
             slot = self.pool.load(idx, protect, lambda dst: self._upload(unit, dst))
@@ -432,15 +428,6 @@ class StreamingEngine(HostSteps):
         """Element ranges an upload of `unit` goes in: one, unless staging buffers are smaller than it."""
         return pieces(unit.numel, unit.numel if unit.copy is not None else self.piece)
 
-    # -- outer parameters --------------------------------------------------------------------------
-    def _upload_outer(self, unit: HostUnit, dev: torch.Tensor) -> None:
-        """Refresh the device copy of an outer parameter from its host copy and bind the parameter to it."""
-        self.streams.wait(self.streams.h2d, self.streams.event())  # earlier compute may still read it
-        unit.upload_done = self._upload(unit, dev)
-        self.stats["h2d_bytes"] += dev.numel() * dev.element_size()
-        self.streams.wait(None, unit.upload_done)
-        _bind(unit, dev)
-
     # -- state exchange ----------------------------------------------------------------------------
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict with every parameter as its fp32 host master (views, no copies)."""
@@ -470,6 +457,7 @@ class StreamingEngine(HostSteps):
         self._refresh_block_buffers()
         for unit, dev in zip(self.outer_units, self._outer_device):
             self._upload_outer(unit, dev)
+        self._stale.clear()
         self.pool.invalidate()
 
     def qualified_names(self, unit: HostUnit) -> list[str]:
@@ -538,12 +526,6 @@ def _numel(block_params: list, outer: list) -> int:
     return sum(p.numel() for params in block_params for _, p in params) + sum(p.numel() for _, p in outer)
 
 
-def _bind(unit: HostUnit, flat: torch.Tensor) -> None:
-    """Point each parameter of `unit` at its slice of `flat` (no copy)."""
-    for e in unit.entries:
-        e.param.data = flat[e.offset : e.offset + e.numel].view(e.shape)
-
-
 def _disable_kv_caches(model: nn.Module) -> list[Any]:
     """Set ``use_cache=False`` on every Hugging Face config in `model` (returns those changed, to restore).
 
@@ -558,7 +540,9 @@ def _disable_kv_caches(model: nn.Module) -> list[Any]:
     return changed
 
 
-def worker_init(device: torch.device) -> None:
-    """The host worker waits on CUDA events: it must use the engine's GPU, not create a context on GPU 0."""
+def worker_init(device: torch.device, host_threads: int | None = None) -> None:
+    """The host worker waits on CUDA events: it must use the engine's GPU, not create a context on GPU 0. It
+    takes its thread budget (optim/threads.py) before its first torch op."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    configure_host_threads(host_threads)

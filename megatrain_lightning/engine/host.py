@@ -109,6 +109,7 @@ class HostUnit:
         self.acc: torch.Tensor | None = None
         self.grad_state = GradState.EMPTY
         self.norms: list[torch.Tensor] | None = None  # per-parameter norms of the complete gradient
+        self.device_norms: list[tuple[torch.Tensor, bool]] | None = None  # (norm, got a gradient), on the device
         # Per parameter, as torch.optim keeps them: a parameter that got no gradient (frozen, or unused by
         # the loss) is skipped by the step and its Adam step count (bias correction) does not advance.
         self.has_grad = [False] * len(entries)  # got a gradient since the last step / zero_grad

@@ -72,13 +72,14 @@ class HostSteps:
             self._promote(unit)
         accumulate = self.backward_mode == "accumulate"
         eager = self._eager_ok()
+        self._device_norms(unit, flat, present, single=not accumulate and unit.grad_state is GradState.EMPTY)
         # Lean layout: a gradient the landing job consumes at once (into the accumulator, or by the step
         # itself) goes through the gradient ring; one that waits for the optimizer step needs its own slab.
         to_acc = accumulate or unit.grad_state is GradState.ACC
         self.stats["d2h_bytes"] += flat.numel() * flat.element_size()
         self.streams.wait(self.streams.d2h, self.streams.event())  # the gradient has been produced
         hyper = self.hyper() if eager else None
-        want_norm = self.want_norms and not accumulate
+        want_norm = self.want_norms and not accumulate and unit.device_norms is None
         if self._grad_ring is not None and (to_acc or eager):
             done = self._ship_pieces(unit, flat, present, to_acc, want_norm, hyper)
         else:
@@ -136,6 +137,15 @@ class HostSteps:
         self.stats["host_land_seconds"] += time.perf_counter() - t0
         if hyper is not None:
             self._step_unit(unit, hyper, 1.0, lo, hi, unit.acc[lo:hi] if to_acc else buf, last)
+
+    def _device_norms(self, unit: HostUnit, flat: torch.Tensor, present: list[bool], single: bool) -> None:
+        """With clipping, a gradient that is the whole of its unit's gradient for this step (one micro-batch,
+        the unit's first) gets its per-parameter norms computed on the device before it goes down: the
+        clipping coefficient then needs no host pass over the gradients, and waits for no landing."""
+        unit.device_norms = None
+        if self.want_norms and single:
+            norms = kernels.param_norms(flat, [(e.offset, e.numel) for e in unit.entries])
+            unit.device_norms = list(zip(norms, present))
 
     def _eager_ok(self) -> bool:
         """Step a unit the moment its last gradient lands: the optimizer overlaps the rest of backward."""
@@ -201,7 +211,7 @@ class HostSteps:
             raise RuntimeError("no optimizer is attached to the engine")
         clip_val, self._clip = self._clip, None
         hyper = self.hyper()
-        todo = [u for u in self.all_units() if u in self._pending]
+        todo = self._step_order([u for u in self.all_units() if u in self._pending])
         if todo:  # (after a backward that stepped everything, the plan it set reaches into the next one)
             self._read_ahead(todo)  # the moments come in while the clipping norm is being computed
         scale = self._clip_scale(todo, clip_val) if clip_val else 1.0
@@ -211,13 +221,17 @@ class HostSteps:
             if id(unit) in block_of:
                 self.pool.invalidate(block_of[id(unit)])
         stepped = set(todo) | self._eager
-        for unit, dev in zip(self.outer_units, self._outer_device):
-            if unit in stepped:
-                self._wait(unit)
-                self._upload_outer(unit, dev)
+        self._stale.update(u for u in self.outer_units if u in stepped)
         self._pending.clear()
         self._eager.clear()
         self.optimizer_steps += 1
+        # The next forward's first blocks go up as soon as their steps are done (without waiting here for
+        # those still pending); then the outer parameters it reads before the blocks, each after its step.
+        first = [j for j in range(min(self.pool.num_slots - 1, len(self.units)))]
+        for j in first:
+            if self._load(j, set(first), wait=False) is None:
+                break
+        self._refresh_outer(self._early_outer())
 
     def _read_ahead(self, units: list[HostUnit]) -> None:
         """Tell the NVMe tier the order the next steps take, so it reads their moments ahead of them. The
@@ -241,7 +255,12 @@ class HostSteps:
 
     def _clip_scale(self, todo: list[HostUnit], clip_val: float) -> float:
         by_param: dict[int, torch.Tensor] = {}
+        on_device = [(id(e.param), n) for u in todo if u.device_norms for e, (n, g) in zip(u.entries, u.device_norms) if g]
+        if on_device:  # one copy to the host for all of them (it waits for the backward to finish on the device)
+            by_param.update(zip([i for i, _ in on_device], torch.stack([n for _, n in on_device]).cpu().unbind()))
         for unit in todo:
+            if unit.device_norms is not None:
+                continue
             unit.wait()
             if unit.norms is None:
                 unit.norms = self._norms(unit)
@@ -276,16 +295,19 @@ class HostSteps:
         if last:
             self._finish_step(unit)
 
-    def _finish_step(self, unit: HostUnit) -> None:
-        unit.steps = [s + int(g and e.group is not None) for s, g, e in zip(unit.steps, unit.has_grad, unit.entries)]
-        unit.grad_state, unit.norms = GradState.EMPTY, None
+    def _finish_step(self, unit: HostUnit, stepped: bool = True) -> None:
+        """After a unit's step (or, `stepped=False`, instead of it): its gradient is gone."""
+        if stepped:
+            unit.steps = [s + int(g and e.group is not None) for s, g, e in zip(unit.steps, unit.has_grad, unit.entries)]
+        unit.grad_state, unit.norms, unit.device_norms = GradState.EMPTY, None, None
         unit.has_grad = [False] * len(unit.entries)
 
     def zero_grad(self) -> None:
-        self.flush()
+        """Drop the gradients not stepped yet. Nothing blocks: each such unit's reset is queued behind its
+        landing jobs on the worker (after an optimizer step there are none, and nothing is queued)."""
+        for unit in self._pending:
+            self._submit(unit, lambda unit=unit: self._finish_step(unit, stepped=False))
         for unit in self.all_units():
-            unit.grad_state, unit.norms = GradState.EMPTY, None
-            unit.has_grad = [False] * len(unit.entries)
             for e in unit.entries:
                 e.param.grad = None
         self._pending.clear()

@@ -48,8 +48,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Statistics in fp32, then cast back *before* the weight multiply: this is HF's exact
     # order of operations, which is what makes bf16 outputs bit-compatible with theirs.
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if _differentiated(x, weight) or weight.dtype != x.dtype:
+        return weight * (x32 * rstd).to(x.dtype)
+    # Without a graph (the engine's forward, evaluation) the same products land in place in this call's
+    # own temporaries: one fp32 copy of x (none in fp32) and one output, the same bits as above.
+    y = x * rstd if x32 is x else x32.mul_(rstd)
+    return y.to(x.dtype).mul_(weight)
+
+
+def _differentiated(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records ops on `tensors` (then no in-place shortcuts: the graph saves its inputs)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -88,21 +98,26 @@ class RotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [B or 1, T, head_dim] in ``dtype`` for integer ``position_ids`` [B or 1, T]."""
+        """cos, sin of shape [B or 1, T, head_dim] in ``dtype`` for integer ``position_ids`` [B or 1, T].
+        Each holds every frequency twice (first and second half alike, as in HF), computed once."""
         angles = position_ids.unsqueeze(-1).float() * self.inv_freq(position_ids.device)
-        emb = torch.cat((angles, angles), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, heads, T, head_dim] by position; cos/sin are [B, T, head_dim]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+    """Rotate x [B, heads, T, head_dim] by position; cos/sin are [B, T, head_dim] with equal halves.
+
+    HF's ``x * cos + rotate_half(x) * sin`` (rotate_half(x) = [-x2, x1]) half by half, without building
+    the rotated copy: [x1 c - x2 s, x2 c + x1 s], subtracted and added in place into ``x * cos``. Every
+    product and sum rounds exactly as HF's do (negation is exact), in fp32 and bf16 alike."""
+    half = x.shape[-1] // 2
+    cos, sin = cos.unsqueeze(1), sin[..., :half].unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    out = x * cos
+    out[..., :half].sub_(x2 * sin)  # single views (not chunk's) may be written in place under autograd
+    out[..., half:].add_(x1 * sin)
+    return out
 
 
 class Attention(nn.Module):
@@ -164,7 +179,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: one elementwise expression, which torch.compile fuses into one kernel. Without a
+    graph the product lands in place in silu's output (the same bits, one temporary fewer)."""
+    if _differentiated(gate, up):
+        return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 class DecoderLayer(nn.Module):
