@@ -4,11 +4,13 @@
 window's ends, so it adds no sync per step):
 
 - ``perf/tokens_per_sec``: tokens of the window's batches / its wall time (validation time excluded);
-- ``perf/model_tflops`` = 6 x N x tokens/s, with N = non-embedding parameters + the head (a tied head
-  counted too: its matmul runs either way). This is model FLOPs, as in MFU: the engine's recompute of
-  each block in backward (another 2N per token) and attention's T^2 term are not counted;
-- ``perf/mfu``: model FLOPs / the GPU's dense bf16 peak (:data:`PEAK_BF16_FLOPS`); absent on the CPU
-  or an unknown GPU;
+- ``perf/model_tflops``: model FLOPs per second, as :mod:`megatrain_lightning.flops` defines them (6·N per
+  token plus causal attention; the engine's recompute not counted), with the sequence length read off
+  each batch's shape: :func:`~megatrain_lightning.flops.model_flops` for this project's model (a
+  ``LlamaConfig`` on ``pl_module.model.config``), :func:`~megatrain_lightning.flops.hf_model_flops` for a
+  Hugging Face one; absent for a model neither describes (no number rather than a wrong one);
+- ``perf/mfu``: those FLOPs / the GPU's dense bf16 peak (:func:`~megatrain_lightning.flops.peak_bf16_flops`);
+  absent on the CPU, an unknown GPU or where model FLOPs are;
 - ``mem/host_rss_gib`` and ``mem/gpu_peak_gib`` (``torch.cuda.max_memory_allocated`` in the window);
 - from ``trainer.strategy.engine.stats`` (``strategy="megatrain"`` only): ``engine/h2d_gbps`` and
   ``engine/d2h_gbps`` (weights up, gradients down), and the share of wall time the host worker spent
@@ -24,44 +26,40 @@ from __future__ import annotations
 import os
 import resource
 import time
+from collections import Counter
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import lightning.pytorch as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from megatrain_lightning import flops
+from megatrain_lightning.models.config import LlamaConfig
+
 GiB = 2**30
-# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' datasheets; the first name found in the
-# device name wins, so more specific names come first.
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),
-    ("H200", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-)
 _STATS = ("h2d_bytes", "d2h_bytes", "host_step_seconds", "host_land_seconds", "host_wait_seconds")
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak, or None on the CPU and on GPUs not in the table."""
-    if device.type != "cuda":
+    """The device's dense bf16 peak (flops.peak_bf16_flops), or None on the CPU and on GPUs it does not know."""
+    return flops.peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def model_flops_of(pl_module: L.LightningModule) -> Callable[[int, int], int | None] | None:
+    """Model FLOPs of (tokens, seq_len) for the module's ``model`` (the module itself if it has none): this
+    project's LlamaConfig through flops.model_flops, a Hugging Face model (one with a ``config``) through
+    flops.hf_model_flops (None where that cannot describe it), None for a model without a config."""
+    model = getattr(pl_module, "model", None)
+    model = model if isinstance(model, nn.Module) else pl_module
+    config = getattr(model, "config", None)
+    if isinstance(config, LlamaConfig):
+        return partial(flops.model_flops, config)
+    if config is None:
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
-
-
-def flop_params(module: nn.Module) -> int:
-    """N of 6N: all parameters but the input embedding, with a tied output head counted back in."""
-    params = {id(p): p for p in module.parameters()}
-    embeddings = {id(m.weight): m.weight for m in module.modules() if isinstance(m, nn.Embedding)}
-    heads = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
-    tied = sum(w.numel() for i, w in embeddings.items() if i in heads)
-    return sum(p.numel() for p in params.values()) - sum(w.numel() for w in embeddings.values()) + tied
+    return partial(flops.hf_model_flops, model)
 
 
 def rss_bytes() -> int:
@@ -73,13 +71,13 @@ def rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def batch_tokens(batch: Any) -> int:
-    """Tokens in a batch: an id tensor, a tuple starting with one, or a dict with ``input_ids``."""
+def batch_ids(batch: Any) -> torch.Tensor | None:
+    """A batch's token ids: an id tensor, a tuple starting with one, or a dict with ``input_ids``."""
     if isinstance(batch, dict):
         batch = batch["input_ids"]
     if isinstance(batch, (tuple, list)):
         batch = batch[0]
-    return batch.numel() if isinstance(batch, torch.Tensor) else 0
+    return batch if isinstance(batch, torch.Tensor) else None
 
 
 class MegatrainMonitor(L.Callback):
@@ -98,17 +96,20 @@ class MegatrainMonitor(L.Callback):
         self._start: float | None = None
         self._paused: float | None = None
         self._tokens = self._batches = 0
+        self._rows: Counter[int] = Counter()  # the window's tokens by sequence length
         self._stats: dict[str, float] = {}
-        self._n = 0
+        self._flops_of: Callable[[int, int], int | None] | None = None
+        self._peak: float | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._n = flop_params(pl_module)
+        self._flops_of = model_flops_of(pl_module)
         self._peak = peak_flops(trainer.strategy.root_device)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._start is None:
             self._sync(trainer)
             self._start, self._tokens, self._batches = time.perf_counter(), 0, 0
+            self._rows.clear()
             self._stats = self._engine_stats(trainer)
             if trainer.strategy.root_device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
@@ -116,7 +117,10 @@ class MegatrainMonitor(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._tokens += batch_tokens(batch)
+        ids = batch_ids(batch)
+        if ids is not None and ids.ndim:  # rows of ids.shape[-1] tokens: the sequence length model FLOPs need
+            self._tokens += ids.numel()
+            self._rows[ids.shape[-1]] += ids.numel()
         self._batches += 1
         if self._batches >= (self.every_n_batches or trainer.log_every_n_steps):
             self._sync(trainer)
@@ -141,11 +145,12 @@ class MegatrainMonitor(L.Callback):
                 pl_module.log(short, figures[key], prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     def _figures(self, trainer: L.Trainer, seconds: float) -> dict[str, float]:
-        rate = self._tokens / seconds
-        out = {"perf/tokens_per_sec": rate, "perf/model_tflops": 6 * self._n * rate / 1e12,
-               "mem/host_rss_gib": rss_bytes() / GiB}  # fmt: skip
-        if self._peak is not None:
-            out["perf/mfu"] = 6 * self._n * rate / self._peak
+        out = {"perf/tokens_per_sec": self._tokens / seconds, "mem/host_rss_gib": rss_bytes() / GiB}
+        work = self._window_flops()
+        if work is not None:
+            out["perf/model_tflops"] = work / seconds / 1e12
+            if self._peak is not None:
+                out["perf/mfu"] = flops.mfu(work, seconds, self._peak)
         if trainer.strategy.root_device.type == "cuda":
             out["mem/gpu_peak_gib"] = torch.cuda.max_memory_allocated(trainer.strategy.root_device) / GiB
         now = self._engine_stats(trainer)
@@ -156,6 +161,18 @@ class MegatrainMonitor(L.Callback):
             for part in ("step", "land", "wait"):
                 out[f"engine/host_{part}_frac"] = delta[f"host_{part}_seconds"] / seconds
         return out
+
+    def _window_flops(self) -> int | None:
+        """Model FLOPs of the window's batches; None if any of them is of a shape flops.py cannot describe."""
+        if self._flops_of is None:
+            return None
+        total = 0
+        for seq_len, tokens in self._rows.items():
+            work = self._flops_of(tokens, seq_len)
+            if work is None:
+                return None
+            total += work
+        return total
 
     @staticmethod
     def _engine_stats(trainer: L.Trainer) -> dict[str, float]:

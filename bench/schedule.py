@@ -1,0 +1,165 @@
+"""The schedule model of strategy="megatrain" on a modelled GPU: the steady-state step, its bound and MFU.
+
+    python bench/schedule.py --model llama-3.1-8b --tokens 32768 [--clip 1.0] --device h100-sxm [--png PLOT]
+
+Runs 3 optimizer steps of StreamingEngine + this project's LlamaForCausalLM (micro-batch 1, bf16-mixed) on
+fake tensors, records every decision the engine takes (megatrain_lightning/schedule), replays them on the
+device profile and prints, for the last step (measured from the same point of the step before), each
+lane's busy time and share of the step, then as the last line:
+
+    schedule: model=<m> tokens_per_step=<n> clip=<c> step_s=<x> bound_s=<y> ratio=<x/y> bound=<gpu|h2d|d2h|host> mfu=<z>
+
+bound_s is the busiest resource's work per step (gpu, h2d, d2h, host worker), ratio = step_s / bound_s
+(1.0: the resources overlap perfectly), mfu = (6·N·tokens + causal attention FLOPs, forward and backward,
+no recompute) / step_s / the profile's dense bf16 peak. Token tiles and input offload are the planner's
+choices for the profile's GPU memory. ``--measure-host`` times the host Adam kernel here instead of the
+profile's 28 B/param over host bandwidth; ``--host-adam-gparams`` gives the rate. ``--png`` draws the lanes
+of the last two steps (needs matplotlib: ``pip install -e ".[bench]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from megatrain_lightning import planner
+from megatrain_lightning.models import LlamaConfig
+from megatrain_lightning.schedule import (
+    PROFILES, Profile, attention_flops, measure_host_adam, model_flops, profile, record_steps, replay, summarize, table,
+)  # fmt: skip
+from megatrain_lightning.schedule.replay import LAUNCH_S, Interval, Timeline
+from megatrain_lightning.schedule.report import Summary, steady_window
+
+GiB = 2**30
+PNG_LANES = ("compute", "h2d", "d2h", "host", "issue", "issue blocked")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b", help="a preset of megatrain_lightning.models (default llama-3.1-8b)")
+    ap.add_argument("--tokens", type=int, default=32768, help="tokens per step: micro-batch 1 x this sequence length")
+    ap.add_argument("--clip", type=float, default=None, help="global-norm gradient clipping, as Trainer(gradient_clip_val)")
+    ap.add_argument("--device", default="h100-sxm", choices=sorted(PROFILES), help="device profile (default h100-sxm)")
+    ap.add_argument("--png", type=Path, default=None, help="draw the lanes of the last two steps into this PNG")
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps recorded (the last is measured; at least 2)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder blocks (default: the preset's)")
+    ap.add_argument("--num-slots", type=int, default=2, help="device weight slots (default 2)")
+    ap.add_argument("--launch-us", type=float, default=LAUNCH_S * 1e6, help="issue cost of one kernel or copy, us")
+    host = ap.add_mutually_exclusive_group()
+    host.add_argument("--measure-host", action="store_true", help="time kernels.adam_step_ on this machine")
+    host.add_argument("--host-adam-gparams", type=float, default=None, help="host Adam rate, 10^9 params/s")
+    args = ap.parse_args(argv)
+    if args.steps < 2:
+        ap.error(f"--steps {args.steps}: the last step is measured from the step before, so at least 2")
+    if args.tokens < 1 or (args.clip is not None and args.clip <= 0):
+        ap.error("--tokens must be >= 1 and --clip > 0 (leave --clip out for no clipping)")
+    return args
+
+
+def device_profile(args: argparse.Namespace) -> tuple[Profile, str]:
+    base = profile(args.device)
+    if args.measure_host:
+        gparams = measure_host_adam()
+        return base.with_host_adam(gparams), f"Adam {gparams:.3g} Gparams/s measured on this machine"
+    if args.host_adam_gparams is not None:
+        return base.with_host_adam(args.host_adam_gparams), f"Adam {args.host_adam_gparams:.3g} Gparams/s (given)"
+    return base, f"Adam {base.adam_params() / 1e9:.3g} Gparams/s (28 B/param over host bandwidth)"
+
+
+def config_of(args: argparse.Namespace) -> LlamaConfig:
+    overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    return LlamaConfig.from_preset(args.model, **overrides)
+
+
+def describe(args, config, prof: Profile, adam: str, tile, offload, seconds: float, items: int, jobs: int) -> list[str]:
+    clip = "none" if args.clip is None else args.clip
+    inputs = "offloaded to host memory" if offload else "kept on the GPU"
+    flops, attention = model_flops(config, args.tokens), attention_flops(config, args.tokens)
+    return [
+        f"schedule model: {args.model} ({config.num_parameters() / 1e9:.2f}B params, {config.num_hidden_layers} blocks), "
+        f"1 x {args.tokens} tokens/step, bf16-mixed, clip {clip}, modelled {prof.name}",
+        f"engine decisions: token tiles {tile or 'none'}, block inputs {inputs} (planner, {prof.gpu_mem_gib:g} GiB); "
+        f"{args.steps} steps recorded on fake tensors in {seconds:.1f} s ({items} issued items, {jobs} host jobs)",
+        f"rates: matmul {prof.matmul_tflops:g} TFLOP/s, attention {prof.attention_tflops:g} (peak {prof.bf16_peak_tflops:g}), "
+        f"HBM {prof.hbm_bytes() / 1e9:.0f} GB/s, link {prof.link_bytes() / 1e9:.1f} GB/s each way, "
+        f"host {prof.host_bytes() / 1e9:.0f} GB/s, {adam}, launch {args.launch_us:g} us",
+        f"model FLOPs/step {flops:.4g} = 6·N·tokens (N: weight matrices and head) + causal attention forward and "
+        f"backward {attention:.3g}; no recompute",
+    ]
+
+
+def summary_line(args: argparse.Namespace, s: Summary) -> str:
+    clip = "none" if args.clip is None else f"{args.clip:g}"
+    return (
+        f"schedule: model={args.model} tokens_per_step={args.tokens} clip={clip} step_s={s.step_s:.4g} "
+        f"bound_s={s.bound_s:.4g} ratio={s.ratio:.4g} bound={s.bound} mfu={s.mfu:.3g}"
+    )
+
+
+def plot(timeline: Timeline, s: Summary, steps: int, path: Path, title: str) -> str:
+    """The lanes over the last two steps; returns what was written, or why nothing was."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no PNG: matplotlib is not installed (pip install matplotlib, or pip install -e \".[bench]\")"
+    lo, hi = _two_steps(timeline, s, steps)
+    fig, ax = plt.subplots(figsize=(14, 3.6))
+    for row, lane in enumerate(reversed(PNG_LANES)):
+        bars = [(max(iv.start, lo) - lo, min(iv.end, hi) - max(iv.start, lo)) for iv in _merged(timeline, lane, lo, hi)]
+        ax.broken_barh(bars, (row - 0.4, 0.8), color="0.6" if "blocked" in lane else f"C{PNG_LANES.index(lane)}")
+    for x in s.window:
+        ax.axvline(x - lo, color="k", lw=0.8, ls="--")
+    ax.set_yticks(range(len(PNG_LANES)), list(reversed(PNG_LANES)))
+    ax.set_xlabel("seconds (dashed: the measured step)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
+def _two_steps(timeline: Timeline, s: Summary, steps: int) -> tuple[float, float]:
+    """From the end of the backward of the step before the last two (or the start) to the measured end."""
+    return (steady_window(timeline, steps - 1)[0] if steps >= 3 else 0.0), s.window[1]
+
+
+def _merged(timeline: Timeline, lane: str, lo: float, hi: float) -> list[Interval]:
+    """The lane's intervals inside [lo, hi], touching ones merged (thousands of kernels draw as few bars)."""
+    out: list[Interval] = []
+    for iv in sorted((iv for iv in timeline.intervals if iv.lane == lane and iv.end > lo and iv.start < hi),
+                     key=lambda iv: iv.start):  # fmt: skip
+        if out and iv.start <= out[-1].end + 1e-9:
+            out[-1] = dataclasses.replace(out[-1], end=max(out[-1].end, iv.end))
+        else:
+            out.append(iv)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    config = config_of(args)
+    prof, adam = device_profile(args)
+    gpu_mem = int(prof.gpu_mem_gib * GiB)
+    tile = planner.planned_tile(config, args.tokens, 1, 2, gpu_mem)
+    offload = planner.offload_needed(config, args.tokens, 1, "bf16-mixed", args.num_slots, gpu_mem)
+    t0 = time.perf_counter()
+    trace = record_steps(config, args.tokens, args.clip, args.steps, args.num_slots, offload, tile)
+    seconds = time.perf_counter() - t0
+    timeline = replay(trace, prof, args.launch_us * 1e-6)
+    s = summarize(timeline, prof, model_flops(config, args.tokens), args.steps)
+    print("\n".join(describe(args, config, prof, adam, tile, offload, seconds, len(trace.issue), len(trace.jobs))))
+    print(table(s))
+    if args.png is not None:
+        print(plot(timeline, s, args.steps, args.png, summary_line(args, s).removeprefix("schedule: ")))
+    print(summary_line(args, s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The steady-state step of a replayed timeline: its length, its busiest resource, MFU, where time goes.
+
+The step measured is the last one recorded, from the end of the previous step's backward on the GPU to the
+end of its own: it holds the previous step's optimizer work (host Adam, outer uploads), which overlaps this
+step's forward, and this step's backward. A resource's busy time is the work of that step on its lane (a
+host job belongs to the step that submitted it), so ``bound_s`` is what the step could take if every
+resource overlapped perfectly and the busiest never waited.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from megatrain_lightning.models import LlamaConfig
+from megatrain_lightning.schedule.profiles import Profile
+from megatrain_lightning.schedule.replay import Interval, Timeline
+
+RESOURCES = {"gpu": "compute", "h2d": "h2d", "d2h": "d2h", "host": "host"}
+MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+
+
+@dataclass(frozen=True)
+class Summary:
+    step_s: float
+    bound_s: float
+    bound: str
+    mfu: float
+    model_flops: float
+    window: tuple[float, float]
+    busy: dict[str, float]  # per resource (and "issue"): seconds of work of the step
+    gpu_kinds: dict[str, float]  # the GPU's busy seconds by kind: matmul, attention, memory-bound
+    host_kinds: dict[str, float]
+    blocked: dict[str, float]  # seconds the issuing thread sat blocked in the window, by where
+    gpu_idle_s: float  # seconds of the window with no kernel on the GPU
+
+    @property
+    def ratio(self) -> float:
+        return self.step_s / self.bound_s
+
+
+def flop_params(config: LlamaConfig) -> int:
+    """N of 6·N: the weight matrices of every block and the output head (a tied head too: its matmul runs
+    either way); not the input embedding (a lookup) nor the norm gains (elementwise, as every such op)."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    block = 2 * h * q + 2 * h * kv + 3 * h * config.intermediate_size
+    return config.num_hidden_layers * block + config.vocab_size * h
+
+
+def attention_flops(config: LlamaConfig, tokens: int, micro_batch: int = 1) -> float:
+    """Causal attention's QKᵀ and scores·V, forward and backward: 12·head_dim FLOPs per query head and per
+    query-key pair on or below the diagonal, seq·(seq+1)/2 pairs a row."""
+    seq = tokens // micro_batch
+    pairs = micro_batch * seq * (seq + 1) // 2
+    return float(12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * pairs)
+
+
+def model_flops(config: LlamaConfig, tokens: int, micro_batch: int = 1) -> float:
+    """Model FLOPs of a step: 6·N·tokens + causal attention, no recompute (the MFU numerator)."""
+    return 6.0 * flop_params(config) * tokens + attention_flops(config, tokens, micro_batch)
+
+
+def steady_window(timeline: Timeline, step: int) -> tuple[float, float]:
+    """(end of step-1's backward on the GPU, end of step's)."""
+    ends: dict[int, float] = {}
+    for iv in timeline.intervals:
+        if iv.lane == "compute" and iv.phase.startswith("backward"):
+            ends[iv.step] = max(ends.get(iv.step, 0.0), iv.end)
+    if step not in ends or step - 1 not in ends:
+        raise ValueError(f"the timeline has no backward of steps {step - 1} and {step}: record at least 2 steps")
+    return ends[step - 1], ends[step]
+
+
+def summarize(timeline: Timeline, profile: Profile, flops: float, step: int) -> Summary:
+    """The figures of optimizer step `step` (the last recorded) of `timeline`."""
+    lo, hi = steady_window(timeline, step)
+    mine = [iv for iv in timeline.intervals if iv.step == step]
+    busy = {name: _total(mine, lane) for name, lane in RESOURCES.items()}
+    busy["issue"] = _total(mine, "issue")
+    bound = max(RESOURCES, key=lambda name: busy[name])
+    blocked: dict[str, float] = defaultdict(float)
+    for iv in timeline.intervals:
+        if iv.lane == "issue blocked":
+            blocked[iv.what] += _overlap(iv, lo, hi)
+    compute = [iv for iv in timeline.intervals if iv.lane == "compute"]
+    return Summary(
+        step_s=hi - lo, bound_s=busy[bound], bound=bound, mfu=flops / (hi - lo) / (profile.bf16_peak_tflops * 1e12),
+        model_flops=flops, window=(lo, hi), busy=busy,
+        gpu_kinds=_by(mine, "compute", _gpu_kind), host_kinds=_by(mine, "host", lambda w: w),
+        blocked={k: v for k, v in sorted(blocked.items(), key=lambda kv: -kv[1]) if v > 0},
+        gpu_idle_s=(hi - lo) - _covered(compute, lo, hi),
+    )  # fmt: skip
+
+
+def table(s: Summary) -> str:
+    """Lanes: busy seconds of the step and their share of it; then what the GPU and host did and where
+    the issuing thread waited."""
+    rows = [f"{'lane':<6} {'busy s':>9} {'share':>7}"]
+    for name, seconds in s.busy.items():
+        mark = "  <- bound" if name == s.bound else ""
+        rows.append(f"{name:<6} {seconds:>9.4f} {seconds / s.step_s:>7.1%}{mark}")
+    rows.append(f"step   {s.step_s:>9.4f}  (bound {s.bound_s:.4f} s on {s.bound}; GPU idle {s.gpu_idle_s:.4f} s of it)")
+    rows.append("gpu:   " + _listing(s.gpu_kinds))
+    rows.append("host:  " + _listing(s.host_kinds))
+    top = dict(list(s.blocked.items())[:4])
+    rows.append("issuing thread blocked: " + (_listing(top) if top else "never"))
+    return "\n".join(rows)
+
+
+def _listing(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.4f} s" for k, v in seconds.items()) or "-"
+
+
+def _gpu_kind(name: str) -> str:
+    return "attention" if "attention" in name else "matmul" if name in MATMULS else "memory-bound"
+
+
+def _by(intervals: list[Interval], lane: str, kind) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for iv in intervals:
+        if iv.lane == lane:
+            out[kind(iv.what)] += iv.seconds
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _total(intervals: list[Interval], lane: str) -> float:
+    return sum(iv.seconds for iv in intervals if iv.lane == lane)
+
+
+def _overlap(iv: Interval, lo: float, hi: float) -> float:
+    return max(0.0, min(iv.end, hi) - max(iv.start, lo))
+
+
+def _covered(intervals: list[Interval], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] covered by `intervals` (one lane's ops never overlap each other)."""
+    return sum(_overlap(iv, lo, hi) for iv in intervals)

@@ -1,0 +1,95 @@
+"""Training steps in the order the strategy runs them, recorded on fake tensors at a real size.
+
+One optimizer step under ``Trainer(strategy="megatrain")`` with automatic optimization and one micro-batch
+per step is ``HostAdamW.step(closure)``, where Lightning's closure runs the forward (under the precision's
+autocast), ``zero_grad`` (the engine's ``flush``), then backward with ``backward_mode="step"``; the
+precision plugin's ``clip_gradients`` (``engine.request_clip``) follows the closure, then
+``engine.optimizer_step``. :func:`train_steps` makes the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+import dataclasses
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from megatrain_lightning.engine.engine import StreamingEngine
+from megatrain_lightning.measure import _release
+from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+from megatrain_lightning.optim.adamw import HostAdamW
+from megatrain_lightning.schedule.record import Recorder
+from megatrain_lightning.schedule.trace import Trace
+
+
+def train_steps(
+    engine: StreamingEngine,
+    model: torch.nn.Module,
+    batch: torch.Tensor,
+    recorder: Recorder,
+    steps: int = 3,
+    clip: float | None = None,
+    autocast: torch.dtype | None = torch.bfloat16,
+) -> None:
+    """`steps` optimizer steps of `model` on `batch` (targets = the batch), with AdamW on the host."""
+    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1), engine)
+    engine.want_norms = clip is not None  # the strategy sets it from Trainer(gradient_clip_val)
+    for step in range(1, steps + 1):
+        recorder.begin_step(step)
+        opt.step(lambda: _closure(engine, model, batch, opt, recorder, clip, autocast))
+    recorder.stage = "end"
+    engine.flush()
+
+
+def _closure(engine, model, batch, opt, recorder: Recorder, clip: float | None, autocast: torch.dtype | None) -> Any:
+    """Lightning's closure: training_step, zero_grad, backward; then clip_gradients after it."""
+    recorder.stage = "forward"
+    precision = torch.autocast(batch.device.type, dtype=autocast, cache_enabled=False) if autocast else nullcontext()
+    with precision:
+        loss = model(batch, targets=batch)
+    recorder.stage = "zero_grad"
+    opt.zero_grad()
+    recorder.stage = "backward"
+    engine.backward_mode = "step"
+    try:
+        loss.backward()
+    finally:
+        engine.backward_mode = None
+    recorder.stage = "optimizer"
+    if clip is not None:
+        engine.request_clip(clip)
+    return loss
+
+
+def record_steps(
+    config: LlamaConfig,
+    tokens: int,
+    clip: float | None = None,
+    steps: int = 3,
+    num_slots: int = 2,
+    offload_inputs: bool = False,
+    tile: int | None = None,
+) -> Trace:
+    """The trace of `steps` bf16-mixed training steps of `config` at micro-batch 1 x `tokens`, on fake tensors
+    (measure.py's way: the engine and model run for real, the tensors have shapes but no memory). `tile` and
+    `offload_inputs` are fixed: their "auto" choices read the free memory of a device there is not."""
+    config = dataclasses.replace(config, token_chunk_size=tile)
+    recorder = Recorder()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = LlamaForCausalLM(config)  # built before recording: host memory the engine takes over
+        batch = torch.zeros(1, tokens, dtype=torch.int64)
+        with recorder.recording():
+            engine = StreamingEngine(
+                model, device="cpu", compute_dtype=torch.bfloat16, num_slots=num_slots, pin_memory=False,
+                available_bytes=lambda: 1 << 62, clipping=clip is not None,
+            )  # fmt: skip
+            engine.offload_inputs = offload_inputs
+            recorder.attach(engine)
+            try:
+                train_steps(engine, model, batch, recorder, steps, clip)
+            finally:
+                recorder.detach()
+                _release(engine)
+    return recorder.trace

@@ -1,0 +1,102 @@
+"""What a recording holds: the items each thread issued, in order (record.py writes them, replay.py reads them).
+
+Times are not recorded (they are the replay's to decide): only what was issued, on which lane, with how
+much work, and what each item depends on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A device kernel on the compute lane."""
+
+    name: str
+    flops: int  # what the kernel computes (attention: the CUDA kernels' count for these shapes)
+    counted: int  # what FlopCounterMode counts for the op on this device (flop_counter's registry)
+    nbytes: int  # read + written
+    attention: bool
+    causal: bool
+    step: int
+    phase: str
+
+
+@dataclass(frozen=True)
+class Copy:
+    lane: str  # "h2d" | "d2h"
+    nbytes: int
+    step: int
+    phase: str
+
+
+@dataclass(frozen=True)
+class Record:
+    """An event recorded on `lane`: complete once everything enqueued there before it is."""
+
+    event: int
+    lane: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing enqueued on `lane` after this starts before `event` is complete (the host does not block)."""
+
+    lane: str
+    event: int
+
+
+@dataclass(frozen=True)
+class Sync:
+    """The thread blocks until `event` is complete (``event.synchronize()`` or ``query()``)."""
+
+    event: int
+    where: str
+
+
+@dataclass(frozen=True)
+class DeviceSync:
+    """The thread blocks until every lane of the device is idle."""
+
+    where: str
+
+
+@dataclass(frozen=True)
+class Submit:
+    job: int
+
+
+@dataclass(frozen=True)
+class Join:
+    """The thread blocks until host job `job` has finished (``future.result()``)."""
+
+    job: int
+    where: str
+
+
+@dataclass(frozen=True)
+class HostWork:
+    """Host arithmetic on the thread that runs it: an optimizer step, an accumulation, norms, a cast."""
+
+    kind: str
+    numel: int
+    nbytes: int
+    step: int
+    phase: str
+
+
+@dataclass(frozen=True)
+class Mark:
+    """The issuing thread begins optimizer step `step`."""
+
+    step: int
+
+
+@dataclass
+class Trace:
+    """Items of the issuing thread in order, and per host job (in submission order) the items it ran."""
+
+    issue: list = field(default_factory=list)
+    jobs: list[list] = field(default_factory=list)
+    job_step: list[int] = field(default_factory=list)  # the optimizer step during which each job was submitted

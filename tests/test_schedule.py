@@ -1,0 +1,236 @@
+"""The schedule model (megatrain_lightning/schedule, bench/schedule.py): what it records is what the engine
+does, its replay is the timeline worked out by hand, and the command line ends with its summary line.
+
+The recording tests train a tiny Llama for real on the CPU (real tensors, not fake) with the recorder
+installed, and compare what it logged with the engine's own counters and with torch's FlopCounterMode
+around the same steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import io
+import re
+from contextlib import nullcontext, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatrain_lightning import StreamingEngine
+from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+from megatrain_lightning.schedule import Profile, Recorder, replay, train_steps
+from megatrain_lightning.schedule.profiles import LINK_EFFICIENCY
+from megatrain_lightning.schedule.report import flop_params, model_flops
+from megatrain_lightning.schedule.trace import (
+    Copy, HostWork, Join, Kernel, Mark, Record, Submit, Sync, Trace, Wait,
+)  # fmt: skip
+
+SEQ, BATCH, STEPS = 32, 2, 2
+
+
+def tiny() -> LlamaConfig:
+    return LlamaConfig.from_preset("tiny", token_chunk_size=None)
+
+
+def batch() -> torch.Tensor:
+    return torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tensors are tiny: intra-op threads would only contend with whatever else runs on the machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class GlobalFlopCounter(FlopCounterMode):
+    """FlopCounterMode without its per-module tracker, whose backward hooks refuse the engine's recompute
+    (``autograd.grad`` inside a backward: "A leaf node was passed to _will_engine_execute_node"). The
+    counting is FlopCounterMode's own: its dispatch mode and registry, summed under "Global"."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False)
+        self.mod_tracker = _GlobalOnly()
+
+
+class _GlobalOnly:
+    parents = {"Global"}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@dataclass(frozen=True)
+class Run:
+    trace: Trace
+    stats: dict
+    params: int
+    weights: dict
+    counted_flops: int  # FlopCounterMode's total around the whole run
+
+
+@functools.cache
+def recorded_run(clip: float | None = None, offload: bool = False, count: bool = False) -> Run:
+    """Train the tiny model STEPS steps with the recorder installed (and FlopCounterMode around it all when
+    `count`: it runs some ops as their decompositions, which may round differently)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny())
+    recorder, counter = Recorder(), GlobalFlopCounter()
+    with counter if count else nullcontext(), recorder.recording():
+        engine = StreamingEngine(
+            model, device="cpu", pin_memory=False, offload_inputs=offload, clipping=clip is not None
+        )
+        recorder.attach(engine)
+        train_steps(engine, model, batch(), recorder, STEPS, clip)
+    weights = {k: v.clone() for k, v in engine.master_state_dict().items()}
+    engine.release()
+    return Run(recorder.trace, dict(engine.stats), engine.num_parameters(), weights, counter.get_total_flops())
+
+
+def copied(trace: Trace, lane: str) -> int:
+    return sum(i.nbytes for i in trace.issue if isinstance(i, Copy) and i.lane == lane)
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_recorded_transfers_are_the_engines_own(clip):
+    """Every byte the engine counts as uploaded or downloaded went through a recorded copy, and nothing else."""
+    run = recorded_run(clip, count=clip is None)  # (the run the FLOPs are counted in serves too)
+    assert copied(run.trace, "h2d") == run.stats["h2d_bytes"] > 0
+    assert copied(run.trace, "d2h") == run.stats["d2h_bytes"] > 0
+
+
+def test_offloaded_inputs_travel_on_the_copy_lanes_too():
+    run = recorded_run(offload=True)
+    assert run.stats["offloaded_passes"] == STEPS
+    moved = run.stats["h2d_bytes"] + run.stats["d2h_bytes"] + run.stats["input_offload_bytes"]
+    assert copied(run.trace, "h2d") + copied(run.trace, "d2h") == moved
+
+
+def test_recording_changes_nothing_the_engine_computes():
+    """The same steps without the recorder installed (the engine's own streams and worker thread)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny())
+    engine = StreamingEngine(model, device="cpu", pin_memory=False, clipping=True)
+    train_steps(engine, model, batch(), Recorder(), STEPS, 1.0)  # the recorder only counts steps here
+    plain = engine.master_state_dict()
+    recorded = recorded_run(1.0).weights
+    assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
+    engine.release()
+
+
+def test_recorded_flops_equal_the_flop_counter():
+    """Matmul FLOPs logged per kernel add up to FlopCounterMode's total around the same steps; the CPU
+    flash-attention ops (which FlopCounterMode does not know) carry the CUDA kernels' count, checked here
+    against the hand formula: 4·B·heads·T²·head_dim forward, 2.5 times that backward (the scores recomputed)."""
+    run = recorded_run(count=True)
+    kernels = [i for i in run.trace.issue if isinstance(i, Kernel)]
+    assert sum(k.counted for k in kernels) == run.counted_flops > 0
+    cfg = tiny()
+    forward = 4 * BATCH * cfg.num_attention_heads * SEQ**2 * cfg.head_dim
+    calls = STEPS * cfg.num_hidden_layers  # each block: forward, recompute (a forward) and backward per step
+    assert sum(k.flops for k in kernels if k.attention) == calls * (2 * forward + forward * 5 // 2)
+    assert all(k.causal for k in kernels if k.attention)
+
+
+def test_host_jobs_and_blocks_are_recorded():
+    """With clipping: every unit is stepped once per step on the host; the per-parameter norms are taken
+    once per step, on the host as gradients land or on the device before they go down; the issuing thread
+    waits for them before the clip coefficient (the global norm needs all); and no job starts before the
+    copy it depends on (the download it lands, or the upload still reading the copy it rewrites)."""
+    run = recorded_run(1.0)
+    work = [i for job in run.trace.jobs for i in job if isinstance(i, HostWork)]
+    assert sum(i.numel for i in work if i.kind == "adam") == STEPS * run.params
+    on_host = sum(i.numel for i in work if i.kind == "norms")
+    on_device = sum(1 for i in run.trace.issue if isinstance(i, Kernel) and i.name == "linalg_vector_norm")
+    params = len(list(LlamaForCausalLM(tiny()).parameters()))
+    assert (on_host, on_device) in [(STEPS * run.params, 0), (0, STEPS * params)]
+    assert any(isinstance(i, (Join, Sync)) and "_clip_scale" in i.where for i in run.trace.issue)
+    assert run.trace.jobs and all(job and isinstance(job[0], Sync) for job in run.trace.jobs)
+
+
+# -- replay of a hand-built graph -----------------------------------------------------------------------
+def unit_profile() -> Profile:
+    """1 TFLOP/s, 1 GB/s each way, 1 Gparam/s of Adam; HBM so fast that bytes never decide."""
+    return Profile("unit", 1, 1, 1, 1e12, 1 / LINK_EFFICIENCY, 1, 1, host_adam_gparams=1)
+
+
+def test_replay_overlaps_lanes_waits_for_events_and_blocks_the_host():
+    """By hand, with a launch cost of 0.25 s: the upload (2 s) runs from 0.25 to 2.25 while kernel A runs
+    from 0.5 to 1.5; B waits for the upload's event, 2.25 to 3.25; the job submitted at 0.75 waits for B's
+    event, then steps for 1 s until 4.25; the issuing thread blocks on it until 4.25, so C (causal
+    attention, 2 TFLOP of which half is computed) runs from 4.5 to 5.5."""
+    kernel = dict(counted=0, nbytes=0, step=1, phase="p")
+    trace = Trace(
+        issue=[
+            Mark(1), Copy("h2d", 2 * 10**9, 1, "p"), Record(1, "h2d"),
+            Kernel("A", 10**12, attention=False, causal=False, **kernel), Wait("compute", 1),
+            Kernel("B", 10**12, attention=False, causal=False, **kernel), Record(2, "compute"),
+            Submit(0), Join(0, "test"), Kernel("C", 2 * 10**12, attention=True, causal=True, **kernel),
+        ],  # fmt: skip
+        jobs=[[Sync(2, "land"), HostWork("adam", 10**9, 28 * 10**9, 1, "p")]],
+        job_step=[1],
+    )
+    timeline = replay(trace, unit_profile(), launch_s=0.25)
+    spans = {(iv.lane, iv.what): (iv.start, iv.end) for iv in timeline.intervals if iv.what != "launch"}
+    expected = {
+        ("h2d", "copy"): (0.25, 2.25), ("compute", "A"): (0.5, 1.5), ("compute", "B"): (2.25, 3.25),
+        ("host blocked", "land"): (0.75, 3.25), ("host", "adam"): (3.25, 4.25),
+        ("issue blocked", "test"): (0.75, 4.25), ("compute", "C"): (4.5, 5.5),
+    }  # fmt: skip
+    assert spans == pytest.approx(expected)
+
+
+def test_replay_refuses_a_schedule_that_cannot_proceed():
+    """The issuing thread waits for a job whose copy event is recorded only after that wait."""
+    trace = Trace(issue=[Submit(0), Join(0, "x"), Record(1, "d2h")], jobs=[[Sync(1, "y")]], job_step=[0])
+    with pytest.raises(RuntimeError, match="cannot proceed"):
+        replay(trace, unit_profile())
+
+
+# -- the command line ----------------------------------------------------------------------------------
+LAST = re.compile(
+    r"^schedule: model=(\S+) tokens_per_step=(\d+) clip=(\S+) step_s=(\S+) bound_s=(\S+) ratio=(\S+) "
+    r"bound=(gpu|h2d|d2h|host) mfu=(\S+)$"
+)
+
+
+def test_command_line_ends_with_the_summary_line(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_schedule", Path(__file__).parents[1] / "bench" / "schedule.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    out = io.StringIO()
+    png = tmp_path / "lanes.png"
+    with redirect_stdout(out):
+        args = ["--model", "tiny", "--tokens", "64", "--clip", "1.0", "--device", "a100", "--steps", "2", "--png", str(png)]
+        assert cli.main(args) == 0
+    lines = out.getvalue().strip().splitlines()
+    match = LAST.match(lines[-1])
+    assert match, lines[-1]
+    model, tokens, clip, step_s, bound_s, ratio, _, mfu = match.groups()
+    assert (model, tokens, clip) == ("tiny", "64", "1")
+    assert float(step_s) >= float(bound_s) > 0 and 0 < float(mfu) < 1
+    assert float(ratio) == pytest.approx(float(step_s) / float(bound_s), rel=1e-3)
+    if importlib.util.find_spec("matplotlib") is None:
+        assert any("matplotlib is not installed" in line for line in lines)
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_model_flops_count_the_weight_matrices_and_causal_pairs():
+    """N is every parameter but the input embedding and the norm gains (2 per block and the final one);
+    causal attention is half the full square plus the diagonal: 12·heads·head_dim per pair, forward and backward."""
+    cfg = LlamaConfig.from_preset("llama-3.1-8b")
+    gains = (2 * cfg.num_hidden_layers + 1) * cfg.hidden_size
+    assert flop_params(cfg) == cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size - gains
+    seq = 4096
+    full = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq * seq
+    assert model_flops(cfg, seq) == 6 * flop_params(cfg) * seq + (full + full // seq) // 2
