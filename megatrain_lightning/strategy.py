@@ -189,14 +189,6 @@ class MegatrainStrategy(SingleDeviceStrategy):
 
     # -- training hooks -------------------------------------------------------------------------
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The step, with the engine learning (the first time) which outer parameters its forward reads
-        before the last block, so the others are refreshed after an optimizer step only when needed."""
-        assert self.engine is not None
-        with self.engine.record_outer_use():
-            return super().training_step(*args, **kwargs)
-
-    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Tell the engine whether this gradient completes an optimizer step, then run backward."""
         assert self.engine is not None

@@ -50,16 +50,17 @@ def test_host_bytes_per_parameter(dtype, per_param):
 
 @pytest.mark.parametrize("slots", [2, 3])
 def test_backward_does_not_reupload_resident_blocks(slots):
-    """Each training step uploads every block for forward, then only the blocks forward evicted."""
+    """Each training step uploads every block for forward, then only the blocks forward evicted. The
+    optimizer step already issues the next forward's first S - 1 blocks (each once its step is done)."""
     layers = 6
     model = own_llama(layers)
     engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, num_slots=slots)
     train_steps(engine, model, 3)
-    assert engine.pool.uploads == 3 * (layers + layers - slots)
+    assert engine.pool.uploads == 3 * (layers + layers - slots) + (slots - 1)
     before = engine.pool.uploads
     with torch.no_grad():
         model(token_batches(1)[0])
-    assert engine.pool.uploads - before == layers
+    assert engine.pool.uploads - before == layers - (slots - 1)
 
 
 def count_saved(model: nn.Module, batch: torch.Tensor) -> int:
@@ -186,7 +187,8 @@ def test_blocks_step_during_backward_unless_clipping(clip):
 
 
 def test_stats_count_transfers():
-    """Byte counters follow the upload schedule: per step L + (L - S) block uploads plus the outer copies."""
+    """Byte counters follow the upload schedule: per step L + (L - S) block uploads plus the outer copies
+    (the last step has already issued block 0 for the forward after it)."""
     layers = 4
     model = own_llama(layers)
     engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
@@ -194,7 +196,7 @@ def test_stats_count_transfers():
     train_steps(engine, model, 2)
     block = engine.units[0].numel * 4
     outer = sum(u.numel for u in engine.outer_units) * 4
-    assert engine.stats["h2d_bytes"] - start["h2d_bytes"] == 2 * ((2 * layers - 2) * block + outer)
+    assert engine.stats["h2d_bytes"] - start["h2d_bytes"] == 2 * ((2 * layers - 2) * block + outer) + block
     assert engine.stats["d2h_bytes"] - start["d2h_bytes"] == 2 * (layers * block + outer)
     assert engine.stats["host_step_seconds"] > 0
 
@@ -268,3 +270,25 @@ def test_host_worker_thread_uses_the_engines_gpu(monkeypatch):
     assert calls == [torch.device("cuda", 1)]
     engine = StreamingEngine(own_llama(2), device="cpu", host_threads=1)
     assert engine._worker._initializer is worker_init and engine._worker._initargs == (engine.device, 1)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_outer_parameters_are_current_when_the_optimizer_step_returns(clip):
+    """What a callback (an EMA of the weights, a norm logger) reads right after a step is the stepped
+    weights: every outer parameter's device copy equals its master once optimizer_step returns, with the
+    optimizer overlapping backward or (clipping) stepping after it."""
+    model = own_llama(3)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.bfloat16, clipping=clip is not None)
+    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-2), engine)
+    engine.want_norms = clip is not None
+    for batch in token_batches(3):
+        engine.backward_mode = "step"
+        model(batch, targets=batch).backward()
+        if clip is not None:
+            engine.request_clip(clip)
+        opt.step()
+        for unit in engine.outer_units:
+            (entry,) = unit.entries
+            assert torch.equal(entry.param.detach().reshape(-1), unit.master.to(torch.bfloat16)), unit.name
+        opt.zero_grad()
+    engine.release()

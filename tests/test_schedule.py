@@ -189,6 +189,23 @@ def test_replay_overlaps_lanes_waits_for_events_and_blocks_the_host():
     assert spans == pytest.approx(expected)
 
 
+def test_replay_runs_the_ready_job_of_lowest_order_first():
+    """As engine/worker.py does: jobs 0 (order 5) and 1 (order 1) are submitted at once and run 1 then 0;
+    job 2 (order 0) comes after a copy that ends at 1.25, so it waits while job 0 runs (1 to 2), then goes
+    ahead of job 3 (order 9, ready at 0) that was submitted before it."""
+    def adam(job: int) -> HostWork:  # 1 s each on the unit profile; the phase names the job
+        return HostWork("adam", 10**9, 1, 1, f"job {job}")
+
+    trace = Trace(
+        issue=[Mark(1), Submit(0), Submit(1), Submit(3), Copy("d2h", 10**9, 1, "p"), Record(1, "d2h"), Submit(2)],
+        jobs=[[adam(0)], [adam(1)], [Sync(1, "land"), adam(2)], [adam(3)]],
+        job_step=[1] * 4, job_order=[5, 1, 0, 9], job_after=[((), ()), ((), ()), ((1,), ()), ((), ())],
+    )  # fmt: skip
+    timeline = replay(trace, unit_profile(), launch_s=0.25)
+    ran = [(iv.phase, iv.start) for iv in timeline.intervals if iv.lane == "host"]
+    assert ran == [("job 1", 0.0), ("job 0", 1.0), ("job 2", 2.0), ("job 3", 3.0)]  # the copy ended at 1.25
+
+
 def test_replay_refuses_a_schedule_that_cannot_proceed():
     """The issuing thread waits for a job whose copy event is recorded only after that wait."""
     trace = Trace(issue=[Submit(0), Join(0, "x"), Record(1, "d2h")], jobs=[[Sync(1, "y")]], job_step=[0])

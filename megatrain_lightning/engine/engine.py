@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
@@ -41,6 +40,7 @@ from megatrain_lightning.engine.saved_inputs import (
     offload_needed,
 )
 from megatrain_lightning.engine.streams import SlotPool, Streams
+from megatrain_lightning.engine.worker import HostWorker
 from megatrain_lightning.optim.kernels import AdamHyper
 from megatrain_lightning.optim.threads import configure_host_threads, resolve_host_threads
 
@@ -136,16 +136,17 @@ class StreamingEngine(HostSteps, OuterParams):
                 self.tier.close()
             raise
         self._forward_states: list[Any] = [None] * len(self.units)  # weakref: the latest call of each block
+        self._block_index = {id(u): i for i, u in enumerate(self.units)}
         max_numel = max(u.numel for u in self.units)
         self.pool = SlotPool(self.streams, num_slots, max_numel, compute_dtype)
         self._grad_slots = [torch.empty(max_numel, dtype=compute_dtype, device=self.device) for _ in range(2)]
         self._grad_slot_free: list[object | None] = [None, None]
         self._next_grad_slot = 0
         self.grad_anchor = torch.empty(0, requires_grad=True)
-        self._worker = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="megatrain-host", initializer=worker_init,
-            initargs=(self.device, self.host_threads),
-        )  # fmt: skip
+        # Steps run in the order the next forward needs them, among those whose gradient has landed
+        # (engine/worker.py); with the NVMe tier in the order queued, the order its read-ahead plan names.
+        self._worker = HostWorker("megatrain-host_0", worker_init, (self.device, self.host_threads),
+                                  fifo=self.tier is not None)  # fmt: skip
         self.backward_mode: str | None = None  # None | "accumulate" | "step": set by the trainer glue
         self.hyper: Callable[[], list[AdamHyper]] | None = None  # the attached optimizer's groups, now
         self.param_order: list[int] = []  # ids of the optimizer's parameters in group order
@@ -293,7 +294,7 @@ class StreamingEngine(HostSteps, OuterParams):
                 return state.call(runner.inner, x)
 
         with torch.no_grad():
-            out, state.kind, state.extra = state.split(self._run(idx, +1, call, (state.args, state.kwargs)))
+            out, state.kind, state.extra = state.split(self._run(idx, +1, call))
         if side is None:
             return out, []
         side.add(state.extra)
@@ -348,12 +349,12 @@ class StreamingEngine(HostSteps, OuterParams):
             self._ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot)
         return grads[0] if need_input_grad else None
 
-    def _run(self, idx: int, direction: int, fn: Callable[[], Any], call_args: Any = None) -> Any:
+    def _run(self, idx: int, direction: int, fn: Callable[[], Any]) -> Any:
         """Bind block `idx`'s weights from a slot, enqueue `fn`, then prefetch the next blocks (those whose
         optimizer step is done: a pending one is waited for when its block runs, not before)."""
         unit = self.units[idx]
         slot = self._load(idx, {idx})
-        with self._bound(idx, self.pool.acquire(slot, unit.numel)), self._unrecorded_block(call_args):
+        with self._bound(idx, self.pool.acquire(slot, unit.numel)):
             out = fn()
         self.pool.release(slot)
         # Prefetch after enqueueing the compute, so waiting for a pending host step never delays it.
@@ -366,8 +367,6 @@ class StreamingEngine(HostSteps, OuterParams):
         for j in ahead:
             if self._load(j, {idx, *ahead}, wait=False) is None:
                 break  # steps finish in forward order: the blocks after it are not ready either
-        if direction > 0:
-            self._after_forward_block(idx)
         return out
 
     @contextmanager

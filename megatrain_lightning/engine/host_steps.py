@@ -86,7 +86,9 @@ class HostSteps:
             slab = unit.ensure_slab()
             self.streams.copy(self.streams.d2h, slab, flat)
             done = self.streams.event(self.streams.d2h)
-            self._submit(unit, lambda: self._land(unit, done, present, accumulate, want_norm, hyper))
+            # A step waits its turn (engine/worker.py): the next forward's order, once its copy has landed.
+            rank = self._step_rank(unit) if hyper is not None else 0
+            self._submit(unit, lambda: self._land(unit, done, present, accumulate, want_norm, hyper), rank, done)
         if grad_slot is not None:
             self._grad_slot_free[grad_slot] = done
         elif self.streams.is_cuda:
@@ -112,7 +114,7 @@ class HostSteps:
             self.streams.copy(self.streams.d2h, buf, flat[lo:hi])
             done = self.streams.event(self.streams.d2h)
             job = (unit, done, present, buf, lo, hi, to_acc, first, want_norm, hyper)
-            self._submit(unit, lambda job=job: self._land_piece(*job))
+            self._submit(unit, lambda job=job: self._land_piece(*job), 0, done)
             self._grad_ring.hold(i, unit.future)  # free once the landing job has consumed it
         return done
 
@@ -217,7 +219,7 @@ class HostSteps:
         scale = self._clip_scale(todo, clip_val) if clip_val else 1.0
         block_of = {id(u): i for i, u in enumerate(self.units)}
         for unit in todo:
-            self._submit(unit, lambda unit=unit: self._step_unit(unit, hyper, scale))
+            self._submit(unit, lambda unit=unit: self._step_unit(unit, hyper, scale), self._step_rank(unit))
             if id(unit) in block_of:
                 self.pool.invalidate(block_of[id(unit)])
         stepped = set(todo) | self._eager
@@ -225,13 +227,13 @@ class HostSteps:
         self._pending.clear()
         self._eager.clear()
         self.optimizer_steps += 1
-        # The next forward's first blocks go up as soon as their steps are done (without waiting here for
-        # those still pending); then the outer parameters it reads before the blocks, each after its step.
-        first = [j for j in range(min(self.pool.num_slots - 1, len(self.units)))]
-        for j in first:
-            if self._load(j, set(first), wait=False) is None:
-                break
-        self._refresh_outer(self._early_outer())
+        # What the next forward reads first goes up now, each as soon as its own step is done: the outer
+        # parameters (every device copy is current when this returns), then its first blocks. (Always, not
+        # only when the steps happen to be done: the uploads a step makes do not depend on timing.)
+        self._refresh_outer()
+        first = set(range(min(self.pool.num_slots - 1, len(self.units))))
+        for j in sorted(first):
+            self._load(j, first)
 
     def _read_ahead(self, units: list[HostUnit]) -> None:
         """Tell the NVMe tier the order the next steps take, so it reads their moments ahead of them. The
@@ -331,5 +333,12 @@ class HostSteps:
         else:
             unit.wait()
 
-    def _submit(self, unit: HostUnit, job: Callable[[], None]) -> None:
-        unit.future = self._worker.submit(job)
+    def _submit(self, unit: HostUnit, job: Callable[[], None], order: int = 0, event: Any = None) -> None:
+        """Queue `job` as `unit`'s last job: after its previous one and (if given) the copy `event`, at
+        `order` (engine/worker.py: 0 for landing and bookkeeping, a step's rank for steps)."""
+        unit.future = self._worker.submit(job, order=order, after=(unit.future, event))
+
+    def _step_rank(self, unit: HostUnit) -> int:
+        """A step's order on the worker: 1 for outer units (``optimizer_step`` waits for them), then
+        2 + i for block i, as the next forward reads them."""
+        return 1 if unit in self.outer_units else 2 + self._block_index[id(unit)]

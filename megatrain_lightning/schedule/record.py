@@ -146,10 +146,14 @@ class Recorder:
         self.events += 1
         return self.events
 
-    def submit(self) -> int:
+    def submit(self, order: int = 0, after: tuple = ()) -> int:
+        """A new host job, submitted at `order` to run after `after` (recorded events and jobs' futures)."""
         job = len(self.trace.jobs)
         self.trace.jobs.append([])
         self.trace.job_step.append(self.step)
+        self.trace.job_order.append(order)
+        events = tuple(a.id for a in after if isinstance(a, RecordedEvent))
+        self.trace.job_after.append((events, tuple(a.job for a in after if isinstance(a, _Future))))
         self.log(Submit(job))
         return job
 
@@ -266,8 +270,8 @@ class _Worker:
     def __init__(self, recorder: Recorder, inner: Any) -> None:
         self.recorder, self.inner = recorder, inner
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> _Future:
-        job, done = self.recorder.submit(), Future()
+    def submit(self, fn: Callable[..., Any], /, *args: Any, order: int = 0, after: tuple = (), **kwargs: Any) -> _Future:
+        job, done = self.recorder.submit(order, tuple(after)), Future()
         try:
             done.set_result(self.recorder.run_job(job, fn, args, kwargs))
         except Exception as e:  # raised where the engine reads the future, as the pool would

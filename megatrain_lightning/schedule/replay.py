@@ -8,8 +8,10 @@ engine's worker thread) and ``issue`` (the Python thread that launches kernels a
   told to wait for, and lasts its modelled time. An event completes when everything enqueued on its lane
   before it has (or when it is recorded, on an idle lane). A sync moves the thread's clock to the end of
   what it waits for (an event, a host job, the whole device): that stretch is recorded as blocked.
-- The worker runs jobs in submission order: a job starts once submitted and once the job before it has
-  ended; its waits on copy events block it like the issuing thread's; its kernels take their host time.
+- The worker runs one job at a time, as engine/worker.py does: a job is ready once submitted and once
+  what it was submitted after (copy events, earlier jobs) is complete; when the worker is free it takes
+  the ready job of lowest order (submission order among equal ones), else waits for the first to become
+  ready. Its waits on copy events block it like the issuing thread's; its kernels take their host time.
 
 Kernel time = max(FLOPs / rate, bytes / HBM bandwidth, KERNEL_FLOOR_S): attention at the profile's
 attention rate on causal FLOPs (the flash kernels skip the masked half), everything else at the matmul
@@ -88,13 +90,38 @@ class Replay:
         self.timeline = Timeline()
 
     def run(self) -> Timeline:
-        worker = [x for j, items in enumerate(self.trace.jobs) for x in (_JobStart(j), *items, _JobEnd(j))]
-        threads = [_Thread("issue", self.trace.issue), _Thread("host", worker)]
-        while not all(t.done for t in threads):
-            if not any([self._advance(t) for t in threads]):
+        self.started: set[int] = set()
+        threads = [_Thread("issue", self.trace.issue), _Thread("host", [])]
+        while not all(t.done for t in threads) or len(self.started) < len(self.trace.jobs):
+            moved = self._advance(threads[0])
+            if threads[1].done:
+                moved = self._next_job(threads[1]) or moved
+            if not any([self._advance(threads[1]), moved]):
                 stuck = {t.name: t.items[t.i] for t in threads if not t.done}
                 raise RuntimeError(f"the recorded schedule cannot proceed: each thread waits for the other ({stuck})")
         return self.timeline
+
+    def _ready_at(self, job: int) -> float | None:
+        """When `job` can start (submitted, what it comes after complete), None while that is not known."""
+        if job not in self.submitted:
+            return None
+        events, jobs = self.trace.job_after[job] if self.trace.job_after else ((), ())
+        if any(e not in self.events for e in events) or any(j not in self.ended for j in jobs):
+            return None
+        return max([self.submitted[job], *(self.events[e] for e in events), *(self.ended[j] for j in jobs)])
+
+    def _next_job(self, worker: _Thread) -> bool:
+        """Give the idle worker its next job: the issuing thread has gone as far as it can, so every job
+        that can be ready before the worker's clock is known. Whether there was one."""
+        ready = {j: t for j in self.submitted if j not in self.started and (t := self._ready_at(j)) is not None}
+        if not ready:
+            return False
+        at = max(worker.clock, min(ready.values()))
+        order = self.trace.job_order or [0] * len(self.trace.jobs)  # (a trace built by hand may give none)
+        job = min((j for j, t in ready.items() if t <= at), key=lambda j: (order[j], j))
+        self.started.add(job)
+        worker.items += [_JobStart(job), *self.trace.jobs[job], _JobEnd(job)]
+        return True
 
     def _advance(self, thread: _Thread) -> bool:
         """Run `thread` until it waits for something not replayed yet; whether it moved."""

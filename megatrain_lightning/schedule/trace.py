@@ -100,3 +100,5 @@ class Trace:
     issue: list = field(default_factory=list)
     jobs: list[list] = field(default_factory=list)
     job_step: list[int] = field(default_factory=list)  # the optimizer step during which each job was submitted
+    job_order: list[int] = field(default_factory=list)  # its order on the worker (engine/worker.py)
+    job_after: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)  # (events, jobs) first
