@@ -213,15 +213,14 @@ class HostSteps:
             raise RuntimeError("no optimizer is attached to the engine")
         clip_val, self._clip = self._clip, None
         hyper = self.hyper()
-        todo = self._step_order([u for u in self.all_units() if u in self._pending])
+        todo = sorted((u for u in self.all_units() if u in self._pending), key=self._step_rank)
         if todo:  # (after a backward that stepped everything, the plan it set reaches into the next one)
             self._read_ahead(todo)  # the moments come in while the clipping norm is being computed
         scale = self._clip_scale(todo, clip_val) if clip_val else 1.0
-        block_of = {id(u): i for i, u in enumerate(self.units)}
         for unit in todo:
             self._submit(unit, lambda unit=unit: self._step_unit(unit, hyper, scale), self._step_rank(unit))
-            if id(unit) in block_of:
-                self.pool.invalidate(block_of[id(unit)])
+            if id(unit) in self._block_index:
+                self.pool.invalidate(self._block_index[id(unit)])
         stepped = set(todo) | self._eager
         self._stale.update(u for u in self.outer_units if u in stepped)
         self._pending.clear()

@@ -56,11 +56,6 @@ class OuterParams:
                 self._upload_outer(unit, dev)
                 self._stale.discard(unit)
 
-    def _step_order(self, units: list[HostUnit]) -> list[HostUnit]:
-        """The order optimizer steps are queued in: the outer units first (``optimizer_step`` rewrites their
-        device copies before it returns), then blocks 0..L-1 as the next forward reads them."""
-        return sorted(units, key=lambda u: 0 if u in self.outer_units else 1)
-
 
 def _bind(unit: HostUnit, flat: torch.Tensor) -> None:
     """Point each parameter of `unit` at its slice of `flat` (no copy)."""
