@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 
 from megatrain_lightning import planner
+from megatrain_lightning.flops import attention_flops, model_flops
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.schedule import (
-    PROFILES, Profile, attention_flops, measure_host_adam, model_flops, profile, record_steps, replay, summarize, table,
+    PROFILES, Profile, measure_host_adam, profile, record_steps, replay, summarize, table,
 )  # fmt: skip
 from megatrain_lightning.schedule.replay import LAUNCH_S, Interval, Timeline
 from megatrain_lightning.schedule.report import Summary, steady_window
@@ -77,7 +78,7 @@ def config_of(args: argparse.Namespace) -> LlamaConfig:
 def describe(args, config, prof: Profile, adam: str, tile, offload, seconds: float, items: int, jobs: int) -> list[str]:
     clip = "none" if args.clip is None else args.clip
     inputs = "offloaded to host memory" if offload else "kept on the GPU"
-    flops, attention = model_flops(config, args.tokens), attention_flops(config, args.tokens)
+    flops, attention = model_flops(config, args.tokens, args.tokens), attention_flops(config, args.tokens, args.tokens)
     return [
         f"schedule model: {args.model} ({config.num_parameters() / 1e9:.2f}B params, {config.num_hidden_layers} blocks), "
         f"1 x {args.tokens} tokens/step, bf16-mixed, clip {clip}, modelled {prof.name}",
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = record_steps(config, args.tokens, args.clip, args.steps, args.num_slots, offload, tile)
     seconds = time.perf_counter() - t0
     timeline = replay(trace, prof, args.launch_us * 1e-6)
-    s = summarize(timeline, prof, model_flops(config, args.tokens), args.steps)
+    s = summarize(timeline, prof, model_flops(config, args.tokens, args.tokens), args.steps)
     print("\n".join(describe(args, config, prof, adam, tile, offload, seconds, len(trace.issue), len(trace.jobs))))
     print(table(s))
     if args.png is not None:

@@ -24,7 +24,7 @@ from megatrain_lightning import StreamingEngine
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.schedule import Profile, Recorder, replay, train_steps
 from megatrain_lightning.schedule.profiles import LINK_EFFICIENCY
-from megatrain_lightning.schedule.report import flop_params, model_flops
+from megatrain_lightning.flops import matmul_params, model_flops
 from megatrain_lightning.schedule.trace import (
     Copy, HostWork, Join, Kernel, Mark, Record, Submit, Sync, Trace, Wait,
 )  # fmt: skip
@@ -247,7 +247,7 @@ def test_model_flops_count_the_weight_matrices_and_causal_pairs():
     causal attention is half the full square plus the diagonal: 12·heads·head_dim per pair, forward and backward."""
     cfg = LlamaConfig.from_preset("llama-3.1-8b")
     gains = (2 * cfg.num_hidden_layers + 1) * cfg.hidden_size
-    assert flop_params(cfg) == cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size - gains
+    assert matmul_params(cfg) == cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size - gains
     seq = 4096
     full = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq * seq
-    assert model_flops(cfg, seq) == 6 * flop_params(cfg) * seq + (full + full // seq) // 2
+    assert model_flops(cfg, seq, seq) == 6 * matmul_params(cfg) * seq + (full + full // seq) // 2

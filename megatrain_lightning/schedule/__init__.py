@@ -46,10 +46,10 @@ from megatrain_lightning.schedule.profiles import PROFILES, Profile, measure_hos
 from megatrain_lightning.schedule.record import Recorder
 from megatrain_lightning.schedule.trace import Trace
 from megatrain_lightning.schedule.replay import Timeline, replay
-from megatrain_lightning.schedule.report import Summary, attention_flops, model_flops, summarize, table
+from megatrain_lightning.schedule.report import Summary, summarize, table
 from megatrain_lightning.schedule.steps import record_steps, train_steps
 
 __all__ = [
-    "PROFILES", "Profile", "Recorder", "Summary", "Timeline", "Trace", "attention_flops", "measure_host_adam",
-    "model_flops", "profile", "record_steps", "replay", "summarize", "table", "train_steps",
+    "PROFILES", "Profile", "Recorder", "Summary", "Timeline", "Trace", "measure_host_adam",
+    "profile", "record_steps", "replay", "summarize", "table", "train_steps",
 ]  # fmt: skip

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.replay import Interval, Timeline
 
@@ -37,28 +36,6 @@ class Summary:
     @property
     def ratio(self) -> float:
         return self.step_s / self.bound_s
-
-
-def flop_params(config: LlamaConfig) -> int:
-    """N of 6·N: the weight matrices of every block and the output head (a tied head too: its matmul runs
-    either way); not the input embedding (a lookup) nor the norm gains (elementwise, as every such op)."""
-    h, d = config.hidden_size, config.head_dim
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    block = 2 * h * q + 2 * h * kv + 3 * h * config.intermediate_size
-    return config.num_hidden_layers * block + config.vocab_size * h
-
-
-def attention_flops(config: LlamaConfig, tokens: int, micro_batch: int = 1) -> float:
-    """Causal attention's QKᵀ and scores·V, forward and backward: 12·head_dim FLOPs per query head and per
-    query-key pair on or below the diagonal, seq·(seq+1)/2 pairs a row."""
-    seq = tokens // micro_batch
-    pairs = micro_batch * seq * (seq + 1) // 2
-    return float(12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * pairs)
-
-
-def model_flops(config: LlamaConfig, tokens: int, micro_batch: int = 1) -> float:
-    """Model FLOPs of a step: 6·N·tokens + causal attention, no recompute (the MFU numerator)."""
-    return 6.0 * flop_params(config) * tokens + attention_flops(config, tokens, micro_batch)
 
 
 def steady_window(timeline: Timeline, step: int) -> tuple[float, float]:
