@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is a folder of scripts
+
 from megatrain_lightning import planner
 from megatrain_lightning.flops import attention_flops, model_flops
 from megatrain_lightning.models import LlamaConfig
@@ -33,6 +35,7 @@ from megatrain_lightning.schedule import (
 )  # fmt: skip
 from megatrain_lightning.schedule.replay import LAUNCH_S, Interval, Timeline
 from megatrain_lightning.schedule.report import Summary, steady_window
+from timeline import draw_lanes  # noqa: E402
 
 GiB = 2**30
 PNG_LANES = ("compute", "h2d", "d2h", "host", "issue", "issue blocked")
@@ -102,27 +105,11 @@ def summary_line(args: argparse.Namespace, s: Summary) -> str:
 
 def plot(timeline: Timeline, s: Summary, steps: int, path: Path, title: str) -> str:
     """The lanes over the last two steps; returns what was written, or why nothing was."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib, or pip install -e \".[bench]\")"
     lo, hi = _two_steps(timeline, s, steps)
-    fig, ax = plt.subplots(figsize=(14, 3.6))
-    for row, lane in enumerate(reversed(PNG_LANES)):
-        bars = [(max(iv.start, lo) - lo, min(iv.end, hi) - max(iv.start, lo)) for iv in _merged(timeline, lane, lo, hi)]
-        ax.broken_barh(bars, (row - 0.4, 0.8), color="0.6" if "blocked" in lane else f"C{PNG_LANES.index(lane)}")
-    for x in s.window:
-        ax.axvline(x - lo, color="k", lw=0.8, ls="--")
-    ax.set_yticks(range(len(PNG_LANES)), list(reversed(PNG_LANES)))
-    ax.set_xlabel("seconds (dashed: the measured step)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plot: {path}"
+    rows = [(lane, [(max(iv.start, lo) - lo, min(iv.end, hi) - max(iv.start, lo)) for iv in _merged(timeline, lane, lo, hi)],
+             "0.6" if "blocked" in lane else f"C{PNG_LANES.index(lane)}") for lane in PNG_LANES]  # fmt: skip
+    return draw_lanes(rows, path, title, "seconds (dashed: the measured step)", size=(14, 3.6),
+                      marks=tuple(x - lo for x in s.window))  # fmt: skip
 
 
 def _two_steps(timeline: Timeline, s: Summary, steps: int) -> tuple[float, float]:

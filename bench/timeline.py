@@ -170,21 +170,31 @@ def summarize(by_lane: dict[str, list[Interval]]) -> dict[str, Any]:
 
 def plot(by_lane: dict[str, list[Interval]], path: Path, title: str) -> str:
     """Draw the lanes as horizontal bars; returns what was written (or why nothing was)."""
+    shown = [lane for lane in LANES if by_lane.get(lane)]
+    t0 = min(s for lane in shown for s, _ in by_lane[lane]) if shown else 0.0
+    rows = [(lane, [((s - t0) / 1e3, (e - s) / 1e3) for s, e in union(by_lane[lane])], f"C{LANES.index(lane)}")
+            for lane in shown]  # fmt: skip
+    return draw_lanes(rows, path, title, "ms from the step's first event", size=(12, 0.6 * len(shown) + 1.2))
+
+
+def draw_lanes(rows: list[tuple[str, list[tuple[float, float]], str]], path: Path, title: str, xlabel: str,
+               size: tuple[float, float], marks: tuple[float, ...] = ()) -> str:  # fmt: skip
+    """One row of bars per (name, [(start, length)], color), top to bottom, dashed lines at `marks`;
+    returns what was written, or why nothing was (bench/schedule.py draws its lanes with it too)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib); the trace is written"
-    shown = [lane for lane in LANES if by_lane.get(lane)]
-    t0 = min(s for lane in shown for s, _ in by_lane[lane]) if shown else 0.0
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(shown) + 1.2))
-    for row, lane in enumerate(reversed(shown)):
-        bars = [((s - t0) / 1e3, (e - s) / 1e3) for s, e in union(by_lane[lane])]
-        ax.broken_barh(bars, (row - 0.4, 0.8), color=f"C{LANES.index(lane)}")
-    ax.set_yticks(range(len(shown)), list(reversed(shown)))
-    ax.set_xlabel("ms from the step's first event")
+        return "no PNG: matplotlib is not installed (pip install matplotlib, or pip install -e \".[bench]\")"
+    fig, ax = plt.subplots(figsize=size)
+    for row, (_, bars, color) in enumerate(reversed(rows)):
+        ax.broken_barh(bars, (row - 0.4, 0.8), color=color)
+    for x in marks:
+        ax.axvline(x, color="k", lw=0.8, ls="--")
+    ax.set_yticks(range(len(rows)), [name for name, _, _ in reversed(rows)])
+    ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
