@@ -9,8 +9,9 @@ The engine is applied to an ordinary, built model (it imports no Lightning):
 - every parameter outside the blocks (embedding, final norm, head) gets a unit of its own. Its compute
   copy lives on the device for the whole run (it does not grow with depth) and is rewritten after each
   optimizer step; a post-accumulate-grad hook ships its gradient to host as soon as autograd has it;
-- one host worker thread does all host-side arithmetic in submission order: landing gradients
-  (accumulating in fp32), norms for clipping, and optimizer steps. A unit's ``future`` is its last job;
+- one host worker thread (engine/worker.py) does all host-side arithmetic: landing gradients
+  (accumulating in fp32), norms for clipping, and optimizer steps, a unit's jobs in the order submitted
+  and steps in the order the next forward needs them. A unit's ``future`` is its last job;
   nothing reads or overwrites a unit's buffers before that future and the copy events it waits on.
 """
 

@@ -1,9 +1,10 @@
 """The host half of the engine: gradients from device to host, and the optimizer steps on them.
 
 Mixed into :class:`~megatrain_lightning.engine.engine.StreamingEngine`, whose state it uses (units, pool,
-streams, worker, stats). Every host-side computation runs on the engine's single worker thread, in
-submission order; a unit's ``future`` is its last job, and nothing overwrites a unit's slab or uploads its
-copy before that future has finished.
+streams, worker, stats). Every host-side computation runs on the engine's single worker thread
+(engine/worker.py: a unit's jobs in the order submitted, steps in the next forward's order); a unit's
+``future`` is its last job, and nothing overwrites a unit's slab or uploads its copy before that future
+has finished.
 
 Per unit the gradient goes: grad slot on the device -> D2H into the unit's pinned slab -> the worker
 waits for the copy event, then keeps it (slab), adds it into the fp32 accumulator, computes its norms,
