@@ -172,14 +172,16 @@ class HostUnit:
                 raise RuntimeError(f"{self.name} has no Adam moments: no optimizer is attached")
             yield lo, hi, self.m[lo:hi], self.v[lo:hi]
             return
-        for piece in self.tier.pieces(self):
-            if only is not None and not any(a < piece.hi and b > piece.lo for a, b in only):
-                continue
+        for piece in self.tier_pieces(only):
             if piece.lo >= lo and piece.hi <= hi:
                 with self.tier.resident(piece, write=write, fresh=fresh) as (m, v):
                     yield piece.lo, piece.hi, m, v
             elif piece.lo < hi and piece.hi > lo:
                 raise ValueError(f"elements {lo}..{hi} of {self.name} cut its NVMe piece {piece.lo}..{piece.hi}")
+
+    def tier_pieces(self, only: list[tuple[int, int]] | None = None) -> list:
+        """The unit's NVMe pieces that overlap any of the (start, end) ranges `only` (all when None)."""
+        return [p for p in self.tier.pieces(self) if only is None or any(a < p.hi and b > p.lo for a, b in only)]
 
     def overlaps(self, lo: int, hi: int, entries: list[ParamEntry] | None = None) -> Iterator[tuple[ParamEntry, int, int]]:
         """(entry, start, end) for each parameter of `entries` (all when None) with elements in lo..hi:
@@ -211,6 +213,11 @@ class HostUnit:
         """Rewrite the compute copy from the master (after loading weights)."""
         if self.copy is not None and self.copy is not self.master:
             self.copy.copy_(self.master)
+
+
+def spans(entries: list[ParamEntry]) -> list[tuple[int, int]]:
+    """The (start, end) element ranges of `entries` in their unit."""
+    return [(e.offset, e.offset + e.numel) for e in entries]
 
 
 def _nb(t: torch.Tensor | None) -> int:

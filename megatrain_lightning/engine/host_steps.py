@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatrain_lightning.engine.host import GradState, HostUnit, host_empty
+from megatrain_lightning.engine.host import GradState, HostUnit, host_empty, spans
 from megatrain_lightning.engine.ring import pieces
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.optim.kernels import AdamHyper
@@ -240,11 +240,8 @@ class HostSteps:
         plan goes through the worker queue: it takes effect after the jobs submitted before it, so no step
         already queued is in it, and the order it names is the order the worker will step in."""
         if self.tier is not None:
-            planned = []
-            for unit in units:
-                runs = [(e.offset, e.offset + e.numel) for e in unit.entries if e.group is not None and e.param.requires_grad]
-                planned += [p for p in self.tier.pieces(unit) if any(a < p.hi and b > p.lo for a, b in runs)]
-            self._worker.submit(self.tier.plan, planned)
+            trained = [(u, [e for e in u.entries if e.group is not None and e.param.requires_grad]) for u in units]
+            self._worker.submit(self.tier.plan, [p for u, entries in trained for p in u.tier_pieces(spans(entries))])
 
     def _read_ahead_backward(self) -> None:
         """At the first block of a backward that steps each unit as its gradient lands: blocks L-1..0, then

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from megatrain_lightning.engine.engine import StreamingEngine
-from megatrain_lightning.engine.host import ParamEntry
+from megatrain_lightning.engine.host import ParamEntry, spans
 from megatrain_lightning.optim.kernels import AdamHyper
 
 SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
@@ -132,7 +132,7 @@ class HostAdamW(torch.optim.Optimizer):
                                           unit.v[e.offset : e.offset + e.numel].view(e.shape))) for e in stepped)  # fmt: skip
                 continue
             out.update((id(e.param), (torch.empty(e.shape), torch.empty(e.shape))) for e in stepped)
-            for lo, hi, m, v in unit.moment_pieces(write=False, only=_spans(stepped)):
+            for lo, hi, m, v in unit.moment_pieces(write=False, only=spans(stepped)):
                 for e, a, b in unit.overlaps(lo, hi, stepped):
                     for dst, src in zip(out[id(e.param)], (m, v)):
                         dst.view(-1)[a - e.offset : b - e.offset].copy_(src[a - lo : b - lo])
@@ -167,7 +167,7 @@ class HostAdamW(torch.optim.Optimizer):
         """Write the saved state of `unit`'s parameters into its moments (a read and a write of each piece
         on the tier). A parameter never stepped gets fresh Adam state, as torch.optim would have."""
         named = [e for e in unit.entries if id(e.param) in loaded]
-        for lo, hi, m, v in unit.moment_pieces(only=_spans(named)):
+        for lo, hi, m, v in unit.moment_pieces(only=spans(named)):
             for e, a, b in unit.overlaps(lo, hi, named):
                 entry = loaded[id(e.param)]
                 for dst, key in ((m, "exp_avg"), (v, "exp_avg_sq")):
@@ -179,7 +179,3 @@ class HostAdamW(torch.optim.Optimizer):
             if id(e.param) in loaded:
                 entry = loaded[id(e.param)]
                 unit.steps[i] = 0 if entry is None else int(entry["step"])
-
-
-def _spans(entries: list) -> list[tuple[int, int]]:
-    return [(e.offset, e.offset + e.numel) for e in entries]
