@@ -27,7 +27,7 @@ import resource
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
@@ -276,7 +276,9 @@ def plan_parser() -> argparse.ArgumentParser:
                     help=f"sequences per micro-batch (--model: default {MODEL_DEFAULTS['micro_batch']})")  # fmt: skip
     ap.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    ap.add_argument("--num-slots", type=int, default=2, help="device weight slots")
+    ap.add_argument("--num-slots", type=_slots, default="auto",
+                    help="device weight slots, or auto (the strategy's default: as many as the GPU memory a step "
+                         "leaves allows, at most one per block)")  # fmt: skip
     ap.add_argument("--host-mem", type=_size, help="host memory to fit in, e.g. 512GiB")
     ap.add_argument("--gpu-mem", type=_size, help="GPU memory to fit in, e.g. 80GiB")
     ap.add_argument("--token-chunk-size", type=_tile,
@@ -301,13 +303,22 @@ def plan_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _tile(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens or auto") from None
+def _int_or_auto(what: str) -> Callable[[str], int | str]:
+    """An argparse type: an integer, or the word auto; otherwise an error naming `what` was expected."""
+
+    def parse(text: str) -> int | str:
+        if text == "auto":
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what} or auto") from None
+
+    return parse
+
+
+_tile = _int_or_auto("a number of tokens")
+_slots = _int_or_auto("a number of slots")
 
 
 def _size(text: str) -> int:
@@ -340,7 +351,7 @@ def plan_from_config(
     config = resolve_config(model.get("model") or model["init_from"], {**(model.get("overrides") or {}), **(overrides or {})})
     strategy = trainer.get("strategy", {})
     init_args = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
-    slots = init_args.get("num_slots", 2)
+    slots = init_args.get("num_slots", "auto")  # the strategy's default
     if offload_inputs is None:
         offload_inputs = init_args.get("offload_inputs", "auto")  # the strategy's default
     clipping = bool(trainer.get("gradient_clip_val")) if clipping is None else clipping  # 0 or null: off, as Lightning

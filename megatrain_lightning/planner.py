@@ -32,7 +32,10 @@ part per token of the micro-batch (``elt`` = compute dtype bytes, ``n`` = micro_
 ``A`` = heads x head_dim, ``K`` = kv_heads x head_dim, ``I`` = MLP width, ``H`` = hidden, ``V`` = vocabulary,
 ``c`` = tokens per tile):
 
-    weight slots      num_slots x largest block x elt
+    weight slots      num_slots x largest block x elt; num_slots="auto": 2 plus as many more as the GPU
+                      memory left beyond 4 x the step's transient (saved inputs, RoPE, the larger of
+                      recompute and loss) and 1 GiB allows, at most one per block (what the engine settles
+                      on after its first step, device_memory.auto_slot_count, from the same figures measured)
     gradient slots    2 x largest block x elt
     outer parameters  (embedding + final norm + head, a tied head counted once) x elt
     saved inputs      layers x n x H x elt                      (the only activations kept for backward)
@@ -80,6 +83,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
 from megatrain_lightning.engine.ring import piece_numel, ring_counts
@@ -290,6 +294,29 @@ def gpu_peak(gpu: dict[str, int]) -> int:
     return sum(gpu.values()) - gpu["recompute"] - gpu["loss"] + transient
 
 
+def planned_slots(
+    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, offload_inputs: bool, gpu_mem: int | None
+) -> int:
+    """The weight slots ``num_slots="auto"`` settles on for this run in `gpu_mem` (2 without a limit): the
+    engine's rule (device_memory.auto_slot_count) on the plan's figures with 2 slots, free = `gpu_mem` less
+    the persistent items and the context, transient = the rest of the peak."""
+    if gpu_mem is None:
+        return 2
+    free, transient = free_and_transient(config, seq_len, micro_batch, precision, offload_inputs, gpu_mem)
+    slot = block_numel(config) * compute_bytes(precision)
+    return auto_slot_count(free, transient, slot, config.num_hidden_layers)
+
+
+def free_and_transient(
+    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, offload_inputs: bool, gpu_mem: int
+) -> tuple[int, int]:
+    """What the engine measures after its first step with 2 slots, as the plan has it: the GPU memory free
+    beyond the persistent items and the context, and what the step needed on top of them."""
+    gpu = gpu_breakdown(config, seq_len, micro_batch, precision, 2, offload_inputs, gpu_mem)
+    persistent = gpu["weight_slots"] + gpu["grad_slots"] + gpu["outer"] + gpu["cuda_context"]
+    return gpu_mem - persistent, gpu_peak(gpu) - persistent
+
+
 def offload_needed(config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int, gpu_mem: int | None) -> bool:
     """Whether ``offload_inputs="auto"`` offloads: when the run would not fit `gpu_mem` with its inputs kept."""
     if gpu_mem is None:
@@ -366,6 +393,8 @@ class Plan:
     """Gradient clipping on (the lean layout then keeps a gradient slab per unit until the step)."""
     nvme_gbps: float = NVME_GBPS
     """Drive bandwidth the NVMe time per step assumes, GB/s read and as much write."""
+    slots_asked: int | str = 2
+    """``num_slots`` as asked: a count, or "auto" (``num_slots`` is then what auto settles on)."""
 
     @property
     def num_parameters(self) -> int:
@@ -493,6 +522,7 @@ class Plan:
             f"{self.name}: {_count(self.num_parameters)} parameters ({self.config.num_hidden_layers} blocks of "
             f"{_count(block_numel(self.config))}), seq_len {self.seq_len} x micro-batch {self.micro_batch}, "
             f"{self.precision}, accumulate {self.accumulate}, {self.num_slots} slots"
+            + (" (auto)" if self.slots_asked == "auto" else "")
             + (", block inputs offloaded to host" if self.offload_inputs else "")
             + (f", tiles of {self.tile} tokens" if self.tile else "")
             + f", host layout {self.host_layout}" + (", Adam on NVMe" if self.nvme else "")
@@ -626,7 +656,7 @@ def plan(
     micro_batch: int,
     precision: Precision = "bf16-mixed",
     accumulate: int = 1,
-    num_slots: int = 2,
+    num_slots: int | Literal["auto"] = "auto",
     host_mem: int | None = None,
     gpu_mem: int | None = None,
     name: str = "model",
@@ -652,8 +682,10 @@ def plan(
     """
     for key, value, least in (("seq_len", seq_len, 1), ("micro_batch", micro_batch, 1),
                               ("accumulate", accumulate, 1), ("num_slots", num_slots, 2)):  # fmt: skip
-        if not isinstance(value, int) or value < least:
-            raise ValueError(f"{key}={value!r} must be an integer >= {least}")
+        if not (isinstance(value, int) and value >= least) and not (key == "num_slots" and value == "auto"):
+            also = " or 'auto'" if key == "num_slots" else ""
+            raise ValueError(f"{key}={value!r} must be an integer >= {least}{also}")
+    slots_asked, num_slots = num_slots, 2 if num_slots == "auto" else num_slots  # the sizes below: auto's least
     if offload_inputs not in (True, False, "auto"):
         raise ValueError(f"offload_inputs={offload_inputs!r}: choose True, False or 'auto'")
     check_host_layout(host_layout)
@@ -666,6 +698,8 @@ def plan(
     best = None if gpu_mem is None else max_micro_batch(config, seq_len, precision, num_slots, gpu_mem, offload_inputs)
     longest = None if gpu_mem is None else max_seq_len(config, micro_batch, precision, num_slots, gpu_mem)
     tokens = seq_len * micro_batch
+    if slots_asked == "auto":
+        num_slots = planned_slots(config, seq_len, micro_batch, precision, offload_inputs, gpu_mem)
 
     def host(layout: str, nvme: bool) -> dict[str, int]:
         return host_breakdown(config, precision, accumulate, tokens, offload_inputs, layout=layout, nvme=nvme,
@@ -688,7 +722,7 @@ def plan(
         gpu={k: fixed + rate * tokens for k, (fixed, rate) in items.items()}, host_mem=host_mem,
         gpu_mem=gpu_mem, max_micro_batch=best, tile=tile, per_token={k: rate for k, (_, rate) in items.items()},
         max_seq_len=longest, measured=measured, host_layout=layout, host_layout_asked=host_layout,
-        nvme_dir=nvme_dir, nvme=nvme, clipping=bool(clipping), nvme_gbps=float(nvme_gbps),
+        nvme_dir=nvme_dir, nvme=nvme, clipping=bool(clipping), nvme_gbps=float(nvme_gbps), slots_asked=slots_asked,
     )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.engine.block_fn import compile_block_calls
 from megatrain_lightning.engine.engine import StreamingEngine
 from megatrain_lightning.engine.saved_inputs import check_offload_inputs
+from megatrain_lightning.engine.streams import check_num_slots
 from megatrain_lightning.optim.adamw import HostAdamW
 from megatrain_lightning.optim.threads import resolve_host_threads
 from megatrain_lightning.precision import MegatrainPrecision
@@ -33,7 +34,11 @@ class MegatrainStrategy(SingleDeviceStrategy):
 
     Args:
         device: the compute device; by default the Trainer's device (the GPU when there is one).
-        num_slots: device weight slots blocks stream through (>= 2: one computing, one loading).
+        num_slots: device weight slots blocks stream through (>= 2: one computing, one loading). ``"auto"``
+            (default): 2, then, after the first optimizer step, as many more as the device memory that step
+            left free allows beyond four times what it needed (at most one per block; the CPU keeps 2).
+            More slots keep more blocks resident from a forward to its backward and across the micro-batches
+            of an accumulation, so fewer uploads; with one per block the backward uploads nothing.
         overlap_optimizer: step each block on the host as soon as its gradient lands, while backward goes
             on (only when nothing needs the whole gradient first, i.e. no clipping).
         offload_inputs: where each block's input, saved for its backward, waits. ``True``: in pinned host
@@ -67,7 +72,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
     def __init__(
         self,
         device: torch.device | str | None = None,
-        num_slots: int = 2,
+        num_slots: int | Literal["auto"] = "auto",
         overlap_optimizer: bool = True,
         offload_inputs: bool | Literal["auto"] = "auto",
         host_layout: Literal["default", "lean"] = "default",
@@ -81,8 +86,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             raise ValueError(f"compile_blocks={compile_blocks!r}: pass True or False")
         if checkpoint_format not in ("sharded", "torch"):
             raise ValueError(f"checkpoint_format={checkpoint_format!r}: choose 'sharded' or 'torch'")
-        if num_slots < 2:
-            raise ValueError(f"num_slots={num_slots}: the strategy needs at least 2 slots (one computing, one loading)")
+        check_num_slots(num_slots)
         check_offload_inputs(offload_inputs)
         if host_layout not in ("default", "lean"):
             raise ValueError(f"host_layout={host_layout!r}: choose 'default' or 'lean'")

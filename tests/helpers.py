@@ -176,4 +176,6 @@ def own_loop(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.T
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    if isinstance(opt, megatrain_lightning.HostAdamW):
+        opt.engine.flush()  # the last steps run in the background: done before the caller reads the weights
     return losses

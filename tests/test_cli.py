@@ -237,10 +237,24 @@ def test_plan_prints_the_host_plan_line_last_on_stdout_of_the_process():
     assert out.stdout.endswith("fits=no\n") and host_plan(out.stdout)[0] == "llama-120b"
 
 
+def test_plan_sizes_auto_slots_by_default(capsys):
+    """`megatrain plan` plans the strategy's default num_slots="auto" (a slot per block for llama-3.1-8b at
+    4k tokens in 80 GiB), or the count given; a count that is neither is one line on stderr."""
+    args = ["plan", "--model", "llama-3.1-8b", "--seq-len", "4096", "--gpu-mem", "80GiB", "--no-measure"]
+    auto, three = run(args), run([*args, "--num-slots", "3"])
+    assert (auto.num_slots, auto.slots_asked, three.num_slots) == (32, "auto", 3)
+    assert "32 slots (auto)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        run([*args, "--num-slots", "many"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "'many' is not a number of slots or auto" in err[0]
+
+
 def test_plan_with_offloaded_inputs_fits_128k_tokens_of_8b_in_less_gpu_memory(capsys):
     """--offload-inputs moves 32 saved block inputs (1 GiB each at 128k tokens in bf16) to host memory;
     by default (auto) they stay on the GPU, where they fit."""
-    args = ["plan", "--model", "llama-3.1-8b", "--seq-len", "131072", "--micro-batch", "1", "--gpu-mem", "80GiB", "--no-measure"]
+    args = ["plan", "--model", "llama-3.1-8b", "--seq-len", "131072", "--micro-batch", "1", "--gpu-mem", "80GiB",
+            "--num-slots", "2", "--no-measure"]  # (the slots "auto" would add differ with the inputs' place)
     auto, kept, offloaded = run(args), run([*args, "--no-offload-inputs"]), run([*args, "--offload-inputs"])
     out = capsys.readouterr().out
     assert "block inputs offloaded to host" in out and offloaded.fits and kept.fits

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from megatrain_lightning import StreamingEngine
+from megatrain_lightning.device_memory import SLOT_RESERVE_BYTES
 from megatrain_lightning.engine.engine import worker_init
 from megatrain_lightning.engine.host import HostUnit
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
@@ -51,16 +53,17 @@ def test_host_bytes_per_parameter(dtype, per_param):
 @pytest.mark.parametrize("slots", [2, 3])
 def test_backward_does_not_reupload_resident_blocks(slots):
     """Each training step uploads every block for forward, then only the blocks forward evicted. The
-    optimizer step already issues the next forward's first S - 1 blocks (each once its step is done)."""
+    optimizer step already issues block 0 for the next forward (and the blocks after it whose steps are
+    done), so the forward after the last step uploads the rest: every block once."""
     layers = 6
     model = own_llama(layers)
     engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, num_slots=slots)
     train_steps(engine, model, 3)
-    assert engine.pool.uploads == 3 * (layers + layers - slots) + (slots - 1)
-    before = engine.pool.uploads
+    assert engine.pool.slot_of(0) is not None
+    assert 1 <= engine.pool.uploads - 3 * (layers + layers - slots) <= slots - 1
     with torch.no_grad():
         model(token_batches(1)[0])
-    assert engine.pool.uploads - before == layers - (slots - 1)
+    assert engine.pool.uploads == 3 * (layers + layers - slots) + layers
 
 
 def count_saved(model: nn.Module, batch: torch.Tensor) -> int:
@@ -291,4 +294,143 @@ def test_outer_parameters_are_current_when_the_optimizer_step_returns(clip):
             (entry,) = unit.entries
             assert torch.equal(entry.param.detach().reshape(-1), unit.master.to(torch.bfloat16)), unit.name
         opt.zero_grad()
+    engine.release()
+
+
+
+# -- num_slots="auto" -------------------------------------------------------------------------------------
+def memory_for(engine: StreamingEngine, extra_slots: int, transient: int = 10**6) -> None:
+    """Make the device report, after the first step, room for `extra_slots` more slots (and half of one)
+    beyond four times a `transient` step and the reserve (device_memory.auto_slot_count)."""
+    free = 4 * transient + SLOT_RESERVE_BYTES + extra_slots * engine.pool.slot_bytes + engine.pool.slot_bytes // 2
+    engine.free_device_bytes = lambda: free
+    engine.step_transient_bytes = lambda: transient
+
+
+def traced_steps(engine: StreamingEngine, model: nn.Module, steps: int) -> tuple[list[float], list[int], list[int]]:
+    """own_loop's steps: the losses, the slots each step started with and the uploads after each step."""
+    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+    losses, slots, uploads = [], [], []
+    for batch in token_batches(steps):
+        slots.append(engine.pool.num_slots)
+        loss = model(batch, targets=batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        uploads.append(engine.pool.uploads)
+    engine.flush()
+    return losses, slots, uploads
+
+
+def test_auto_slots_grow_after_the_first_step_and_train_the_same():
+    """num_slots="auto" streams through 2 slots in the first step, then adds what the memory that step left
+    free allows (here 3 more of a block's size): 6 blocks then upload 6 + 1 times a step, not 6 + 4, and
+    training is bit for bit that of 2 fixed slots."""
+    layers = 6
+    ref_model, model = own_llama(layers), own_llama(layers)
+    ref = StreamingEngine(ref_model, device="cpu", compute_dtype=torch.float32, num_slots=2)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, num_slots="auto")
+    memory_for(engine, extra_slots=3)
+    losses, slots, uploads = traced_steps(engine, model, 4)
+    ref_losses, ref_slots, ref_uploads = traced_steps(ref, ref_model, 4)
+    assert slots == [2, 5, 5, 5] and ref_slots == [2] * 4
+    # (a step's count includes the next forward's blocks that its optimizer step issued: the same each step)
+    assert uploads[3] - uploads[2] == layers + layers - 5 and ref_uploads[3] - ref_uploads[2] == layers + layers - 2
+    assert losses == ref_losses
+    mine, theirs = params_of(model), params_of(ref_model)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_auto_slots_stop_at_one_per_block_and_keep_them_all_resident():
+    """With room for more, "auto" takes one slot per block and no more; then a step uploads each block once
+    (for its forward, after its weights changed): a backward, and every micro-batch of an accumulation
+    after the first, find every block resident."""
+    layers = 4
+    model = own_llama(layers)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, num_slots="auto")
+    memory_for(engine, extra_slots=50)
+    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+    marks = []
+    for step, batches in enumerate([token_batches(2), token_batches(2)]):
+        for micro, batch in enumerate(batches):
+            engine.backward_mode = "accumulate" if micro == 0 else "step"
+            loss = model(batch, targets=batch)
+            marks.append(engine.pool.uploads)  # after the forward
+            loss.backward()
+            marks.append(engine.pool.uploads)  # after the backward
+        opt.step()
+        opt.zero_grad()
+        marks.append(engine.pool.uploads)
+    engine.flush()
+    assert engine.pool.num_slots == layers
+    second = marks[5:]  # the step after the pool grew: forward, backward, forward, backward, optimizer
+    assert second[1] == second[2] == second[3]  # nothing goes up after the first forward of the step
+    assert second[0] - marks[4] <= layers and second[4] - marks[4] == layers
+
+
+def test_auto_slots_need_a_measure_of_device_memory():
+    """On the CPU (no free or transient figure) "auto" keeps its 2 slots."""
+    model = own_llama(3)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, num_slots="auto")
+    assert traced_steps(engine, model, 2)[1] == [2, 2] and engine.pool.num_slots == 2
+
+
+@pytest.mark.parametrize("bad", [1, 0, True, "many", 2.0, None])
+def test_num_slots_is_checked_where_it_enters(bad):
+    with pytest.raises(ValueError, match=f"num_slots={bad!r}: give at least 2 slots .* or 'auto'"):
+        StreamingEngine(own_llama(2), device="cpu", num_slots=bad)
+
+
+# -- what a step waits for --------------------------------------------------------------------------------
+def held_step(engine: StreamingEngine, block: int, seconds: float) -> threading.Event:
+    """Hold block `block`'s next Adam step on the worker until the returned gate opens (a timer opens it
+    after `seconds`, so a regression fails an assertion instead of hanging)."""
+    gate, step = threading.Event(), engine._step_unit
+
+    def held(unit: HostUnit, *args, **kwargs):
+        if unit is engine.units[block]:
+            gate.wait()
+        return step(unit, *args, **kwargs)
+
+    engine._step_unit = held
+    threading.Timer(seconds, gate.set).start()
+    return gate
+
+
+def clipped_backward(layers: int, num_slots: int = 2) -> tuple[nn.Module, StreamingEngine, HostAdamW]:
+    """A model after one backward with clipping requested: its steps all wait for the optimizer step."""
+    model = own_llama(layers)
+    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, num_slots=num_slots, clipping=True)
+    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+    engine.want_norms, engine.backward_mode = True, "step"
+    batch = token_batches(1)[0]
+    model(batch, targets=batch).backward()
+    engine.request_clip(1.0)
+    return model, engine, opt
+
+
+def test_optimizer_step_waits_for_block_0_alone_with_more_slots():
+    """With 4 slots the optimizer step issues block 0 for the next forward (waiting for its step) and the
+    blocks after it only if their steps are done already: it returns while block 1 is still being stepped."""
+    model, engine, opt = clipped_backward(4, num_slots=4)
+    gate = held_step(engine, block=1, seconds=5)
+    opt.step()
+    assert not gate.is_set()  # returned before block 1's step could finish
+    assert engine.pool.slot_of(0) is not None and engine.pool.slot_of(1) is None
+    gate.set()
+    engine.release()
+
+
+def test_state_dict_waits_for_the_blocks_steps():
+    """A block's parameters are views of its master, stepped in the background after the optimizer step
+    returns; the model's state_dict() waits for each block's step before reading it."""
+    model, engine, opt = clipped_backward(3)
+    gate = held_step(engine, block=2, seconds=0.5)
+    opt.step()
+    assert not gate.is_set()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert gate.is_set() and engine.units[2].future.done()
+    engine.flush()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     engine.release()

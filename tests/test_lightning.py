@@ -405,6 +405,9 @@ def test_host_memory_check(monkeypatch):
 def test_rejects_single_slot():
     with pytest.raises(ValueError, match="num_slots=1.*at least 2 slots"):
         MegatrainStrategy(num_slots=1)
+    with pytest.raises(ValueError, match="num_slots='max'.*or 'auto'"):
+        MegatrainStrategy(num_slots="max")
+    assert MegatrainStrategy().num_slots == "auto"
 
 
 # -- 7. Trainer(strategy="megatrain") -----------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 
 from megatrain_lightning import StreamingEngine
 from megatrain_lightning.callbacks import rss_bytes
+from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.host import host_bytes_per_param
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim.adamw import HostAdamW
@@ -170,8 +171,27 @@ def test_parse_size_errors(text, message):
 def test_plan_refuses_bad_settings():
     with pytest.raises(ValueError, match="num_slots=1"):
         plan(LlamaConfig.from_preset("tiny"), 128, 1, num_slots=1)
+    with pytest.raises(ValueError, match="num_slots='all' must be an integer >= 2 or 'auto'"):
+        plan(LlamaConfig.from_preset("tiny"), 128, 1, num_slots="all")
     with pytest.raises(ValueError, match="precision='16-mixed'"):
         plan(LlamaConfig.from_preset("tiny"), 128, 1, precision="16-mixed")
+
+
+def test_auto_slots_are_planned_by_the_engines_rule():
+    """num_slots="auto" plans what the engine settles on after its first step, from the plan's own figures
+    with 2 slots (device_memory.auto_slot_count). llama-3.1-8b in 80 GiB, 0.41 GiB a slot: at 4k tokens the
+    step needs little, so every one of the 32 blocks gets a slot; at 32k, 80 - 4.58 persistent = 75.42 GiB
+    free, 4 x 18.18 GiB transient + 1 = 73.7 GiB kept, 1.7 GiB for 4 more slots; at 128k none more."""
+    config, gpu = LlamaConfig.from_preset("llama-3.1-8b"), parse_size("80GiB")
+    slot = block_numel(config) * 2
+    for tokens, slots in [(4096, 32), (32768, 6), (131072, 2)]:
+        auto, two = plan(config, tokens, 1, gpu_mem=gpu), plan(config, tokens, 1, gpu_mem=gpu, num_slots=2)
+        persistent = sum(two.gpu[k] for k in ("weight_slots", "grad_slots", "outer", "cuda_context"))
+        assert auto.num_slots == auto_slot_count(gpu - persistent, two.gpu_peak - persistent, slot, 32) == slots
+        assert auto.gpu["weight_slots"] == slots * slot and auto.fits
+        assert auto.gpu_peak - two.gpu_peak == (slots - 2) * slot
+        assert f"{slots} slots (auto)" in auto.table() and "2 slots," in two.table()
+    assert plan(config, 4096, 1).num_slots == 2  # no GPU limit to size from: auto's first step
 
 
 def test_format_size():

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from megatrain_lightning.device_memory import free_device_bytes
+from megatrain_lightning.device_memory import auto_slot_count, free_device_bytes, step_transient_bytes
 from megatrain_lightning.engine import pinned
 from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, select_side
 from megatrain_lightning.engine.discover import find_blocks
@@ -40,7 +40,7 @@ from megatrain_lightning.engine.saved_inputs import (
     check_offload_inputs,
     offload_needed,
 )
-from megatrain_lightning.engine.streams import SlotPool, Streams
+from megatrain_lightning.engine.streams import NumSlots, SlotPool, Streams, check_num_slots
 from megatrain_lightning.engine.worker import HostWorker
 from megatrain_lightning.optim.kernels import AdamHyper
 from megatrain_lightning.optim.threads import configure_host_threads, resolve_host_threads
@@ -60,7 +60,7 @@ class StreamingEngine(HostSteps, OuterParams):
         *,
         device: torch.device | str,
         compute_dtype: torch.dtype = torch.bfloat16,
-        num_slots: int = 2,
+        num_slots: NumSlots = "auto",  # "auto": 2, then after the first step what its device memory allows
         training: bool = True,
         accumulating: bool = False,  # gradients summed over micro-batches: count the fp32 accumulator
         clipping: bool = False,  # gradients wait for a global norm: the lean layout keeps a slab per unit
@@ -69,6 +69,7 @@ class StreamingEngine(HostSteps, OuterParams):
         available_bytes: Callable[[], int] | None = None,
         offload_inputs: OffloadInputs = "auto",
         free_device_bytes: Callable[[], int] | None = None,
+        step_transient_bytes: Callable[[], int | None] | None = None,  # None: measured (device_memory.py)
         host_layout: str = "default",  # "lean": no persistent compute copy, gradients through a ring
         nvme_dir: str | None = None,  # Adam moments in files there (engine/nvme.py)
         piece: int | None = None,  # elements per piece of the rings and the NVMe tier (engine/ring.py)
@@ -90,6 +91,7 @@ class StreamingEngine(HostSteps, OuterParams):
             raise ValueError(f"host_layout={host_layout!r}: choose 'default' or 'lean'")
         self.host_layout, self.nvme_dir = host_layout, nvme_dir
         self.host_threads = resolve_host_threads(host_threads)  # ValueError before anything is allocated
+        self.num_slots = check_num_slots(num_slots)
         self.model = model
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
@@ -113,6 +115,7 @@ class StreamingEngine(HostSteps, OuterParams):
         self.offload_inputs = offload_inputs
         # Device memory free for saved inputs ("auto"); None measures the device (see _free_device_bytes).
         self.free_device_bytes = free_device_bytes
+        self.step_transient_bytes = step_transient_bytes
         self._pass_offloads: bool | None = None  # the decision of the forward pass under way
         self._auto_announced = False
         self.saved_inputs = SavedInputs(self.streams, self.device, pin, self.stats)
@@ -139,7 +142,7 @@ class StreamingEngine(HostSteps, OuterParams):
         self._forward_states: list[Any] = [None] * len(self.units)  # weakref: the latest call of each block
         self._block_index = {id(u): i for i, u in enumerate(self.units)}
         max_numel = max(u.numel for u in self.units)
-        self.pool = SlotPool(self.streams, num_slots, max_numel, compute_dtype)
+        self.pool = SlotPool(self.streams, 2 if num_slots == "auto" else num_slots, max_numel, compute_dtype)
         self._grad_slots = [torch.empty(max_numel, dtype=compute_dtype, device=self.device) for _ in range(2)]
         self._grad_slot_free: list[object | None] = [None, None]
         self._next_grad_slot = 0
@@ -162,11 +165,16 @@ class StreamingEngine(HostSteps, OuterParams):
     def _build_blocks(self, block_params: list, pin: bool) -> None:
         """Move each block into a host unit, bind its parameters to the master, route its forward here."""
         self.runners: list[BlockRunner] = []
+        self._state_hooks = []
         for i, (blk, params) in enumerate(zip(self.blocks, block_params)):
-            self.units.append(HostUnit(f"{self.blocks_name}.{i}", params, self.compute_dtype, pin, self._keep_copy))
-            _bind(self.units[-1], self.units[-1].master)  # frees the block's own storage right away
+            unit = HostUnit(f"{self.blocks_name}.{i}", params, self.compute_dtype, pin, self._keep_copy)
+            self.units.append(unit)
+            _bind(unit, unit.master)  # frees the block's own storage right away
             self.runners.append(BlockRunner(self, i, blk))
             blk.forward = self.runners[-1]
+            # A block's parameters are views of its master, which the worker steps in the background after
+            # optimizer_step returns: state_dict() (of the model or the block) waits for the block's step.
+            self._state_hooks.append(blk.register_state_dict_pre_hook(lambda *_, unit=unit: unit.wait()))
         self._refresh_block_buffers()
 
     @property
@@ -277,6 +285,36 @@ class StreamingEngine(HostSteps, OuterParams):
         if self.free_device_bytes is not None:
             return self.free_device_bytes()
         return free_device_bytes(self.device)
+
+    # -- how many weight slots ("auto") -----------------------------------------------------------------
+    def size_slots(self) -> None:
+        """``num_slots="auto"``, after the first optimizer step: add the slots that the device memory the step
+        left free allows (device_memory.auto_slot_count), up to one per block. More slots keep more of the
+        last blocks of a forward resident for its backward, and with one per block the backward uploads
+        nothing and the next micro-batch of an accumulation finds every block resident. Runs once; on a
+        device with no memory measure (the CPU) the pool keeps its 2 slots."""
+        transient = self._step_transient_bytes()
+        free = None if transient is None else self._free_device_bytes()
+        if free is None:
+            return
+        have, slot = self.pool.num_slots, self.pool.slot_bytes
+        want = auto_slot_count(free, transient, slot, len(self.units), have)
+        if want > have and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # (once) the freed activations go back, so the slots get whole segments
+        try:
+            self.pool.grow(want - have)
+        except torch.OutOfMemoryError:
+            pass  # fragmentation: keep the slots that were allocated
+        log.info(
+            "num_slots='auto': %d weight slots for %d blocks (%.2f GiB each); the first step needed %.2f GiB "
+            "beyond the persistent buffers and %.2f GiB was free",
+            self.pool.num_slots, len(self.units), slot / 2**30, transient / 2**30, free / 2**30,
+        )  # fmt: skip
+
+    def _step_transient_bytes(self) -> int | None:
+        if self.step_transient_bytes is not None:
+            return self.step_transient_bytes()
+        return step_transient_bytes(self.device)
 
     # -- forward / backward of one block ---------------------------------------------------------
     def forward_block(
@@ -506,7 +544,7 @@ class StreamingEngine(HostSteps, OuterParams):
         self._worker.shutdown(wait=True)
         if self.tier is not None:
             self.tier.close()  # the moments are scratch: the run directory goes with them
-        for handle in self._hooks:
+        for handle in self._hooks + self._state_hooks:
             handle.remove()
         for config in self._caches_off:
             config.use_cache = True

@@ -227,13 +227,18 @@ class HostSteps:
         self._pending.clear()
         self._eager.clear()
         self.optimizer_steps += 1
+        if self.optimizer_steps == 1 and self.num_slots == "auto":
+            self.size_slots()  # the step's device memory is known now, its activations freed
         # What the next forward reads first goes up now, each as soon as its own step is done: the outer
         # parameters (every device copy is current when this returns), then its first blocks. (Always, not
         # only when the steps happen to be done: the uploads a step makes do not depend on timing.)
         self._refresh_outer()
+        # Block 0 waits for its step; the blocks after it go up now only if theirs are done already (the
+        # next forward's prefetch takes the rest), so more slots never hold this thread back.
         first = set(range(min(self.pool.num_slots - 1, len(self.units))))
         for j in sorted(first):
-            self._load(j, first)
+            if self._load(j, first, wait=j == 0) is None:
+                break  # steps finish in forward order: the blocks after it are not ready either
 
     def _read_ahead(self, units: list[HostUnit]) -> None:
         """Tell the NVMe tier the order the next steps take, so it reads their moments ahead of them. The

@@ -39,9 +39,21 @@ before it issues the copy.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable
+from typing import Any, Callable, Literal
 
 import torch
+
+NumSlots = int | Literal["auto"]
+
+
+def check_num_slots(value: Any) -> NumSlots:
+    """`value` if it is a slot count of at least 2 or "auto", else a ValueError naming it and the choices."""
+    if (isinstance(value, int) and not isinstance(value, bool) and value >= 2) or value == "auto":
+        return value
+    raise ValueError(
+        f"num_slots={value!r}: give at least 2 slots (one computing, one loading) or 'auto' (2, then after "
+        "the first step as many as the device memory that step left free allows)"
+    )
 
 
 class _DoneEvent:
@@ -107,23 +119,37 @@ class SlotPool:
     """
 
     def __init__(self, streams: Streams, num_slots: int, numel: int, dtype: torch.dtype) -> None:
-        if num_slots < 2:
-            raise ValueError(f"num_slots={num_slots}: streaming needs at least 2 slots (one computing, one loading)")
-        self.streams = streams
-        self.buffers = [torch.empty(numel, dtype=dtype, device=streams.device) for _ in range(num_slots)]
-        self.holder: list[int | None] = [None] * num_slots
-        self.ready: list[object | None] = [None] * num_slots
-        self.free: list[object | None] = [None] * num_slots
-        self.last_use = [0] * num_slots
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 2:
+            raise ValueError(f"num_slots={num_slots!r}: streaming needs at least 2 slots (one computing, one loading)")
+        self.streams, self.numel, self.dtype = streams, numel, dtype
+        self.buffers: list[torch.Tensor] = []
+        self.holder: list[int | None] = []
+        self.ready: list[object | None] = []
+        self.free: list[object | None] = []
+        self.last_use: list[int] = []
         self._clock = 0
         self.uploads = 0  # blocks uploaded since construction (tests read this)
+        self.grow(num_slots)
 
     @property
     def num_slots(self) -> int:
         return len(self.buffers)
 
+    @property
+    def slot_bytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def grow(self, n: int) -> None:
+        """Add `n` empty slots (allocated now; a failed allocation leaves the slots added before it)."""
+        for _ in range(n):
+            self.buffers.append(torch.empty(self.numel, dtype=self.dtype, device=self.streams.device))
+            self.holder.append(None)
+            self.ready.append(None)
+            self.free.append(None)
+            self.last_use.append(0)
 
     def slot_of(self, idx: int) -> int | None:
         return self.holder.index(idx) if idx in self.holder else None
