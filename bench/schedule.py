@@ -7,12 +7,18 @@ fake tensors, records every decision the engine takes (megatrain_lightning/sched
 device profile and prints, for the last step (measured from the same point of the step before), each
 lane's busy time and share of the step, then as the last line:
 
-    schedule: model=<m> tokens_per_step=<n> clip=<c> step_s=<x> bound_s=<y> ratio=<x/y> bound=<gpu|h2d|d2h|host> mfu=<z>
+    schedule: model=<m> tokens_per_step=<n> clip=<c> step_s=<x> bound_s=<y> ratio=<x/y>
+              bound=<gpu|h2d|d2h|host|clip-chain> mfu=<z>      (one line)
 
-bound_s is the busiest resource's work per step (gpu, h2d, d2h, host worker), ratio = step_s / bound_s
-(1.0: the resources overlap perfectly), mfu = (6·N·tokens + causal attention FLOPs, forward and backward,
+bound_s is the busiest resource's work per step (gpu, h2d, d2h, host worker), or with clipping the chain
+exact clipping imposes when it is longer (clip-chain: the backward's GPU time + the host's Adam time; no
+step may start before the global norm, no next backward before every step: schedule/report.py); ratio =
+step_s / bound_s (1.0: the step at its bound), mfu = (6·N·tokens + causal attention FLOPs, forward and backward,
 no recompute) / step_s / the profile's dense bf16 peak. Token tiles and input offload are the planner's
-choices for the profile's GPU memory. ``--measure-host`` times the host Adam kernel here instead of the
+choices for the profile's GPU memory; ``--num-slots auto`` (the default, as the strategy's) lets the engine
+size its slots after the first step from the planner's free and transient memory for that GPU. The
+recording is replayed live on the profile, so the engine's decisions that depend on timing (prefetch a
+block whose step is done) are the ones it would take on that device. ``--measure-host`` times the host Adam kernel here instead of the
 profile's 28 B/param over host bandwidth; ``--host-adam-gparams`` gives the rate. ``--png`` draws the lanes
 of the last two steps (needs matplotlib: ``pip install -e ".[bench]"``).
 """
@@ -50,7 +56,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--png", type=Path, default=None, help="draw the lanes of the last two steps into this PNG")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps recorded (the last is measured; at least 2)")
     ap.add_argument("--layers", type=int, default=None, help="decoder blocks (default: the preset's)")
-    ap.add_argument("--num-slots", type=int, default=2, help="device weight slots (default 2)")
+    ap.add_argument("--num-slots", type=_slots, default="auto",
+                    help="device weight slots, or auto (the default, as the strategy's: the engine grows them after "
+                         "the first step from the planner's free and transient GPU memory for the profile)")  # fmt: skip
     ap.add_argument("--launch-us", type=float, default=LAUNCH_S * 1e6, help="issue cost of one kernel or copy, us")
     host = ap.add_mutually_exclusive_group()
     host.add_argument("--measure-host", action="store_true", help="time kernels.adam_step_ on this machine")
@@ -61,6 +69,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.tokens < 1 or (args.clip is not None and args.clip <= 0):
         ap.error("--tokens must be >= 1 and --clip > 0 (leave --clip out for no clipping)")
     return args
+
+
+def _slots(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of slots >= 2 or auto")
+    return int(text)
 
 
 def device_profile(args: argparse.Namespace) -> tuple[Profile, str]:
@@ -78,15 +94,17 @@ def config_of(args: argparse.Namespace) -> LlamaConfig:
     return LlamaConfig.from_preset(args.model, **overrides)
 
 
-def describe(args, config, prof: Profile, adam: str, tile, offload, seconds: float, items: int, jobs: int) -> list[str]:
+def describe(args, config, prof: Profile, adam: str, tile, offload, seconds: float, trace) -> list[str]:
     clip = "none" if args.clip is None else args.clip
     inputs = "offloaded to host memory" if offload else "kept on the GPU"
+    slots = f"{trace.slots} weight slots" + (" (auto: 2 in the first step)" if args.num_slots == "auto" else "")
     flops, attention = model_flops(config, args.tokens, args.tokens), attention_flops(config, args.tokens, args.tokens)
     return [
         f"schedule model: {args.model} ({config.num_parameters() / 1e9:.2f}B params, {config.num_hidden_layers} blocks), "
         f"1 x {args.tokens} tokens/step, bf16-mixed, clip {clip}, modelled {prof.name}",
-        f"engine decisions: token tiles {tile or 'none'}, block inputs {inputs} (planner, {prof.gpu_mem_gib:g} GiB); "
-        f"{args.steps} steps recorded on fake tensors in {seconds:.1f} s ({items} issued items, {jobs} host jobs)",
+        f"engine decisions: token tiles {tile or 'none'}, block inputs {inputs} (planner, {prof.gpu_mem_gib:g} GiB), "
+        f"{slots}; {args.steps} steps recorded on fake tensors in {seconds:.1f} s ({len(trace.issue)} issued items, "
+        f"{len(trace.jobs)} host jobs)",
         f"rates: matmul {prof.matmul_tflops:g} TFLOP/s, attention {prof.attention_tflops:g} (peak {prof.bf16_peak_tflops:g}), "
         f"HBM {prof.hbm_bytes() / 1e9:.0f} GB/s, link {prof.link_bytes() / 1e9:.1f} GB/s each way, "
         f"host {prof.host_bytes() / 1e9:.0f} GB/s, {adam}, launch {args.launch_us:g} us",
@@ -135,13 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     prof, adam = device_profile(args)
     gpu_mem = int(prof.gpu_mem_gib * GiB)
     tile = planner.planned_tile(config, args.tokens, 1, 2, gpu_mem)
-    offload = planner.offload_needed(config, args.tokens, 1, "bf16-mixed", args.num_slots, gpu_mem)
+    offload = planner.offload_needed(config, args.tokens, 1, "bf16-mixed", 2, gpu_mem)  # (auto: 2 in its first step)
+    memory = planner.free_and_transient(config, args.tokens, 1, "bf16-mixed", offload, gpu_mem)
     t0 = time.perf_counter()
-    trace = record_steps(config, args.tokens, args.clip, args.steps, args.num_slots, offload, tile)
+    trace = record_steps(config, args.tokens, args.clip, args.steps, args.num_slots, offload, tile, prof,
+                         args.launch_us * 1e-6, memory)  # fmt: skip
     seconds = time.perf_counter() - t0
     timeline = replay(trace, prof, args.launch_us * 1e-6)
-    s = summarize(timeline, prof, model_flops(config, args.tokens, args.tokens), args.steps)
-    print("\n".join(describe(args, config, prof, adam, tile, offload, seconds, len(trace.issue), len(trace.jobs))))
+    s = summarize(timeline, prof, model_flops(config, args.tokens, args.tokens), args.steps, args.clip is not None)
+    print("\n".join(describe(args, config, prof, adam, tile, offload, seconds, trace)))
     print(table(s))
     if args.png is not None:
         print(plot(timeline, s, args.steps, args.png, summary_line(args, s).removeprefix("schedule: ")))

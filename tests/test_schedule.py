@@ -8,6 +8,7 @@ around the same steps.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import io
@@ -22,7 +23,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatrain_lightning import StreamingEngine
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from megatrain_lightning.schedule import Profile, Recorder, replay, train_steps
+from megatrain_lightning.schedule import Profile, Recorder, replay, summarize, train_steps
+from megatrain_lightning.schedule.replay import Interval, Replay, Timeline
+from megatrain_lightning.schedule.report import CHAIN
 from megatrain_lightning.schedule.profiles import LINK_EFFICIENCY
 from megatrain_lightning.flops import matmul_params, model_flops
 from megatrain_lightning.schedule.trace import (
@@ -213,10 +216,111 @@ def test_replay_refuses_a_schedule_that_cannot_proceed():
         replay(trace, unit_profile())
 
 
+# -- live replay: timing decisions during the recording --------------------------------------------------
+def adam_job(seconds: float, name: str) -> list:
+    return [HostWork("adam", int(seconds * 10**9), 1, 1, name)]  # on the unit profile: 1 Gparam/s
+
+
+def launches(n: int) -> list[Kernel]:
+    """`n` kernels that take no GPU time: each moves the issuing thread's clock by one launch."""
+    return [Kernel("k", 0, 0, 0, False, False, 1, "p") for _ in range(n)]
+
+
+def spans(timeline: Timeline) -> list[Interval]:
+    """The intervals in time order per lane (a live replay appends them in another order)."""
+    return sorted(timeline.intervals, key=lambda iv: (iv.lane, iv.start, iv.end, iv.what, iv.phase))
+
+
+def test_live_replay_says_whether_a_job_is_done_by_the_issuing_threads_clock():
+    """While a trace is being recorded, a job is done once the replay has it ended by the issuing thread's
+    clock: a 1 s job submitted at 0 is not after one 0.25 s launch, and is after four; the finished live
+    replay is the replay of the whole trace."""
+    trace = Trace()
+    live = Replay(trace, unit_profile(), launch_s=0.25)
+    trace.issue += [Mark(1), Submit(0)]
+    trace.jobs.append(adam_job(1.0, "job 0"))
+    trace.job_step.append(1)
+    trace.issue += launches(1)
+    assert not live.ended_by_now(0)
+    trace.issue += launches(3)
+    assert live.ended_by_now(0)
+    assert spans(live.run()) == spans(replay(trace, unit_profile(), launch_s=0.25))
+
+
+def test_live_replay_starts_no_job_that_a_later_submission_could_precede():
+    """Job 0 (order 5) is submitted, then the recording stops at the issuing thread's clock 0; job 1 (order 1)
+    submitted at the same moment must still go first, as in the replay of the whole trace."""
+    trace = Trace(job_order=[5, 1])
+    live = Replay(trace, unit_profile(), launch_s=0.25)
+    trace.issue += [Mark(1), Submit(0)]
+    trace.jobs.append(adam_job(1.0, "job 0"))
+    trace.job_step.append(1)
+    assert not live.ended_by_now(0)
+    trace.issue += [Submit(1), *launches(1)]
+    trace.jobs.append(adam_job(1.0, "job 1"))
+    trace.job_step.append(1)
+    assert not live.ended_by_now(0) and live.ended_by_now(1) is False  # (job 1 runs 0 to 1, the clock is 0.25)
+    timeline = live.run()
+    assert [iv.phase for iv in timeline.intervals if iv.lane == "host"] == ["job 1", "job 0"]
+    assert spans(timeline) == spans(replay(trace, unit_profile(), launch_s=0.25))
+
+
+def slow_host() -> Profile:
+    """A fast GPU whose host steps 1000 parameters a second: no step is done before the GPU needs it."""
+    return dataclasses.replace(unit_profile(), host_adam_gparams=1e-6)
+
+
+def recorded_uploads(profile: Profile | None, num_slots: int) -> list[Copy]:
+    """The uploads of 2 clipped steps of the tiny model recorded with `num_slots` slots (on `profile`)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny())
+    recorder = Recorder(profile)
+    with recorder.recording():
+        engine = StreamingEngine(model, device="cpu", pin_memory=False, clipping=True, num_slots=num_slots)
+        recorder.attach(engine)
+        train_steps(engine, model, batch(), recorder, STEPS, clip=1.0)
+    engine.release()
+    return [i for i in recorder.trace.issue if isinstance(i, Copy) and i.lane == "h2d"]
+
+
+def test_prefetch_decisions_follow_the_replayed_timing():
+    """With 4 slots the optimizer step issues block 0 for the next forward and blocks 1 and 2 if their steps
+    are done. Recorded without a device every job counts as done, so all three go up there; on a host too
+    slow to finish any step in time only block 0 does, and blocks 1 and 2 go up in the forward instead
+    (each block once a step)."""
+    runs = recorded_uploads(None, 4), recorded_uploads(slow_host(), 4)
+    block = max(c.nbytes for c in runs[0])
+
+    def blocks(uploads: list[Copy], step: int, phase: str) -> int:
+        return sum(c.nbytes == block and c.step == step and c.phase.startswith(phase) for c in uploads)
+
+    assert [blocks(uploads, 1, "optimizer") for uploads in runs] == [3, 1]  # step 1 issuing step 2's forward
+    layers = tiny().num_hidden_layers
+    assert [blocks(uploads, 1, "optimizer") + blocks(uploads, 2, "forward") for uploads in runs] == [layers] * 2
+
+
+# -- the bound ---------------------------------------------------------------------------------------------
+def test_clipping_is_bound_by_the_backward_then_the_host_steps():
+    """By hand: step 2 runs from 1 (the end of step 1's backward) to 3. The host steps for 1 s, then the GPU
+    runs the forward (0.2 s) and the backward (0.8 s): no resource is busy more than 1 s, but with
+    clipping no step may start before the backward's last gradient, nor the next backward before the last
+    step, so the bound is the chain 0.8 + 1 = 1.8 s."""
+    timeline = Timeline(intervals=[
+        Interval("compute", 0.0, 1.0, 1, "mm", "backward block 0"),
+        Interval("host", 1.0, 2.0, 2, "adam", "optimizer"),
+        Interval("compute", 2.0, 2.2, 2, "mm", "forward block 0"),
+        Interval("compute", 2.2, 3.0, 2, "mm", "backward block 0"),
+    ])  # fmt: skip
+    clipped, plain = (summarize(timeline, unit_profile(), 1e12, 2, clipped=c) for c in (True, False))
+    assert (clipped.bound, clipped.bound_s, clipped.step_s) == pytest.approx((CHAIN, 1.8, 2.0))
+    assert clipped.resource in ("gpu", "host") and clipped.resource_ratio == pytest.approx(2.0)
+    assert (plain.bound, plain.bound_s, plain.chain_s) == ("gpu", 1.0, None)
+
+
 # -- the command line ----------------------------------------------------------------------------------
 LAST = re.compile(
     r"^schedule: model=(\S+) tokens_per_step=(\d+) clip=(\S+) step_s=(\S+) bound_s=(\S+) ratio=(\S+) "
-    r"bound=(gpu|h2d|d2h|host) mfu=(\S+)$"
+    r"bound=(gpu|h2d|d2h|host|clip-chain) mfu=(\S+)$"
 )
 
 

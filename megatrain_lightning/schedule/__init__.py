@@ -35,9 +35,10 @@ What it leaves out:
   about a thousand kernels ahead, which changes no GPU time while the GPU is the bottleneck). Python and
   autograd overhead besides the launch cost, the caching allocator and Lightning's own per-step work
   (logging, progress bar) are not modelled.
-- Host jobs run when they are submitted during the recording: decisions taken from timing
-  (``event.query()``, ``future.done()``) see everything complete; today's engine takes none. The NVMe
-  tier's reads and writes are not modelled.
+- Host jobs run when they are submitted during the recording, but the engine's decisions taken from
+  timing (``future.done()``: prefetch a block only once its step is done) are answered by a live replay
+  of what has been recorded so far on the same profile (``Recorder(profile)``), so they are the ones the
+  engine would take there. The NVMe tier's reads and writes are not modelled.
 - Token tiles and input offload are the planner's choices for the profile's GPU memory, not the engine's
   "auto" choices from the memory free at run time.
 """

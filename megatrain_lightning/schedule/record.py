@@ -12,7 +12,8 @@ A :class:`Recorder` is installed around an engine from outside, without a change
 - a proxy of the engine's worker pool: each job and what it does (the kernels ``adam_step_``,
   ``accumulate_``, ``param_norms``, wrapped in ``optim.kernels``, with their element counts and bytes, and
   its waits on copy events), and each place a thread blocks on a job (``future.result()``). Jobs run when
-  submitted, on the submitting thread (see :class:`_Worker`);
+  submitted, on the submitting thread (see :class:`_Worker`); whether one would be done yet
+  (``future.done()``) is the live replay's answer;
 - a torch-function mode that logs the host reading a device tensor (``.cpu()``, ``.item()``, ...), which on
   the CPU stand-in runs no op at all;
 - wrappers of ``engine.forward_block``/``backward_block`` that name the block every op belongs to.
@@ -39,6 +40,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from megatrain_lightning.engine import engine as engine_module
 from megatrain_lightning.measure import _key, _tensors, observe_host_allocations
 from megatrain_lightning.optim import kernels
+from megatrain_lightning.schedule.profiles import Profile
+from megatrain_lightning.schedule.replay import LAUNCH_S, Replay
 from megatrain_lightning.schedule.trace import (
     Copy, DeviceSync, HostWork, Join, Kernel, Mark, Record, Submit, Sync, Trace, Wait,
 )  # fmt: skip
@@ -48,10 +51,15 @@ aten = torch.ops.aten
 
 # -- the recorder ----------------------------------------------------------------------------------------
 class Recorder:
-    """Collects a :class:`Trace`; `step`, `stage` and the running block name what each item belongs to."""
+    """Collects a :class:`Trace`; `step`, `stage` and the running block name what each item belongs to.
 
-    def __init__(self) -> None:
+    With a device `profile` the trace is replayed live as it is recorded, so a decision the engine takes
+    from timing (``future.done()``: is a block's optimizer step finished, may it be prefetched now?) gets
+    the answer it would get on that device; without one every job counts as finished."""
+
+    def __init__(self, profile: Profile | None = None, launch_s: float = LAUNCH_S) -> None:
         self.trace = Trace()
+        self.live = None if profile is None else Replay(self.trace, profile, launch_s)
         self.step, self.stage = 0, "setup"
         self.block: tuple[str, int] | None = None
         self.events = 0
@@ -156,6 +164,10 @@ class Recorder:
         self.trace.job_after.append((events, tuple(a.job for a in after if isinstance(a, _Future))))
         self.log(Submit(job))
         return job
+
+    def job_done(self, job: int) -> bool:
+        """What ``future.done()`` of host job `job` answers now (see the class docstring)."""
+        return True if self.live is None else self.live.ended_by_now(job)
 
     def run_job(self, job: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         outer, self._local.job = getattr(self._local, "job", None), job
@@ -264,8 +276,9 @@ class RecordedEvent:
 class _Worker:
     """The engine's worker pool, with each job and each block on one logged. A job runs the moment it is
     submitted, on the submitting thread: the engine lets its worker run at any pace, so this is one of the
-    orders a real run may take, and the trace does not depend on which (times come from the replay). It
-    also keeps fake tensors on one thread: FakeTensorMode is not thread-safe."""
+    orders a real run may take; what the trace records depends on the pace only where the engine asks
+    whether a job is done, which the live replay answers (times come from the replay). It also keeps fake
+    tensors on one thread: FakeTensorMode is not thread-safe."""
 
     def __init__(self, recorder: Recorder, inner: Any) -> None:
         self.recorder, self.inner = recorder, inner
@@ -291,8 +304,9 @@ class _Future:
         return self.inner.result(timeout)
 
     def done(self) -> bool:
-        # Only statistics read it; the replay decides when the job ends.
-        return self.inner.done()
+        # The job ran when it was submitted; whether it would have finished by now is the live replay's
+        # answer (a prefetch depends on it).
+        return self.inner.done() and self.recorder.job_done(self.job)
 
     def __getattr__(self, name: str) -> Any:  # exception(), ...: no event, so no synchronize()
         return getattr(self.inner, name)

@@ -88,18 +88,41 @@ class Replay:
         self.submitted: dict[int, float] = {}
         self.ended: dict[int, float] = {}
         self.timeline = Timeline()
+        self.started: set[int] = set()
+        self.threads = (_Thread("issue", trace.issue), _Thread("host", []))  # the issuing thread reads the list live
 
     def run(self) -> Timeline:
-        self.started: set[int] = set()
-        threads = [_Thread("issue", self.trace.issue), _Thread("host", [])]
-        while not all(t.done for t in threads) or len(self.started) < len(self.trace.jobs):
-            moved = self._advance(threads[0])
-            if threads[1].done:
-                moved = self._next_job(threads[1]) or moved
-            if not any([self._advance(threads[1]), moved]):
-                stuck = {t.name: t.items[t.i] for t in threads if not t.done}
-                raise RuntimeError(f"the recorded schedule cannot proceed: each thread waits for the other ({stuck})")
+        """Replay the whole trace; RuntimeError when it cannot proceed."""
+        self._go(live=False)
+        issue, worker = self.threads
+        if not (issue.done and worker.done) or len(self.started) < len(self.trace.jobs):
+            stuck = {t.name: t.items[t.i] for t in self.threads if not t.done}
+            raise RuntimeError(f"the recorded schedule cannot proceed: each thread waits for the other ({stuck})")
         return self.timeline
+
+    def catch_up(self) -> None:
+        """Live replay, while the trace is still being recorded: replay what has been issued so far. The
+        worker starts no job after the issuing thread's clock, since an item issued later may submit a job
+        that would go first."""
+        self._go(live=True)
+
+    def ended_by_now(self, job: int) -> bool:
+        """Live replay: whether host job `job` has finished by the issuing thread's clock (what a real
+        ``future.done()`` would answer at that point of the recording)."""
+        self.catch_up()
+        return job in self.ended and self.ended[job] <= self.threads[0].clock
+
+    def _go(self, live: bool) -> None:
+        """Advance both threads as far as the items allow (`live`: no job started past the clock of an
+        issuing thread that has run out of items)."""
+        issue, worker = self.threads
+        while True:
+            moved = self._advance(issue)
+            if worker.done:
+                limit = issue.clock if live and issue.done else None
+                moved = self._next_job(worker, limit) or moved
+            if not (self._advance(worker) or moved):
+                return
 
     def _ready_at(self, job: int) -> float | None:
         """When `job` can start (submitted, what it comes after complete), None while that is not known."""
@@ -110,13 +133,16 @@ class Replay:
             return None
         return max([self.submitted[job], *(self.events[e] for e in events), *(self.ended[j] for j in jobs)])
 
-    def _next_job(self, worker: _Thread) -> bool:
+    def _next_job(self, worker: _Thread, limit: float | None = None) -> bool:
         """Give the idle worker its next job: the issuing thread has gone as far as it can, so every job
-        that can be ready before the worker's clock is known. Whether there was one."""
+        that can be ready before the worker's clock is known (live: before `limit`, the issuing thread's
+        clock, which later submissions cannot precede). Whether there was one."""
         ready = {j: t for j in self.submitted if j not in self.started and (t := self._ready_at(j)) is not None}
         if not ready:
             return False
         at = max(worker.clock, min(ready.values()))
+        if limit is not None and at >= limit:
+            return False
         order = self.trace.job_order or [0] * len(self.trace.jobs)  # (a trace built by hand may give none)
         job = min((j for j, t in ready.items() if t <= at), key=lambda j: (order[j], j))
         self.started.add(job)

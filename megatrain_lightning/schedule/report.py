@@ -3,8 +3,17 @@
 The step measured is the last one recorded, from the end of the previous step's backward on the GPU to the
 end of its own: it holds the previous step's optimizer work (host Adam, outer uploads), which overlaps this
 step's forward, and this step's backward. A resource's busy time is the work of that step on its lane (a
-host job belongs to the step that submitted it), so ``bound_s`` is what the step could take if every
-resource overlapped perfectly and the busiest never waited.
+host job belongs to the step that submitted it), so the busiest resource's is what the step could take if
+every resource overlapped perfectly and the busiest never waited.
+
+With global-norm clipping that overlap is not allowed in exact arithmetic, and the bound is a chain
+instead (``clip-chain``): every Adam step reads the gradient scaled by the clip coefficient, which needs the
+global norm, which needs every gradient of the step, so no step starts before all of the backward's GPU
+work has run; and the next backward starts only after the next forward has run through every block, each
+with its stepped weights, so no GPU backward work of the next step starts before every Adam step has
+ended. The GPU runs one kernel at a time and the worker one job at a time, so a step takes at least the
+backward's GPU time plus the host's Adam time, however the rest overlaps. ``bound_s`` is the larger of the
+busiest resource's time and (clipping) that chain.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.replay import Interval, Timeline
 
 RESOURCES = {"gpu": "compute", "h2d": "h2d", "d2h": "d2h", "host": "host"}
+CHAIN = "clip-chain"  # the backward on the GPU, then the host's Adam (exact clipping; module docstring)
 MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
 
@@ -32,10 +42,17 @@ class Summary:
     host_kinds: dict[str, float]
     blocked: dict[str, float]  # seconds the issuing thread sat blocked in the window, by where
     gpu_idle_s: float  # seconds of the window with no kernel on the GPU
+    resource: str  # the busiest resource (the bound unless the clipping chain is longer)
+    chain_s: float | None = None  # clipping: the backward's GPU seconds + the host's Adam seconds
 
     @property
     def ratio(self) -> float:
         return self.step_s / self.bound_s
+
+    @property
+    def resource_ratio(self) -> float:
+        """The step against its busiest resource alone (the bound when not clipping)."""
+        return self.step_s / self.busy[self.resource]
 
 
 def steady_window(timeline: Timeline, step: int) -> tuple[float, float]:
@@ -49,25 +66,35 @@ def steady_window(timeline: Timeline, step: int) -> tuple[float, float]:
     return ends[step - 1], ends[step]
 
 
-def summarize(timeline: Timeline, profile: Profile, flops: float, step: int) -> Summary:
-    """The figures of optimizer step `step` (the last recorded) of `timeline`."""
+def summarize(timeline: Timeline, profile: Profile, flops: float, step: int, clipped: bool = False) -> Summary:
+    """The figures of optimizer step `step` (the last recorded) of `timeline`; `clipped`: the steps waited for
+    a global gradient norm (the chain bound applies, module docstring)."""
     lo, hi = steady_window(timeline, step)
     mine = [iv for iv in timeline.intervals if iv.step == step]
     busy = {name: _total(mine, lane) for name, lane in RESOURCES.items()}
     busy["issue"] = _total(mine, "issue")
-    bound = max(RESOURCES, key=lambda name: busy[name])
+    resource = max(RESOURCES, key=lambda name: busy[name])
+    chain = chain_seconds(mine) if clipped else None
+    bound, bound_s = (CHAIN, chain) if chain is not None and chain > busy[resource] else (resource, busy[resource])
     blocked: dict[str, float] = defaultdict(float)
     for iv in timeline.intervals:
         if iv.lane == "issue blocked":
             blocked[iv.what] += _overlap(iv, lo, hi)
     compute = [iv for iv in timeline.intervals if iv.lane == "compute"]
     return Summary(
-        step_s=hi - lo, bound_s=busy[bound], bound=bound, mfu=flops / (hi - lo) / (profile.bf16_peak_tflops * 1e12),
+        step_s=hi - lo, bound_s=bound_s, bound=bound, mfu=flops / (hi - lo) / (profile.bf16_peak_tflops * 1e12),
         model_flops=flops, window=(lo, hi), busy=busy,
         gpu_kinds=_by(mine, "compute", _gpu_kind), host_kinds=_by(mine, "host", lambda w: w),
         blocked={k: v for k, v in sorted(blocked.items(), key=lambda kv: -kv[1]) if v > 0},
-        gpu_idle_s=(hi - lo) - _covered(compute, lo, hi),
+        gpu_idle_s=(hi - lo) - _covered(compute, lo, hi), resource=resource, chain_s=chain,
     )  # fmt: skip
+
+
+def chain_seconds(intervals: list[Interval]) -> float:
+    """Exact clipping's chain over one step's intervals: the GPU's backward work (recompute, gradients,
+    their norms, the loss's backward) plus the host worker's Adam steps."""
+    backward = sum(iv.seconds for iv in intervals if iv.lane == "compute" and iv.phase.startswith("backward"))
+    return backward + sum(iv.seconds for iv in intervals if iv.lane == "host" and iv.what == "adam")
 
 
 def table(s: Summary) -> str:
@@ -75,8 +102,11 @@ def table(s: Summary) -> str:
     the issuing thread waited."""
     rows = [f"{'lane':<6} {'busy s':>9} {'share':>7}"]
     for name, seconds in s.busy.items():
-        mark = "  <- bound" if name == s.bound else ""
+        mark = "  <- bound" if name == s.bound else "  <- busiest" if name == s.resource and s.chain_s else ""
         rows.append(f"{name:<6} {seconds:>9.4f} {seconds / s.step_s:>7.1%}{mark}")
+    if s.chain_s is not None:
+        mark = "  <- bound" if s.bound == CHAIN else ""
+        rows.append(f"{CHAIN} {s.chain_s:>5.4f} {s.chain_s / s.step_s:>7.1%}{mark}  (backward on the GPU, then Adam)")
     rows.append(f"step   {s.step_s:>9.4f}  (bound {s.bound_s:.4f} s on {s.bound}; GPU idle {s.gpu_idle_s:.4f} s of it)")
     rows.append("gpu:   " + _listing(s.gpu_kinds))
     rows.append("host:  " + _listing(s.host_kinds))

@@ -20,7 +20,9 @@ from megatrain_lightning.engine.engine import StreamingEngine
 from megatrain_lightning.measure import _release
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim.adamw import HostAdamW
+from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.record import Recorder
+from megatrain_lightning.schedule.replay import LAUNCH_S
 from megatrain_lightning.schedule.trace import Trace
 
 
@@ -68,15 +70,21 @@ def record_steps(
     tokens: int,
     clip: float | None = None,
     steps: int = 3,
-    num_slots: int = 2,
+    num_slots: int | str = 2,
     offload_inputs: bool = False,
     tile: int | None = None,
+    profile: Profile | None = None,
+    launch_s: float = LAUNCH_S,
+    device_memory: tuple[int, int] | None = None,
 ) -> Trace:
     """The trace of `steps` bf16-mixed training steps of `config` at micro-batch 1 x `tokens`, on fake tensors
     (measure.py's way: the engine and model run for real, the tensors have shapes but no memory). `tile` and
-    `offload_inputs` are fixed: their "auto" choices read the free memory of a device there is not."""
+    `offload_inputs` are fixed: their "auto" choices read the free memory of a device there is not. With a
+    `profile` the engine's timing decisions (prefetch a block whose step is done) get that device's answers
+    (a live replay, see Recorder). `device_memory` = (free, transient bytes): what ``num_slots="auto"`` reads
+    after the first step (the planner's figures for the profile's GPU: there is no device to measure)."""
     config = dataclasses.replace(config, token_chunk_size=tile)
-    recorder = Recorder()
+    recorder = Recorder(profile, launch_s)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = LlamaForCausalLM(config)  # built before recording: host memory the engine takes over
         batch = torch.zeros(1, tokens, dtype=torch.int64)
@@ -84,12 +92,21 @@ def record_steps(
             engine = StreamingEngine(
                 model, device="cpu", compute_dtype=torch.bfloat16, num_slots=num_slots, pin_memory=False,
                 available_bytes=lambda: 1 << 62, clipping=clip is not None,
+                **_memory_figures(device_memory),
             )  # fmt: skip
             engine.offload_inputs = offload_inputs
             recorder.attach(engine)
             try:
                 train_steps(engine, model, batch, recorder, steps, clip)
+                recorder.trace.slots = engine.pool.num_slots
             finally:
                 recorder.detach()
                 _release(engine)
     return recorder.trace
+
+
+def _memory_figures(device_memory: tuple[int, int] | None) -> dict[str, Any]:
+    if device_memory is None:
+        return {}
+    free, transient = device_memory
+    return {"free_device_bytes": lambda: free, "step_transient_bytes": lambda: transient}

@@ -102,3 +102,4 @@ class Trace:
     job_step: list[int] = field(default_factory=list)  # the optimizer step during which each job was submitted
     job_order: list[int] = field(default_factory=list)  # its order on the worker (engine/worker.py)
     job_after: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)  # (events, jobs) first
+    slots: int = 0  # the engine's weight slots when the recording ended (num_slots="auto" grows them)
