@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from megatrain_lightning import MegatrainStrategy, StreamingEngine
+from megatrain_lightning.engine import engine as engine_module
 from megatrain_lightning.engine.host_steps import HostSteps
+from megatrain_lightning.engine.streams import SlotPool
 from megatrain_lightning.optim.adamw import HostAdamW
 from tests.async_streams import AsyncStreams, install
 from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches
@@ -131,6 +133,9 @@ TRAININGS = {
     "overlapped": dict(layers=3, batches=8, module=dict(split_decay=True, schedule=8), trainer={}),
     "three-slots": dict(layers=5, batches=6, module={}, trainer={}, slots=3),
 }  # fmt: skip
+# num_slots="auto" growing to a slot per block after the first step (with the device memory patched in).
+CONFIGS = {**TRAININGS, "auto-slots": dict(layers=5, batches=6, module={}, trainer=dict(accumulate_grad_batches=2),
+                                           slots="auto")}  # fmt: skip
 
 MODES = {
     "lazy": dict(hold=1.0),  # every copy runs only when something waits for it
@@ -140,7 +145,7 @@ MODES = {
 
 
 def train(name: str, strategy: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    cfg = TRAININGS[name]
+    cfg = CONFIGS[name]
     module = CausalLM(hf_llama(layers=cfg["layers"]), **cfg["module"])
     if strategy == "megatrain" and "slots" in cfg:
         strategy = MegatrainStrategy(num_slots=cfg["slots"])
@@ -166,6 +171,23 @@ def test_trainings_stay_bitwise_equal_with_asynchronous_copies(name, mode, monke
     got = train(name, "megatrain")
     assert len(made) == 1 and made[0].copies > 0 and made[0].error is None
     assert got[0] == ref[0]
+    assert same(got, ref)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_slots_added_mid_run_keep_training_bitwise_equal_with_asynchronous_copies(mode, monkeypatch):
+    """num_slots="auto" adds its slots after the first step (here 3, one per block: every block then stays
+    resident across the micro-batches of an accumulation); with copies running late the training is still
+    ordinary training's, bit for bit."""
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+    monkeypatch.setattr(engine_module, "free_device_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr(engine_module, "step_transient_bytes", lambda device: 0)
+    grown, grow = [], SlotPool.grow
+    monkeypatch.setattr(SlotPool, "grow", lambda pool, n: grown.append(n) or grow(pool, n))
+    ref = ordinary("auto-slots")
+    made = install(monkeypatch, **MODES[mode])
+    got = train("auto-slots", "megatrain")
+    assert grown == [2, 3] and made[0].copies > 0 and made[0].error is None
     assert same(got, ref)
 
 
