@@ -26,7 +26,7 @@ from megatrain_lightning.engine.host_steps import HostSteps
 from megatrain_lightning.engine.streams import SlotPool
 from megatrain_lightning.optim.adamw import HostAdamW
 from tests.async_streams import AsyncStreams, install
-from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches
+from tests.helpers import CausalLM, fit, hf_llama, hf_loss, params_of, token_batches
 
 # -- 1. the double ------------------------------------------------------------------------------
 
@@ -122,9 +122,15 @@ def test_the_engine_issues_every_copy_through_the_streams(monkeypatch):
 
 # -- 2. bitwise equality under the double -------------------------------------------------------
 
+def two_views(model, batch: torch.Tensor) -> torch.Tensor:
+    """Two forwards in one loss: each block's gradients are held and summed in its slab (host_steps.Held)."""
+    return hf_loss(model, batch) + 0.5 * hf_loss(model, batch.flip(1))
+
+
 # Cut-down versions of tests/test_strategy.py's twenty-steps test (accumulation 4, clipping, warm-up +
-# cosine schedule, a no-decay group) and overlapped test (no clipping: blocks step during backward), and
-# of tests/test_engine.py's 3-slot run (with 5 blocks, so backward uploads again).
+# cosine schedule, a no-decay group) and overlapped test (no clipping: blocks step during backward), of
+# tests/test_engine.py's 3-slot run (with 5 blocks, so backward uploads again), and of
+# tests/test_host_steps.py's two forwards in one loss.
 TRAININGS = {
     "accumulate-clip-schedule": dict(
         layers=3, batches=20, module=dict(split_decay=True, schedule=5),
@@ -132,6 +138,7 @@ TRAININGS = {
     ),
     "overlapped": dict(layers=3, batches=8, module=dict(split_decay=True, schedule=8), trainer={}),
     "three-slots": dict(layers=5, batches=6, module={}, trainer={}, slots=3),
+    "two-views": dict(layers=3, batches=6, module=dict(loss_fn=two_views), trainer=dict(accumulate_grad_batches=2)),
 }  # fmt: skip
 # num_slots="auto" growing to a slot per block after the first step (with the device memory patched in).
 CONFIGS = {**TRAININGS, "auto-slots": dict(layers=5, batches=6, module={}, trainer=dict(accumulate_grad_batches=2),

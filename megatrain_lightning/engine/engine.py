@@ -30,7 +30,7 @@ from megatrain_lightning.engine import pinned
 from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, select_side
 from megatrain_lightning.engine.discover import find_blocks
 from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
-from megatrain_lightning.engine.host_steps import HostSteps
+from megatrain_lightning.engine.host_steps import HostSteps, graph_task
 from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
 from megatrain_lightning.engine.outer import OuterParams, _bind
 from megatrain_lightning.engine.ring import HostRing, piece_numel, pieces, ring_counts
@@ -125,6 +125,10 @@ class StreamingEngine(HostSteps, OuterParams):
         self._staging: HostRing | None = None  # lean layout: uploads cast the master into these
         self._uploaded: Any = None  # event: the end of the upload issued last (holds its staging buffer)
         self._grad_ring: HostRing | None = None  # lean layout: gradients landed at once go through these
+        # A block called more than once before a backward: its later calls' gradients come down through this
+        # ring (the lean layout's gradient ring, else one made at the first such call) to add to the first.
+        self._sum_ring: HostRing | None = None
+        self._ring_shape = (ring_counts(largest_block, self.piece)[1], pin)
         try:
             if host_layout == "lean":
                 staging, grads = ring_counts(largest_block, self.piece)
@@ -140,6 +144,8 @@ class StreamingEngine(HostSteps, OuterParams):
                 self.tier.close()
             raise
         self._forward_states: list[Any] = [None] * len(self.units)  # weakref: the latest call of each block
+        # Per block, its calls whose backward has not run yet (a graph dropped unused drops its calls too).
+        self._open_calls: list[weakref.WeakSet] = [weakref.WeakSet() for _ in self.units]
         self._block_index = {id(u): i for i, u in enumerate(self.units)}
         max_numel = max(u.numel for u in self.units)
         self.pool = SlotPool(self.streams, 2 if num_slots == "auto" else num_slots, max_numel, compute_dtype)
@@ -342,6 +348,7 @@ class StreamingEngine(HostSteps, OuterParams):
         picked = [side.tensors[i] for i in state.side_index]
         state.extra_ids = {id(t): j for j, t in enumerate(picked)}
         self._forward_states[idx] = weakref.ref(state)
+        self._open_calls[idx].add(state)
         return out, picked
 
     def backward_block(
@@ -349,6 +356,8 @@ class StreamingEngine(HostSteps, OuterParams):
     ) -> torch.Tensor | None:
         """Recompute block `idx` with grad; ship its parameters' gradients to the host, return the input's."""
         unit, blk, runner = self.units[idx], self.blocks[idx], self.runners[idx]
+        self._open_calls[idx].discard(state)
+        more = bool(self._open_calls[idx])  # another call of this block is still to come back
         if idx == len(self.units) - 1:
             self._read_ahead_backward()
         # Parameters the user froze get no gradient, exactly as in ordinary training (checked now: a
@@ -385,7 +394,9 @@ class StreamingEngine(HostSteps, OuterParams):
         present = [g is not None for g in by_entry]
         if any(present):
             flat, grad_slot = self._pack_grads(unit, by_entry)
-            self._ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot)
+            self._ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot, more=more)
+        elif unit.held is not None and not more:
+            self._land_held(unit, idx, this_pass=unit.held.task == graph_task())  # it was the last call
         return grads[0] if need_input_grad else None
 
     def _run(self, idx: int, direction: int, fn: Callable[[], Any]) -> Any:
@@ -515,8 +526,8 @@ class StreamingEngine(HostSteps, OuterParams):
         for unit in self.all_units():
             for kind, n in unit.nbytes().items():
                 total[kind] = total.get(kind, 0) + n
-        if self.host_layout == "lean":
-            total["ring"] = sum(r.nbytes() for r in (self._staging, self._grad_ring) if r is not None)
+        if self.host_layout == "lean" or self._sum_ring is not None:
+            total["ring"] = sum(r.nbytes() for r in self._rings())
         if self.tier is not None:  # the moments in host memory: the NVMe tier's working buffers only
             total["adam"] = total.get("adam", 0) + self.tier.buffer_bytes()
         return total
@@ -530,8 +541,11 @@ class StreamingEngine(HostSteps, OuterParams):
         compute copy and the gradient slab; in fp32 the master, which is the copy, and the slab)."""
         return pinned.registered_bytes(self._pinnable())
 
+    def _rings(self) -> list[HostRing]:
+        return [r for r in {id(r): r for r in (self._staging, self._grad_ring, self._sum_ring) if r}.values()]
+
     def _pinnable(self) -> list[torch.Tensor | None]:
-        rings = [b for r in (self._staging, self._grad_ring) if r is not None for b in r.buffers]
+        rings = [b for r in self._rings() for b in r.buffers]
         return [t for unit in self.all_units() for t in (unit.master, unit.copy, unit.slab)] + self.saved_inputs.buffers + rings
 
     def num_parameters(self) -> int:

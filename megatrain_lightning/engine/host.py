@@ -28,7 +28,7 @@ import enum
 import os
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -115,6 +115,7 @@ class HostUnit:
         self.has_grad = [False] * len(entries)  # got a gradient since the last step / zero_grad
         self.steps = [0] * len(entries)  # optimizer steps taken
         self.future: Future | None = None  # last host job touching this unit
+        self.held: Any = None  # host_steps.Held: a block called again in this backward sums its gradients in the slab
         self.upload_done: object | None = None  # event: the last H2D read of `copy` finished
 
     # -- layout ---------------------------------------------------------------------------------

@@ -18,14 +18,32 @@ as soon as its copy is done, so the host holds a few pieces of gradient, not a u
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from megatrain_lightning.engine.host import GradState, HostUnit, host_empty, spans
-from megatrain_lightning.engine.ring import pieces
+from megatrain_lightning.engine.ring import HostRing, pieces
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.optim.kernels import AdamHyper
+
+
+def graph_task() -> int:
+    """The backward pass running on this thread (autograd's graph task id; -1 outside a backward)."""
+    return torch._C._current_graph_task_id()
+
+
+@dataclass
+class Held:
+    """Gradients of one block from one backward pass, summed in the unit's slab until the pass's last call of
+    the block has come back. Autograd adds the contributions a weight gets within one backward before they
+    reach ``.grad`` (in the weight's compute dtype: under autocast, at the one cached cast of the weight),
+    so the sum lands once, as one gradient: into the accumulator, or stepped."""
+
+    task: int  # the backward pass (graph_task) the gradients come from
+    accumulate: bool  # that pass was not the last micro-batch of the step
+    present: list[bool]  # per parameter, whether any of the calls produced a gradient
 
 
 class HostSteps:
@@ -60,15 +78,36 @@ class HostSteps:
         present: list[bool],
         block_idx: int | None = None,
         grad_slot: int | None = None,
+        more: bool = False,
     ) -> None:
         """Download a unit's gradient into its pinned slab and hand it to the host worker. `present` says,
-        per parameter, whether autograd produced a gradient (absent ones are zeros in `flat`)."""
+        per parameter, whether autograd produced a gradient (absent ones are zeros in `flat`); `more`: the
+        block has another call still to come back (its gradients are summed first, see :class:`Held`)."""
         if unit in self._eager:
             raise RuntimeError(
                 f"{unit.name} got a second gradient after it was already stepped during this backward; "
                 "gradients must reach a unit once per optimizer step when the optimizer overlaps backward"
             )
+        task = graph_task()
+        if unit.held is not None and unit.held.task != task:
+            self._land_held(unit, block_idx, this_pass=False)  # an earlier backward's sum is complete
         self._wait(unit)  # the worker must be done reading the slab before it is overwritten
+        if unit.held is not None:
+            done = self._add_to_held(unit, flat, present)
+            if not more:
+                self._land_held(unit, block_idx, this_pass=True)
+        elif more:
+            done = self._hold(unit, flat, present, task)
+        else:
+            done = self._ship_whole(unit, flat, present, block_idx)
+        if grad_slot is not None:
+            self._grad_slot_free[grad_slot] = done
+        elif self.streams.is_cuda:
+            flat.record_stream(self.streams.d2h)  # autograd's grad buffer lives until the copy has read it
+
+    def _ship_whole(self, unit: HostUnit, flat: torch.Tensor, present: list[bool], block_idx: int | None) -> object:
+        """A unit's whole gradient of this backward: land it (into the accumulator, or stepped at once when
+        the optimizer overlaps backward, or kept for the step). Returns the event of its last copy."""
         if unit.grad_state is GradState.SLAB:
             self._promote(unit)
         accumulate = self.backward_mode == "accumulate"
@@ -77,8 +116,7 @@ class HostSteps:
         # Lean layout: a gradient the landing job consumes at once (into the accumulator, or by the step
         # itself) goes through the gradient ring; one that waits for the optimizer step needs its own slab.
         to_acc = accumulate or unit.grad_state is GradState.ACC
-        self.stats["d2h_bytes"] += flat.numel() * flat.element_size()
-        self.streams.wait(self.streams.d2h, self.streams.event())  # the gradient has been produced
+        self._before_download(flat)
         hyper = self.hyper() if eager else None
         want_norm = self.want_norms and not accumulate and unit.device_norms is None
         if self._grad_ring is not None and (to_acc or eager):
@@ -90,10 +128,14 @@ class HostSteps:
             # A step waits its turn (engine/worker.py): the next forward's order, once its copy has landed.
             rank = self._step_rank(unit) if hyper is not None else 0
             self._submit(unit, lambda: self._land(unit, done, present, accumulate, want_norm, hyper), rank, done)
-        if grad_slot is not None:
-            self._grad_slot_free[grad_slot] = done
-        elif self.streams.is_cuda:
-            flat.record_stream(self.streams.d2h)  # autograd's grad buffer lives until the copy has read it
+        self._shipped(unit, eager, block_idx)
+        return done
+
+    def _before_download(self, flat: torch.Tensor) -> None:
+        self.stats["d2h_bytes"] += flat.numel() * flat.element_size()
+        self.streams.wait(self.streams.d2h, self.streams.event())  # the gradient has been produced
+
+    def _shipped(self, unit: HostUnit, eager: bool, block_idx: int | None) -> None:
         if eager:
             self._eager.add(unit)
             self._pending.discard(unit)  # earlier micro-batches' sum is consumed by this step
@@ -101,6 +143,55 @@ class HostSteps:
                 self.pool.invalidate(block_idx)
         else:
             self._pending.add(unit)
+
+    # -- a block called more than once before one backward ----------------------------------------------
+    def _hold(self, unit: HostUnit, flat: torch.Tensor, present: list[bool], task: int) -> object:
+        """The first gradient of a block that has another call still to come back in this backward: kept in
+        the slab, where the others are added (:class:`Held`); nothing lands or steps yet."""
+        if unit.grad_state is GradState.SLAB:
+            self._promote(unit)  # an earlier backward's gradient leaves the slab for the accumulator
+        unit.device_norms = None  # (norms of a part of the gradient would be wrong; the landing takes them)
+        self._before_download(flat)
+        self.streams.copy(self.streams.d2h, unit.ensure_slab(), flat)
+        done = self.streams.event(self.streams.d2h)
+        unit.held = Held(task, self.backward_mode == "accumulate", list(present))
+        self._submit(unit, done.synchronize, 0, done)  # the unit's future covers the copy
+        self._pending.add(unit)
+        return done
+
+    def _add_to_held(self, unit: HostUnit, flat: torch.Tensor, present: list[bool]) -> object:
+        """Another call's gradient for the sum held in the slab: down piece by piece through a ring, each piece
+        added to its place in the compute dtype by its own host job. Returns the event of the last copy."""
+        if self._sum_ring is None:
+            count, pin = self._ring_shape
+            self._sum_ring = self._grad_ring or HostRing("sum", count, self.piece, self.compute_dtype, pin)
+        unit.held.present = [a or b for a, b in zip(unit.held.present, present)]
+        self._before_download(flat)
+        for lo, hi in pieces(unit.numel, self.piece):
+            i, buf = self._sum_ring.take(hi - lo)
+            self.streams.copy(self.streams.d2h, buf, flat[lo:hi])
+            done = self.streams.event(self.streams.d2h)
+            self._submit(unit, lambda buf=buf, lo=lo, done=done: self._add_piece(unit, done, buf, lo), 0, done)
+            self._sum_ring.hold(i, unit.future)
+        return done
+
+    def _add_piece(self, unit: HostUnit, done: Any, buf: torch.Tensor, lo: int) -> None:
+        t0 = time.perf_counter()
+        done.synchronize()  # never read pinned memory before its copy has finished
+        unit.slab[lo : lo + buf.numel()].add_(buf)
+        self.stats["host_land_seconds"] += time.perf_counter() - t0
+
+    def _land_held(self, unit: HostUnit, block_idx: int | None, this_pass: bool) -> None:
+        """The sum held in the slab is complete: land it as the backward's one gradient of the unit, as
+        :meth:`_ship_whole` lands one (stepped at once only when it is this backward's and the optimizer
+        overlaps it; a sum left from an earlier backward, or landed by the optimizer step, waits for the step)."""
+        held, unit.held = unit.held, None
+        eager = this_pass and not held.accumulate and self._eager_ok()
+        hyper = self.hyper() if eager else None
+        want_norm = self.want_norms and not held.accumulate
+        rank = self._step_rank(unit) if hyper is not None else 0
+        self._submit(unit, lambda: self._land(unit, None, held.present, held.accumulate, want_norm, hyper), rank)
+        self._shipped(unit, eager, block_idx)
 
     def _ship_pieces(
         self, unit: HostUnit, flat: torch.Tensor, present: list[bool], to_acc: bool, want_norm: bool,
@@ -166,7 +257,8 @@ class HostSteps:
         hyper: list[AdamHyper] | None,
     ) -> None:
         t0 = time.perf_counter()
-        done.synchronize()  # never read pinned memory before its copy has finished
+        if done is not None:  # (a held sum: its copies were waited for by the jobs that added them)
+            done.synchronize()  # never read pinned memory before its copy has finished
         # As `.grad` in ordinary training: a parameter has a gradient once any micro-batch produced one.
         unit.has_grad = [a or b for a, b in zip(unit.has_grad, present)]
         if accumulate or unit.grad_state is GradState.ACC:
@@ -213,6 +305,9 @@ class HostSteps:
         if self.hyper is None:
             raise RuntimeError("no optimizer is attached to the engine")
         clip_val, self._clip = self._clip, None
+        for unit in self.all_units():
+            if unit.held is not None:  # a call of its block never came back: the sum of those that did
+                self._land_held(unit, self._block_index.get(id(unit)), this_pass=False)
         hyper = self.hyper()
         todo = sorted((u for u in self.all_units() if u in self._pending), key=self._step_rank)
         if todo:  # (after a backward that stepped everything, the plan it set reaches into the next one)
@@ -310,6 +405,7 @@ class HostSteps:
         """Drop the gradients not stepped yet. Nothing blocks: each such unit's reset is queued behind its
         landing jobs on the worker (after an optimizer step there are none, and nothing is queued)."""
         for unit in self._pending:
+            unit.held = None
             self._submit(unit, lambda unit=unit: self._finish_step(unit, stepped=False))
         for unit in self.all_units():
             for e in unit.entries:

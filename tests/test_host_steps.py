@@ -1,0 +1,150 @@
+"""A block called more than once before one backward (two forwards in one loss: two views, chosen and
+rejected sequences): its gradients are summed first, then land as one, as autograd adds the contributions a
+weight gets within one backward before they reach ``.grad``.
+
+fp32 on the CPU with the torch-op optimizer, against ordinary training bit for bit: through Lightning with
+the optimizer overlapping backward (which refused such a model before), accumulation, clipping and the lean
+layout; at the engine, the association an accumulated gradient takes, forwards whose backwards run
+separately, a graph dropped or kept without a backward, and the sum's dtype (bf16, as autograd's).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatrain_lightning import HostAdamW, MegatrainStrategy, StreamingEngine
+from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+from tests.helpers import CausalLM, fit, params_of, token_batches
+
+
+@pytest.fixture(autouse=True)
+def torch_adam(monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+
+
+def own_llama(layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig.from_preset("tiny")
+    cfg.num_hidden_layers = layers
+    return LlamaForCausalLM(cfg)
+
+
+def two_views(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
+    """One loss over two forwards of the model: each block is called twice before the backward."""
+    flipped = batch.flip(1)
+    return model(batch, targets=batch) + 0.5 * model(flipped, targets=flipped)
+
+
+SETTINGS = {
+    "overlapped": ({}, {}),  # the optimizer steps each block during backward: after its last call's gradient
+    "accumulate": ({}, dict(accumulate_grad_batches=2)),
+    "accumulate-clip": ({}, dict(accumulate_grad_batches=2, gradient_clip_val=0.5)),
+    "not-overlapped": (dict(overlap_optimizer=False), {}),
+    "lean-accumulate-clip": (dict(host_layout="lean"), dict(accumulate_grad_batches=2, gradient_clip_val=0.5)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_two_forwards_in_one_loss_train_as_ordinary_training(name):
+    strategy_kwargs, trainer_kwargs = SETTINGS[name]
+    ref, mt = CausalLM(own_llama(), loss_fn=two_views), CausalLM(own_llama(), loss_fn=two_views)
+    fit(ref, token_batches(6), strategy="auto", **trainer_kwargs)
+    fit(mt, token_batches(6), strategy=MegatrainStrategy(**strategy_kwargs), **trainer_kwargs)
+    assert mt.losses == ref.losses and len(ref.losses) == 6
+    pr, pm = params_of(ref.model), params_of(mt.model)
+    assert all(torch.equal(pm[k], pr[k]) for k in pr)
+
+
+def engine_pair(dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, LlamaForCausalLM, StreamingEngine]:
+    """(ordinary model, streamed model, its engine) with the same weights; accumulating, an optimizer attached."""
+    ref, mt = own_llama(), own_llama()
+    engine = StreamingEngine(mt, device="cpu", compute_dtype=dtype)
+    HostAdamW(torch.optim.AdamW(mt.parameters(), lr=1e-3), engine)
+    engine.backward_mode = "accumulate"
+    return ref, mt, engine
+
+
+def assert_accumulated(engine: StreamingEngine, ref: LlamaForCausalLM) -> None:
+    """Every block's fp32 accumulator equals the ordinary model's `.grad`, bit for bit."""
+    engine.flush()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for unit in engine.units:
+        assert unit.held is None
+        for name, e in zip(engine.qualified_names(unit), unit.entries):
+            assert torch.equal(unit.acc[e.offset : e.offset + e.numel].view(e.shape), grads[name]), name
+
+
+def test_a_sum_over_two_calls_adds_to_the_accumulated_gradient_once():
+    """A first micro-batch, then a loss over two forwards: ordinary training adds the two calls' gradients
+    together, then to `.grad` ((g + (c2 + c1)), not ((g + c2) + c1)); so does the engine."""
+    ref, mt, engine = engine_pair()
+    x, y = token_batches(2)
+    for model in (ref, mt):
+        model(x, targets=x).backward()
+        two_views(model, y).backward()
+    assert_accumulated(engine, ref)
+
+
+def test_forwards_whose_backwards_run_separately():
+    """Two forwards, then a backward of each loss: two backward passes, so ordinary training adds each
+    call's gradient to `.grad` in turn; the engine holds the first (the other call is still open) and lands
+    it when the second arrives from another pass."""
+    ref, mt, engine = engine_pair()
+    x, y, z = token_batches(3)
+    for model in (ref, mt):
+        model(x, targets=x).backward()
+        first, second = model(y, targets=y), model(z, targets=z)
+        first.backward()
+        second.backward()
+    assert_accumulated(engine, ref)
+
+
+def test_a_graph_dropped_before_its_backward_leaves_nothing_open():
+    """A forward whose loss is dropped (an evaluation under grad) closes its calls with its graph: the next
+    backward lands each block's gradient at once."""
+    ref, mt, engine = engine_pair()
+    x, y = token_batches(2)
+    for model in (ref, mt):
+        model(x, targets=x)  # dropped
+        model(y, targets=y).backward()
+    assert all(not calls for calls in engine._open_calls)
+    assert_accumulated(engine, ref)
+
+
+def test_a_graph_kept_without_a_backward_lands_at_the_optimizer_step():
+    """A loss kept but never backpropagated leaves each block with a call that never comes back: the
+    gradients of the calls that did are held, and the optimizer step lands and steps them, as ordinary
+    training steps on the `.grad` it has."""
+    ref, mt = own_llama(), own_llama()
+    engine = StreamingEngine(mt, device="cpu", compute_dtype=torch.float32)
+    opts = [torch.optim.AdamW(ref.parameters(), lr=1e-2), HostAdamW(torch.optim.AdamW(mt.parameters(), lr=1e-2), engine)]
+    x, y = token_batches(2)
+    kept = []
+    for model, opt in zip((ref, mt), opts):
+        engine.backward_mode = "step"
+        kept.append(model(x, targets=x))
+        model(y, targets=y).backward()
+        assert model is ref or all(unit.held is not None for unit in engine.units)
+        opt.step()
+    engine.flush()
+    pr, pm = params_of(ref), params_of(mt)
+    assert all(torch.equal(pm[k], pr[k]) for k in pr)
+
+
+def test_the_calls_are_summed_in_the_compute_dtype():
+    """Autograd adds a weight's contributions in the dtype the weight is used in (bf16 under autocast, at
+    the one cast of the weight it caches), then `.grad` takes the sum: with bf16 weights the held sum is the
+    ordinary bf16 `.grad` bit for bit (the fp32 sum of the two bf16 gradients differs from it)."""
+    ref = own_llama().to(torch.bfloat16)  # ordinary bf16 training; the streamed model computes in bf16 too
+    mt = own_llama()
+    mt.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    engine = StreamingEngine(mt, device="cpu", compute_dtype=torch.bfloat16)
+    x = token_batches(1)[0]
+    for model in (ref, mt):
+        two_views(model, x).backward()
+    engine.flush()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for unit in engine.units:
+        for name, e in zip(engine.qualified_names(unit), unit.entries):
+            assert torch.equal(unit.slab[e.offset : e.offset + e.numel].view(e.shape), grads[name]), name
