@@ -214,7 +214,7 @@ def render(state: dict) -> str:
     count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     head = [
         f"# Throughput: {s['name']} ({count} parameters), seq {s['seq_len']}, micro-batch {s['micro_batch']}, "
-        f"{PRECISION}, {s['num_slots']} slots, on {s['device']}", "",
+        f"{PRECISION}, num_slots {s['num_slots']}, on {s['device']}", "",
         f"- layers: {s['layer_note']}",
         f"- clip: {s['clip_note']}",
         *mfu_lines(s),

@@ -1,26 +1,31 @@
 """The schedule model of strategy="megatrain" on a modelled GPU: the steady-state step, its bound and MFU.
 
-    python bench/schedule.py --model llama-3.1-8b --tokens 32768 [--clip 1.0] --device h100-sxm [--png PLOT]
+    python bench/schedule.py --model llama-3.1-8b --tokens 32768 [--micro-batches K] [--clip 1.0]
+        [--device h100-sxm] [--num-slots auto] [--png PLOT]
 
-Runs 3 optimizer steps of StreamingEngine + this project's LlamaForCausalLM (micro-batch 1, bf16-mixed) on
-fake tensors, records every decision the engine takes (megatrain_lightning/schedule), replays them on the
-device profile and prints, for the last step (measured from the same point of the step before), each
-lane's busy time and share of the step, then as the last line:
+Runs 3 optimizer steps of StreamingEngine + this project's LlamaForCausalLM (bf16-mixed; each step K
+micro-batches of 1 x --tokens, accumulated as Trainer(accumulate_grad_batches=K) does) on fake tensors,
+records every decision the engine takes (megatrain_lightning/schedule), replays them on the device profile
+and prints, for the last step (measured from the same point of the step before), each lane's busy time
+and share of the step, then as the last line:
 
     schedule: model=<m> tokens_per_step=<n> clip=<c> step_s=<x> bound_s=<y> ratio=<x/y>
-              bound=<gpu|h2d|d2h|host|clip-chain> mfu=<z>      (one line)
+              bound=<gpu|h2d|d2h|host|step-chain> mfu=<z>      (one line)
 
-bound_s is the busiest resource's work per step (gpu, h2d, d2h, host worker), or with clipping the chain
-exact clipping imposes when it is longer (clip-chain: the backward's GPU time + the host's Adam time; no
-step may start before the global norm, no next backward before every step: schedule/report.py); ratio =
-step_s / bound_s (1.0: the step at its bound), mfu = (6·N·tokens + causal attention FLOPs, forward and backward,
-no recompute) / step_s / the profile's dense bf16 peak. Token tiles and input offload are the planner's
-choices for the profile's GPU memory; ``--num-slots auto`` (the default, as the strategy's) lets the engine
-size its slots after the first step from the planner's free and transient memory for that GPU. The
-recording is replayed live on the profile, so the engine's decisions that depend on timing (prefetch a
-block whose step is done) are the ones it would take on that device. ``--measure-host`` times the host Adam kernel here instead of the
-profile's 28 B/param over host bandwidth; ``--host-adam-gparams`` gives the rate. ``--png`` draws the lanes
-of the last two steps (needs matplotlib: ``pip install -e ".[bench]"``).
+bound_s is the busiest resource's work per step (gpu, h2d, d2h, host worker), or the optimizer step's chain
+when it is longer (step-chain: no Adam step before its gradient is complete, with clipping before the
+whole backward; no more than the next step's first forward before every Adam step; so the host's work on
+complete gradients + the GPU's work but the first forward, and without clipping but the last backward:
+schedule/report.py); ratio = step_s / bound_s (1.0: the step at its bound); mfu = (6·N·tokens + causal
+attention FLOPs, forward and backward, no recompute) / step_s / the profile's dense bf16 peak.
+
+Token tiles and input offload are the planner's choices for the profile's GPU memory; ``--num-slots auto``
+(the default, as the strategy's) lets the engine size its slots after the first step from the planner's
+free and transient memory for that GPU. The recording is replayed live on the profile, so the engine's
+decisions that depend on timing (prefetch a block whose step is done) are the ones it would take on that
+device. ``--measure-host`` times the host Adam kernel here instead of the profile's 28 B/param over host
+bandwidth; ``--host-adam-gparams`` gives the rate. ``--png`` draws the lanes of the last two steps (needs
+matplotlib: ``pip install -e ".[bench]"``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is a folder of scripts
 
 from megatrain_lightning import planner
+from megatrain_lightning.cli import int_or_auto
 from megatrain_lightning.flops import attention_flops, model_flops
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.schedule import (
@@ -50,13 +56,15 @@ PNG_LANES = ("compute", "h2d", "d2h", "host", "issue", "issue blocked")
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b", help="a preset of megatrain_lightning.models (default llama-3.1-8b)")
-    ap.add_argument("--tokens", type=int, default=32768, help="tokens per step: micro-batch 1 x this sequence length")
+    ap.add_argument("--tokens", type=int, default=32768, help="tokens per micro-batch: 1 x this sequence length")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="micro-batches per optimizer step, as Trainer(accumulate_grad_batches) (default 1)")
     ap.add_argument("--clip", type=float, default=None, help="global-norm gradient clipping, as Trainer(gradient_clip_val)")
     ap.add_argument("--device", default="h100-sxm", choices=sorted(PROFILES), help="device profile (default h100-sxm)")
     ap.add_argument("--png", type=Path, default=None, help="draw the lanes of the last two steps into this PNG")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps recorded (the last is measured; at least 2)")
     ap.add_argument("--layers", type=int, default=None, help="decoder blocks (default: the preset's)")
-    ap.add_argument("--num-slots", type=_slots, default="auto",
+    ap.add_argument("--num-slots", type=int_or_auto("a number of slots"), default="auto",
                     help="device weight slots, or auto (the default, as the strategy's: the engine grows them after "
                          "the first step from the planner's free and transient GPU memory for the profile)")  # fmt: skip
     ap.add_argument("--launch-us", type=float, default=LAUNCH_S * 1e6, help="issue cost of one kernel or copy, us")
@@ -66,17 +74,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error(f"--steps {args.steps}: the last step is measured from the step before, so at least 2")
-    if args.tokens < 1 or (args.clip is not None and args.clip <= 0):
-        ap.error("--tokens must be >= 1 and --clip > 0 (leave --clip out for no clipping)")
+    if args.num_slots != "auto" and args.num_slots < 2:
+        ap.error(f"--num-slots {args.num_slots}: at least 2 (one computing, one loading), or auto")
+    if args.tokens < 1 or args.micro_batches < 1 or (args.clip is not None and args.clip <= 0):
+        ap.error("--tokens and --micro-batches must be >= 1 and --clip > 0 (leave --clip out for no clipping)")
     return args
-
-
-def _slots(text: str) -> int | str:
-    if text == "auto":
-        return text
-    if not text.isdigit() or int(text) < 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number of slots >= 2 or auto")
-    return int(text)
 
 
 def device_profile(args: argparse.Namespace) -> tuple[Profile, str]:
@@ -98,10 +100,12 @@ def describe(args, config, prof: Profile, adam: str, tile, offload, seconds: flo
     clip = "none" if args.clip is None else args.clip
     inputs = "offloaded to host memory" if offload else "kept on the GPU"
     slots = f"{trace.slots} weight slots" + (" (auto: 2 in the first step)" if args.num_slots == "auto" else "")
-    flops, attention = model_flops(config, args.tokens, args.tokens), attention_flops(config, args.tokens, args.tokens)
+    step_tokens = args.micro_batches * args.tokens
+    flops, attention = model_flops(config, step_tokens, args.tokens), attention_flops(config, step_tokens, args.tokens)
+    micro = f"{args.micro_batches} micro-batches of " if args.micro_batches > 1 else ""
     return [
         f"schedule model: {args.model} ({config.num_parameters() / 1e9:.2f}B params, {config.num_hidden_layers} blocks), "
-        f"1 x {args.tokens} tokens/step, bf16-mixed, clip {clip}, modelled {prof.name}",
+        f"{micro}1 x {args.tokens} tokens/step, bf16-mixed, clip {clip}, modelled {prof.name}",
         f"engine decisions: token tiles {tile or 'none'}, block inputs {inputs} (planner, {prof.gpu_mem_gib:g} GiB), "
         f"{slots}; {args.steps} steps recorded on fake tensors in {seconds:.1f} s ({len(trace.issue)} issued items, "
         f"{len(trace.jobs)} host jobs)",
@@ -116,7 +120,8 @@ def describe(args, config, prof: Profile, adam: str, tile, offload, seconds: flo
 def summary_line(args: argparse.Namespace, s: Summary) -> str:
     clip = "none" if args.clip is None else f"{args.clip:g}"
     return (
-        f"schedule: model={args.model} tokens_per_step={args.tokens} clip={clip} step_s={s.step_s:.4g} "
+        f"schedule: model={args.model} tokens_per_step={args.micro_batches * args.tokens} clip={clip} "
+        f"step_s={s.step_s:.4g} "
         f"bound_s={s.bound_s:.4g} ratio={s.ratio:.4g} bound={s.bound} mfu={s.mfu:.3g}"
     )
 
@@ -157,10 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     memory = planner.free_and_transient(config, args.tokens, 1, "bf16-mixed", offload, gpu_mem)
     t0 = time.perf_counter()
     trace = record_steps(config, args.tokens, args.clip, args.steps, args.num_slots, offload, tile, prof,
-                         args.launch_us * 1e-6, memory)  # fmt: skip
+                         args.launch_us * 1e-6, memory, args.micro_batches)  # fmt: skip
     seconds = time.perf_counter() - t0
     timeline = replay(trace, prof, args.launch_us * 1e-6)
-    s = summarize(timeline, prof, model_flops(config, args.tokens, args.tokens), args.steps, args.clip is not None)
+    flops = model_flops(config, args.micro_batches * args.tokens, args.tokens)
+    s = summarize(timeline, prof, flops, args.steps, args.clip is not None, args.micro_batches)
     print("\n".join(describe(args, config, prof, adam, tile, offload, seconds, trace)))
     print(table(s))
     if args.png is not None:

@@ -57,6 +57,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from megatrain_lightning import flops
+from megatrain_lightning.cli import int_or_auto
 from megatrain_lightning.engine.host import available_host_bytes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim import kernels
@@ -399,7 +400,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--steps", type=int, help="timed optimizer steps (default 2)")
     add("--warmup", type=int, help="untimed optimizer steps first (default 1)")
     add("--depth-layers", help="layer counts of the peak-memory-vs-depth runs (default 8,16; dry: 2,4)")
-    add("--num-slots", type=int, default=2, help="device weight slots (MegatrainStrategy(num_slots=))")
+    add("--num-slots", type=int_or_auto("a number of slots"), default="auto",
+        help="device weight slots, or auto (MegatrainStrategy(num_slots=); default auto, the strategy's)")
     add("--threads", type=int, help="CPU optimizer threads (torch's and the native kernel's; default: all)")
     add("--compile", action="store_true", help="torch.compile the block (not implemented: the output says so)")
     add("--timeout", type=float, help="seconds a training run may take before it is killed (default 300)")

@@ -303,7 +303,7 @@ def plan_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _int_or_auto(what: str) -> Callable[[str], int | str]:
+def int_or_auto(what: str) -> Callable[[str], int | str]:
     """An argparse type: an integer, or the word auto; otherwise an error naming `what` was expected."""
 
     def parse(text: str) -> int | str:
@@ -317,8 +317,8 @@ def _int_or_auto(what: str) -> Callable[[str], int | str]:
     return parse
 
 
-_tile = _int_or_auto("a number of tokens")
-_slots = _int_or_auto("a number of slots")
+_tile = int_or_auto("a number of tokens")
+_slots = int_or_auto("a number of slots")
 
 
 def _size(text: str) -> int:

@@ -601,9 +601,10 @@ class Plan:
         if self.gpu_mem is not None:
             ok = "fits" if self.gpu_peak <= self.gpu_mem and (self.measured_peak or 0) <= self.gpu_mem else "DOES NOT FIT"
             best = self.max_micro_batch
-            lines.append(f"GPU limit {format_size(self.gpu_mem)}: {ok}; largest micro-batch that fits: {best}")
+            auto = " (num_slots auto keeps 2 there)" if self.slots_asked == "auto" else ""
+            lines.append(f"GPU limit {format_size(self.gpu_mem)}: {ok}; largest micro-batch that fits: {best}{auto}")
             lines.append(f"largest sequence that fits at micro-batch {self.micro_batch} (inputs offloaded): "
-                         f"{self.max_seq_len} tokens")  # fmt: skip
+                         f"{self.max_seq_len} tokens{auto}")  # fmt: skip
         return lines if len(lines) > 1 else []
 
 

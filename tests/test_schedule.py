@@ -82,7 +82,7 @@ class Run:
 
 
 @functools.cache
-def recorded_run(clip: float | None = None, offload: bool = False, count: bool = False) -> Run:
+def recorded_run(clip: float | None = None, offload: bool = False, count: bool = False, micro_batches: int = 1) -> Run:
     """Train the tiny model STEPS steps with the recorder installed (and FlopCounterMode around it all when
     `count`: it runs some ops as their decompositions, which may round differently)."""
     torch.manual_seed(0)
@@ -93,7 +93,7 @@ def recorded_run(clip: float | None = None, offload: bool = False, count: bool =
             model, device="cpu", pin_memory=False, offload_inputs=offload, clipping=clip is not None
         )
         recorder.attach(engine)
-        train_steps(engine, model, batch(), recorder, STEPS, clip)
+        train_steps(engine, model, batch(), recorder, STEPS, clip, micro_batches=micro_batches)
     weights = {k: v.clone() for k, v in engine.master_state_dict().items()}
     engine.release()
     return Run(recorder.trace, dict(engine.stats), engine.num_parameters(), weights, counter.get_total_flops())
@@ -103,12 +103,14 @@ def copied(trace: Trace, lane: str) -> int:
     return sum(i.nbytes for i in trace.issue if isinstance(i, Copy) and i.lane == lane)
 
 
-@pytest.mark.parametrize("clip", [None, 1.0])
-def test_recorded_transfers_are_the_engines_own(clip):
-    """Every byte the engine counts as uploaded or downloaded went through a recorded copy, and nothing else."""
-    run = recorded_run(clip, count=clip is None)  # (the run the FLOPs are counted in serves too)
+@pytest.mark.parametrize(("clip", "micro_batches"), [(None, 1), (1.0, 1), (1.0, 2)])
+def test_recorded_transfers_are_the_engines_own(clip, micro_batches):
+    """Every byte the engine counts as uploaded or downloaded went through a recorded copy, and nothing else
+    (with accumulation too: each micro-batch's gradients go down)."""
+    run = recorded_run(clip, count=clip is None, micro_batches=micro_batches)  # (the FLOPs' run serves too)
     assert copied(run.trace, "h2d") == run.stats["h2d_bytes"] > 0
     assert copied(run.trace, "d2h") == run.stats["d2h_bytes"] > 0
+    assert run.stats["d2h_bytes"] == recorded_run(clip, count=clip is None).stats["d2h_bytes"] * micro_batches
 
 
 def test_offloaded_inputs_travel_on_the_copy_lanes_too():
@@ -304,7 +306,8 @@ def test_clipping_is_bound_by_the_backward_then_the_host_steps():
     """By hand: step 2 runs from 1 (the end of step 1's backward) to 3. The host steps for 1 s, then the GPU
     runs the forward (0.2 s) and the backward (0.8 s): no resource is busy more than 1 s, but with
     clipping no step may start before the backward's last gradient, nor the next backward before the last
-    step, so the bound is the chain 0.8 + 1 = 1.8 s."""
+    step, so the bound is the chain 0.8 + 1 = 1.8 s. Without clipping the steps may overlap the backward:
+    the chain is the Adam time, 1 s, and the bound the busiest resource's (a tie names the resource)."""
     timeline = Timeline(intervals=[
         Interval("compute", 0.0, 1.0, 1, "mm", "backward block 0"),
         Interval("host", 1.0, 2.0, 2, "adam", "optimizer"),
@@ -314,13 +317,30 @@ def test_clipping_is_bound_by_the_backward_then_the_host_steps():
     clipped, plain = (summarize(timeline, unit_profile(), 1e12, 2, clipped=c) for c in (True, False))
     assert (clipped.bound, clipped.bound_s, clipped.step_s) == pytest.approx((CHAIN, 1.8, 2.0))
     assert clipped.resource in ("gpu", "host") and clipped.resource_ratio == pytest.approx(2.0)
-    assert (plain.bound, plain.bound_s, plain.chain_s) == ("gpu", 1.0, None)
+    assert (plain.bound, plain.bound_s, plain.chain_s) == ("gpu", 1.0, 1.0)
+
+
+def test_with_accumulation_the_chain_holds_all_but_the_first_forward():
+    """Two micro-batches after the host's 1 s of Adam and 0.4 s of accumulating (0.2 s each): forward 0.2 s
+    and backward 0.8 s each. Only the first forward may overlap the previous step's Adam (block by block),
+    so with clipping the chain is 1 + 0.2 + 2.0 - 0.2 = 3.0 s; without, the last backward overlaps the
+    steps too: 3.0 - 0.8 = 2.2 s, above every resource (GPU 2.0 s, host 1.4 s)."""
+    timeline = Timeline(intervals=[
+        Interval("compute", 0.0, 1.0, 1, "mm", "backward block 0"),
+        Interval("host", 1.0, 2.0, 2, "adam", "optimizer"),
+        *(Interval("host", t, t + 0.2, 2, "accumulate", "backward block 0") for t in (3.0, 4.0)),
+        *(Interval("compute", t, t + 0.2, 2, "mm", "forward block 0") for t in (2.0, 3.0)),
+        *(Interval("compute", t, t + 0.8, 2, "mm", "backward block 0") for t in (2.2, 3.2)),
+    ])  # fmt: skip
+    clipped, plain = (summarize(timeline, unit_profile(), 1e12, 2, clipped=c, micro_batches=2) for c in (True, False))
+    assert (clipped.bound, clipped.bound_s, clipped.step_s) == pytest.approx((CHAIN, 3.0, 3.0))
+    assert (plain.bound, plain.bound_s) == pytest.approx((CHAIN, 2.2))
 
 
 # -- the command line ----------------------------------------------------------------------------------
 LAST = re.compile(
     r"^schedule: model=(\S+) tokens_per_step=(\d+) clip=(\S+) step_s=(\S+) bound_s=(\S+) ratio=(\S+) "
-    r"bound=(gpu|h2d|d2h|host|clip-chain) mfu=(\S+)$"
+    r"bound=(gpu|h2d|d2h|host|step-chain) mfu=(\S+)$"
 )
 
 

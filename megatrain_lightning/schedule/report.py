@@ -6,14 +6,17 @@ step's forward, and this step's backward. A resource's busy time is the work of 
 host job belongs to the step that submitted it), so the busiest resource's is what the step could take if
 every resource overlapped perfectly and the busiest never waited.
 
-With global-norm clipping that overlap is not allowed in exact arithmetic, and the bound is a chain
-instead (``clip-chain``): every Adam step reads the gradient scaled by the clip coefficient, which needs the
-global norm, which needs every gradient of the step, so no step starts before all of the backward's GPU
-work has run; and the next backward starts only after the next forward has run through every block, each
-with its stepped weights, so no GPU backward work of the next step starts before every Adam step has
-ended. The GPU runs one kernel at a time and the worker one job at a time, so a step takes at least the
-backward's GPU time plus the host's Adam time, however the rest overlaps. ``bound_s`` is the larger of the
-busiest resource's time and (clipping) that chain.
+The optimizer step also chains the step to the next (``step-chain``), which no overlap can hide: a unit's Adam
+step reads its gradient complete, that is after the step's last micro-batch has come back (with
+global-norm clipping after the whole of that backward: the clip coefficient needs every gradient), and
+the next step gets no further than its first forward (each block once its own weights are stepped)
+before the last Adam step has ended: everything after that forward's last block waits for it. The GPU
+runs one kernel at a time and the worker one job at a time, so a step takes at least the host work that
+needs the complete gradients (the Adam steps, norms, the last micro-batch's accumulation) plus the GPU
+work of the step but its first forward (and, without clipping, but its last backward, which the steps
+overlap). With micro-batches alike, the first forward and the last backward are 1/K of the step's
+forward and backward. ``bound_s`` is the larger of the busiest resource's time and that chain; with one
+micro-batch and no clipping the chain is the Adam time alone, never above the host's.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.replay import Interval, Timeline
 
 RESOURCES = {"gpu": "compute", "h2d": "h2d", "d2h": "d2h", "host": "host"}
-CHAIN = "clip-chain"  # the backward on the GPU, then the host's Adam (exact clipping; module docstring)
+CHAIN = "step-chain"  # the host's work on complete gradients, then the GPU's past the next first forward
 MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
 
@@ -43,7 +46,7 @@ class Summary:
     blocked: dict[str, float]  # seconds the issuing thread sat blocked in the window, by where
     gpu_idle_s: float  # seconds of the window with no kernel on the GPU
     resource: str  # the busiest resource (the bound unless the clipping chain is longer)
-    chain_s: float | None = None  # clipping: the backward's GPU seconds + the host's Adam seconds
+    chain_s: float = 0.0  # the optimizer step's chain: see the module docstring
 
     @property
     def ratio(self) -> float:
@@ -66,16 +69,19 @@ def steady_window(timeline: Timeline, step: int) -> tuple[float, float]:
     return ends[step - 1], ends[step]
 
 
-def summarize(timeline: Timeline, profile: Profile, flops: float, step: int, clipped: bool = False) -> Summary:
-    """The figures of optimizer step `step` (the last recorded) of `timeline`; `clipped`: the steps waited for
-    a global gradient norm (the chain bound applies, module docstring)."""
+def summarize(
+    timeline: Timeline, profile: Profile, flops: float, step: int, clipped: bool = False, micro_batches: int = 1
+) -> Summary:
+    """The figures of optimizer step `step` (the last recorded) of `timeline`, of `micro_batches` alike
+    micro-batches; `clipped`: the steps waited for a global gradient norm (see the module docstring)."""
     lo, hi = steady_window(timeline, step)
     mine = [iv for iv in timeline.intervals if iv.step == step]
     busy = {name: _total(mine, lane) for name, lane in RESOURCES.items()}
     busy["issue"] = _total(mine, "issue")
     resource = max(RESOURCES, key=lambda name: busy[name])
-    chain = chain_seconds(mine) if clipped else None
-    bound, bound_s = (CHAIN, chain) if chain is not None and chain > busy[resource] else (resource, busy[resource])
+    chain = chain_seconds(mine, micro_batches, clipped)
+    longer = chain > busy[resource] * (1 + 1e-6)  # (a tie names the resource)
+    bound, bound_s = (CHAIN, chain) if longer else (resource, busy[resource])
     blocked: dict[str, float] = defaultdict(float)
     for iv in timeline.intervals:
         if iv.lane == "issue blocked":
@@ -90,11 +96,20 @@ def summarize(timeline: Timeline, profile: Profile, flops: float, step: int, cli
     )  # fmt: skip
 
 
-def chain_seconds(intervals: list[Interval]) -> float:
-    """Exact clipping's chain over one step's intervals: the GPU's backward work (recompute, gradients,
-    their norms, the loss's backward) plus the host worker's Adam steps."""
-    backward = sum(iv.seconds for iv in intervals if iv.lane == "compute" and iv.phase.startswith("backward"))
-    return backward + sum(iv.seconds for iv in intervals if iv.lane == "host" and iv.what == "adam")
+def chain_seconds(intervals: list[Interval], micro_batches: int = 1, clipped: bool = False) -> float:
+    """The optimizer step's chain over one step's intervals of `micro_batches` alike micro-batches (module
+    docstring): the host worker's Adam steps, norms and 1/K of its accumulation, plus the GPU's work but
+    1/K of its forward (and, without clipping, 1/K of its backward)."""
+    k = micro_batches
+    gpu = [iv for iv in intervals if iv.lane == "compute"]
+    host = _by(intervals, "host", lambda what: what)
+    after = host.get("adam", 0.0) + host.get("norms", 0.0) + host.get("accumulate", 0.0) / k
+    overlapped = _phase(gpu, "forward") / k + (0.0 if clipped else _phase(gpu, "backward") / k)
+    return after + sum(iv.seconds for iv in gpu) - overlapped
+
+
+def _phase(intervals: list[Interval], prefix: str) -> float:
+    return sum(iv.seconds for iv in intervals if iv.phase.startswith(prefix))
 
 
 def table(s: Summary) -> str:
@@ -102,11 +117,10 @@ def table(s: Summary) -> str:
     the issuing thread waited."""
     rows = [f"{'lane':<6} {'busy s':>9} {'share':>7}"]
     for name, seconds in s.busy.items():
-        mark = "  <- bound" if name == s.bound else "  <- busiest" if name == s.resource and s.chain_s else ""
+        mark = "  <- bound" if name == s.bound else "  <- busiest" if name == s.resource else ""
         rows.append(f"{name:<6} {seconds:>9.4f} {seconds / s.step_s:>7.1%}{mark}")
-    if s.chain_s is not None:
-        mark = "  <- bound" if s.bound == CHAIN else ""
-        rows.append(f"{CHAIN} {s.chain_s:>5.4f} {s.chain_s / s.step_s:>7.1%}{mark}  (backward on the GPU, then Adam)")
+    mark = "  <- bound" if s.bound == CHAIN else ""
+    rows.append(f"{CHAIN} {s.chain_s:>5.4f} {s.chain_s / s.step_s:>7.1%}{mark}  (host work on complete gradients + GPU work it gates)")
     rows.append(f"step   {s.step_s:>9.4f}  (bound {s.bound_s:.4f} s on {s.bound}; GPU idle {s.gpu_idle_s:.4f} s of it)")
     rows.append("gpu:   " + _listing(s.gpu_kinds))
     rows.append("host:  " + _listing(s.host_kinds))

@@ -2,9 +2,11 @@
 
 One optimizer step under ``Trainer(strategy="megatrain")`` with automatic optimization and one micro-batch
 per step is ``HostAdamW.step(closure)``, where Lightning's closure runs the forward (under the precision's
-autocast), ``zero_grad`` (the engine's ``flush``), then backward with ``backward_mode="step"``; the
-precision plugin's ``clip_gradients`` (``engine.request_clip``) follows the closure, then
-``engine.optimizer_step``. :func:`train_steps` makes the same calls in the same order.
+autocast), ``zero_grad``, then backward with ``backward_mode="step"``; the precision plugin's
+``clip_gradients`` (``engine.request_clip``) follows the closure, then ``engine.optimizer_step``. With
+``accumulate_grad_batches=k`` the first k - 1 micro-batches run the closure outside the step, with
+``backward_mode="accumulate"``, and only the first of the k calls ``zero_grad`` (Lightning's automatic
+optimization loop). :func:`train_steps` makes the same calls in the same order.
 """
 
 from __future__ import annotations
@@ -34,27 +36,36 @@ def train_steps(
     steps: int = 3,
     clip: float | None = None,
     autocast: torch.dtype | None = torch.bfloat16,
+    micro_batches: int = 1,
 ) -> None:
-    """`steps` optimizer steps of `model` on `batch` (targets = the batch), with AdamW on the host."""
+    """`steps` optimizer steps of `model` on `batch` (targets = the batch), each over `micro_batches`
+    micro-batches, with AdamW on the host."""
     opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1), engine)
     engine.want_norms = clip is not None  # the strategy sets it from Trainer(gradient_clip_val)
     for step in range(1, steps + 1):
         recorder.begin_step(step)
-        opt.step(lambda: _closure(engine, model, batch, opt, recorder, clip, autocast))
+        for micro in range(micro_batches - 1):
+            _closure(engine, model, batch, opt, recorder, None, autocast, zero_grad=micro == 0, mode="accumulate")
+        opt.step(lambda: _closure(engine, model, batch, opt, recorder, clip, autocast, micro_batches == 1, "step"))
     recorder.stage = "end"
     engine.flush()
 
 
-def _closure(engine, model, batch, opt, recorder: Recorder, clip: float | None, autocast: torch.dtype | None) -> Any:
-    """Lightning's closure: training_step, zero_grad, backward; then clip_gradients after it."""
+def _closure(
+    engine, model, batch, opt, recorder: Recorder, clip: float | None, autocast: torch.dtype | None,
+    zero_grad: bool = True, mode: str = "step",
+) -> Any:
+    """Lightning's closure: training_step, zero_grad (the first micro-batch of a step), backward; then
+    clip_gradients after the last micro-batch's."""
     recorder.stage = "forward"
     precision = torch.autocast(batch.device.type, dtype=autocast, cache_enabled=False) if autocast else nullcontext()
     with precision:
         loss = model(batch, targets=batch)
-    recorder.stage = "zero_grad"
-    opt.zero_grad()
+    if zero_grad:
+        recorder.stage = "zero_grad"
+        opt.zero_grad()
     recorder.stage = "backward"
-    engine.backward_mode = "step"
+    engine.backward_mode = mode
     try:
         loss.backward()
     finally:
@@ -76,8 +87,10 @@ def record_steps(
     profile: Profile | None = None,
     launch_s: float = LAUNCH_S,
     device_memory: tuple[int, int] | None = None,
+    micro_batches: int = 1,
 ) -> Trace:
-    """The trace of `steps` bf16-mixed training steps of `config` at micro-batch 1 x `tokens`, on fake tensors
+    """The trace of `steps` bf16-mixed training steps of `config`, each of `micro_batches` micro-batches of
+    1 x `tokens`, on fake tensors
     (measure.py's way: the engine and model run for real, the tensors have shapes but no memory). `tile` and
     `offload_inputs` are fixed: their "auto" choices read the free memory of a device there is not. With a
     `profile` the engine's timing decisions (prefetch a block whose step is done) get that device's answers
@@ -91,13 +104,13 @@ def record_steps(
         with recorder.recording():
             engine = StreamingEngine(
                 model, device="cpu", compute_dtype=torch.bfloat16, num_slots=num_slots, pin_memory=False,
-                available_bytes=lambda: 1 << 62, clipping=clip is not None,
+                available_bytes=lambda: 1 << 62, clipping=clip is not None, accumulating=micro_batches > 1,
                 **_memory_figures(device_memory),
             )  # fmt: skip
             engine.offload_inputs = offload_inputs
             recorder.attach(engine)
             try:
-                train_steps(engine, model, batch, recorder, steps, clip)
+                train_steps(engine, model, batch, recorder, steps, clip, micro_batches=micro_batches)
                 recorder.trace.slots = engine.pool.num_slots
             finally:
                 recorder.detach()
