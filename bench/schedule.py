@@ -14,9 +14,9 @@ and share of the step, then as the last line:
 
 bound_s is the busiest resource's work per step (gpu, h2d, d2h, host worker), or the optimizer step's chain
 when it is longer (step-chain: no Adam step before its gradient is complete, with clipping before the
-whole backward; no more than the next step's first forward before every Adam step; so the host's work on
-complete gradients + the GPU's work but the first forward, and without clipping but the last backward:
-schedule/report.py); ratio = step_s / bound_s (1.0: the step at its bound); mfu = (6·N·tokens + causal
+whole backward; no more than the next step's first forward before every Adam step; so the host's Adam
+time + the GPU's work but the first forward, and without clipping but the last backward and with the last
+accumulation: schedule/report.py); ratio = step_s / bound_s (1.0: the step at its bound); mfu = (6·N·tokens + causal
 attention FLOPs, forward and backward, no recompute) / step_s / the profile's dense bf16 peak.
 
 Token tiles and input offload are the planner's choices for the profile's GPU memory; ``--num-slots auto``

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from megatrain_lightning import StreamingEngine
+from megatrain_lightning import HostAdamW, StreamingEngine
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin
 from tests.test_strategy import update_error
@@ -81,3 +81,29 @@ def test_peak_gpu_memory_is_flat_across_depth():
         del model, engine
     saved_inputs = 12 * batch * seq * hidden * 2
     assert peaks[1] - peaks[0] <= saved_inputs + 2**20, (peaks, saved_inputs)
+
+
+def test_auto_slots_grow_on_the_device_and_change_no_result():
+    """num_slots="auto" adds slots after the first step from the memory the device reports: a slot per block
+    for this small model. The training is bit for bit that of 2 fixed slots (the same kernels in the same
+    order; only what is resident changes), and steps after the first upload each block once."""
+    runs = {}
+    for num_slots in ("auto", 2):
+        torch.manual_seed(0)
+        model = big_llama(6)
+        engine = StreamingEngine(model, device="cuda", compute_dtype=torch.bfloat16, num_slots=num_slots)
+        opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+        tokens = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(1)).cuda()
+        for _ in range(3):
+            engine.backward_mode = "step"
+            model(tokens, targets=tokens).backward()
+            opt.step()
+            opt.zero_grad()
+        engine.flush()
+        with torch.no_grad():
+            model(tokens)
+        runs[num_slots] = (engine.pool.num_slots, engine.pool.uploads, params_of(model))
+        engine.release()
+    assert runs["auto"][0] == 6 and runs[2][0] == 2
+    assert runs["auto"][1] == (6 + 4) + 2 * 6 + 6  # after the first step (2 slots): one upload per block and step
+    assert all(torch.equal(runs["auto"][2][k], runs[2][2][k]) for k in runs[2][2])

@@ -11,12 +11,13 @@ step reads its gradient complete, that is after the step's last micro-batch has 
 global-norm clipping after the whole of that backward: the clip coefficient needs every gradient), and
 the next step gets no further than its first forward (each block once its own weights are stepped)
 before the last Adam step has ended: everything after that forward's last block waits for it. The GPU
-runs one kernel at a time and the worker one job at a time, so a step takes at least the host work that
-needs the complete gradients (the Adam steps, norms, the last micro-batch's accumulation) plus the GPU
-work of the step but its first forward (and, without clipping, but its last backward, which the steps
-overlap). With micro-batches alike, the first forward and the last backward are 1/K of the step's
-forward and backward. ``bound_s`` is the larger of the busiest resource's time and that chain; with one
-micro-batch and no clipping the chain is the Adam time alone, never above the host's.
+runs one kernel at a time and the worker one job at a time, so a step takes at least the host's Adam time
+plus the GPU work of the step but its first forward; without clipping the steps may start during the last
+backward, unit by unit as each gradient completes, so that backward leaves the chain and the last
+micro-batch's accumulation, which each unit's step waits for, joins it. With micro-batches alike, the
+first forward, the last backward and the last accumulation are 1/K of the step's. ``bound_s`` is the
+larger of the busiest resource's time and that chain; with one micro-batch and no clipping the chain is
+the Adam time alone, never above the host's.
 """
 
 from __future__ import annotations
@@ -98,14 +99,13 @@ def summarize(
 
 def chain_seconds(intervals: list[Interval], micro_batches: int = 1, clipped: bool = False) -> float:
     """The optimizer step's chain over one step's intervals of `micro_batches` alike micro-batches (module
-    docstring): the host worker's Adam steps, norms and 1/K of its accumulation, plus the GPU's work but
-    1/K of its forward (and, without clipping, 1/K of its backward)."""
+    docstring): the host worker's Adam steps plus the GPU's work but 1/K of its forward; without clipping
+    1/K of its backward less and 1/K of the host's accumulation more."""
     k = micro_batches
     gpu = [iv for iv in intervals if iv.lane == "compute"]
     host = _by(intervals, "host", lambda what: what)
-    after = host.get("adam", 0.0) + host.get("norms", 0.0) + host.get("accumulate", 0.0) / k
-    overlapped = _phase(gpu, "forward") / k + (0.0 if clipped else _phase(gpu, "backward") / k)
-    return after + sum(iv.seconds for iv in gpu) - overlapped
+    chain = host.get("adam", 0.0) + sum(iv.seconds for iv in gpu) - _phase(gpu, "forward") / k
+    return chain if clipped else chain + (host.get("accumulate", 0.0) - _phase(gpu, "backward")) / k
 
 
 def _phase(intervals: list[Interval], prefix: str) -> float:
@@ -120,7 +120,7 @@ def table(s: Summary) -> str:
         mark = "  <- bound" if name == s.bound else "  <- busiest" if name == s.resource else ""
         rows.append(f"{name:<6} {seconds:>9.4f} {seconds / s.step_s:>7.1%}{mark}")
     mark = "  <- bound" if s.bound == CHAIN else ""
-    rows.append(f"{CHAIN} {s.chain_s:>5.4f} {s.chain_s / s.step_s:>7.1%}{mark}  (host work on complete gradients + GPU work it gates)")
+    rows.append(f"{CHAIN} {s.chain_s:>5.4f} {s.chain_s / s.step_s:>7.1%}{mark}  (Adam, then the GPU work that waits for it)")
     rows.append(f"step   {s.step_s:>9.4f}  (bound {s.bound_s:.4f} s on {s.bound}; GPU idle {s.gpu_idle_s:.4f} s of it)")
     rows.append("gpu:   " + _listing(s.gpu_kinds))
     rows.append("host:  " + _listing(s.host_kinds))
