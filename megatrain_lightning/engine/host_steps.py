@@ -13,6 +13,10 @@ or, when it completes the step and nothing needs the global norm first, steps th
 In the lean layout a gradient the worker consumes at once (into the accumulator, or by the step) skips the
 slab: it comes down piece by piece (engine/ring.py) into a ring, and each piece is landed (and stepped)
 as soon as its copy is done, so the host holds a few pieces of gradient, not a unit's.
+
+A block called more than once before one backward (two forwards in one loss) has its calls' gradients
+summed first (:class:`Held`): the first waits in the slab while another call is still to come back, the
+others come down through a ring and are added to it, and the last call lands the sum as one gradient.
 """
 
 from __future__ import annotations

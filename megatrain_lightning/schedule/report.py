@@ -6,8 +6,8 @@ step's forward, and this step's backward. A resource's busy time is the work of 
 host job belongs to the step that submitted it), so the busiest resource's is what the step could take if
 every resource overlapped perfectly and the busiest never waited.
 
-The optimizer step also chains the step to the next (``step-chain``), which no overlap can hide: a unit's Adam
-step reads its gradient complete, that is after the step's last micro-batch has come back (with
+The optimizer step also chains each step to the next (``step-chain``), which no overlap can hide: a unit's
+Adam step reads its gradient complete, that is after the step's last micro-batch has come back (with
 global-norm clipping after the whole of that backward: the clip coefficient needs every gradient), and
 the next step gets no further than its first forward (each block once its own weights are stepped)
 before the last Adam step has ended: everything after that forward's last block waits for it. The GPU
@@ -16,8 +16,9 @@ plus the GPU work of the step but its first forward; without clipping the steps 
 backward, unit by unit as each gradient completes, so that backward leaves the chain and the last
 micro-batch's accumulation, which each unit's step waits for, joins it. With micro-batches alike, the
 first forward, the last backward and the last accumulation are 1/K of the step's. ``bound_s`` is the
-larger of the busiest resource's time and that chain; with one micro-batch and no clipping the chain is
-the Adam time alone, never above the host's.
+larger of the busiest resource's time and that chain (a tie names the resource: with one micro-batch and
+no clipping the chain is the Adam time and the optimizer step's own few kernels, the host's time or a
+hair above it).
 """
 
 from __future__ import annotations

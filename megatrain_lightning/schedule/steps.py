@@ -90,9 +90,9 @@ def record_steps(
     micro_batches: int = 1,
 ) -> Trace:
     """The trace of `steps` bf16-mixed training steps of `config`, each of `micro_batches` micro-batches of
-    1 x `tokens`, on fake tensors
-    (measure.py's way: the engine and model run for real, the tensors have shapes but no memory). `tile` and
-    `offload_inputs` are fixed: their "auto" choices read the free memory of a device there is not. With a
+    1 x `tokens`, on fake tensors (measure.py's way: the engine and model run for real, the tensors have
+    shapes but no memory). `tile` and `offload_inputs` are fixed: their "auto" choices read the free memory
+    of a device there is not. With a
     `profile` the engine's timing decisions (prefetch a block whose step is done) get that device's answers
     (a live replay, see Recorder). `device_memory` = (free, transient bytes): what ``num_slots="auto"`` reads
     after the first step (the planner's figures for the profile's GPU: there is no device to measure)."""
