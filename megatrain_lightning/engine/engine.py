@@ -309,7 +309,7 @@ class StreamingEngine(HostSteps, OuterParams):
             torch.cuda.empty_cache()  # (once) the freed activations go back, so the slots get whole segments
         try:
             self.pool.grow(want - have)
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:
             pass  # fragmentation: keep the slots that were allocated
         log.info(
             "num_slots='auto': %d weight slots for %d blocks (%.2f GiB each); the first step needed %.2f GiB "
