@@ -87,6 +87,7 @@ from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
 from megatrain_lightning.engine.ring import piece_numel, ring_counts
+from megatrain_lightning.engine.streams import check_num_slots
 from megatrain_lightning.models.config import LlamaConfig
 from megatrain_lightning.models.tiling import auto_tile, tile_bytes_per_token, untiled_bytes_per_token
 
@@ -682,10 +683,10 @@ def plan(
     the drive's read and its write bandwidth, GB/s, for the NVMe time per step.
     """
     for key, value, least in (("seq_len", seq_len, 1), ("micro_batch", micro_batch, 1),
-                              ("accumulate", accumulate, 1), ("num_slots", num_slots, 2)):  # fmt: skip
-        if not (isinstance(value, int) and value >= least) and not (key == "num_slots" and value == "auto"):
-            also = " or 'auto'" if key == "num_slots" else ""
-            raise ValueError(f"{key}={value!r} must be an integer >= {least}{also}")
+                              ("accumulate", accumulate, 1)):  # fmt: skip
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{key}={value!r} must be an integer >= {least}")
+    check_num_slots(num_slots)
     slots_asked, num_slots = num_slots, 2 if num_slots == "auto" else num_slots  # the sizes below: auto's least
     if offload_inputs not in (True, False, "auto"):
         raise ValueError(f"offload_inputs={offload_inputs!r}: choose True, False or 'auto'")

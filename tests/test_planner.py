@@ -171,7 +171,7 @@ def test_parse_size_errors(text, message):
 def test_plan_refuses_bad_settings():
     with pytest.raises(ValueError, match="num_slots=1"):
         plan(LlamaConfig.from_preset("tiny"), 128, 1, num_slots=1)
-    with pytest.raises(ValueError, match="num_slots='all' must be an integer >= 2 or 'auto'"):
+    with pytest.raises(ValueError, match="num_slots='all': give at least 2 slots .* or 'auto'"):
         plan(LlamaConfig.from_preset("tiny"), 128, 1, num_slots="all")
     with pytest.raises(ValueError, match="precision='16-mixed'"):
         plan(LlamaConfig.from_preset("tiny"), 128, 1, precision="16-mixed")

@@ -119,8 +119,8 @@ class SlotPool:
     """
 
     def __init__(self, streams: Streams, num_slots: int, numel: int, dtype: torch.dtype) -> None:
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 2:
-            raise ValueError(f"num_slots={num_slots!r}: streaming needs at least 2 slots (one computing, one loading)")
+        if check_num_slots(num_slots) == "auto":
+            raise ValueError("num_slots='auto' is the engine's to resolve: a pool is built with a count")
         self.streams, self.numel, self.dtype = streams, numel, dtype
         self.buffers: list[torch.Tensor] = []
         self.holder: list[int | None] = []
