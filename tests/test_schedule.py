@@ -191,7 +191,8 @@ def test_replay_overlaps_lanes_waits_for_events_and_blocks_the_host():
         ("host blocked", "land"): (0.75, 3.25), ("host", "adam"): (3.25, 4.25),
         ("issue blocked", "test"): (0.75, 4.25), ("compute", "C"): (4.5, 5.5),
     }  # fmt: skip
-    assert spans == pytest.approx(expected)
+    assert spans.keys() == expected.keys()  # (pytest >= 9.2 refuses approx over a dict of tuples)
+    assert all(spans[k] == pytest.approx(v) for k, v in expected.items()), spans
 
 
 def test_replay_runs_the_ready_job_of_lowest_order_first():
