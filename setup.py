@@ -53,7 +53,9 @@ class BuildExtOpenMPFallback(build_ext):
         except _BUILD_ERRORS as err:
             if OPENMP_FLAG not in ext.extra_compile_args:
                 raise
-            self.warn(f"building {ext.name} with OpenMP failed ({err}); retrying without OpenMP (single-threaded kernel)")
+            self.warn(
+                f"building {ext.name} with OpenMP failed ({err}); retrying without OpenMP (single-threaded kernel)"
+            )
             ext.extra_compile_args = [a for a in ext.extra_compile_args if a != OPENMP_FLAG]
             ext.extra_link_args = [a for a in ext.extra_link_args if a != OPENMP_FLAG]
             super().build_extension(ext)

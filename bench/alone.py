@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -91,8 +92,9 @@ def copy_peak(device: torch.device) -> dict[str, Any]:
 
 
 # -- GPU compute alone ------------------------------------------------------------------------------
-def compute_alone(one_layer: nn.Module, layers: int, micro_batch: int, seq_len: int, device: torch.device,
-                  reps: int) -> dict:  # fmt: skip
+def compute_alone(
+    one_layer: nn.Module, layers: int, micro_batch: int, seq_len: int, device: torch.device, reps: int
+) -> dict:
     """Device seconds of one micro-batch with nothing streaming, from `one_layer` (the model with one
     block, bf16, on the device): that block's forward, recompute-forward and backward (as the engine runs
     them, under autocast) times `layers`, plus embedding, final norm, head and loss forward and backward.
@@ -170,11 +172,12 @@ def transfer_alone(engine: Any, accumulate: int) -> dict[str, float]:
 
     clock, h2d, d2h = Clock(engine.device), engine.streams.h2d, engine.streams.d2h
     out = {
-        "h2d_s": clock.on_streams([(h2d, up)]), "d2h_s": clock.on_streams([(d2h, down)]),
+        "h2d_s": clock.on_streams([(h2d, up)]),
+        "d2h_s": clock.on_streams([(d2h, down)]),
         "both_s": clock.on_streams([(h2d, up), (d2h, down)]),
         "h2d_bytes": sum(units[i].copy.nbytes for i in order) + sum(u.copy.nbytes for u in engine.outer_units),
         "d2h_bytes": accumulate * sum(slab.nbytes for slab in grads),
-    }  # fmt: skip
+    }
     engine.pool.invalidate()  # the slots now hold whatever was copied last, not the blocks the pool thinks
     return out
 

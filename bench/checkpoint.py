@@ -23,8 +23,14 @@ from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 
 
 def build(layers: int, hidden: int) -> StreamingEngine:
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
-                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 256,
+    )
     engine = StreamingEngine(LlamaForCausalLM(cfg), device="cpu", compute_dtype=torch.float32)
     for unit in engine.all_units():
         unit.alloc_optimizer_state()

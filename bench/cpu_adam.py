@@ -102,8 +102,9 @@ def main() -> int:
 
     def run_native():
         step[0] += 1
-        native.adamw_step_(master, m, v, grad_bf16, copy_bf16, lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS,
-                           weight_decay=WD, step=step[0])
+        native.adamw_step_(
+            master, m, v, grad_bf16, copy_bf16, lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD, step=step[0]
+        )
 
     def run_torch_fused():
         grad_f32.copy_(grad_bf16)
@@ -116,14 +117,18 @@ def main() -> int:
     def run_triad_inplace():
         ta.add_(tc, alpha=1e-3)
 
-    variants = [("torch fused", run_torch_fused, BYTES_TORCH_FUSED),
-                ("native", run_native, BYTES_NATIVE),
-                ("triad", run_triad, BYTES_TRIAD),
-                ("triad (in place)", run_triad_inplace, BYTES_TRIAD)]
+    variants = [
+        ("torch fused", run_torch_fused, BYTES_TORCH_FUSED),
+        ("native", run_native, BYTES_NATIVE),
+        ("triad", run_triad, BYTES_TRIAD),
+        ("triad (in place)", run_triad_inplace, BYTES_TRIAD),
+    ]
 
     print(f"# CPU AdamW step, {n:,} params ({n * 4 / 2**30:.2f} GiB per fp32 array)")
-    print(f"# {cpu_model()}, {all_threads} CPUs; torch {torch.__version__} "
-          f"(capability {torch.backends.cpu.get_cpu_capability()}); kernel {native.backend()}")
+    print(
+        f"# {cpu_model()}, {all_threads} CPUs; torch {torch.__version__} "
+        f"(capability {torch.backends.cpu.get_cpu_capability()}); kernel {native.backend()}"
+    )
     header = f"| {'variant':<16} | {'threads':>7} | {'median ms':>9} | {'best ms':>8} | {'Gparams/s':>9} | {'B/param':>7} | {'GB/s':>6} |"
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
@@ -143,16 +148,20 @@ def main() -> int:
         for name, _, nbytes in variants:
             med, best = statistics.median(times[name]), min(times[name])
             results[(name, threads)] = med
-            print(f"| {name:<16} | {threads:>7} | {med * 1e3:>9.1f} | {best * 1e3:>8.1f} | "
-                  f"{n / med / 1e9:>9.3f} | {nbytes:>7} | {n * nbytes / med / 1e9:>6.2f} |")
+            print(
+                f"| {name:<16} | {threads:>7} | {med * 1e3:>9.1f} | {best * 1e3:>8.1f} | "
+                f"{n / med / 1e9:>9.3f} | {nbytes:>7} | {n * nbytes / med / 1e9:>6.2f} |"
+            )
 
     for threads in thread_counts:
         t_nat, t_torch = results[("native", threads)], results[("torch fused", threads)]
         t_triad = min(results[("triad", threads)], results[("triad (in place)", threads)])
         speedup = t_torch / t_nat
         of_ceiling = (BYTES_NATIVE / t_nat) / (BYTES_TRIAD / t_triad)
-        print(f"# threads={threads}: native is {speedup:.2f}x torch fused end to end, "
-              f"at {of_ceiling * 100:.0f}% of the triad bandwidth ceiling ({n * BYTES_TRIAD / t_triad / 1e9:.1f} GB/s)")
+        print(
+            f"# threads={threads}: native is {speedup:.2f}x torch fused end to end, "
+            f"at {of_ceiling * 100:.0f}% of the triad bandwidth ceiling ({n * BYTES_TRIAD / t_triad / 1e9:.1f} GB/s)"
+        )
     print(f"cpu_adam: native/torch_fused={speedup:.2f} native/ceiling={of_ceiling:.2f} threads={threads}")
     return 0
 

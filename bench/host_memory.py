@@ -23,9 +23,9 @@ import argparse
 import multiprocessing
 
 import torch
+from nvme import measure_sequential, measure_tier
 
 from megatrain_lightning import StreamingEngine
-from nvme import measure_sequential, measure_tier
 from megatrain_lightning.callbacks import rss_bytes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim.adamw import HostAdamW
@@ -33,9 +33,16 @@ from megatrain_lightning.optim.adamw import HostAdamW
 
 def measure(layers: int, hidden: int, dtype: torch.dtype, layout: str, nvme_dir: str | None) -> dict:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
-                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256,
-                      loss_chunk_size=256, token_chunk_size=None)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 256,
+        loss_chunk_size=256,
+        token_chunk_size=None,
+    )
     model = LlamaForCausalLM(cfg)
     n = sum(p.numel() for p in model.parameters())
     before = rss_bytes()
@@ -66,7 +73,9 @@ def main() -> None:
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     runs = [("default", None), ("lean", None)] + ([("lean", args.nvme_dir)] if args.nvme_dir else [])
-    print("| layout | params | master | adam m+v | copy | grad slab | rings | NVMe | total (accounting) | allocated (RSS) | host (RSS) |")
+    print(
+        "| layout | params | master | adam m+v | copy | grad slab | rings | NVMe | total (accounting) | allocated (RSS) | host (RSS) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ctx = multiprocessing.get_context("spawn")  # a fresh process per run, so RSS figures don't mix
     io = None
@@ -76,10 +85,11 @@ def main() -> None:
         io = r["io"] or io
         a = r["acct"]
         name = layout + (" + NVMe" if nvme else "")
-        print(f"| {name} ({args.dtype}) | {r['params'] / 1e9:.2f}B | {a['master']:.2f} | {a['adam']:.2f} | {a['copy']:.2f} | "
-              f"{a['slab']:.2f} | {a.get('ring', 0.0):.2f} | {r['nvme']:.2f} | {sum(a.values()):.2f} B/param | "
-              f"{r['allocated']:.2f} B/param | {r['host']:.2f} B/param |")  # fmt: skip
-
+        print(
+            f"| {name} ({args.dtype}) | {r['params'] / 1e9:.2f}B | {a['master']:.2f} | {a['adam']:.2f} | {a['copy']:.2f} | "
+            f"{a['slab']:.2f} | {a.get('ring', 0.0):.2f} | {r['nvme']:.2f} | {sum(a.values()):.2f} B/param | "
+            f"{r['allocated']:.2f} B/param | {r['host']:.2f} B/param |"
+        )
 
     if io is not None:
         print_drive(args.nvme_dir, io)
@@ -89,11 +99,15 @@ def print_drive(directory: str, io: dict) -> None:
     """The tier's GB/s while training beside dd-style and tier passes over 2 GiB in the same directory."""
     seq = measure_sequential(directory, 2 << 30)
     tier = measure_tier(directory, 2 << 30, io["piece"] * 8)
-    print(f"\nNVMe directory {directory}, pieces of {io['piece']} elements ({io['piece'] * 8 / 2**20:.0f} MiB of m + v)")
+    print(
+        f"\nNVMe directory {directory}, pieces of {io['piece']} elements ({io['piece'] * 8 / 2**20:.0f} MiB of m + v)"
+    )
     print("| path | write GB/s | read GB/s |")
     print("|---|---|---|")
-    print(f"| tier while training (bytes / IO seconds) | {io['write_bytes'] / max(io['write_seconds'], 1e-9) / 1e9:.2f} | "
-          f"{io['read_bytes'] / max(io['read_seconds'], 1e-9) / 1e9:.2f} |")  # fmt: skip
+    print(
+        f"| tier while training (bytes / IO seconds) | {io['write_bytes'] / max(io['write_seconds'], 1e-9) / 1e9:.2f} | "
+        f"{io['read_bytes'] / max(io['read_seconds'], 1e-9) / 1e9:.2f} |"
+    )
     print(f"| tier pass (bench/nvme.py, 2 GiB) | {tier['write']:.2f} | {tier['read']:.2f} |")
     print(f"| sequential (dd-style, 64 MiB blocks, fsync) | {seq['write']:.2f} | {seq['read']:.2f} |")
 

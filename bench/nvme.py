@@ -38,8 +38,9 @@ class _Unit:
     numel: int
 
 
-def measure_tier(directory: str, size_bytes: int, unit_bytes: int = 256 << 20, buffers: int = BUFFERS,
-                 io_threads: int = IO_THREADS) -> dict[str, float]:  # fmt: skip
+def measure_tier(
+    directory: str, size_bytes: int, unit_bytes: int = 256 << 20, buffers: int = BUFFERS, io_threads: int = IO_THREADS
+) -> dict[str, float]:
     """GB/s of the tier's write, read and read+write (step) passes over `size_bytes` of moments in units
     of `unit_bytes`, in a fresh run directory under `directory` (removed afterwards)."""
     numel = max(1, unit_bytes // 8)
@@ -113,13 +114,19 @@ def main() -> None:
     size = int(args.size_gib * 2**30)
     seq = measure_sequential(args.dir, size)
     tier = measure_tier(args.dir, size, args.unit_mib << 20, args.buffers, args.io_threads)
-    print(f"{args.dir}: {tier['bytes'] / 2**30:.2f} GiB of moments, units of {args.unit_mib} MiB, "
-          f"{args.buffers} buffers, {args.io_threads} IO threads")  # fmt: skip
+    print(
+        f"{args.dir}: {tier['bytes'] / 2**30:.2f} GiB of moments, units of {args.unit_mib} MiB, "
+        f"{args.buffers} buffers, {args.io_threads} IO threads"
+    )
     print("| path | write GB/s | read GB/s | read+write (step) GB/s |")
     print("|---|---|---|---|")
-    print(f"| sequential (dd-style, 64 MiB blocks, fsync; read after DONTNEED) | {seq['write']:.2f} | {seq['read']:.2f} | - |")
-    print(f"| NVMe tier (pwrite+fdatasync+DONTNEED / preadv read-ahead) | {tier['write']:.2f} | {tier['read']:.2f} | "
-          f"{tier['step']:.2f} |")  # fmt: skip
+    print(
+        f"| sequential (dd-style, 64 MiB blocks, fsync; read after DONTNEED) | {seq['write']:.2f} | {seq['read']:.2f} | - |"
+    )
+    print(
+        f"| NVMe tier (pwrite+fdatasync+DONTNEED / preadv read-ahead) | {tier['write']:.2f} | {tier['read']:.2f} | "
+        f"{tier['step']:.2f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ system: where the optimizer runs and how parameters and gradients move.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,10 +28,12 @@ from torch import nn
 from megatrain_lightning.models.llama import DecoderLayer
 
 COMPETITORS = {"deepspeed": "DeepSpeed ZeRO-3 offload", "fsdp": "FSDP CPU offload"}
-NOTE = (f"{COMPETITORS['deepspeed']}: Lightning's deepspeed_stage_3_offload with pin_memory=True, "
-        "deepspeed.checkpointing per layer, DeepSpeedCPUAdam (its compiled op checked); "
-        f"{COMPETITORS['fsdp']}: FSDPStrategy(cpu_offload=True), decoder layers as auto_wrap_policy and "
-        "activation_checkpointing_policy, fused CPU AdamW; both at megatrain's point, clipping included")  # fmt: skip
+NOTE = (
+    f"{COMPETITORS['deepspeed']}: Lightning's deepspeed_stage_3_offload with pin_memory=True, "
+    "deepspeed.checkpointing per layer, DeepSpeedCPUAdam (its compiled op checked); "
+    f"{COMPETITORS['fsdp']}: FSDPStrategy(cpu_offload=True), decoder layers as auto_wrap_policy and "
+    "activation_checkpointing_policy, fused CPU AdamW; both at megatrain's point, clipping included"
+)
 
 
 def blocker(kind: str, device: torch.device) -> str | None:
@@ -38,8 +41,10 @@ def blocker(kind: str, device: torch.device) -> str | None:
     if device.type != "cuda":
         return "skipped: needs CUDA"
     if kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        return ("missing: DeepSpeed is not installed (bench-only: pip install deepspeed; without network, "
-                "carry the wheel: docs/benchmarks.md, GPU)")  # fmt: skip
+        return (
+            "missing: DeepSpeed is not installed (bench-only: pip install deepspeed; without network, "
+            "carry the wheel: docs/benchmarks.md, GPU)"
+        )
     return None
 
 
@@ -80,12 +85,16 @@ def deepspeed_cpu_adam(groups: list[dict], hp: dict) -> tuple[torch.optim.Optimi
         opt = DeepSpeedCPUAdam(groups, adamw_mode=True, **hp)
     except (ImportError, OSError, RuntimeError) as err:  # the JIT build needs a compiler, ninja and CUDA headers
         reason = (str(err).strip().splitlines() or [type(err).__name__])[-1][:80]
-        raise RuntimeError(f"DeepSpeedCPUAdam did not build its C++ op ({reason}); the DeepSpeed row needs it: "
-                           "check nvcc and ninja (DS_BUILD_CPU_ADAM=1 prebuilds it)") from err  # fmt: skip
+        raise RuntimeError(
+            f"DeepSpeedCPUAdam did not build its C++ op ({reason}); the DeepSpeed row needs it: "
+            "check nvcc and ninja (DS_BUILD_CPU_ADAM=1 prebuilds it)"
+        ) from err
     origin = compiled_origin(getattr(opt, "ds_opt_adam", None))
     if origin is None:
-        raise RuntimeError(f"DeepSpeedCPUAdam's op {getattr(opt, 'ds_opt_adam', None)!r} is not a compiled "
-                           "extension; the DeepSpeed row needs the C++ op, not a stand-in")  # fmt: skip
+        raise RuntimeError(
+            f"DeepSpeedCPUAdam's op {getattr(opt, 'ds_opt_adam', None)!r} is not a compiled "
+            "extension; the DeepSpeed row needs the C++ op, not a stand-in"
+        )
     return opt, f"DeepSpeedCPUAdam, compiled op {Path(origin).name}"
 
 

@@ -11,18 +11,46 @@ import dataclasses
 import math
 from typing import Any
 
+from peers import COMPETITORS
+
 from megatrain_lightning import flops
 from megatrain_lightning.planner import plan
 
-from peers import COMPETITORS
-
 GiB = 2**30
 PRECISION = "bf16-mixed"
-MAIN_COLUMNS = ("run", "tokens/step", "clip", "step s", "tokens/s", "model TFLOPS", "MFU", "matmul-relative util",
-                "H2D GB/s", "H2D % peak", "D2H GB/s", "D2H % peak", "CPU opt s/step", "peak GPU GiB", "host B/param",
-                "overlap")  # fmt: skip
-_KEYS = ("step_s", "tokens_per_s", "tflops", "mfu", "vs_matmul", "h2d_gbps", "h2d_pct", "d2h_gbps", "d2h_pct",
-         "cpu_opt_s", "peak_gib", "host_bpp", "overlap")  # fmt: skip
+MAIN_COLUMNS = (
+    "run",
+    "tokens/step",
+    "clip",
+    "step s",
+    "tokens/s",
+    "model TFLOPS",
+    "MFU",
+    "matmul-relative util",
+    "H2D GB/s",
+    "H2D % peak",
+    "D2H GB/s",
+    "D2H % peak",
+    "CPU opt s/step",
+    "peak GPU GiB",
+    "host B/param",
+    "overlap",
+)
+_KEYS = (
+    "step_s",
+    "tokens_per_s",
+    "tflops",
+    "mfu",
+    "vs_matmul",
+    "h2d_gbps",
+    "h2d_pct",
+    "d2h_gbps",
+    "d2h_pct",
+    "cpu_opt_s",
+    "peak_gib",
+    "host_bpp",
+    "overlap",
+)
 
 
 def fmt(x: float | str | None, digits: int = 3) -> str:
@@ -61,29 +89,49 @@ def figures(state: dict, entry: dict) -> dict[str, Any] | None:
     config = dataclasses.replace(state["config"], num_hidden_layers=entry["layers"])
     step, work, peak = r["step_s"], flops.model_flops(config, entry["tokens"], state["seq_len"]), state["peak"]["flops"]
     rate = work / step
-    f: dict[str, Any] = {"step_s": step, "tokens_per_s": entry["tokens"] / step, "tflops": rate / 1e12,
-                         "mfu": flops.mfu(work, step, peak) if peak else None,
-                         "vs_matmul": rate / state["peaks"]["matmul"]["flops"],
-                         "peak_gib": r["peak_device_bytes"] / GiB,
-                         "host_bpp": r["rss_peak_bytes"] / r["num_parameters"]}  # fmt: skip
+    f: dict[str, Any] = {
+        "step_s": step,
+        "tokens_per_s": entry["tokens"] / step,
+        "tflops": rate / 1e12,
+        "mfu": flops.mfu(work, step, peak) if peak else None,
+        "vs_matmul": rate / state["peaks"]["matmul"]["flops"],
+        "peak_gib": r["peak_device_bytes"] / GiB,
+        "host_bpp": r["rss_peak_bytes"] / r["num_parameters"],
+    }
     engine, per, copy = r.get("engine"), r.get("per_step", {}), state["peaks"]["copy"]
     if engine is None:
         return f
     up, down = per["h2d_bytes"] / step, per["d2h_bytes"] / step
-    f.update(h2d_gbps=up / 1e9, d2h_gbps=down / 1e9, h2d_pct=100 * up / copy["h2d"], d2h_pct=100 * down / copy["d2h"],
-             cpu_opt_s=per["host_step_seconds"], host_bpp=sum(engine["host_bytes"].values()) / engine["num_parameters"])
+    f.update(
+        h2d_gbps=up / 1e9,
+        d2h_gbps=down / 1e9,
+        h2d_pct=100 * up / copy["h2d"],
+        d2h_pct=100 * down / copy["d2h"],
+        cpu_opt_s=per["host_step_seconds"],
+        host_bpp=sum(engine["host_bytes"].values()) / engine["num_parameters"],
+    )
     if "compute" in state:
-        alone = {"GPU compute": entry["accumulate"] * state["compute"]["micro_batch_s"],
-                 "transfer": engine["transfer_alone"]["both_s"], "CPU worker": engine["cpu_alone"]["total_s"]}
-        f.update(alone=alone, overlap=overlap_figure(step, alone), bound=max(alone, key=alone.get),
-                 serial=sum(alone.values()) / max(alone.values()))  # fmt: skip
+        alone = {
+            "GPU compute": entry["accumulate"] * state["compute"]["micro_batch_s"],
+            "transfer": engine["transfer_alone"]["both_s"],
+            "CPU worker": engine["cpu_alone"]["total_s"],
+        }
+        f.update(
+            alone=alone,
+            overlap=overlap_figure(step, alone),
+            bound=max(alone, key=alone.get),
+            serial=sum(alone.values()) / max(alone.values()),
+        )
     return f
 
 
 def at_compare_point(state: dict, entries: list[dict], kind: str) -> dict | None:
     """`kind`'s run at the comparison point: the peers' tokens per step and clipping."""
-    hits = [e for e in entries if e["kind"] == kind and e["tokens"] == state["compare_at"]
-            and e["clip"] == state["peer_clip"]]  # fmt: skip
+    hits = [
+        e
+        for e in entries
+        if e["kind"] == kind and e["tokens"] == state["compare_at"] and e["clip"] == state["peer_clip"]
+    ]
     return hits[0] if hits else None
 
 
@@ -107,26 +155,40 @@ def main_table(state: dict) -> list[str]:
         failed = [entry["result"].get("error", "not run")] + ["na"] * (len(_KEYS) - 1)
         cells = [fmt(f.get(key)) for key in _KEYS] if f else failed
         rows.append([COMPETITORS.get(entry["kind"], entry["kind"]), entry["tokens"], clip_text(entry["clip"]), *cells])
-    notes = [f"- optimizer of {COMPETITORS.get(e['kind'], e['kind'])}: {e['result']['optimizer']}"
-             for e in state["runs"][:1] + state["competitors"] if "optimizer" in e["result"]]  # fmt: skip
+    notes = [
+        f"- optimizer of {COMPETITORS.get(e['kind'], e['kind'])}: {e['result']['optimizer']}"
+        for e in state["runs"][:1] + state["competitors"]
+        if "optimizer" in e["result"]
+    ]
     return _table(list(MAIN_COLUMNS), rows) + ([""] + notes if notes else [])
 
 
 def alone_section(state: dict) -> list[str]:
     rows, details, c = [], [], state.get("compute")
     if c:
-        details.append(f"- GPU compute alone, one micro-batch: {fmt(c['micro_batch_s'])} s = {state['layers']} "
-                       f"layers x ({fmt(c['block_forward_s'])} s forward + {fmt(c['block_recompute_backward_s'])} s "
-                       f"recompute and backward) + {fmt(c['outer_s'])} s embedding, norm, head and loss; one bf16 "
-                       f"block resident, best of 3 ({c['timer']}); times k per step; gradient packing not counted.")
+        details.append(
+            f"- GPU compute alone, one micro-batch: {fmt(c['micro_batch_s'])} s = {state['layers']} "
+            f"layers x ({fmt(c['block_forward_s'])} s forward + {fmt(c['block_recompute_backward_s'])} s "
+            f"recompute and backward) + {fmt(c['outer_s'])} s embedding, norm, head and loss; one bf16 "
+            f"block resident, best of 3 ({c['timer']}); times k per step; gradient packing not counted."
+        )
     for entry in by_tokens(state["runs"]):
         f, r = figures(state, entry), entry["result"]
         if f is None or "alone" not in f:
             continue
         a, e, per = f["alone"], r["engine"], r["per_step"]
         times = [fmt(x) for x in (f["step_s"], a["GPU compute"], a["transfer"], a["CPU worker"])]
-        rows.append([entry["tokens"], entry["accumulate"], clip_text(entry["clip"]), *times, f["bound"],
-                     fmt(f["overlap"]), fmt(f["serial"])])  # fmt: skip
+        rows.append(
+            [
+                entry["tokens"],
+                entry["accumulate"],
+                clip_text(entry["clip"]),
+                *times,
+                f["bound"],
+                fmt(f["overlap"]),
+                fmt(f["serial"]),
+            ]
+        )
         t, cpu = e["transfer_alone"], e["cpu_alone"]
         details.append(
             f"- {entry['tokens']} tokens/step, clip {clip_text(entry['clip'])}: transfer alone H2D "
@@ -136,9 +198,20 @@ def alone_section(state: dict) -> list[str]:
             f"{per['d2h_bytes']:.0f}. CPU worker alone (scratch copies): {fmt(cpu['land_s'])} s landing + "
             f"{fmt(cpu['norm_s'])} s norms + {fmt(cpu['adam_s'])} s Adam ({e['cpu_backend']}); in the run the "
             f"worker spent {fmt(per['host_land_seconds'])} s landing and {fmt(per['host_step_seconds'])} s stepping "
-            f"per step, and the compute thread waited {fmt(per['host_wait_seconds'])} s on it.")  # fmt: skip
-    header = ["tokens/step", "k", "clip", "step s", "GPU compute alone s", "transfer alone s", "CPU worker alone s",
-              "bound", "overlap = step/max", "serial = sum/max"]  # fmt: skip
+            f"per step, and the compute thread waited {fmt(per['host_wait_seconds'])} s on it."
+        )
+    header = [
+        "tokens/step",
+        "k",
+        "clip",
+        "step s",
+        "GPU compute alone s",
+        "transfer alone s",
+        "CPU worker alone s",
+        "bound",
+        "overlap = step/max",
+        "serial = sum/max",
+    ]
     return _table(header, rows) + [""] + details
 
 
@@ -152,15 +225,26 @@ def memory_table(state: dict) -> list[str]:
             continue
         e, n = r.get("engine", {}), r["num_parameters"]
         shape = dataclasses.replace(state["config"], num_hidden_layers=entry["layers"])
-        planned = plan(shape, state["seq_len"], state["micro_batch"], PRECISION, entry["accumulate"], state["num_slots"])
+        planned = plan(
+            shape, state["seq_len"], state["micro_batch"], PRECISION, entry["accumulate"], state["num_slots"]
+        )
         # Pinned buffers are registered at their exact size (engine/pinned.py); the caching host allocator's
         # figure beside it shows that nothing else pins (it rounded each buffer to a power of two).
         host = [sum(e["host_bytes"].values()), e["pinned"], e["allocator"]] if e else []
         per_param = [fmt(None if b is None else b / n) for b in host or [None] * 3]
         gib = [fmt(r["peak_device_bytes"] / GiB), fmt(planned.gpu_peak / GiB)]
         rows.append([name, entry["tokens"], entry["layers"], *gib, *per_param, fmt(r["rss_peak_bytes"] / n)])
-    header = ["run", "tokens/step", "layers", "peak GPU GiB", "planner GPU GiB", "host B/param (accounting)",
-              "pinned B/param", "pinned by allocator B/param", "peak RSS B/param"]  # fmt: skip
+    header = [
+        "run",
+        "tokens/step",
+        "layers",
+        "peak GPU GiB",
+        "planner GPU GiB",
+        "host B/param (accounting)",
+        "pinned B/param",
+        "pinned by allocator B/param",
+        "peak RSS B/param",
+    ]
     return _table(header, rows)
 
 
@@ -169,11 +253,22 @@ def timeline_section(state: dict) -> list[str]:
         tl = entry["result"].get("timeline")
         if not tl:
             continue
-        rows = [[lane, fmt(v["busy_ms"]), v["events"], "na" if v["under_compute"] is None else
-                 f"{100 * v['under_compute']:.0f}%"] for lane, v in tl["lanes"].items()]  # fmt: skip
-        return [f"One optimizer step at {entry['tokens']} tokens/step, clip {clip_text(entry['clip'])}, profiled "
-                f"after the timed window (span {fmt(tl['span_ms'])} ms with the profiler on): trace `{tl['trace']}`; "
-                f"{tl['plot']}.", "", *_table(["lane", "busy ms", "events", "share under compute"], rows)]  # fmt: skip
+        rows = [
+            [
+                lane,
+                fmt(v["busy_ms"]),
+                v["events"],
+                "na" if v["under_compute"] is None else f"{100 * v['under_compute']:.0f}%",
+            ]
+            for lane, v in tl["lanes"].items()
+        ]
+        return [
+            f"One optimizer step at {entry['tokens']} tokens/step, clip {clip_text(entry['clip'])}, profiled "
+            f"after the timed window (span {fmt(tl['span_ms'])} ms with the profiler on): trace `{tl['trace']}`; "
+            f"{tl['plot']}.",
+            "",
+            *_table(["lane", "busy ms", "events", "share under compute"], rows),
+        ]
     return ["Not profiled (--parts without timeline, or the run failed)."]
 
 
@@ -189,10 +284,12 @@ def summary_line(state: dict) -> str:
         g = figures(state, rival) if rival else None
         ratios[kind] = fmt(f["tokens_per_s"] / g["tokens_per_s"]) if f and g else "na"
     name = state["name"].replace(" ", "-")  # one field: 'llama-3.1-8b[16-of-32-layers]'
-    return (f"gpu_summary: device={state['device']} shape={name}x{state['layers']} "
-            f"tokens_per_step={state['compare_at']} megatrain/deepspeed={ratios['deepspeed']} "
-            f"megatrain/fsdp={ratios['fsdp']} mfu={fmt(f['mfu']) if f else 'na'} "
-            f"overlap={fmt(f.get('overlap')) if f else 'na'}")  # fmt: skip
+    return (
+        f"gpu_summary: device={state['device']} shape={name}x{state['layers']} "
+        f"tokens_per_step={state['compare_at']} megatrain/deepspeed={ratios['deepspeed']} "
+        f"megatrain/fsdp={ratios['fsdp']} mfu={fmt(f['mfu']) if f else 'na'} "
+        f"overlap={fmt(f.get('overlap')) if f else 'na'}"
+    )
 
 
 def mfu_lines(state: dict) -> list[str]:
@@ -205,7 +302,7 @@ def mfu_lines(state: dict) -> list[str]:
         f"- MFU = model FLOP/s / {peak['what']}" if peak["flops"] else f"- MFU: na: {peak['what']}",
         f"- matmul-relative util = model FLOP/s / {mm['flops'] / 1e12:.4g} TFLOP/s measured in this run "
         f"({mm['what']}); not MFU",
-    ]  # fmt: skip
+    ]
 
 
 def render(state: dict) -> str:
@@ -214,7 +311,8 @@ def render(state: dict) -> str:
     count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     head = [
         f"# Throughput: {s['name']} ({count} parameters), seq {s['seq_len']}, micro-batch {s['micro_batch']}, "
-        f"{PRECISION}, num_slots {s['num_slots']}, on {s['device']}", "",
+        f"{PRECISION}, num_slots {s['num_slots']}, on {s['device']}",
+        "",
         f"- layers: {s['layer_note']}",
         f"- clip: {s['clip_note']}",
         *mfu_lines(s),
@@ -222,15 +320,37 @@ def render(state: dict) -> str:
         f"({cp['what']})",
         f"- timed: {s['steps']} optimizer steps after {s['warmup']} warm-up; k = micro-batches per step; host "
         "B/param: megatrain = engine.host_bytes() / params, competitors = peak RSS / params",
-        *[f"- {note}" for note in s["notes"]], "",
-    ]  # fmt: skip
+        *[f"- {note}" for note in s["notes"]],
+        "",
+    ]
     mine = at_compare_point(s, s["runs"], "megatrain")
     f = figures(s, mine) if mine else None
-    bound = [f"The {s['compare_at']}-token run (clip {clip_text(s['peer_clip'])}) is bound by: {f['bound']} (the "
-             "largest alone-time)."] if f and "bound" in f else []  # fmt: skip
-    body = [*main_table(s), "", "## Each resource alone, per optimizer step", "", *alone_section(s), "",
-            "## Memory", "", *memory_table(s), "", "## Timeline", "", *timeline_section(s), "", *bound,
-            f"Ratios: megatrain tokens/s over the competitor's at {s['compare_at']} tokens/step, clip "
-            f"{clip_text(s['peer_clip'])} (both sides); the summary's mfu and overlap are megatrain's there.",
-            ""]  # fmt: skip
+    bound = (
+        [
+            f"The {s['compare_at']}-token run (clip {clip_text(s['peer_clip'])}) is bound by: {f['bound']} (the "
+            "largest alone-time)."
+        ]
+        if f and "bound" in f
+        else []
+    )
+    body = [
+        *main_table(s),
+        "",
+        "## Each resource alone, per optimizer step",
+        "",
+        *alone_section(s),
+        "",
+        "## Memory",
+        "",
+        *memory_table(s),
+        "",
+        "## Timeline",
+        "",
+        *timeline_section(s),
+        "",
+        *bound,
+        f"Ratios: megatrain tokens/s over the competitor's at {s['compare_at']} tokens/step, clip "
+        f"{clip_text(s['peer_clip'])} (both sides); the summary's mfu and overlap are megatrain's there.",
+        "",
+    ]
     return "\n".join(head + body + [summary_line(s)]) + "\n"

@@ -38,16 +38,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is a folder of scripts
 
+from timeline import draw_lanes  # noqa: E402
+
 from megatrain_lightning import planner
 from megatrain_lightning.cli import int_or_auto
 from megatrain_lightning.flops import attention_flops, model_flops
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.schedule import (
-    PROFILES, Profile, measure_host_adam, profile, record_steps, replay, summarize, table,
-)  # fmt: skip
+    PROFILES,
+    Profile,
+    measure_host_adam,
+    profile,
+    record_steps,
+    replay,
+    summarize,
+    table,
+)
 from megatrain_lightning.schedule.replay import LAUNCH_S, Interval, Timeline
 from megatrain_lightning.schedule.report import Summary, steady_window
-from timeline import draw_lanes  # noqa: E402
 
 GiB = 2**30
 PNG_LANES = ("compute", "h2d", "d2h", "host", "issue", "issue blocked")
@@ -55,18 +63,30 @@ PNG_LANES = ("compute", "h2d", "d2h", "host", "issue", "issue blocked")
 
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llama-3.1-8b", help="a preset of megatrain_lightning.models (default llama-3.1-8b)")
+    ap.add_argument(
+        "--model", default="llama-3.1-8b", help="a preset of megatrain_lightning.models (default llama-3.1-8b)"
+    )
     ap.add_argument("--tokens", type=int, default=32768, help="tokens per micro-batch: 1 x this sequence length")
-    ap.add_argument("--micro-batches", type=int, default=1,
-                    help="micro-batches per optimizer step, as Trainer(accumulate_grad_batches) (default 1)")
-    ap.add_argument("--clip", type=float, default=None, help="global-norm gradient clipping, as Trainer(gradient_clip_val)")
+    ap.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step, as Trainer(accumulate_grad_batches) (default 1)",
+    )
+    ap.add_argument(
+        "--clip", type=float, default=None, help="global-norm gradient clipping, as Trainer(gradient_clip_val)"
+    )
     ap.add_argument("--device", default="h100-sxm", choices=sorted(PROFILES), help="device profile (default h100-sxm)")
     ap.add_argument("--png", type=Path, default=None, help="draw the lanes of the last two steps into this PNG")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps recorded (the last is measured; at least 2)")
     ap.add_argument("--layers", type=int, default=None, help="decoder blocks (default: the preset's)")
-    ap.add_argument("--num-slots", type=int_or_auto("a number of slots"), default="auto",
-                    help="device weight slots, or auto (the default, as the strategy's: the engine grows them after "
-                         "the first step from the planner's free and transient GPU memory for the profile)")  # fmt: skip
+    ap.add_argument(
+        "--num-slots",
+        type=int_or_auto("a number of slots"),
+        default="auto",
+        help="device weight slots, or auto (the default, as the strategy's: the engine grows them after "
+        "the first step from the planner's free and transient GPU memory for the profile)",
+    )
     ap.add_argument("--launch-us", type=float, default=LAUNCH_S * 1e6, help="issue cost of one kernel or copy, us")
     host = ap.add_mutually_exclusive_group()
     host.add_argument("--measure-host", action="store_true", help="time kernels.adam_step_ on this machine")
@@ -129,10 +149,17 @@ def summary_line(args: argparse.Namespace, s: Summary) -> str:
 def plot(timeline: Timeline, s: Summary, steps: int, path: Path, title: str) -> str:
     """The lanes over the last two steps; returns what was written, or why nothing was."""
     lo, hi = _two_steps(timeline, s, steps)
-    rows = [(lane, [(max(iv.start, lo) - lo, min(iv.end, hi) - max(iv.start, lo)) for iv in _merged(timeline, lane, lo, hi)],
-             "0.6" if "blocked" in lane else f"C{PNG_LANES.index(lane)}") for lane in PNG_LANES]  # fmt: skip
-    return draw_lanes(rows, path, title, "seconds (dashed: the measured step)", size=(14, 3.6),
-                      marks=tuple(x - lo for x in s.window))  # fmt: skip
+    rows = [
+        (
+            lane,
+            [(max(iv.start, lo) - lo, min(iv.end, hi) - max(iv.start, lo)) for iv in _merged(timeline, lane, lo, hi)],
+            "0.6" if "blocked" in lane else f"C{PNG_LANES.index(lane)}",
+        )
+        for lane in PNG_LANES
+    ]
+    return draw_lanes(
+        rows, path, title, "seconds (dashed: the measured step)", size=(14, 3.6), marks=tuple(x - lo for x in s.window)
+    )
 
 
 def _two_steps(timeline: Timeline, s: Summary, steps: int) -> tuple[float, float]:
@@ -143,8 +170,9 @@ def _two_steps(timeline: Timeline, s: Summary, steps: int) -> tuple[float, float
 def _merged(timeline: Timeline, lane: str, lo: float, hi: float) -> list[Interval]:
     """The lane's intervals inside [lo, hi], touching ones merged (thousands of kernels draw as few bars)."""
     out: list[Interval] = []
-    for iv in sorted((iv for iv in timeline.intervals if iv.lane == lane and iv.end > lo and iv.start < hi),
-                     key=lambda iv: iv.start):  # fmt: skip
+    for iv in sorted(
+        (iv for iv in timeline.intervals if iv.lane == lane and iv.end > lo and iv.start < hi), key=lambda iv: iv.start
+    ):
         if out and iv.start <= out[-1].end + 1e-9:
             out[-1] = dataclasses.replace(out[-1], end=max(out[-1].end, iv.end))
         else:
@@ -161,8 +189,19 @@ def main(argv: list[str] | None = None) -> int:
     offload = planner.offload_needed(config, args.tokens, 1, "bf16-mixed", 2, gpu_mem)  # (auto: 2 in its first step)
     memory = planner.free_and_transient(config, args.tokens, 1, "bf16-mixed", offload, gpu_mem)
     t0 = time.perf_counter()
-    trace = record_steps(config, args.tokens, args.clip, args.steps, args.num_slots, offload, tile, prof,
-                         args.launch_us * 1e-6, memory, args.micro_batches)  # fmt: skip
+    trace = record_steps(
+        config,
+        args.tokens,
+        args.clip,
+        args.steps,
+        args.num_slots,
+        offload,
+        tile,
+        prof,
+        args.launch_us * 1e-6,
+        memory,
+        args.micro_batches,
+    )
     seconds = time.perf_counter() - t0
     timeline = replay(trace, prof, args.launch_us * 1e-6)
     flops = model_flops(config, args.micro_batches * args.tokens, args.tokens)

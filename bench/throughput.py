@@ -51,8 +51,14 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
+
+# bench/ is a folder of scripts (run as `python bench/throughput.py`): its modules import by their names.
+import peers
 import torch
 import yaml
+from alone import compute_alone, copy_peak, cpu_worker_alone, matmul_peak, transfer_alone, uploaded_blocks
+from report import PRECISION, clip_text, depth_name, render
+from timeline import OneStepTrace
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -64,22 +70,36 @@ from megatrain_lightning.optim import kernels
 from megatrain_lightning.planner import format_size, host_breakdown, parse_size
 from megatrain_lightning.strategy import MegatrainStrategy
 
-# bench/ is a folder of scripts (run as `python bench/throughput.py`): its modules import by their names.
-import peers
-from alone import compute_alone, copy_peak, cpu_worker_alone, matmul_peak, transfer_alone, uploaded_blocks
-from report import PRECISION, clip_text, depth_name, render
-from timeline import OneStepTrace
-
 PARTS = ("megatrain", "compare", "timeline", "depth")
 CLIP_ROWS = ("both", "on", "off")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-GPU_DEFAULTS = dict(shape="llama-3.1-8b", seq_len=4096, micro_batch=8, tokens_per_step="128k,32k", warmup=1,
-                    steps=2, depth_layers="8,16", timeout=300, budget_s=500)  # fmt: skip
-DRY_DEFAULTS = dict(shape="tiny", seq_len=64, micro_batch=2, tokens_per_step="256,128", warmup=1, steps=2,
-                    depth_layers="2,4", timeout=180, budget_s=0)  # fmt: skip
+GPU_DEFAULTS = dict(
+    shape="llama-3.1-8b",
+    seq_len=4096,
+    micro_batch=8,
+    tokens_per_step="128k,32k",
+    warmup=1,
+    steps=2,
+    depth_layers="8,16",
+    timeout=300,
+    budget_s=500,
+)
+DRY_DEFAULTS = dict(
+    shape="tiny",
+    seq_len=64,
+    micro_batch=2,
+    tokens_per_step="256,128",
+    warmup=1,
+    steps=2,
+    depth_layers="2,4",
+    timeout=180,
+    budget_s=0,
+)
 LR, BETAS, WEIGHT_DECAY = 1e-5, (0.9, 0.95), 0.1
-COMPILE_NOTE = ("--compile: not implemented: the engine has no hook to compile a block (it runs each block "
-                "with torch.func.functional_call on a meta skeleton), so nothing was compiled")  # fmt: skip
+COMPILE_NOTE = (
+    "--compile: not implemented: the engine has no hook to compile a block (it runs each block "
+    "with torch.func.functional_call on a meta skeleton), so nothing was compiled"
+)
 
 
 # -- the run's settings ------------------------------------------------------------------------------
@@ -93,8 +113,10 @@ def accumulation(tokens_per_step: int, micro_batch: int, seq_len: int) -> int:
     """Micro-batches per optimizer step; tokens per step must be a whole number of micro-batches."""
     per = micro_batch * seq_len
     if tokens_per_step <= 0 or tokens_per_step % per:
-        raise ValueError(f"--tokens-per-step {tokens_per_step} is not a positive multiple of micro-batch "
-                         f"{micro_batch} x seq-len {seq_len} = {per} tokens; use a multiple of {per}")  # fmt: skip
+        raise ValueError(
+            f"--tokens-per-step {tokens_per_step} is not a positive multiple of micro-batch "
+            f"{micro_batch} x seq-len {seq_len} = {per} tokens; use a multiple of {per}"
+        )
     return tokens_per_step // per
 
 
@@ -107,9 +129,11 @@ def layers_for_host(config: LlamaConfig, host_bytes: int, accumulate: int, fract
 
     budget = fraction * host_bytes
     if need(2) > budget:
-        raise ValueError(f"even 2 layers of this shape need {format_size(need(2))} of host memory, more than "
-                         f"{fraction:.0%} of {format_size(host_bytes)}; pass --layers, --host-mem or a smaller "
-                         "--shape")  # fmt: skip
+        raise ValueError(
+            f"even 2 layers of this shape need {format_size(need(2))} of host memory, more than "
+            f"{fraction:.0%} of {format_size(host_bytes)}; pass --layers, --host-mem or a smaller "
+            "--shape"
+        )
     layers = 2
     while layers < config.num_hidden_layers and need(layers + 1) <= budget:
         layers += 1
@@ -127,8 +151,10 @@ def shipped_clip(shape: str, configs: Path = CONFIGS) -> tuple[float, str]:
     mine = {p: clip for p, (model, clip) in found.items() if model == shape}
     pool = mine or {p: clip for p, (_, clip) in found.items()}
     if len(set(pool.values())) != 1:
-        raise ValueError(f"the configs in {configs} set gradient_clip_val {sorted(set(pool.values()))} for --shape "
-                         f"{shape}; pass --clip-val to choose one")  # fmt: skip
+        raise ValueError(
+            f"the configs in {configs} set gradient_clip_val {sorted(set(pool.values()))} for --shape "
+            f"{shape}; pass --clip-val to choose one"
+        )
     names = ", ".join(p.name for p in mine) if mine else f"every config in {configs.name}/"
     return next(iter(pool.values())), names
 
@@ -146,7 +172,9 @@ def failure_summary(returncode: int | None, log: str) -> str:
 
 
 # -- the model and its data --------------------------------------------------------------------------
-def build_model(config: LlamaConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_model(
+    config: LlamaConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """The model without its normal init (serial, minutes at 8B): every matrix tiles one N(0, std) pattern,
     norms are 1, biases 0. Values change the speed of no kernel measured here."""
     with torch.device("meta"):
@@ -197,8 +225,10 @@ class BenchLM(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = list(self.model.parameters())
-        groups = [{"params": [p for p in params if p.ndim >= 2]},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]  # fmt: skip
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2]},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
         hp = dict(lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
         if self.kind == "megatrain":
             return torch.optim.AdamW(groups, **hp)
@@ -210,8 +240,9 @@ class FsdpBenchLM(BenchLM):
     """Lightning's FSDP precision refuses to clip by norm; the root FSDP module clips the global norm
     across its shards itself, as Trainer(gradient_clip_val=) asks."""
 
-    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:  # fmt: skip
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
         if gradient_clip_val:
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
 
@@ -263,15 +294,18 @@ class Window(L.Callback):
     def _stats(self, trainer: L.Trainer) -> dict[str, float]:
         return dict(_engine(trainer).stats) if _engine(trainer) is not None else {}
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx == self.first:
             self._sync(trainer)
             self._t0, self._stats0 = time.perf_counter(), self._stats(trainer)
         if self.trace is not None:
             self.trace.begin(batch_idx)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx == self.last:
             self._sync(trainer)
             steps, now = self.spec["steps"], self._stats(trainer)
@@ -291,15 +325,19 @@ class Window(L.Callback):
         k, layers, slots = self.spec["accumulate"], len(engine.units), engine.pool.num_slots
         elt = torch.finfo(engine.compute_dtype).bits // 8
         self.result["engine"] = {
-            "layers": layers, "slots": slots, "num_parameters": engine.num_parameters(),
-            "host_bytes": engine.host_bytes(), "pinned": engine.pinned_bytes(), "allocator": allocator_pinned_bytes(),
+            "layers": layers,
+            "slots": slots,
+            "num_parameters": engine.num_parameters(),
+            "host_bytes": engine.host_bytes(),
+            "pinned": engine.pinned_bytes(),
+            "allocator": allocator_pinned_bytes(),
             "formula_h2d_bytes": sum(engine.units[i].copy.nbytes for i in uploaded_blocks(layers, slots, k))
             + sum(u.copy.nbytes for u in engine.outer_units),
             "formula_d2h_bytes": k * engine.num_parameters() * elt,
             "transfer_alone": transfer_alone(engine, k),
             "cpu_alone": cpu_worker_alone(engine, k, clip=bool(self.spec["clip"])),
             "cpu_backend": cpu_backend(),
-        }  # fmt: skip
+        }
 
 
 def cpu_backend() -> str:
@@ -325,10 +363,22 @@ def run(spec: dict) -> dict:
     k, steps = spec["accumulate"], spec["warmup"] + spec["steps"] + (1 if spec.get("timeline") else 0)
     module, window = (FsdpBenchLM if kind == "fsdp" else BenchLM)(config, kind), Window(spec, device)
     strategy = MegatrainStrategy(num_slots=spec["num_slots"]) if kind == "megatrain" else peers.make_strategy(kind)
-    trainer = L.Trainer(accelerator="cpu" if spec["dry"] else "gpu", devices=1, strategy=strategy, precision=PRECISION,
-                        accumulate_grad_batches=k, gradient_clip_val=spec["clip"] or None, max_steps=steps,
-                        callbacks=[window], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu" if spec["dry"] else "gpu",
+        devices=1,
+        strategy=strategy,
+        precision=PRECISION,
+        accumulate_grad_batches=k,
+        gradient_clip_val=spec["clip"] or None,
+        max_steps=steps,
+        callbacks=[window],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     rows = RandomTokens(steps * k * spec["micro_batch"], spec["seq_len"], config.vocab_size)
     data = DataLoader(rows, batch_size=spec["micro_batch"], pin_memory=device.type == "cuda")
     if device.type == "cuda":
@@ -337,8 +387,13 @@ def run(spec: dict) -> dict:
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         trainer.fit(module, train_dataloaders=data)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {**window.result, "num_parameters": config.num_parameters(), "rss_peak_bytes": rss,
-            "optimizer": module.optimizer_note, "gradient_clip_val": trainer.gradient_clip_val}  # fmt: skip
+    return {
+        **window.result,
+        "num_parameters": config.num_parameters(),
+        "rss_peak_bytes": rss,
+        "optimizer": module.optimizer_note,
+        "gradient_clip_val": trainer.gradient_clip_val,
+    }
 
 
 # -- the parent: spawning runs -----------------------------------------------------------------------
@@ -380,33 +435,59 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add = ap.add_argument
     add("--dry", action="store_true", help="run on the CPU with a tiny shape (what CI runs)")
     add("--all", action="store_true", help="every part: " + ", ".join(PARTS))
-    add("--parts", default="megatrain,compare,timeline", help=f"comma list of {', '.join(PARTS)}: the training "
-        "points, DeepSpeed and FSDP at --compare-at, one profiled step, peak memory at --depth-layers")
+    add(
+        "--parts",
+        default="megatrain,compare,timeline",
+        help=f"comma list of {', '.join(PARTS)}: the training "
+        "points, DeepSpeed and FSDP at --compare-at, one profiled step, peak memory at --depth-layers",
+    )
     add("--out", default="bench/out", help="folder for throughput.md, results.json, runs.log, the trace and plot")
     add("--shape", help="model preset (default llama-3.1-8b; dry: tiny)")
-    add("--layers", type=int, help="decoder layers (default: as many as host memory allows); another depth than "
-        "the preset's shows in the name, e.g. llama-3.1-8b[16 of 32 layers]")
+    add(
+        "--layers",
+        type=int,
+        help="decoder layers (default: as many as host memory allows); another depth than "
+        "the preset's shows in the name, e.g. llama-3.1-8b[16 of 32 layers]",
+    )
     add("--host-mem", help="host memory to size --layers against, e.g. 120GiB (default: what is available)")
-    add("--host-fraction", type=float, default=0.7, help="share of host memory the planned state may take (default "
-        "0.7: DeepSpeed needs about 10%% more per parameter at the same depth, and the model is built in fp32 first)")
+    add(
+        "--host-fraction",
+        type=float,
+        default=0.7,
+        help="share of host memory the planned state may take (default "
+        "0.7: DeepSpeed needs about 10%% more per parameter at the same depth, and the model is built in fp32 first)",
+    )
     add("--tokens-per-step", help="comma list of points, k = 1024 (default 128k,32k; dry: 256,128)")
     add("--seq-len", type=int, help="tokens per row (default 4096; dry: 64)")
     add("--micro-batch", type=int, help="rows per micro-batch (default 8; dry: 2)")
     add("--compare-at", help="the point DeepSpeed and FSDP run at (default: the smallest)")
-    add("--clip", choices=CLIP_ROWS, default="both", help="megatrain rows with gradient clipping as the configs set "
-        "it, without, or both (default); the peers clip unless 'off'")
+    add(
+        "--clip",
+        choices=CLIP_ROWS,
+        default="both",
+        help="megatrain rows with gradient clipping as the configs set "
+        "it, without, or both (default); the peers clip unless 'off'",
+    )
     add("--clip-val", type=float, help="gradient_clip_val of the clipped rows (default: what configs/*.yaml set)")
     add("--peak-tflops", type=float, help="dense bf16 peak for MFU (default: the datasheet's, by device name)")
     add("--steps", type=int, help="timed optimizer steps (default 2)")
     add("--warmup", type=int, help="untimed optimizer steps first (default 1)")
     add("--depth-layers", help="layer counts of the peak-memory-vs-depth runs (default 8,16; dry: 2,4)")
-    add("--num-slots", type=int_or_auto("a number of slots"), default="auto",
-        help="device weight slots, or auto (MegatrainStrategy(num_slots=); default auto, the strategy's)")
+    add(
+        "--num-slots",
+        type=int_or_auto("a number of slots"),
+        default="auto",
+        help="device weight slots, or auto (MegatrainStrategy(num_slots=); default auto, the strategy's)",
+    )
     add("--threads", type=int, help="CPU optimizer threads (torch's and the native kernel's; default: all)")
     add("--compile", action="store_true", help="torch.compile the block (not implemented: the output says so)")
     add("--timeout", type=float, help="seconds a training run may take before it is killed (default 300)")
-    add("--budget-s", type=float, help="wall-clock budget of the whole command: runs that would start with under "
-        "30 s left are skipped (default 500 on a GPU, to fit one 10-minute call with its installs; dry: none)")
+    add(
+        "--budget-s",
+        type=float,
+        help="wall-clock budget of the whole command: runs that would start with under "
+        "30 s left are skipped (default 500 on a GPU, to fit one 10-minute call with its installs; dry: none)",
+    )
     add("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for key, value in (DRY_DEFAULTS if args.dry else GPU_DEFAULTS).items():
@@ -426,9 +507,11 @@ def layer_choice(args: argparse.Namespace, base: LlamaConfig, accumulate: int) -
     have = parse_size(args.host_mem) if args.host_mem else available_host_bytes()
     layers = layers_for_host(base, have, accumulate, args.host_fraction)
     per = sum(host_breakdown(base, PRECISION, accumulate).values()) / base.num_parameters()
-    return layers, (f"{layers} of the preset's {preset} = the most whose host state ({per:.0f} B/param by the "
-                    f"planner, accumulate {accumulate}) fits {args.host_fraction:.0%} of {format_size(have)} "
-                    f"{'given' if args.host_mem else 'available'}")  # fmt: skip
+    return layers, (
+        f"{layers} of the preset's {preset} = the most whose host state ({per:.0f} B/param by the "
+        f"planner, accumulate {accumulate}) fits {args.host_fraction:.0%} of {format_size(have)} "
+        f"{'given' if args.host_mem else 'available'}"
+    )
 
 
 def peak_choice(args: argparse.Namespace, device: torch.device, device_name: str) -> dict[str, Any]:
@@ -437,8 +520,11 @@ def peak_choice(args: argparse.Namespace, device: torch.device, device_name: str
         return {"flops": args.peak_tflops * 1e12, "what": f"{args.peak_tflops:g} TFLOP/s (--peak-tflops)"}
     peak = flops.peak_bf16_flops(device_name) if device.type == "cuda" else None
     if peak is None:
-        return {"flops": None, "what": f"no dense bf16 peak known for {device_name} (megatrain_lightning/flops.py "
-                "PEAK_BF16_FLOPS); pass --peak-tflops"}  # fmt: skip
+        return {
+            "flops": None,
+            "what": f"no dense bf16 peak known for {device_name} (megatrain_lightning/flops.py "
+            "PEAK_BF16_FLOPS); pass --peak-tflops",
+        }
     return {"flops": peak, "what": f"{peak / 1e12:g} TFLOP/s, the dense bf16 peak of {device_name} (datasheet)"}
 
 
@@ -454,26 +540,48 @@ def setup_state(args: argparse.Namespace, device: torch.device) -> dict:
     notes = [COMPILE_NOTE] if args.compile else []
     notes.append(peers.NOTE)
     if args.dry:
-        notes.append("dry: the CPU stands in for the GPU (no copy engines, no concurrent streams); 'peak GPU' is "
-                     "the run's peak RSS and the matmul figure is a fp32 CPU matmul: these numbers check the harness")
+        notes.append(
+            "dry: the CPU stands in for the GPU (no copy engines, no concurrent streams); 'peak GPU' is "
+            "the run's peak RSS and the matmul figure is a fp32 CPU matmul: these numbers check the harness"
+        )
     name = "cpu-dry" if args.dry else torch.cuda.get_device_name(device)
-    return {"device": name.replace(" ", "-"), "shape": args.shape, "layers": layers,
-            "preset_layers": base.num_hidden_layers, "name": depth_name(args.shape, layers, base.num_hidden_layers),
-            "layer_note": layer_note, "clips": clips, "peer_clip": clips[0],
-            "clip_note": f"gradient_clip_val {clip_text(clip_val)} (norm) as {source} sets it, rows "
-                         f"{' and '.join(clip_text(c) for c in clips)}; the peers at {clip_text(clips[0])}",
-            "peak": peak_choice(args, device, name), "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-            "num_slots": args.num_slots, "steps": args.steps, "warmup": args.warmup,
-            "config": dataclasses.replace(base, num_hidden_layers=layers), "points": points, "ks": ks,
-            "compare_at": compare_at, "notes": notes, "runs": [], "competitors": [], "depth": []}  # fmt: skip
+    return {
+        "device": name.replace(" ", "-"),
+        "shape": args.shape,
+        "layers": layers,
+        "preset_layers": base.num_hidden_layers,
+        "name": depth_name(args.shape, layers, base.num_hidden_layers),
+        "layer_note": layer_note,
+        "clips": clips,
+        "peer_clip": clips[0],
+        "clip_note": f"gradient_clip_val {clip_text(clip_val)} (norm) as {source} sets it, rows "
+        f"{' and '.join(clip_text(c) for c in clips)}; the peers at {clip_text(clips[0])}",
+        "peak": peak_choice(args, device, name),
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "num_slots": args.num_slots,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "config": dataclasses.replace(base, num_hidden_layers=layers),
+        "points": points,
+        "ks": ks,
+        "compare_at": compare_at,
+        "notes": notes,
+        "runs": [],
+        "competitors": [],
+        "depth": [],
+    }
 
 
 def jobs(state: dict, args: argparse.Namespace, trace: str) -> list[tuple[str, dict, str]]:
     """(label, spec, list in `state`) in the order they run: megatrain at the peers' point (clipped as they
     are first: it carries the timeline and the ratios), the peers, megatrain's other points, the depth runs."""
     at, clips, name = state["compare_at"], state["clips"], state["name"]
-    mine = [] if "megatrain" not in args.parts else \
-        [(tokens, clip) for tokens in sorted(state["points"], key=lambda t: t != at) for clip in clips]  # fmt: skip
+    mine = (
+        []
+        if "megatrain" not in args.parts
+        else [(tokens, clip) for tokens in sorted(state["points"], key=lambda t: t != at) for clip in clips]
+    )
 
     def megatrain(tokens: int, clip: float) -> tuple[str, dict, str]:
         timeline = trace if "timeline" in args.parts and (tokens, clip) == (at, state["peer_clip"]) else None
@@ -482,14 +590,25 @@ def jobs(state: dict, args: argparse.Namespace, trace: str) -> list[tuple[str, d
 
     out = [megatrain(t, c) for t, c in mine if t == at]
     if "compare" in args.parts:
-        out += [(f"{label} {name} {at} tokens/step clip {clip_text(state['peer_clip'])}",
-                 {"kind": kind, "tokens": at, "clip": state["peer_clip"]}, "competitors")
-                for kind, label in peers.COMPETITORS.items()]  # fmt: skip
+        out += [
+            (
+                f"{label} {name} {at} tokens/step clip {clip_text(state['peer_clip'])}",
+                {"kind": kind, "tokens": at, "clip": state["peer_clip"]},
+                "competitors",
+            )
+            for kind, label in peers.COMPETITORS.items()
+        ]
     out += [megatrain(t, c) for t, c in mine if t != at]
     if "depth" in args.parts:
         for layers in (int(x) for x in args.depth_layers.split(",")):
-            spec = {"kind": "megatrain", "tokens": at, "clip": state["peer_clip"], "layers": layers, "warmup": 1,
-                    "steps": 1}  # fmt: skip
+            spec = {
+                "kind": "megatrain",
+                "tokens": at,
+                "clip": state["peer_clip"],
+                "layers": layers,
+                "warmup": 1,
+                "steps": 1,
+            }
             out.append((f"depth {depth_name(args.shape, layers, state['preset_layers'])}", spec, "depth"))
     return out
 
@@ -526,12 +645,22 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the one-layer model is gone: hand its memory back before the runs
     mm, cp = state["peaks"]["matmul"], state["peaks"]["copy"]
-    log_line(f"{state['name']}: layers {state['layer_note']}; clip {state['clip_note']}; matmul "
-             f"{mm['flops'] / 1e12:.4g} TFLOP/s, copy H2D {cp['h2d'] / 1e9:.3g} GB/s, "
-             f"D2H {cp['d2h'] / 1e9:.3g} GB/s")  # fmt: skip
-    base = {"shape": args.shape, "layers": state["layers"], "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-            "warmup": args.warmup, "steps": args.steps, "num_slots": args.num_slots, "threads": args.threads,
-            "dry": args.dry}  # fmt: skip
+    log_line(
+        f"{state['name']}: layers {state['layer_note']}; clip {state['clip_note']}; matmul "
+        f"{mm['flops'] / 1e12:.4g} TFLOP/s, copy H2D {cp['h2d'] / 1e9:.3g} GB/s, "
+        f"D2H {cp['d2h'] / 1e9:.3g} GB/s"
+    )
+    base = {
+        "shape": args.shape,
+        "layers": state["layers"],
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "num_slots": args.num_slots,
+        "threads": args.threads,
+        "dry": args.dry,
+    }
     for label, job, where in jobs(state, args, str((out / "timeline.trace.json.gz").resolve())):
         spec = {**base, **job, "accumulate": state["ks"][job["tokens"]]}
         left = min(args.timeout, deadline - time.perf_counter())

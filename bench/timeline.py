@@ -27,9 +27,10 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -102,8 +103,11 @@ def load_trace(path: str | Path) -> list[dict]:
 
 # -- reading -----------------------------------------------------------------------------------------
 def named_tids(events: list[dict], name: str) -> set[Any]:
-    return {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
-            and e.get("args", {}).get("name") == name}  # fmt: skip
+    return {
+        e["tid"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("args", {}).get("name") == name
+    }
 
 
 def lanes(events: list[dict]) -> dict[str, list[Interval]]:
@@ -172,13 +176,21 @@ def plot(by_lane: dict[str, list[Interval]], path: Path, title: str) -> str:
     """Draw the lanes as horizontal bars; returns what was written (or why nothing was)."""
     shown = [lane for lane in LANES if by_lane.get(lane)]
     t0 = min(s for lane in shown for s, _ in by_lane[lane]) if shown else 0.0
-    rows = [(lane, [((s - t0) / 1e3, (e - s) / 1e3) for s, e in union(by_lane[lane])], f"C{LANES.index(lane)}")
-            for lane in shown]  # fmt: skip
+    rows = [
+        (lane, [((s - t0) / 1e3, (e - s) / 1e3) for s, e in union(by_lane[lane])], f"C{LANES.index(lane)}")
+        for lane in shown
+    ]
     return draw_lanes(rows, path, title, "ms from the step's first event", size=(12, 0.6 * len(shown) + 1.2))
 
 
-def draw_lanes(rows: list[tuple[str, list[tuple[float, float]], str]], path: Path, title: str, xlabel: str,
-               size: tuple[float, float], marks: tuple[float, ...] = ()) -> str:  # fmt: skip
+def draw_lanes(
+    rows: list[tuple[str, list[tuple[float, float]], str]],
+    path: Path,
+    title: str,
+    xlabel: str,
+    size: tuple[float, float],
+    marks: tuple[float, ...] = (),
+) -> str:
     """One row of bars per (name, [(start, length)], color), top to bottom, dashed lines at `marks`;
     returns what was written, or why nothing was (bench/schedule.py draws its lanes with it too)."""
     try:
@@ -187,7 +199,7 @@ def draw_lanes(rows: list[tuple[str, list[tuple[float, float]], str]], path: Pat
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "no PNG: matplotlib is not installed (pip install matplotlib, or pip install -e \".[bench]\")"
+        return 'no PNG: matplotlib is not installed (pip install matplotlib, or pip install -e ".[bench]")'
     fig, ax = plt.subplots(figsize=size)
     for row, (_, bars, color) in enumerate(reversed(rows)):
         ax.broken_barh(bars, (row - 0.4, 0.8), color=color)
@@ -233,8 +245,12 @@ class OneStepTrace:
         by_lane = lanes(load_trace(self.path))
         png = self.path.parent / "timeline.png"
         note = plot(by_lane, png, f"one optimizer step ({self.last - self.first + 1} micro-batches), {self.device}")
-        self.summary = {"trace": str(self.path), "plot": note, **summarize(by_lane),
-                        "export_s": time.perf_counter() - t0}  # fmt: skip
+        self.summary = {
+            "trace": str(self.path),
+            "plot": note,
+            **summarize(by_lane),
+            "export_s": time.perf_counter() - t0,
+        }
 
 
 def main(argv: list[str]) -> int:

@@ -27,9 +27,10 @@ import os
 import resource
 import time
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import lightning.pytorch as L
 import torch
@@ -105,7 +106,9 @@ class MegatrainMonitor(L.Callback):
         self._flops_of = model_flops_of(pl_module)
         self._peak = peak_flops(trainer.strategy.root_device)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._start is None:
             self._sync(trainer)
             self._start, self._tokens, self._batches = time.perf_counter(), 0, 0
@@ -140,7 +143,11 @@ class MegatrainMonitor(L.Callback):
         self.last = figures
         for logger in trainer.loggers:
             logger.log_metrics(figures, step=trainer.global_step)
-        for key, short in (("perf/tokens_per_sec", "tok/s"), ("perf/mfu", "mfu"), ("engine/host_wait_frac", "host_wait")):
+        for key, short in (
+            ("perf/tokens_per_sec", "tok/s"),
+            ("perf/mfu", "mfu"),
+            ("engine/host_wait_frac", "host_wait"),
+        ):
             if key in figures:
                 pl_module.log(short, figures[key], prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
@@ -227,7 +234,9 @@ class ExportAndSample(L.Callback):
 
         model = getattr(pl_module, "model", None)
         if not isinstance(model, LlamaForCausalLM):
-            rank_zero_warn(f"ExportAndSample needs pl_module.model to be a LlamaForCausalLM, not {type(model).__name__}")
+            rank_zero_warn(
+                f"ExportAndSample needs pl_module.model to be a LlamaForCausalLM, not {type(model).__name__}"
+            )
             return
         out = Path(self.dirpath or trainer.default_root_dir)
         if self.export:
@@ -252,8 +261,12 @@ class ExportAndSample(L.Callback):
 
         tokenizer = getattr(trainer.datamodule, "tokenizer", None) or ByteTokenizer()
         prompt = torch.as_tensor(tokenizer.encode([self.prompt])[0], dtype=torch.long)[None]
-        ids = model.generate(prompt.to(trainer.strategy.root_device), max_new_tokens=self.max_new_tokens,
-                             temperature=self.temperature, top_k=self.top_k)[0].tolist()  # fmt: skip
+        ids = model.generate(
+            prompt.to(trainer.strategy.root_device),
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+        )[0].tolist()
         eos = getattr(tokenizer, "eos_id", None)
         new = ids[prompt.shape[1] :]
         return self.prompt + tokenizer.decode(new[: new.index(eos)] if eos in new else new)

@@ -25,9 +25,10 @@ import platform
 import re
 import resource
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import torch
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
@@ -118,10 +119,15 @@ class MegatrainCLI(LightningCLI):
         given = sys.argv[1:] if args is None else args
         self._help_prog = f"megatrain {next((a for a in given if a in _SUBCOMMANDS), 'fit')}"
         super().__init__(
-            CausalLMModule, TextDataModule, trainer_defaults={"strategy": "megatrain"},
-            save_config_kwargs={"overwrite": True}, parser_kwargs={"prog": "megatrain"},
-            parser_class=MegatrainArgumentParser, args=args, **kwargs,
-        )  # fmt: skip
+            CausalLMModule,
+            TextDataModule,
+            trainer_defaults={"strategy": "megatrain"},
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "megatrain"},
+            parser_class=MegatrainArgumentParser,
+            args=args,
+            **kwargs,
+        )
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         parser = super().init_parser(**kwargs)
@@ -145,8 +151,10 @@ class MegatrainCLI(LightningCLI):
             try:
                 return super()._parse_ckpt_path()
             except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError) as err:
-                user_error(f"ckpt_path={path!r}: torch.load cannot read it ({_load_error(err)}); give a checkpoint "
-                           "written by Lightning or megatrain")  # fmt: skip
+                user_error(
+                    f"ckpt_path={path!r}: torch.load cannot read it ({_load_error(err)}); give a checkpoint "
+                    "written by Lightning or megatrain"
+                )
         try:
             hparams = mt_checkpoint.load_trainer_state(str(path)).get("hyper_parameters", {})
         except mt_checkpoint.CheckpointError as err:
@@ -202,12 +210,16 @@ def _check_ckpt_path(path: str) -> None:
         return
     local = Path(path.removeprefix("file://")).expanduser()
     if local.is_dir():
-        user_error(f"ckpt_path={path!r} is a directory; give the checkpoint file in it, e.g. {path.rstrip('/')}/last.ckpt")
+        user_error(
+            f"ckpt_path={path!r} is a directory; give the checkpoint file in it, e.g. {path.rstrip('/')}/last.ckpt"
+        )
     if not local.is_file():
         interrupted = Path(f"{local}.d").is_dir()
         why = " (its data directory exists: the save was interrupted before it committed)" if interrupted else ""
-        user_error(f"ckpt_path={path!r} does not exist{why}; give a checkpoint file, e.g. "
-                   "lightning_logs/version_0/checkpoints/last.ckpt, or 'last'")  # fmt: skip
+        user_error(
+            f"ckpt_path={path!r} does not exist{why}; give a checkpoint file, e.g. "
+            "lightning_logs/version_0/checkpoints/last.ckpt, or 'last'"
+        )
 
 
 def _load_error(err: BaseException) -> str:
@@ -267,39 +279,74 @@ MODEL_DEFAULTS = {"seq_len": 4096, "micro_batch": 1}
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="megatrain plan", description="Host and GPU memory of a megatrain run.",
-                       epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = OneLineParser(
+        prog="megatrain plan",
+        description="Host and GPU memory of a megatrain run.",
+        epilog=PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--config", help="a megatrain fit YAML config to plan (its model, seq_len, batch, precision)")
     ap.add_argument("--model", help="preset (e.g. llama-3.1-8b), Hugging Face config.json or checkpoint directory")
     ap.add_argument("--seq-len", type=int, help=f"tokens per sequence (--model: default {MODEL_DEFAULTS['seq_len']})")
-    ap.add_argument("--micro-batch", type=int,
-                    help=f"sequences per micro-batch (--model: default {MODEL_DEFAULTS['micro_batch']})")  # fmt: skip
+    ap.add_argument(
+        "--micro-batch", type=int, help=f"sequences per micro-batch (--model: default {MODEL_DEFAULTS['micro_batch']})"
+    )
     ap.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    ap.add_argument("--num-slots", type=_slots, default="auto",
-                    help="device weight slots, or auto (the strategy's default: as many as the GPU memory a step "
-                         "leaves allows, at most one per block)")  # fmt: skip
+    ap.add_argument(
+        "--num-slots",
+        type=_slots,
+        default="auto",
+        help="device weight slots, or auto (the strategy's default: as many as the GPU memory a step "
+        "leaves allows, at most one per block)",
+    )
     ap.add_argument("--host-mem", type=_size, help="host memory to fit in, e.g. 512GiB")
     ap.add_argument("--gpu-mem", type=_size, help="GPU memory to fit in, e.g. 80GiB")
-    ap.add_argument("--token-chunk-size", type=_tile,
-                    help="tokens per tile of each block, or auto (the model's token_chunk_size; long context)")  # fmt: skip
-    ap.add_argument("--offload-inputs", action=argparse.BooleanOptionalAction, default=None,
-                    help="plan MegatrainStrategy(offload_inputs=True/False): saved block inputs in pinned host memory "
-                         "(default: as the config says, else auto: offloaded when they would not fit --gpu-mem)")  # fmt: skip
-    ap.add_argument("--host-layout", choices=HOST_LAYOUTS,
-                    help="plan MegatrainStrategy(host_layout=...) (default: as the config says, else auto: the first "
-                         "of default, lean, lean with Adam on --nvme-dir that fits --host-mem)")  # fmt: skip
-    ap.add_argument("--nvme-dir", metavar="DIR",
-                    help="plan MegatrainStrategy(nvme_dir=DIR): Adam m + v in files on a local NVMe drive; with "
-                         "--host-layout auto only when host memory needs it (default: as the config says)")  # fmt: skip
-    ap.add_argument("--nvme-gbps", type=float, default=NVME_GBPS, metavar="X",
-                    help=f"the drive's bandwidth in GB/s, read and write each, for the NVMe time per optimizer step "
-                         f"(default {NVME_GBPS}: a PCIe 4.0 x4 drive)")  # fmt: skip
-    ap.add_argument("--clip", action=argparse.BooleanOptionalAction, default=None,
-                    help="plan with gradient clipping, which the lean layout pays for with a gradient slab (2 bytes/param "
-                         "in bf16) (default: the config's trainer.gradient_clip_val, else off)")  # fmt: skip
-    ap.add_argument("--no-measure", dest="measure", action="store_false",
-                    help="skip the check of the GPU formulas by one training step on fake tensors (a few seconds)")  # fmt: skip
+    ap.add_argument(
+        "--token-chunk-size",
+        type=_tile,
+        help="tokens per tile of each block, or auto (the model's token_chunk_size; long context)",
+    )
+    ap.add_argument(
+        "--offload-inputs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan MegatrainStrategy(offload_inputs=True/False): saved block inputs in pinned host memory "
+        "(default: as the config says, else auto: offloaded when they would not fit --gpu-mem)",
+    )
+    ap.add_argument(
+        "--host-layout",
+        choices=HOST_LAYOUTS,
+        help="plan MegatrainStrategy(host_layout=...) (default: as the config says, else auto: the first "
+        "of default, lean, lean with Adam on --nvme-dir that fits --host-mem)",
+    )
+    ap.add_argument(
+        "--nvme-dir",
+        metavar="DIR",
+        help="plan MegatrainStrategy(nvme_dir=DIR): Adam m + v in files on a local NVMe drive; with "
+        "--host-layout auto only when host memory needs it (default: as the config says)",
+    )
+    ap.add_argument(
+        "--nvme-gbps",
+        type=float,
+        default=NVME_GBPS,
+        metavar="X",
+        help=f"the drive's bandwidth in GB/s, read and write each, for the NVMe time per optimizer step "
+        f"(default {NVME_GBPS}: a PCIe 4.0 x4 drive)",
+    )
+    ap.add_argument(
+        "--clip",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan with gradient clipping, which the lean layout pays for with a gradient slab (2 bytes/param "
+        "in bf16) (default: the config's trainer.gradient_clip_val, else off)",
+    )
+    ap.add_argument(
+        "--no-measure",
+        dest="measure",
+        action="store_false",
+        help="skip the check of the GPU formulas by one training step on fake tensors (a few seconds)",
+    )
     return ap
 
 
@@ -348,7 +395,9 @@ def plan_from_config(
     with open(path, encoding="utf-8") as f:
         cfg = yaml.safe_load(f)
     model, data, trainer = cfg.get("model", {}), cfg.get("data", {}), cfg.get("trainer", {})
-    config = resolve_config(model.get("model") or model["init_from"], {**(model.get("overrides") or {}), **(overrides or {})})
+    config = resolve_config(
+        model.get("model") or model["init_from"], {**(model.get("overrides") or {}), **(overrides or {})}
+    )
     strategy = trainer.get("strategy", {})
     init_args = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
     slots = init_args.get("num_slots", "auto")  # the strategy's default
@@ -356,12 +405,22 @@ def plan_from_config(
         offload_inputs = init_args.get("offload_inputs", "auto")  # the strategy's default
     clipping = bool(trainer.get("gradient_clip_val")) if clipping is None else clipping  # 0 or null: off, as Lightning
     return plan(
-        config, seq_len=data.get("seq_len", 2048), micro_batch=data.get("batch_size", 1),
-        precision=trainer.get("precision") or default_precision(), accumulate=trainer.get("accumulate_grad_batches", 1),
-        num_slots=slots, host_mem=host_mem, gpu_mem=gpu_mem, name=model.get("model") or model["init_from"],
-        offload_inputs=offload_inputs, measure=measure, host_layout=host_layout or init_args.get("host_layout", "default"),
-        nvme_dir=nvme_dir or init_args.get("nvme_dir"), clipping=clipping, nvme_gbps=nvme_gbps,
-    )  # fmt: skip
+        config,
+        seq_len=data.get("seq_len", 2048),
+        micro_batch=data.get("batch_size", 1),
+        precision=trainer.get("precision") or default_precision(),
+        accumulate=trainer.get("accumulate_grad_batches", 1),
+        num_slots=slots,
+        host_mem=host_mem,
+        gpu_mem=gpu_mem,
+        name=model.get("model") or model["init_from"],
+        offload_inputs=offload_inputs,
+        measure=measure,
+        host_layout=host_layout or init_args.get("host_layout", "default"),
+        nvme_dir=nvme_dir or init_args.get("nvme_dir"),
+        clipping=clipping,
+        nvme_gbps=nvme_gbps,
+    )
 
 
 def plan_command(argv: list[str]) -> Plan:
@@ -384,17 +443,40 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
     """The plan the parsed `megatrain plan` options ask for: of a config, or of a model."""
     overrides = {} if args.token_chunk_size is None else {"token_chunk_size": args.token_chunk_size}
     if args.config:
-        return plan_from_config(args.config, args.host_mem, args.gpu_mem, args.offload_inputs, overrides, args.measure,
-                                args.host_layout, args.nvme_dir, args.clip, args.nvme_gbps)  # fmt: skip
+        return plan_from_config(
+            args.config,
+            args.host_mem,
+            args.gpu_mem,
+            args.offload_inputs,
+            overrides,
+            args.measure,
+            args.host_layout,
+            args.nvme_dir,
+            args.clip,
+            args.nvme_gbps,
+        )
     if not args.model:
         ap.error("give --config FILE or --model NAME")
     offload = "auto" if args.offload_inputs is None else args.offload_inputs
     seq_len = MODEL_DEFAULTS["seq_len"] if args.seq_len is None else args.seq_len
     micro_batch = MODEL_DEFAULTS["micro_batch"] if args.micro_batch is None else args.micro_batch
-    return plan(resolve_config(args.model, overrides), seq_len, micro_batch, args.precision, args.accumulate,
-                args.num_slots, args.host_mem, args.gpu_mem, name=args.model, offload_inputs=offload,
-                measure=args.measure, host_layout=args.host_layout or "auto", nvme_dir=args.nvme_dir,
-                clipping=bool(args.clip), nvme_gbps=args.nvme_gbps)  # fmt: skip
+    return plan(
+        resolve_config(args.model, overrides),
+        seq_len,
+        micro_batch,
+        args.precision,
+        args.accumulate,
+        args.num_slots,
+        args.host_mem,
+        args.gpu_mem,
+        name=args.model,
+        offload_inputs=offload,
+        measure=args.measure,
+        host_layout=args.host_layout or "auto",
+        nvme_dir=args.nvme_dir,
+        clipping=bool(args.clip),
+        nvme_gbps=args.nvme_gbps,
+    )
 
 
 # -- megatrain convert ----------------------------------------------------------------------------
@@ -409,12 +491,19 @@ def convert_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("checkpoint", help="the sharded checkpoint: its commit marker file, e.g. .../checkpoints/last.ckpt")
-    ap.add_argument("--to", required=True, choices=("torch", "hf"),
-                    help="torch: Lightning's single-file checkpoint (fp32 weights, trainer state, AdamW state); "
-                    "hf: config.json + safetensors")  # fmt: skip
+    ap.add_argument(
+        "--to",
+        required=True,
+        choices=("torch", "hf"),
+        help="torch: Lightning's single-file checkpoint (fp32 weights, trainer state, AdamW state); "
+        "hf: config.json + safetensors",
+    )
     ap.add_argument("out", help="torch: the file to write; hf: the directory to write")
-    ap.add_argument("--dtype", choices=("fp32", "bf16"),
-                    help="--to hf only: the weights' dtype (default fp32, the masters as trained)")  # fmt: skip
+    ap.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        help="--to hf only: the weights' dtype (default fp32, the masters as trained)",
+    )
     return ap
 
 

@@ -68,9 +68,13 @@ def load_from_checkpoint(
         raise TypeError(f"load_from_checkpoint(cls, path): cls must be a LightningModule class, got {cls!r}")
     if not isinstance(checkpoint_path, (str, os.PathLike)) or not store.is_checkpoint(str(checkpoint_path)):
         return cls.load_from_checkpoint(
-            checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict,
-            weights_only=weights_only, **kwargs,
-        )  # fmt: skip
+            checkpoint_path,
+            map_location=map_location,
+            hparams_file=hparams_file,
+            strict=strict,
+            weights_only=weights_only,
+            **kwargs,
+        )
     url = str(checkpoint_path)
     with_weights = issubclass(cls, L.LightningModule)
     checkpoint, index = _assemble(url, weights=with_weights, optimizer=False, weights_only=weights_only)
@@ -81,9 +85,13 @@ def load_from_checkpoint(
     del checkpoint
     buffer.seek(0)
     return cls.load_from_checkpoint(
-        buffer, map_location=map_location, hparams_file=hparams_file, strict=strict, weights_only=weights_only,
+        buffer,
+        map_location=map_location,
+        hparams_file=hparams_file,
+        strict=strict,
+        weights_only=weights_only,
         **kwargs,
-    )  # fmt: skip
+    )
 
 
 def lightning_checkpoint(url: str, *, optimizer: bool = True, weights_only: bool | None = False) -> dict[str, Any]:
@@ -285,8 +293,12 @@ def _export_from_hparams(fs: Any, vdir: str, index: dict, url: str) -> dict | No
         config = resolve_config(hp["model"] if hp["model"] is not None else hp["init_from"], hp["overrides"])
     except (ValueError, FileNotFoundError) as err:
         raise CheckpointError(f"{url}: the model's config cannot be rebuilt from its hyper-parameters: {err}") from None
-    return {"library": "megatrain", "prefix": "model.", "config": config.to_hf_dict(),
-            "llama_config": dataclasses.asdict(config)}  # fmt: skip
+    return {
+        "library": "megatrain",
+        "prefix": "model.",
+        "config": config.to_hf_dict(),
+        "llama_config": dataclasses.asdict(config),
+    }
 
 
 def _check_target(url: str, out: str) -> None:

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 import lightning.pytorch as L
 import numpy as np
@@ -100,8 +101,10 @@ def _files(path: str, fmt: str) -> tuple[list[Path], str]:
     if fmt == "auto":
         if len(formats) != 1 or None in formats:
             found = sorted({p.suffix or "(none)" for p in files}) or "no data files"
-            raise ValueError(f"cannot tell the format of {path!r} (extensions: {found}); "
-                             f"name files {', '.join(_EXTENSIONS)} or set format= text, jsonl or tokens")  # fmt: skip
+            raise ValueError(
+                f"cannot tell the format of {path!r} (extensions: {found}); "
+                f"name files {', '.join(_EXTENSIONS)} or set format= text, jsonl or tokens"
+            )
         fmt = formats.pop()
     if root.is_dir():
         files = [p for p in files if _EXTENSIONS[p.suffix] == fmt]
@@ -124,7 +127,9 @@ def _documents(files: list[Path], fmt: str, text_field: str) -> Iterator[str]:
 def _jsonl_text(line: str, field: str, file: Path, n: int) -> str:
     record = json.loads(line)
     if not isinstance(record, dict) or not isinstance(record.get(field), str):
-        raise ValueError(f"{file}:{n} has no string field {field!r}; set data text_field= to the field holding the text")
+        raise ValueError(
+            f"{file}:{n} has no string field {field!r}; set data text_field= to the field holding the text"
+        )
     return record[field]
 
 
@@ -151,7 +156,9 @@ class TokenFile:
             else:
                 self._map = np.memmap(self.path, dtype=self.dtype, mode="r")
             if self._map.ndim != 1 or self._map.dtype.kind not in "iu":
-                raise ValueError(f"{self.path} holds {self._map.dtype} of shape {self._map.shape}; expected 1-D token ids")
+                raise ValueError(
+                    f"{self.path} holds {self._map.dtype} of shape {self._map.shape}; expected 1-D token ids"
+                )
         return self._map
 
     def __len__(self) -> int:
@@ -278,8 +285,12 @@ class ResumableLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.sampler.epoch, "batches": self.batches_taken, "batch_size": self.batch_size,
-                "num_samples": self.sampler.num_samples}  # fmt: skip
+        return {
+            "epoch": self.sampler.epoch,
+            "batches": self.batches_taken,
+            "batch_size": self.batch_size,
+            "num_samples": self.sampler.num_samples,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         mine = (self.batch_size, self.sampler.num_samples)
@@ -431,8 +442,9 @@ class TextDataModule(L.LightningDataModule):
     def train_dataloader(self) -> ResumableLoader:
         hp = self.hparams
         sampler = ResumableSampler(len(self.train_set), hp.shuffle, hp.seed)
-        return ResumableLoader(self.train_set, hp.batch_size, sampler, num_workers=hp.num_workers,
-                               pin_memory=torch.cuda.is_available())  # fmt: skip
+        return ResumableLoader(
+            self.train_set, hp.batch_size, sampler, num_workers=hp.num_workers, pin_memory=torch.cuda.is_available()
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_set:

@@ -96,8 +96,17 @@ def model_flops(config: LlamaConfig, tokens: int, seq_len: int) -> int:
 
 # Config fields that mean more than dense blocks of causal attention: experts (of which only some run per
 # token), low-rank latent attention (query/key and value heads of different widths), other towers.
-_NOT_DENSE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "kv_lora_rank",
-                     "is_encoder_decoder", "text_config", "vision_config", "audio_config")  # fmt: skip
+_NOT_DENSE_FIELDS = (
+    "num_local_experts",
+    "num_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+    "kv_lora_rank",
+    "is_encoder_decoder",
+    "text_config",
+    "vision_config",
+    "audio_config",
+)
 
 
 def module_matmul_params(model: nn.Module) -> int | None:
@@ -161,5 +170,7 @@ def mfu(flops: float, seconds: float, peak: float) -> float:
 
 def _check(tokens: int, seq_len: int) -> None:
     if seq_len <= 0 or tokens < 0 or tokens % seq_len:
-        raise ValueError(f"tokens={tokens} must be a whole number of rows of seq_len={seq_len} (a positive "
-                         "length); count the tokens of full rows")  # fmt: skip
+        raise ValueError(
+            f"tokens={tokens} must be a whole number of rows of seq_len={seq_len} (a positive "
+            "length); count the tokens of full rows"
+        )

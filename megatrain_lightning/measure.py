@@ -43,9 +43,10 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -92,9 +93,13 @@ def measure_step(
         counter = DeviceBytes(flash_workspace if dtype == torch.bfloat16 else None)
         with counter, observe_host_allocations(counter.host_buffer):
             engine = StreamingEngine(
-                model, device="cpu", compute_dtype=dtype, num_slots=num_slots, pin_memory=False,
+                model,
+                device="cpu",
+                compute_dtype=dtype,
+                num_slots=num_slots,
+                pin_memory=False,
                 available_bytes=lambda: 1 << 62,
-            )  # fmt: skip
+            )
             engine.offload_inputs = offload_inputs
             try:
                 persistent = counter.live
@@ -102,9 +107,13 @@ def measure_step(
             finally:
                 _release(engine)
     return Measured(
-        peak=max(forward, backward), persistent=persistent, forward_peak=forward, backward_peak=backward,
-        workspace=counter.workspace, seconds=time.perf_counter() - t0,
-    )  # fmt: skip
+        peak=max(forward, backward),
+        persistent=persistent,
+        forward_peak=forward,
+        backward_peak=backward,
+        workspace=counter.workspace,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def _step(

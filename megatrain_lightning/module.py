@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -19,8 +20,17 @@ import torch
 from megatrain_lightning.models import PRESETS, LlamaConfig, LlamaForCausalLM, load_hf_config, load_hf_weights
 
 _HEAD_SHAPE_FIELDS = ("hidden_size", "num_attention_heads")
-_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "attention_bias", "tie_word_embeddings")  # fmt: skip
+_SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "attention_bias",
+    "tie_word_embeddings",
+)
 
 
 def resolve_config(model: str | LlamaConfig, overrides: dict[str, Any] | None = None) -> LlamaConfig:
@@ -34,7 +44,9 @@ def resolve_config(model: str | LlamaConfig, overrides: dict[str, Any] | None = 
     fields = {f.name for f in dataclasses.fields(LlamaConfig)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ValueError(f"model overrides {unknown} are not LlamaConfig fields; valid fields: {', '.join(sorted(fields))}")
+        raise ValueError(
+            f"model overrides {unknown} are not LlamaConfig fields; valid fields: {', '.join(sorted(fields))}"
+        )
     if "head_dim" not in overrides and any(k in overrides for k in _HEAD_SHAPE_FIELDS):
         overrides["head_dim"] = None
     return dataclasses.replace(config, **overrides)
@@ -58,14 +70,21 @@ def _load_named(model: str) -> LlamaConfig:
 def check_init_from(config: LlamaConfig, init_from: str) -> None:
     """Refuse a checkpoint whose config.json has other shapes than `config`, before anything is built."""
     if not Path(init_from).expanduser().is_dir():
-        raise ValueError(f"init_from={init_from!r} is not a directory; give a Hugging Face checkpoint directory "
-                         "(config.json plus model.safetensors or sharded *.safetensors with their index)")  # fmt: skip
+        raise ValueError(
+            f"init_from={init_from!r} is not a directory; give a Hugging Face checkpoint directory "
+            "(config.json plus model.safetensors or sharded *.safetensors with their index)"
+        )
     theirs = load_hf_config(Path(init_from).expanduser())
-    differ = [f"{k}: checkpoint {getattr(theirs, k)}, model {getattr(config, k)}"
-              for k in _SHAPE_FIELDS if getattr(theirs, k) != getattr(config, k)]  # fmt: skip
+    differ = [
+        f"{k}: checkpoint {getattr(theirs, k)}, model {getattr(config, k)}"
+        for k in _SHAPE_FIELDS
+        if getattr(theirs, k) != getattr(config, k)
+    ]
     if differ:
-        raise ValueError(f"init_from={init_from!r} does not fit the model ({'; '.join(differ)}); drop the model's "
-                         "shape overrides, or leave model unset to take the checkpoint's own config")  # fmt: skip
+        raise ValueError(
+            f"init_from={init_from!r} does not fit the model ({'; '.join(differ)}); drop the model's "
+            "shape overrides, or leave model unset to take the checkpoint's own config"
+        )
 
 
 def build_model(config: LlamaConfig, init_from: str | None = None) -> LlamaForCausalLM:
@@ -117,7 +136,9 @@ class CausalLMModule(L.LightningModule):
     ) -> None:
         super().__init__()
         if model is None and init_from is None:
-            raise ValueError("CausalLMModule needs model= (a preset, e.g. 'llama-3.1-8b', or a config.json) or init_from=")
+            raise ValueError(
+                "CausalLMModule needs model= (a preset, e.g. 'llama-3.1-8b', or a config.json) or init_from="
+            )
         self.save_hyperparameters()
         self.config = resolve_config(model if model is not None else init_from, overrides)
         self.model = build_model(self.config, init_from)
@@ -157,7 +178,9 @@ class CausalLMModule(L.LightningModule):
             return self.hparams.max_steps
         total = self.trainer.estimated_stepping_batches
         if not math.isfinite(total):
-            raise ValueError("the learning-rate schedule needs a length: set Trainer(max_steps=...) or model max_steps=")
+            raise ValueError(
+                "the learning-rate schedule needs a length: set Trainer(max_steps=...) or model max_steps="
+            )
         return int(total)
 
 

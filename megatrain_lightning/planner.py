@@ -80,8 +80,9 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.host import host_bytes_by_kind
@@ -104,8 +105,17 @@ NVME_GBPS = 6.0
 TIERS: tuple[tuple[str, bool], ...] = (("default", False), ("lean", False), ("lean", True))
 """(host layout, Adam on NVMe) in the order ``host_layout="auto"`` tries them: less host memory each."""
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -119,10 +129,14 @@ def parse_size(text: str | int) -> int:
     number, unit = float(match.group(1)), match.group(2).lower() or "b"
     if unit in ("k", "m", "g", "t"):
         u = unit.upper()
-        raise ValueError(f"size {text!r}: unit {match.group(2)!r} is ambiguous; write {match.group(1)}{u}B "
-                         f"(powers of 10) or {match.group(1)}{u}iB (powers of 2)")  # fmt: skip
+        raise ValueError(
+            f"size {text!r}: unit {match.group(2)!r} is ambiguous; write {match.group(1)}{u}B "
+            f"(powers of 10) or {match.group(1)}{u}iB (powers of 2)"
+        )
     if unit not in _UNITS:
-        raise ValueError(f"size {text!r} has unknown unit {match.group(2)!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+        raise ValueError(
+            f"size {text!r} has unknown unit {match.group(2)!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+        )
     return int(number * _UNITS[unit])
 
 
@@ -133,7 +147,11 @@ def format_size(nbytes: float) -> str:
 
 def block_numel(config: LlamaConfig) -> int:
     """Parameters of one decoder block (all blocks are alike)."""
-    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    h, q, kv = (
+        config.hidden_size,
+        config.num_attention_heads * config.head_dim,
+        config.num_key_value_heads * config.head_dim,
+    )
     attn = 2 * h * q + 2 * h * kv + ((q + 2 * kv) if config.attention_bias else 0)
     return attn + 3 * h * config.intermediate_size + 2 * h
 
@@ -162,13 +180,23 @@ def largest_unit(config: LlamaConfig) -> int:
 
 def check_host_layout(host_layout: str) -> None:
     if host_layout not in HOST_LAYOUTS:
-        raise ValueError(f"host_layout={host_layout!r}: choose one of {', '.join(HOST_LAYOUTS)} "
-                         "(auto: default if it fits host_mem, else lean, else lean with Adam on NVMe)")  # fmt: skip
+        raise ValueError(
+            f"host_layout={host_layout!r}: choose one of {', '.join(HOST_LAYOUTS)} "
+            "(auto: default if it fits host_mem, else lean, else lean with Adam on NVMe)"
+        )
 
 
 def host_breakdown(
-    config: LlamaConfig, precision: str, accumulate: int, tokens: int = 0, offload_inputs: bool = False,
-    *, layout: str = "default", nvme: bool = False, clipping: bool = False, num_slots: int = 2,
+    config: LlamaConfig,
+    precision: str,
+    accumulate: int,
+    tokens: int = 0,
+    offload_inputs: bool = False,
+    *,
+    layout: str = "default",
+    nvme: bool = False,
+    clipping: bool = False,
+    num_slots: int = 2,
 ) -> dict[str, int]:
     """Host bytes per buffer kind, as the engine allocates them after the first training step, for host
     `layout` "default" or "lean" (with `clipping`: gradient clipping on); `nvme`: Adam m, v in files, the
@@ -189,7 +217,9 @@ def host_breakdown(
     return {**out, "activations": inputs}
 
 
-def lean_breakdown(config: LlamaConfig, elt: int, accumulate: int, clipping: bool, num_slots: int = 2) -> dict[str, int]:
+def lean_breakdown(
+    config: LlamaConfig, elt: int, accumulate: int, clipping: bool, num_slots: int = 2
+) -> dict[str, int]:
     """The lean layout's host bytes (engine/ring.py): no persistent copy, but a staging ring of pieces that
     uploads cast the master into (none in fp32, where the pinned master is the upload source) and a gradient
     ring of pieces; a gradient slab only where a gradient must wait for the step (clipping needs the global
@@ -226,7 +256,12 @@ def choose_tiers(
 
 
 def gpu_items(
-    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int, offload_inputs: bool = False,
+    config: LlamaConfig,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    num_slots: int,
+    offload_inputs: bool = False,
     gpu_mem: int | None = None,
 ) -> dict[str, tuple[int, int]]:
     """GPU memory per item as (fixed bytes, bytes per token of the micro-batch); see the module docstring."""
@@ -248,7 +283,12 @@ def gpu_items(
 
 
 def gpu_breakdown(
-    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int, offload_inputs: bool = False,
+    config: LlamaConfig,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    num_slots: int,
+    offload_inputs: bool = False,
     gpu_mem: int | None = None,
 ) -> dict[str, int]:
     """GPU bytes per item for a micro-batch of `micro_batch` x `seq_len` tokens."""
@@ -318,7 +358,9 @@ def free_and_transient(
     return gpu_mem - persistent, gpu_peak(gpu) - persistent
 
 
-def offload_needed(config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int, gpu_mem: int | None) -> bool:
+def offload_needed(
+    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int, gpu_mem: int | None
+) -> bool:
     """Whether ``offload_inputs="auto"`` offloads: when the run would not fit `gpu_mem` with its inputs kept."""
     if gpu_mem is None:
         return False
@@ -342,12 +384,20 @@ def max_micro_batch(
     config: LlamaConfig, seq_len: int, precision: str, num_slots: int, gpu_mem: int, offload_inputs: bool = False
 ) -> int:
     """Largest micro-batch whose GPU peak fits in ``gpu_mem`` (0 when even one sequence does not)."""
-    return _largest(lambda b: gpu_peak(gpu_breakdown(config, seq_len, b, precision, num_slots, offload_inputs, gpu_mem)) <= gpu_mem)
+    return _largest(
+        lambda b: gpu_peak(gpu_breakdown(config, seq_len, b, precision, num_slots, offload_inputs, gpu_mem)) <= gpu_mem
+    )
 
 
-def max_seq_len(config: LlamaConfig, micro_batch: int, precision: str, num_slots: int, gpu_mem: int, offload_inputs: bool = True) -> int:
+def max_seq_len(
+    config: LlamaConfig, micro_batch: int, precision: str, num_slots: int, gpu_mem: int, offload_inputs: bool = True
+) -> int:
     """Longest sequence whose GPU peak fits in ``gpu_mem`` at `micro_batch` (0 when none does)."""
-    return _largest(lambda t: gpu_peak(gpu_breakdown(config, t, micro_batch, precision, num_slots, offload_inputs, gpu_mem)) <= gpu_mem)
+    return _largest(
+        lambda t: (
+            gpu_peak(gpu_breakdown(config, t, micro_batch, precision, num_slots, offload_inputs, gpu_mem)) <= gpu_mem
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -420,13 +470,26 @@ class Plan:
     def host_total_for(self, layout: str, nvme: bool) -> int:
         """Host bytes of this run with another host layout or NVMe choice."""
         tokens = self.seq_len * self.micro_batch
-        return sum(host_breakdown(self.config, self.precision, self.accumulate, tokens, self.offload_inputs,
-                                  layout=layout, nvme=nvme, clipping=self.clipping, num_slots=self.num_slots).values())  # fmt: skip
+        return sum(
+            host_breakdown(
+                self.config,
+                self.precision,
+                self.accumulate,
+                tokens,
+                self.offload_inputs,
+                layout=layout,
+                nvme=nvme,
+                clipping=self.clipping,
+                num_slots=self.num_slots,
+            ).values()
+        )
 
     def host_plan_line(self) -> str:
         """The machine-readable summary ``megatrain plan`` prints last."""
-        return (f"host_plan: model={self.name} params={self.num_parameters} host_gib={self.host_total / GiB:.1f} "
-                f"nvme_gib={self.nvme_bytes / GiB:.1f} fits={'yes' if self.fits else 'no'}")  # fmt: skip
+        return (
+            f"host_plan: model={self.name} params={self.num_parameters} host_gib={self.host_total / GiB:.1f} "
+            f"nvme_gib={self.nvme_bytes / GiB:.1f} fits={'yes' if self.fits else 'no'}"
+        )
 
     @property
     def host_total(self) -> int:
@@ -448,9 +511,11 @@ class Plan:
         if self.gpu_mem is not None and self.gpu_peak > self.gpu_mem:
             out.append(self._gpu_problem())
         elif self.gpu_mem is not None and self.measured_peak is not None and self.measured_peak > self.gpu_mem:
-            out.append(f"GPU memory: the formulas fit {format_size(self.gpu_mem)} but one step measured on fake tensors "
-                       f"needs {format_size(self.measured_peak)} with the context allowance; plan less (shorter "
-                       "seq_len, a smaller micro-batch or token_chunk_size).")  # fmt: skip
+            out.append(
+                f"GPU memory: the formulas fit {format_size(self.gpu_mem)} but one step measured on fake tensors "
+                f"needs {format_size(self.measured_peak)} with the context allowance; plan less (shorter "
+                "seq_len, a smaller micro-batch or token_chunk_size)."
+            )
         return out
 
     @property
@@ -462,10 +527,16 @@ class Plan:
         """What the host needs with each tier tried, the limit, and the first leaner tier that fits."""
         tried = TIERS[: TIERS.index(self._tier) + 1] if self.host_layout_asked == "auto" else [self._tier]
         totals = [(t, self.host_total_for(*t)) for t in tried]
-        needs = _and([f"{format_size(b)} with {_tier_text(*t)} ({_per_param(b / self.num_parameters)} bytes/param)"
-                      for t, b in totals])  # fmt: skip
-        return (f"host memory: the {self.num_parameters / 1e9:.2f}B-parameter model needs {needs} but the limit is "
-                f"{format_size(self.host_mem)}. {self._host_fix()}")  # fmt: skip
+        needs = _and(
+            [
+                f"{format_size(b)} with {_tier_text(*t)} ({_per_param(b / self.num_parameters)} bytes/param)"
+                for t, b in totals
+            ]
+        )
+        return (
+            f"host memory: the {self.num_parameters / 1e9:.2f}B-parameter model needs {needs} but the limit is "
+            f"{format_size(self.host_mem)}. {self._host_fix()}"
+        )
 
     @property
     def _tier(self) -> tuple[str, bool]:
@@ -486,8 +557,9 @@ class Plan:
         if self.accumulate > 1:
             hints.append("accumulate=1 drops the 4 bytes/param fp32 accumulator")
         if self.host_layout == "lean" and self.clipping and self.accumulate == 1:
-            hints.append(f"without gradient clipping lean drops the {compute_bytes(self.precision)} bytes/param "
-                         "gradient slab")  # fmt: skip
+            hints.append(
+                f"without gradient clipping lean drops the {compute_bytes(self.precision)} bytes/param gradient slab"
+            )
         way_out = f"{advice or 'Use'} a machine with more host memory or a smaller model"
         return way_out + "".join(f"; {h}" for h in hints) + "."
 
@@ -506,16 +578,22 @@ class Plan:
         return f"{' '.join(flags)} (MegatrainStrategy({', '.join(args)}): {'; '.join(what)})"
 
     def _gpu_problem(self) -> str:
-        need = f"micro-batch {self.micro_batch} at seq_len {self.seq_len} needs {format_size(self.gpu_peak)} of GPU memory"
+        need = (
+            f"micro-batch {self.micro_batch} at seq_len {self.seq_len} needs {format_size(self.gpu_peak)} of GPU memory"
+        )
         limit = f"the limit is {format_size(self.gpu_mem)}"
         if self.max_micro_batch:
-            return (f"GPU memory: {need} but {limit}. The largest micro-batch that fits is {self.max_micro_batch}: use "
-                    f"--micro-batch {self.max_micro_batch} and raise --accumulate to keep the tokens per step.")  # fmt: skip
+            return (
+                f"GPU memory: {need} but {limit}. The largest micro-batch that fits is {self.max_micro_batch}: use "
+                f"--micro-batch {self.max_micro_batch} and raise --accumulate to keep the tokens per step."
+            )
         big = max(("saved_inputs", "recompute", "loss"), key=lambda k: self.gpu[k])
         offload = "" if self.offload_inputs else "offload the saved block inputs (--offload-inputs), "
-        return (f"GPU memory: {need} but {limit}, and no micro-batch fits (largest item: {_GPU_LABELS[big].split(' (')[0]}, "
-                f"{format_size(self.gpu[big])}). Shorten seq_len, {offload}lower loss_chunk_size, use bf16-mixed, "
-                "or use a GPU with more memory.")  # fmt: skip
+        return (
+            f"GPU memory: {need} but {limit}, and no micro-batch fits (largest item: {_GPU_LABELS[big].split(' (')[0]}, "
+            f"{format_size(self.gpu[big])}). Shorten seq_len, {offload}lower loss_chunk_size, use bf16-mixed, "
+            "or use a GPU with more memory."
+        )
 
     def table(self) -> str:
         """The plan as a plain-text table (what ``megatrain plan`` prints)."""
@@ -526,9 +604,12 @@ class Plan:
             + (" (auto)" if self.slots_asked == "auto" else "")
             + (", block inputs offloaded to host" if self.offload_inputs else "")
             + (f", tiles of {self.tile} tokens" if self.tile else "")
-            + f", host layout {self.host_layout}" + (", Adam on NVMe" if self.nvme else "")
+            + f", host layout {self.host_layout}"
+            + (", Adam on NVMe" if self.nvme else "")
         )
-        return "\n".join([title, "", *self._host_lines(), *self._nvme_lines(), "", *self._gpu_lines(), *self._limit_lines()])
+        return "\n".join(
+            [title, "", *self._host_lines(), *self._nvme_lines(), "", *self._gpu_lines(), *self._limit_lines()]
+        )
 
     def _host_lines(self) -> list[str]:
         n, dtype = self.num_parameters, _DTYPE[compute_bytes(self.precision)]
@@ -571,8 +652,14 @@ class Plan:
 
     def _gpu_lines(self) -> list[str]:
         c = self.config
-        shape = dict(s=self.num_slots, layers=1 if self.offload_inputs else c.num_hidden_layers, b=self.micro_batch, t=self.seq_len,
-                     h=c.hidden_size, elt=compute_bytes(self.precision))  # fmt: skip
+        shape = dict(
+            s=self.num_slots,
+            layers=1 if self.offload_inputs else c.num_hidden_layers,
+            b=self.micro_batch,
+            t=self.seq_len,
+            h=c.hidden_size,
+            elt=compute_bytes(self.precision),
+        )
         unit, scale = self._unit()
         lines = [f"{'GPU memory':<70}{'KiB/token':>10}{unit:>10}"]
         for key, value in [*self.gpu.items(), ("peak", self.gpu_peak)]:
@@ -580,10 +667,14 @@ class Plan:
             lines.append(f"  {_GPU_LABELS[key].format(**shape):<68}{rate / 1024:>10.1f}{value / scale:>10.2f}")
         if self.measured is not None:
             m = self.measured
-            lines.append(f"  {'measured: one step on fake tensors + context allowance':<68}{'':>10}"
-                         f"{self.measured_peak / scale:>10.2f}")  # fmt: skip
-            lines.append(f"    (allocator peak {format_size(m.peak)}: forward {format_size(m.forward_peak)}, backward "
-                         f"{format_size(m.backward_peak)}, of which modelled kernel workspace {format_size(m.workspace)})")  # fmt: skip
+            lines.append(
+                f"  {'measured: one step on fake tensors + context allowance':<68}{'':>10}"
+                f"{self.measured_peak / scale:>10.2f}"
+            )
+            lines.append(
+                f"    (allocator peak {format_size(m.peak)}: forward {format_size(m.forward_peak)}, backward "
+                f"{format_size(m.backward_peak)}, of which modelled kernel workspace {format_size(m.workspace)})"
+            )
         return lines
 
     def _transient_rates(self) -> list[int]:
@@ -600,12 +691,18 @@ class Plan:
             ok = "fits" if self.host_total <= self.host_mem else "DOES NOT FIT"
             lines.append(f"host limit {format_size(self.host_mem)}: {ok}")
         if self.gpu_mem is not None:
-            ok = "fits" if self.gpu_peak <= self.gpu_mem and (self.measured_peak or 0) <= self.gpu_mem else "DOES NOT FIT"
+            ok = (
+                "fits"
+                if self.gpu_peak <= self.gpu_mem and (self.measured_peak or 0) <= self.gpu_mem
+                else "DOES NOT FIT"
+            )
             best = self.max_micro_batch
             auto = " (num_slots auto keeps 2 there)" if self.slots_asked == "auto" else ""
             lines.append(f"GPU limit {format_size(self.gpu_mem)}: {ok}; largest micro-batch that fits: {best}{auto}")
-            lines.append(f"largest sequence that fits at micro-batch {self.micro_batch} (inputs offloaded): "
-                         f"{self.max_seq_len} tokens{auto}")  # fmt: skip
+            lines.append(
+                f"largest sequence that fits at micro-batch {self.micro_batch} (inputs offloaded): "
+                f"{self.max_seq_len} tokens{auto}"
+            )
         return lines if len(lines) > 1 else []
 
 
@@ -682,8 +779,7 @@ def plan(
     ``clipping``: gradient clipping on (the lean layout keeps each gradient until the step). ``nvme_gbps``:
     the drive's read and its write bandwidth, GB/s, for the NVMe time per step.
     """
-    for key, value, least in (("seq_len", seq_len, 1), ("micro_batch", micro_batch, 1),
-                              ("accumulate", accumulate, 1)):  # fmt: skip
+    for key, value, least in (("seq_len", seq_len, 1), ("micro_batch", micro_batch, 1), ("accumulate", accumulate, 1)):
         if not isinstance(value, int) or value < least:
             raise ValueError(f"{key}={value!r} must be an integer >= {least}")
     check_num_slots(num_slots)
@@ -704,8 +800,17 @@ def plan(
         num_slots = planned_slots(config, seq_len, micro_batch, precision, offload_inputs, gpu_mem)
 
     def host(layout: str, nvme: bool) -> dict[str, int]:
-        return host_breakdown(config, precision, accumulate, tokens, offload_inputs, layout=layout, nvme=nvme,
-                              clipping=clipping, num_slots=num_slots)  # fmt: skip
+        return host_breakdown(
+            config,
+            precision,
+            accumulate,
+            tokens,
+            offload_inputs,
+            layout=layout,
+            nvme=nvme,
+            clipping=clipping,
+            num_slots=num_slots,
+        )
 
     layout, nvme = choose_tiers(lambda *t: sum(host(*t).values()), host_layout, nvme_dir, host_mem)
     items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, gpu_mem)
@@ -714,18 +819,39 @@ def plan(
     if measure:
         from megatrain_lightning.measure import measure_step  # imports the engine; only when asked
 
-        print(f"measuring one training step of {name} on fake tensors (about a minute at 512k tokens; "
-              "--no-measure skips it)...", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"measuring one training step of {name} on fake tensors (about a minute at 512k tokens; "
+            "--no-measure skips it)...",
+            file=sys.stderr,
+            flush=True,
+        )
         measured = measure_step(_with_tile(config, tile), seq_len, micro_batch, precision, num_slots, offload_inputs)
     return Plan(
-        name=name, config=config, seq_len=seq_len, micro_batch=micro_batch, precision=precision,
-        accumulate=accumulate, num_slots=num_slots, offload_inputs=offload_inputs,
+        name=name,
+        config=config,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        precision=precision,
+        accumulate=accumulate,
+        num_slots=num_slots,
+        offload_inputs=offload_inputs,
         host=host(layout, nvme),
-        gpu={k: fixed + rate * tokens for k, (fixed, rate) in items.items()}, host_mem=host_mem,
-        gpu_mem=gpu_mem, max_micro_batch=best, tile=tile, per_token={k: rate for k, (_, rate) in items.items()},
-        max_seq_len=longest, measured=measured, host_layout=layout, host_layout_asked=host_layout,
-        nvme_dir=nvme_dir, nvme=nvme, clipping=bool(clipping), nvme_gbps=float(nvme_gbps), slots_asked=slots_asked,
-    )  # fmt: skip
+        gpu={k: fixed + rate * tokens for k, (fixed, rate) in items.items()},
+        host_mem=host_mem,
+        gpu_mem=gpu_mem,
+        max_micro_batch=best,
+        tile=tile,
+        per_token={k: rate for k, (_, rate) in items.items()},
+        max_seq_len=longest,
+        measured=measured,
+        host_layout=layout,
+        host_layout_asked=host_layout,
+        nvme_dir=nvme_dir,
+        nvme=nvme,
+        clipping=bool(clipping),
+        nvme_gbps=float(nvme_gbps),
+        slots_asked=slots_asked,
+    )
 
 
 def _with_tile(config: LlamaConfig, tile: int | None) -> LlamaConfig:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
@@ -146,12 +147,17 @@ class MegatrainStrategy(SingleDeviceStrategy):
         plugin.device_type = self.root_device.type
         if self.engine is None:
             self.engine = StreamingEngine(
-                self.lightning_module, device=self.root_device, compute_dtype=plugin.compute_dtype,
-                num_slots=self.num_slots, training=fitting,
+                self.lightning_module,
+                device=self.root_device,
+                compute_dtype=plugin.compute_dtype,
+                num_slots=self.num_slots,
+                training=fitting,
                 accumulating=fitting and _accumulates(trainer),  # the fp32 accumulator counts too
                 clipping=bool(fitting and trainer.gradient_clip_val),
-                host_layout=self.host_layout, nvme_dir=self.nvme_dir, host_threads=self.host_threads,
-            )  # fmt: skip
+                host_layout=self.host_layout,
+                nvme_dir=self.nvme_dir,
+                host_threads=self.host_threads,
+            )
             if self.compile_blocks:
                 compile_block_calls(self.engine.blocks, self.engine.runners)
         self.engine.overlap_optimizer = self.overlap_optimizer
@@ -247,7 +253,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
         with_optimizer = "optimizer_states" in checkpoint
         groups = None
         if with_optimizer:
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in checkpoint["optimizer_states"][0]["param_groups"]]
+            groups = [
+                {k: v for k, v in g.items() if k != "params"} for g in checkpoint["optimizer_states"][0]["param_groups"]
+            ]
         mt_checkpoint.save(self.engine, str(filepath), state, optimizer=with_optimizer, param_groups=groups)
 
     @override

@@ -179,7 +179,9 @@ def load(path: str | Path) -> SweepConfig:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise SweepConfigError(f"{where}: not valid YAML{at}: {getattr(err, 'problem', None) or one_line(err)}") from None
+        raise SweepConfigError(
+            f"{where}: not valid YAML{at}: {getattr(err, 'problem', None) or one_line(err)}"
+        ) from None
     return from_dict(raw if raw is not None else {}, where)
 
 
@@ -243,7 +245,9 @@ def _check(cfg: SweepConfig, where: str) -> None:
 def _check_scheduler(scheduler: Any, fail) -> None:
     if not isinstance(scheduler, dict) or scheduler.get("type") not in ("none", "asha"):
         kind = scheduler.get("type") if isinstance(scheduler, dict) else scheduler
-        fail(f"scheduler.type={kind!r}; choose 'asha' or 'none' (scheduler: {{type: asha, max_t: 10, grace_period: 2}})")
+        fail(
+            f"scheduler.type={kind!r}; choose 'asha' or 'none' (scheduler: {{type: asha, max_t: 10, grace_period: 2}})"
+        )
     extra = sorted(set(scheduler) - {"type"} - (set(ASHA_KEYS) if scheduler["type"] == "asha" else set()))
     if extra:
         allowed = f"asha takes {list(ASHA_KEYS)}" if scheduler["type"] == "asha" else "type none takes no other keys"
@@ -259,7 +263,11 @@ def _check_resources(res: Resources, fail) -> None:
 
     if res.gpus_per_trial != 1:
         fail(f"resources.gpus_per_trial={res.gpus_per_trial!r}; a trial is a single-GPU trainer, set it to 1")
-    if not isinstance(res.cpus_per_trial, (int, float)) or isinstance(res.cpus_per_trial, bool) or res.cpus_per_trial <= 0:
+    if (
+        not isinstance(res.cpus_per_trial, (int, float))
+        or isinstance(res.cpus_per_trial, bool)
+        or res.cpus_per_trial <= 0
+    ):
         fail(f"resources.cpus_per_trial={res.cpus_per_trial!r} must be a positive number")
     if res.node_resource is not None and (not isinstance(res.node_resource, str) or not res.node_resource):
         fail(f"resources.node_resource={res.node_resource!r} must be the name of a custom node resource, e.g. bigmem")
@@ -273,26 +281,36 @@ def _check_strategy(st: TrialStrategy, res: Resources, fail) -> None:
     from megatrain_lightning.planner import HOST_LAYOUTS
 
     if st.host_layout not in HOST_LAYOUTS:
-        fail(f"strategy.host_layout={st.host_layout!r}; choose one of {', '.join(HOST_LAYOUTS)} (auto: the first of "
-             "default, lean and lean with Adam on nvme_dir whose trials fit the largest node)")  # fmt: skip
+        fail(
+            f"strategy.host_layout={st.host_layout!r}; choose one of {', '.join(HOST_LAYOUTS)} (auto: the first of "
+            "default, lean and lean with Adam on nvme_dir whose trials fit the largest node)"
+        )
     if st.nvme_dir is not None:
         if not isinstance(st.nvme_dir, str) or not st.nvme_dir:
             fail(f"strategy.nvme_dir={st.nvme_dir!r} must be a local directory on every node, e.g. /mnt/nvme")
         if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", st.nvme_dir):
-            fail(f"strategy.nvme_dir={st.nvme_dir!r} is a URL, but the Adam moments are read and written every "
-                 "step on a local drive: give a directory that exists on every node, e.g. /mnt/nvme (checkpoints "
-                 "go to `storage`)")  # fmt: skip
+            fail(
+                f"strategy.nvme_dir={st.nvme_dir!r} is a URL, but the Adam moments are read and written every "
+                "step on a local drive: give a directory that exists on every node, e.g. /mnt/nvme (checkpoints "
+                "go to `storage`)"
+            )
         if not st.nvme_dir.startswith("/"):
-            fail(f"strategy.nvme_dir={st.nvme_dir!r} is relative; trials run in Ray's directories on each node, so "
-                 "give an absolute path that exists on every node, e.g. /mnt/nvme")  # fmt: skip
+            fail(
+                f"strategy.nvme_dir={st.nvme_dir!r} is relative; trials run in Ray's directories on each node, so "
+                "give an absolute path that exists on every node, e.g. /mnt/nvme"
+            )
     if st.host_threads is not None:
         if not _is_int(st.host_threads) or st.host_threads < 1:
-            fail(f"strategy.host_threads={st.host_threads!r} must be an integer >= 1, or unset for "
-                 "resources.cpus_per_trial minus one")  # fmt: skip
+            fail(
+                f"strategy.host_threads={st.host_threads!r} must be an integer >= 1, or unset for "
+                "resources.cpus_per_trial minus one"
+            )
         if st.host_threads > res.cpus_per_trial:
-            fail(f"strategy.host_threads={st.host_threads} is more than the {res.cpus_per_trial:g} cores Ray "
-                 f"reserves per trial (resources.cpus_per_trial): raise cpus_per_trial to {st.host_threads} "
-                 "or lower host_threads")  # fmt: skip
+            fail(
+                f"strategy.host_threads={st.host_threads} is more than the {res.cpus_per_trial:g} cores Ray "
+                f"reserves per trial (resources.cpus_per_trial): raise cpus_per_trial to {st.host_threads} "
+                "or lower host_threads"
+            )
 
 
 def _check_base(base: Any, fail) -> None:
@@ -334,8 +352,10 @@ def _check_key(key: str, fail, value: Any = _NO_VALUE, where_key: str = "") -> s
     if params is None:
         return ""
     if section == "trainer" and name in TRAINER_RESERVED:
-        fail(f"{where_key}: the sweep sets trainer.{name} itself (strategy=megatrain, its checkpoint and report "
-             "callbacks); remove it")
+        fail(
+            f"{where_key}: the sweep sets trainer.{name} itself (strategy=megatrain, its checkpoint and report "
+            "callbacks); remove it"
+        )
     if name not in params:
         close = [p for p in params if p.lower().startswith(name.lower()[:3])][:5]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
@@ -482,6 +502,11 @@ def param_space(cfg: SweepConfig) -> dict[str, Any]:
     """Ray Tune's search space for the dotted keys."""
     from ray import tune
 
-    build = {"grid": tune.grid_search, "choice": tune.choice, "uniform": lambda a: tune.uniform(*a),
-             "loguniform": lambda a: tune.loguniform(*a), "randint": lambda a: tune.randint(*a)}  # fmt: skip
+    build = {
+        "grid": tune.grid_search,
+        "choice": tune.choice,
+        "uniform": lambda a: tune.uniform(*a),
+        "loguniform": lambda a: tune.loguniform(*a),
+        "randint": lambda a: tune.randint(*a),
+    }
     return {key: build[kind](values) for key, spec in cfg.search_space.items() for kind, values in spec.items()}

@@ -24,7 +24,9 @@ class SweepRefused(RuntimeError):
     """No node of the cluster can run a trial of this sweep; nothing was started."""
 
 
-def trial_resources(cfg: SweepConfig, params: dict[str, Any] | None = None, tier: Tier | None = None) -> dict[str, float]:
+def trial_resources(
+    cfg: SweepConfig, params: dict[str, Any] | None = None, tier: Tier | None = None
+) -> dict[str, float]:
     """{"GPU": 1, "CPU": n, "memory": bytes[, node_resource: 1]} for the base config with `params` applied.
 
     Host memory is the planner's figure for that model, sequence length, micro-batch, precision,
@@ -47,8 +49,11 @@ def trial_resources(cfg: SweepConfig, params: dict[str, Any] | None = None, tier
         clipping=bool(trainer.get("gradient_clip_val")),  # the lean layout then keeps each gradient until the step
     )
     res = cfg.resources
-    out = {"GPU": float(res.gpus_per_trial), "CPU": float(res.cpus_per_trial),
-           "memory": float(p.host_total + parse_size(res.memory_headroom))}  # fmt: skip
+    out = {
+        "GPU": float(res.gpus_per_trial),
+        "CPU": float(res.cpus_per_trial),
+        "memory": float(p.host_total + parse_size(res.memory_headroom)),
+    }
     if res.node_resource:
         out[res.node_resource] = 1.0
     return out
@@ -90,7 +95,10 @@ def check_fits(request: dict[str, float], nodes: list[dict[str, Any]]) -> None:
     alive = _alive(nodes)
     if any(_offers(node, request) for node in alive):
         return
-    sizes = "; ".join(f"{n.get('NodeManagerAddress', '?')}: {_describe(n.get('Resources', {}))}" for n in alive) or "none alive"
+    sizes = (
+        "; ".join(f"{n.get('NodeManagerAddress', '?')}: {_describe(n.get('Resources', {}))}" for n in alive)
+        or "none alive"
+    )
     raise SweepRefused(
         f"a trial needs {_describe(request)}, which no node of the cluster offers (nodes: {sizes}). "
         "Use nodes with more host memory (ray start --memory / bigger machines), a leaner strategy (host_layout: "

@@ -26,8 +26,18 @@ import fsspec
 import yaml
 
 from megatrain_lightning.planner import format_size
-from ray_jobs.config import (RECORD, SweepConfig, SweepConfigError, as_dict, changes, is_shipped, load, one_line,
-                             param_space, resolve)
+from ray_jobs.config import (
+    RECORD,
+    SweepConfig,
+    SweepConfigError,
+    as_dict,
+    changes,
+    is_shipped,
+    load,
+    one_line,
+    param_space,
+    resolve,
+)
 from ray_jobs.resources import SweepRefused, Tier, check_fits, planned_tier, strategy_options, trial_resources
 from ray_jobs.trial import tune_trainable
 
@@ -79,8 +89,10 @@ def record_config(cfg: SweepConfig) -> None:
         raise SweepError(f"storage {cfg.storage} cannot be written ({one_line(err)}); {_STORAGE_FIX}") from None
 
 
-_STORAGE_FIX = ("use a bucket/directory that exists and every node reaches; for S3 set AWS_ENDPOINT_URL, "
-                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY on every node or in the job's env_vars")  # fmt: skip
+_STORAGE_FIX = (
+    "use a bucket/directory that exists and every node reaches; for S3 set AWS_ENDPOINT_URL, "
+    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY on every node or in the job's env_vars"
+)
 
 
 def build_tuner(cfg: SweepConfig, tier: Tier | None = None) -> Any:
@@ -98,9 +110,12 @@ def build_tuner(cfg: SweepConfig, tier: Tier | None = None) -> Any:
         print(f"restoring sweep {cfg.name} from {cfg.root}: finished trials are kept, the others resume", flush=True)
         return tune.Tuner.restore(cfg.root, trainable, resume_unfinished=True, resume_errored=True)
     tune_config = tune.TuneConfig(
-        metric=cfg.metric, mode=cfg.mode, num_samples=cfg.num_samples, scheduler=_scheduler(cfg),
+        metric=cfg.metric,
+        mode=cfg.mode,
+        num_samples=cfg.num_samples,
+        scheduler=_scheduler(cfg),
         max_concurrent_trials=cfg.max_concurrent_trials or None,
-    )  # fmt: skip
+    )
     run_config = tune.RunConfig(
         name=cfg.name, storage_path=cfg.storage, failure_config=tune.FailureConfig(max_failures=cfg.failure_budget)
     )
@@ -127,8 +142,13 @@ def results_table(cfg: SweepConfig, results: Any) -> list[dict[str, Any]]:
         if df is not None and cfg.metric in df:
             best = df[cfg.metric].min() if cfg.mode == "min" else df[cfg.metric].max()
         row = {"trial": trial_id, **{k: result.config.get(k) for k in cfg.search_space}}
-        row.update({f"best_{cfg.metric}": best, "status": "error" if result.error else "ok",
-                    "checkpoint": f"{cfg.root}/trials/{trial_id}/checkpoints/last.ckpt"})  # fmt: skip
+        row.update(
+            {
+                f"best_{cfg.metric}": best,
+                "status": "error" if result.error else "ok",
+                "checkpoint": f"{cfg.root}/trials/{trial_id}/checkpoints/last.ckpt",
+            }
+        )
         rows.append(row)
     return rows
 
@@ -152,8 +172,11 @@ def write_table(cfg: SweepConfig, rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="hyper-parameter sweep of megatrain trainers on Ray")
-    ap.add_argument("--config", required=True, help="sweep YAML: a path where the driver runs, a URL, "
-                    "or a shipped one (configs/sweep/tiny-lr.yaml)")  # fmt: skip
+    ap.add_argument(
+        "--config",
+        required=True,
+        help="sweep YAML: a path where the driver runs, a URL, or a shipped one (configs/sweep/tiny-lr.yaml)",
+    )
     ap.add_argument("--address", default=None, help="Ray address (default: the cluster this job runs in)")
     args = ap.parse_args(argv)
     try:
@@ -178,14 +201,19 @@ def _run(args: argparse.Namespace) -> int:
     try:
         ray.init(address=args.address or "auto", ignore_reinit_error=True)
     except (ConnectionError, RuntimeError, ValueError) as err:
-        raise SweepError(f"no Ray cluster at {args.address or 'auto'} ({one_line(err)}); start one with `ray start --head` "
-                         "and submit with `ray job submit`, or pass --address HEAD:6379") from None  # fmt: skip
+        raise SweepError(
+            f"no Ray cluster at {args.address or 'auto'} ({one_line(err)}); start one with `ray start --head` "
+            "and submit with `ray job submit`, or pass --address HEAD:6379"
+        ) from None
     nodes = ray.nodes()
     tier = planned_tier(cfg, nodes)
     if cfg.strategy.host_layout == "auto":
         request = trial_resources(cfg, tier=tier)
-        print(f"strategy.host_layout auto: {tier[0]}{', Adam on NVMe' if tier[1] else ''} "
-              f"(a trial asks for {format_size(request['memory'])} of host memory)", flush=True)  # fmt: skip
+        print(
+            f"strategy.host_layout auto: {tier[0]}{', Adam on NVMe' if tier[1] else ''} "
+            f"(a trial asks for {format_size(request['memory'])} of host memory)",
+            flush=True,
+        )
     try:
         check_fits(request, nodes)
     except SweepRefused as err:
@@ -199,8 +227,12 @@ def _run(args: argparse.Namespace) -> int:
     errored = [r for r in rows if r["status"] == "error"]
     print(f"results: {url}", flush=True)
     if errored:
-        print(f"{len(errored)} trial(s) failed beyond the failure budget of {cfg.failure_budget}: "
-              f"{[r['trial'] for r in errored]}", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"{len(errored)} trial(s) failed beyond the failure budget of {cfg.failure_budget}: "
+            f"{[r['trial'] for r in errored]}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     return 0
 

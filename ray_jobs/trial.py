@@ -15,7 +15,8 @@ import json
 import os
 import shutil
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import fsspec
 import lightning.pytorch as L

@@ -5,8 +5,9 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -21,8 +22,15 @@ VOCAB = 97
 def hf_llama(layers: int = 3, **overrides: Any) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    cfg = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     cfg.update(overrides)
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**cfg))
@@ -32,9 +40,16 @@ def hf_qwen2(layers: int = 3) -> nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     return Qwen2ForCausalLM(cfg)
 
 
@@ -124,9 +139,14 @@ def loader(batches: list[torch.Tensor]) -> DataLoader:
 def quiet() -> Iterator[None]:
     """Silence the warnings every tiny CPU run triggers (few workers, no val loader, the disabled KV cache)."""
     with warnings.catch_warnings():
-        for pattern in (".*does not have many workers.*", ".*KV cache is disabled.*", ".*val_dataloader.*",
-                        ".*LeafSpec.*", ".*in eval mode at the start of training.*",
-                        ".*enable_nested_tensor is True.*"):  # fmt: skip
+        for pattern in (
+            ".*does not have many workers.*",
+            ".*KV cache is disabled.*",
+            ".*val_dataloader.*",
+            ".*LeafSpec.*",
+            ".*in eval mode at the start of training.*",
+            ".*enable_nested_tensor is True.*",
+        ):
             warnings.filterwarnings("ignore", pattern)
         yield
 
@@ -134,9 +154,16 @@ def quiet() -> Iterator[None]:
 def trainer(strategy: Any = "megatrain", **kwargs: Any) -> L.Trainer:
     """A quiet CPU Trainer: one epoch, no logger, checkpoints, progress bar or sanity validation."""
     defaults = dict(
-        accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     defaults.update(kwargs)
     with quiet():
         return L.Trainer(**defaults)
@@ -160,7 +187,9 @@ def twin(make: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest |a - b| / max|b| over tensors (relative to each tensor's scale, so near-zero entries don't explode)."""
     assert a.keys() == b.keys()
-    return max(((a[k].float() - b[k].float()).abs().max() / b[k].float().abs().max().clamp_min(1e-12)).item() for k in a)
+    return max(
+        ((a[k].float() - b[k].float()).abs().max() / b[k].float().abs().max().clamp_min(1e-12)).item() for k in a
+    )
 
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:

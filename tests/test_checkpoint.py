@@ -11,6 +11,7 @@ import uuid
 import fsspec
 import pytest
 import torch
+
 from megatrain_lightning import StreamingEngine
 from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, export_hf, restore, save, store
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM, from_pretrained
@@ -248,7 +249,9 @@ MEMORY_SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_save_memory_stays_within_a_few_blocks(tmp_path):
     """~200M parameters: saving adds at most a few units' worth of resident memory to the model state."""
-    script = MEMORY_SCRIPT.format(repo=str(__import__("pathlib").Path(__file__).parents[1]), url=str(tmp_path / "m.ckpt"))
+    script = MEMORY_SCRIPT.format(
+        repo=str(__import__("pathlib").Path(__file__).parents[1]), url=str(tmp_path / "m.ckpt")
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True)
     params, state_rss, growth, largest_unit = map(int, out.stdout.split())
     assert params > 190e6
@@ -264,8 +267,12 @@ def test_validate_from_a_fit_checkpoint_with_param_groups(tmp_path, torch_adam):
     trainer = fit(module, batches, enable_checkpointing=True, callbacks=[cb])
     expected = trainer.validate(module, torch.utils.data.DataLoader(batches, batch_size=None), verbose=False)
     fresh = CausalLM(hf_llama(), split_decay=True)
-    got = trainer.validate(fresh, torch.utils.data.DataLoader(batches, batch_size=None),
-                           ckpt_path=str(tmp_path / "last.ckpt"), verbose=False)  # fmt: skip
+    got = trainer.validate(
+        fresh,
+        torch.utils.data.DataLoader(batches, batch_size=None),
+        ckpt_path=str(tmp_path / "last.ckpt"),
+        verbose=False,
+    )
     assert got == expected
 
 

@@ -28,15 +28,33 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 def quick(tmp_path: Path, *extra: str) -> list[str]:
     """The demo config shortened to a few tiny steps."""
-    return ["fit", "--config", DEMO, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=3",
-            "--trainer.val_check_interval=3", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=2",
-            "--trainer.enable_progress_bar=false", "--data.seq_len=32", "--data.batch_size=4",
-            "--trainer.callbacks.max_new_tokens=4", *extra]  # fmt: skip  (the config's last callback: ExportAndSample)
+    return [
+        "fit",
+        "--config",
+        DEMO,
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.max_steps=3",
+        "--trainer.val_check_interval=3",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.limit_val_batches=2",
+        "--trainer.enable_progress_bar=false",
+        "--data.seq_len=32",
+        "--data.batch_size=4",
+        "--trainer.callbacks.max_new_tokens=4",
+        *extra,
+    ]  # (the config's last callback: ExportAndSample)
 
 
 def test_fit_with_config_and_overrides(tmp_path):
-    cli = run(quick(tmp_path, "--model.overrides.num_hidden_layers=2", "--model.lr=0.01", "--monitor.every_n_batches=1",
-                    "--trainer.enable_progress_bar=true"))  # fmt: skip
+    cli = run(
+        quick(
+            tmp_path,
+            "--model.overrides.num_hidden_layers=2",
+            "--model.lr=0.01",
+            "--monitor.every_n_batches=1",
+            "--trainer.enable_progress_bar=true",
+        )
+    )
     assert cli.model.config.num_hidden_layers == 2 and cli.model.config.hidden_size == 128
     assert cli.model.config.head_dim == 32  # re-derived for the overridden width
     assert cli.model.hparams.lr == 0.01 and cli.trainer.global_step == 3
@@ -83,7 +101,10 @@ def test_installed_console_script(tmp_path):
     ("args", "message"),
     [
         (["fit", "--config", "/nope/run.yaml"], r"config file '/nope/run.yaml' does not exist"),
-        (["fit", "--config", DEMO, "--model.model=llama-9"], r"model='llama-9' is neither a preset.*llama-3.1-8b, .*tiny"),
+        (
+            ["fit", "--config", DEMO, "--model.model=llama-9"],
+            r"model='llama-9' is neither a preset.*llama-3.1-8b, .*tiny",
+        ),
         (["fit", "--config", DEMO, "--data.path=/data/x.jsonl"], r"data path '/data/x.jsonl' does not exist; expected"),
         (["fit", "--config", DEMO, "--model.overrides.layers=2"], r"overrides \['layers'\] are not LlamaConfig fields"),
         (["fit", "--config", DEMO, "--trainer.precision=fp8"], r"--trainer.precision=fp8: use 32-true, bf16-mixed"),
@@ -91,13 +112,17 @@ def test_installed_console_script(tmp_path):
         (["fit", "--config", DEMO, "--ckpt_path=/nope/last.ckpt"], r"ckpt_path='/nope/last.ckpt' does not exist"),
         (["fit", "--config", DEMO, f"--ckpt_path={REPO}"], r"is a directory; give the checkpoint file in it"),
         (["fit", "--config", DEMO, f"--ckpt_path={DEMO}"], r"torch.load cannot read it \(UnpicklingError"),
-        (["fit", "--config", DEMO, "--optimizer=AdamW"],
-         r"--optimizer=torch.optim.AdamW would replace CausalLMModule.configure_optimizers, .*param groups.*"
-         r"--model.lr, --model.weight_decay, --model.betas, --model.warmup_steps"),
-        (["fit", "--config", DEMO, "--lr_scheduler=StepLR", "--lr_scheduler.step_size=3"],
-         r"--lr_scheduler=torch.optim.lr_scheduler.StepLR would replace .*warm-up \+ cosine"),
+        (
+            ["fit", "--config", DEMO, "--optimizer=AdamW"],
+            r"--optimizer=torch.optim.AdamW would replace CausalLMModule.configure_optimizers, .*param groups.*"
+            r"--model.lr, --model.weight_decay, --model.betas, --model.warmup_steps",
+        ),
+        (
+            ["fit", "--config", DEMO, "--lr_scheduler=StepLR", "--lr_scheduler.step_size=3"],
+            r"--lr_scheduler=torch.optim.lr_scheduler.StepLR would replace .*warm-up \+ cosine",
+        ),
     ],
-)  # fmt: skip
+)
 def test_user_errors_are_one_clear_line(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run(args)
@@ -114,8 +139,9 @@ def test_jsonargparse_messages_become_one_line():
 
 def demo_checkpoint(directory: Path) -> LlamaForCausalLM:
     """A Hugging Face checkpoint with the demo model's shapes."""
-    config = resolve_config("tiny", {"hidden_size": 128, "intermediate_size": 384, "max_position_embeddings": 1024,
-                                     "loss_chunk_size": 1024})  # fmt: skip
+    config = resolve_config(
+        "tiny", {"hidden_size": 128, "intermediate_size": 384, "max_position_embeddings": 1024, "loss_chunk_size": 1024}
+    )
     model = LlamaForCausalLM(config)
     save_pretrained(model, directory)
     return model
@@ -124,9 +150,18 @@ def demo_checkpoint(directory: Path) -> LlamaForCausalLM:
 def test_fine_tune_from_a_hugging_face_checkpoint(tmp_path):
     """--model.init_from loads the checkpoint's weights (here checked through `megatrain validate`)."""
     source = demo_checkpoint(tmp_path / "ckpt")
-    cli = run(["validate", "--config", DEMO, f"--model.init_from={tmp_path / 'ckpt'}", "--trainer.limit_val_batches=2",
-               "--trainer.enable_progress_bar=false", "--data.seq_len=32",
-               f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+    cli = run(
+        [
+            "validate",
+            "--config",
+            DEMO,
+            f"--model.init_from={tmp_path / 'ckpt'}",
+            "--trainer.limit_val_batches=2",
+            "--trainer.enable_progress_bar=false",
+            "--data.seq_len=32",
+            f"--trainer.default_root_dir={tmp_path}",
+        ]
+    )
     loaded, original = cli.model.model.state_dict(), source.state_dict()
     assert all(torch.equal(loaded[k], original[k]) for k in original)
 
@@ -154,7 +189,20 @@ def test_plan_prints_the_table(capsys):
 
 def test_plan_refuses_what_does_not_fit(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        run(["plan", "--model", "qwen2.5-72b", "--seq-len", "4096", "--micro-batch", "1", "--host-mem", "512GiB", "--no-measure"])
+        run(
+            [
+                "plan",
+                "--model",
+                "qwen2.5-72b",
+                "--seq-len",
+                "4096",
+                "--micro-batch",
+                "1",
+                "--host-mem",
+                "512GiB",
+                "--no-measure",
+            ]
+        )
     assert exit_info.value.code == 1
     captured = capsys.readouterr()
     assert "needs 1083.4 GiB" in captured.err and "--nvme-dir DIR" in captured.err
@@ -186,13 +234,36 @@ def test_plan_of_a_120b_model_fits_1536_gib_with_the_defaults(capsys):
     assert (result.seq_len, result.micro_batch, result.host_layout, result.nvme) == (4096, 1, "lean", False)
     name, params, host, nvme, fits = host_plan(out)
     assert (name, fits, nvme) == ("llama-120b", "yes", 0.0) and params > 100e9 and host <= 1536
-    explicit = run(["plan", "--model", "llama-120b", "--seq-len", "4096", "--micro-batch", "1", "--host-mem", "1536GiB",
-                    "--no-measure"])  # fmt: skip
+    explicit = run(
+        [
+            "plan",
+            "--model",
+            "llama-120b",
+            "--seq-len",
+            "4096",
+            "--micro-batch",
+            "1",
+            "--host-mem",
+            "1536GiB",
+            "--no-measure",
+        ]
+    )
     assert capsys.readouterr().out.splitlines()[-1] == out.splitlines()[-1] and explicit.host == result.host
 
 
 def test_plan_of_a_120b_model_in_512_gib_needs_the_nvme_dir(capsys, tmp_path):
-    args = ["plan", "--model", "llama-120b", "--seq-len", "4096", "--micro-batch", "1", "--host-mem", "512GiB", "--no-measure"]
+    args = [
+        "plan",
+        "--model",
+        "llama-120b",
+        "--seq-len",
+        "4096",
+        "--micro-batch",
+        "1",
+        "--host-mem",
+        "512GiB",
+        "--no-measure",
+    ]
     result = run([*args, "--nvme-dir", str(tmp_path), "--nvme-gbps", "7"])
     out = capsys.readouterr().out
     name, params, host, nvme, fits = host_plan(out)
@@ -202,7 +273,9 @@ def test_plan_of_a_120b_model_in_512_gib_needs_the_nvme_dir(capsys, tmp_path):
         run(args)
     captured = capsys.readouterr()
     assert exit_info.value.code == 1 and host_plan(captured.out)[-1] == "no"
-    assert "--nvme-dir DIR" in captured.err and f"fits: {host:.1f} GiB of host memory" in captured.err  # as planned above
+    assert (
+        "--nvme-dir DIR" in captured.err and f"fits: {host:.1f} GiB of host memory" in captured.err
+    )  # as planned above
 
 
 def test_plan_with_clipping_and_an_explicit_layout(capsys):
@@ -221,18 +294,39 @@ def test_plan_of_a_config_takes_its_host_layout_nvme_dir_and_clipping(tmp_path, 
         "model:\n  model: llama-120b\ndata:\n  seq_len: 4096\n  batch_size: 1\n"
     )
     planned = run(["plan", "--config", str(config), "--no-measure"])
-    assert (planned.host_layout, planned.nvme, planned.clipping, planned.nvme_dir) == ("lean", True, True, str(tmp_path))
+    assert (planned.host_layout, planned.nvme, planned.clipping, planned.nvme_dir) == (
+        "lean",
+        True,
+        True,
+        str(tmp_path),
+    )
     n = planned.num_parameters
     overridden = run(["plan", "--config", str(config), "--no-clip", "--host-layout", "default", "--no-measure"])
     assert (overridden.host_layout, overridden.clipping) == ("default", False) and overridden.nvme
     assert planned.host["slab"] == 2 * n and host_plan(capsys.readouterr().out)[0] == "llama-120b"
-    assert plan_from_config(str(REPO / "configs" / "llama-3.1-70b.yaml")).host_layout == "default"  # the strategy's default
+    assert (
+        plan_from_config(str(REPO / "configs" / "llama-3.1-70b.yaml")).host_layout == "default"
+    )  # the strategy's default
 
 
 def test_plan_prints_the_host_plan_line_last_on_stdout_of_the_process():
     """In a real process (buffered stdout, errors on stderr) the summary is still stdout's last line."""
-    out = subprocess.run([sys.executable, "-m", "megatrain_lightning.cli", "plan", "--model", "llama-120b", "--host-mem",
-                          "512GiB", "--no-measure"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatrain_lightning.cli",
+            "plan",
+            "--model",
+            "llama-120b",
+            "--host-mem",
+            "512GiB",
+            "--no-measure",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1 and "megatrain plan: error: host memory" in out.stderr
     assert out.stdout.endswith("fits=no\n") and host_plan(out.stdout)[0] == "llama-120b"
 
@@ -253,8 +347,20 @@ def test_plan_sizes_auto_slots_by_default(capsys):
 def test_plan_with_offloaded_inputs_fits_128k_tokens_of_8b_in_less_gpu_memory(capsys):
     """--offload-inputs moves 32 saved block inputs (1 GiB each at 128k tokens in bf16) to host memory;
     by default (auto) they stay on the GPU, where they fit."""
-    args = ["plan", "--model", "llama-3.1-8b", "--seq-len", "131072", "--micro-batch", "1", "--gpu-mem", "80GiB",
-            "--num-slots", "2", "--no-measure"]  # (the slots "auto" would add differ with the inputs' place)
+    args = [
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--seq-len",
+        "131072",
+        "--micro-batch",
+        "1",
+        "--gpu-mem",
+        "80GiB",
+        "--num-slots",
+        "2",
+        "--no-measure",
+    ]  # (the slots "auto" would add differ with the inputs' place)
     auto, kept, offloaded = run(args), run([*args, "--no-offload-inputs"]), run([*args, "--offload-inputs"])
     out = capsys.readouterr().out
     assert "block inputs offloaded to host" in out and offloaded.fits and kept.fits
@@ -307,5 +413,13 @@ def test_config_comments_match_the_planner(path):
 
 def test_ready_configs_cover_the_real_shapes():
     names = {p.stem for p in CONFIGS}
-    assert {"demo", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
-            "llama-3.1-70b"} <= names  # fmt: skip
+    assert {
+        "demo",
+        "llama-3.2-1b",
+        "llama-3.1-8b",
+        "qwen2.5-7b",
+        "qwen2.5-14b",
+        "qwen2.5-32b",
+        "qwen2.5-72b",
+        "llama-3.1-70b",
+    } <= names

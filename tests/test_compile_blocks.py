@@ -17,8 +17,9 @@ and each fit runs once per module (fixtures) for several tests to read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -57,7 +58,10 @@ class Run:
 
 
 def run_pair(
-    make: Callable[[], nn.Module], loss_fn: Callable | None, compile_blocks: bool = True, reference: Any = "auto",
+    make: Callable[[], nn.Module],
+    loss_fn: Callable | None,
+    compile_blocks: bool = True,
+    reference: Any = "auto",
     **trainer_kwargs: Any,
 ) -> Run:
     """`reference` training (by default ordinary training) and megatrain training (`compile_blocks`) of two
@@ -128,6 +132,7 @@ def test_blocks_compile_once_per_grad_mode_and_run_compiled(run, request):
 def test_bf16_follows_eager_bf16_streaming():
     """Compiled kernels round intermediates to bf16 where eager ones do (emulate_precision_casts): measured
     equal to eager bf16-mixed streaming; without it the update differs by 8e-2, as much as bf16 from fp32."""
+
     def make() -> nn.Module:
         return LlamaForCausalLM(LlamaConfig.from_preset("tiny", num_hidden_layers=2))
 

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 import megatrain_lightning as mt
-from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, is_checkpoint
-from megatrain_lightning.checkpoint import store, stream
+from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, is_checkpoint, store, stream
 from megatrain_lightning.cli import run
 from megatrain_lightning.convert import lightning_checkpoint, to_hf
 from megatrain_lightning.models import LlamaForCausalLM, save_pretrained
@@ -56,8 +55,10 @@ class HFLM(L.LightningModule):
 
     def configure_optimizers(self):
         params = list(self.model.parameters())
-        groups = [{"params": [p for p in params if p.ndim >= 2]},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]  # fmt: skip
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2]},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
         opt = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=(0.9, 0.95), weight_decay=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, 8))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -128,8 +129,12 @@ FRESH = textwrap.dedent(
 def test_a_fresh_process_loads_sharded_checkpoints(hf_run, llama_run, tmp_path):
     """The documented call, in a process that never trained: exact weights and logits, hyper-parameters from
     the checkpoint with kwargs overriding them, on_load_checkpoint called; Lightning's own call names it."""
-    script = FRESH.format(repo=str(REPO), hf_ckpt=str(hf_run / "last.ckpt"), llama_ckpt=str(llama_run / "last.ckpt"),
-                          out=str(tmp_path / "results.pt"))  # fmt: skip
+    script = FRESH.format(
+        repo=str(REPO),
+        hf_ckpt=str(hf_run / "last.ckpt"),
+        llama_ckpt=str(llama_run / "last.ckpt"),
+        out=str(tmp_path / "results.pt"),
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = torch.load(tmp_path / "results.pt", weights_only=False)
@@ -292,7 +297,7 @@ def test_a_damaged_shard_is_refused_when_loading(hf_run, tmp_path):
         (["{ckpt}", "--to", "torch", "{ckpt}"], r"is the checkpoint being converted"),
         (["{ckpt}"], r"the following arguments are required: --to, out"),
     ],
-)  # fmt: skip
+)
 def test_convert_errors_are_one_line(args, message, hf_run, tmp_path, capsys):
     torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
     argv = [a.format(ckpt=hf_run / "last.ckpt", tmp=tmp_path) for a in args]
@@ -301,4 +306,3 @@ def test_convert_errors_are_one_line(args, message, hf_run, tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("megatrain convert: error: ") and re.search(message, err), err
-

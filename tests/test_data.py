@@ -91,8 +91,11 @@ def test_tokenizer_json(tmp_path):
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(DOCS * 20, trainer)
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
@@ -161,9 +164,17 @@ class Recorder(L.LightningModule):
 def fit(dm: TextDataModule, max_steps: int, tmp_path, ckpt_path=None, every: int | None = None) -> Recorder:
     module = Recorder()
     callbacks = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1)] if every else []
-    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=bool(every), callbacks=callbacks,
-                        num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(every),
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
@@ -233,8 +244,9 @@ def test_default_windows_are_unchanged_by_the_option(tmp_path):
 
 def test_loader_batches_hold_inputs_targets_and_positions(tmp_path):
     write_tokens(np.arange(200) % 7, tmp_path / "t.bin")  # documents 0..6, each ended by 6
-    dm = TextDataModule(str(tmp_path / "t.bin"), seq_len=16, batch_size=2, eos_token_id=6, val_fraction=0.2,
-                        document_positions=True)  # fmt: skip
+    dm = TextDataModule(
+        str(tmp_path / "t.bin"), seq_len=16, batch_size=2, eos_token_id=6, val_fraction=0.2, document_positions=True
+    )
     dm.setup("fit")
     for loader in (dm.train_dataloader(), dm.val_dataloader()):
         inputs, targets, positions = next(iter(loader))
@@ -249,8 +261,15 @@ def test_positions_of_a_262144_token_window_from_a_token_file(tmp_path):
     lengths = rng.integers(1, 5_000, size=300)  # ~750k tokens: at least two windows
     stream = np.concatenate([np.append(rng.integers(0, 32_000, n), eos) for n in lengths])
     write_tokens(stream, tmp_path / "t.bin", dtype="uint32")
-    dm = TextDataModule(str(tmp_path / "t.bin"), seq_len=seq_len, token_dtype="uint32", eos_token_id=eos,
-                        val_fraction=0, shuffle=False, document_positions=True)  # fmt: skip
+    dm = TextDataModule(
+        str(tmp_path / "t.bin"),
+        seq_len=seq_len,
+        token_dtype="uint32",
+        eos_token_id=eos,
+        val_fraction=0,
+        shuffle=False,
+        document_positions=True,
+    )
     dm.setup("fit")
     assert isinstance(dm.train_set.streams[0], TokenFile) and len(dm.train_set) >= 2
     inputs, targets, positions = dm.train_set[1]  # starts inside a document
@@ -303,9 +322,23 @@ def test_document_positions_from_a_yaml_config_through_the_cli(tmp_path):
     """`data.document_positions: true` in a YAML config trains the demo with (inputs, targets, positions)."""
     config = tmp_path / "run.yaml"
     config.write_text("data:\n  document_positions: true\n")
-    cli = run(["fit", "--config", DEMO, "--config", str(config), f"--trainer.default_root_dir={tmp_path}",
-               "--trainer.max_steps=2", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=1",
-               "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false", "--data.seq_len=32",
-               "--data.batch_size=2", "--trainer.callbacks.max_new_tokens=4"])  # fmt: skip
+    cli = run(
+        [
+            "fit",
+            "--config",
+            DEMO,
+            "--config",
+            str(config),
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=2",
+            "--trainer.num_sanity_val_steps=0",
+            "--trainer.limit_val_batches=1",
+            "--trainer.val_check_interval=2",
+            "--trainer.enable_progress_bar=false",
+            "--data.seq_len=32",
+            "--data.batch_size=2",
+            "--trainer.callbacks.max_new_tokens=4",
+        ]
+    )
     assert cli.datamodule.hparams.document_positions and cli.trainer.global_step == 2
     assert len(cli.datamodule.train_set[0]) == 3 and torch.isfinite(cli.trainer.callback_metrics["val_loss"])

@@ -25,9 +25,19 @@ def test_corpus_is_embedded_english_text():
 @pytest.mark.slow
 def test_demo_trains_and_writes_artifacts(tmp_path, capsys):
     """`megatrain fit --config configs/demo.yaml` with fewer, smaller steps (validating at the last one)."""
-    cli = run(["fit", "--config", DEMO, "--trainer.max_steps=25", "--trainer.val_check_interval=25",
-               "--data.batch_size=8", "--data.seq_len=64", f"--trainer.default_root_dir={tmp_path}",
-               "--trainer.enable_progress_bar=false"])  # fmt: skip
+    cli = run(
+        [
+            "fit",
+            "--config",
+            DEMO,
+            "--trainer.max_steps=25",
+            "--trainer.val_check_interval=25",
+            "--data.batch_size=8",
+            "--data.seq_len=64",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false",
+        ]
+    )
     [report] = [c for c in cli.trainer.callbacks if isinstance(c, ExportAndSample)]
     before, after = report.val_losses[0], report.val_losses[-1]
     assert after < before - 1.0, report.val_losses

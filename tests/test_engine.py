@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 import gc
-import weakref
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -295,7 +295,6 @@ def test_outer_parameters_are_current_when_the_optimizer_step_returns(clip):
             assert torch.equal(entry.param.detach().reshape(-1), unit.master.to(torch.bfloat16)), unit.name
         opt.zero_grad()
     engine.release()
-
 
 
 # -- num_slots="auto" -------------------------------------------------------------------------------------

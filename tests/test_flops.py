@@ -66,13 +66,23 @@ def test_model_flops_of_the_8b_shape_by_hand():
 @pytest.mark.parametrize(
     "name, tflops",
     [
-        ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
-        ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA GH200 480GB", 989),
-        ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100 80GB PCIe", 312), ("NVIDIA L40S", 362),
-        ("NVIDIA L40", 181), ("NVIDIA L4", 121), ("NVIDIA GeForce RTX 4090", 165.2),
-        ("NVIDIA GeForce RTX 5090", 209.5), ("NVIDIA B200", 2250), ("Tesla T4", None),
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H200", 989),
+        ("NVIDIA H200 NVL", 835),
+        ("NVIDIA GH200 480GB", 989),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA A100 80GB PCIe", 312),
+        ("NVIDIA L40S", 362),
+        ("NVIDIA L40", 181),
+        ("NVIDIA L4", 121),
+        ("NVIDIA GeForce RTX 4090", 165.2),
+        ("NVIDIA GeForce RTX 5090", 209.5),
+        ("NVIDIA B200", 2250),
+        ("Tesla T4", None),
     ],
-)  # fmt: skip
+)
 def test_peak_by_device_name(name, tflops):
     peak = flops.peak_bf16_flops(name)
     assert (peak if peak is None else peak / 1e12) == tflops
@@ -119,8 +129,14 @@ def test_hf_model_flops_of_gpt2_by_hand():
 
 def test_hf_model_flops_give_no_number_for_what_they_do_not_describe():
     transformers = pytest.importorskip("transformers")
-    small = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)  # fmt: skip
+    small = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     with torch.device("meta"):
         moe = transformers.MixtralForCausalLM(transformers.MixtralConfig(**small, num_local_experts=4))
         windowed = transformers.MistralForCausalLM(transformers.MistralConfig(**small, sliding_window=16))

@@ -42,7 +42,7 @@ SETTINGS = {
     "accumulate-clip": ({}, dict(accumulate_grad_batches=2, gradient_clip_val=0.5)),
     "not-overlapped": (dict(overlap_optimizer=False), {}),
     "lean-accumulate-clip": (dict(host_layout="lean"), dict(accumulate_grad_batches=2, gradient_clip_val=0.5)),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -118,7 +118,10 @@ def test_a_graph_kept_without_a_backward_lands_at_the_optimizer_step():
     training steps on the `.grad` it has."""
     ref, mt = own_llama(), own_llama()
     engine = StreamingEngine(mt, device="cpu", compute_dtype=torch.float32)
-    opts = [torch.optim.AdamW(ref.parameters(), lr=1e-2), HostAdamW(torch.optim.AdamW(mt.parameters(), lr=1e-2), engine)]
+    opts = [
+        torch.optim.AdamW(ref.parameters(), lr=1e-2),
+        HostAdamW(torch.optim.AdamW(mt.parameters(), lr=1e-2), engine),
+    ]
     x, y = token_batches(2)
     kept = []
     for model, opt in zip((ref, mt), opts):

@@ -9,9 +9,9 @@ bf16-mixed, with accumulation and clipping, and resume exactly.
 from __future__ import annotations
 
 import lightning.pytorch as L
-from lightning.pytorch.callbacks import ModelCheckpoint
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from megatrain_lightning import MegatrainStrategy, StreamingEngine
 from megatrain_lightning.engine.host import host_bytes_per_param
@@ -38,8 +38,14 @@ def train(layout: str, precision: str, ckpt_path=None, vocab: int | None = None,
     model = hf_llama(layers=3, **({} if vocab is None else {"vocab_size": vocab}))
     module = CausalLM(model, split_decay=True, schedule=STEPS)
     torch.manual_seed(5)
-    fit(module, token_batches(STEPS), strategy=MegatrainStrategy(host_layout=layout), precision=precision,
-        ckpt_path=ckpt_path, **trainer_kwargs)  # fmt: skip
+    fit(
+        module,
+        token_batches(STEPS),
+        strategy=MegatrainStrategy(host_layout=layout),
+        precision=precision,
+        ckpt_path=ckpt_path,
+        **trainer_kwargs,
+    )
     return module
 
 
@@ -52,11 +58,18 @@ def assert_same(a: CausalLM, b: CausalLM) -> None:
 
 @pytest.mark.parametrize("pieces", ["whole", "small"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-@pytest.mark.parametrize("train_kwargs", [{}, {"accumulate_grad_batches": 2}, {"gradient_clip_val": 0.5},
-                                          {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}],
-                         ids=["plain", "accumulate", "clip", "accumulate+clip"])  # fmt: skip
+@pytest.mark.parametrize(
+    "train_kwargs",
+    [
+        {},
+        {"accumulate_grad_batches": 2},
+        {"gradient_clip_val": 0.5},
+        {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5},
+    ],
+    ids=["plain", "accumulate", "clip", "accumulate+clip"],
+)
 def test_lean_layout_trains_exactly_like_the_default(precision, train_kwargs, pieces, monkeypatch):
-    """"whole": each unit one piece; "small": uploads, gradient landings and Adam steps go piece by piece,
+    """ "whole": each unit one piece; "small": uploads, gradient landings and Adam steps go piece by piece,
     pieces cutting through parameters (and through param groups' runs)."""
     if pieces == "small":
         small_pieces(monkeypatch)
@@ -111,8 +124,13 @@ def test_the_double_catches_a_staging_buffer_reused_too_early(monkeypatch):
 def test_lean_layout_holds_no_copy_and_no_slab_between_steps():
     """bf16 without clipping or accumulation: 12 bytes/param (master, m, v) plus the two rings."""
     probe = HostBytesAtEnd()
-    fit(CausalLM(hf_llama(layers=4)), token_batches(3), strategy=MegatrainStrategy(host_layout="lean"),
-        precision="bf16-mixed", callbacks=[probe])  # fmt: skip
+    fit(
+        CausalLM(hf_llama(layers=4)),
+        token_batches(3),
+        strategy=MegatrainStrategy(host_layout="lean"),
+        precision="bf16-mixed",
+        callbacks=[probe],
+    )
     held = probe.held
     assert held["copy"] == 0 and held["slab"] == 0 and held["acc"] == 0
     assert held["master"] + held["adam"] == 12 * probe.n
@@ -125,8 +143,14 @@ def test_lean_layout_holds_no_copy_and_no_slab_between_steps():
 def test_lean_layout_keeps_a_slab_only_for_clipped_gradients():
     """With clipping the gradients wait for the global norm: one slab per unit (2 B/param in bf16)."""
     probe = HostBytesAtEnd()
-    fit(CausalLM(hf_llama(layers=3)), token_batches(3), strategy=MegatrainStrategy(host_layout="lean"),
-        precision="bf16-mixed", gradient_clip_val=0.5, callbacks=[probe])  # fmt: skip
+    fit(
+        CausalLM(hf_llama(layers=3)),
+        token_batches(3),
+        strategy=MegatrainStrategy(host_layout="lean"),
+        precision="bf16-mixed",
+        gradient_clip_val=0.5,
+        callbacks=[probe],
+    )
     assert probe.held["slab"] == 2 * probe.n and probe.held["copy"] == 0
     assert host_bytes_per_param(torch.bfloat16, True, layout="lean", clipping=True) == 14
 
@@ -140,8 +164,16 @@ def test_lean_layout_resumes_exactly(tmp_path):
     def run(max_epochs, ckpt_path=None, callbacks=()):
         torch.manual_seed(0)
         module = CausalLM(hf_llama(layers=3), split_decay=True, schedule=10)
-        fit(module, batches, strategy=MegatrainStrategy(host_layout="lean"), max_epochs=max_epochs,
-            enable_checkpointing=bool(callbacks), callbacks=list(callbacks), ckpt_path=ckpt_path, **kwargs)  # fmt: skip
+        fit(
+            module,
+            batches,
+            strategy=MegatrainStrategy(host_layout="lean"),
+            max_epochs=max_epochs,
+            enable_checkpointing=bool(callbacks),
+            callbacks=list(callbacks),
+            ckpt_path=ckpt_path,
+            **kwargs,
+        )
         return module
 
     straight = run(2)

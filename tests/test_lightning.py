@@ -24,7 +24,18 @@ import megatrain_lightning
 import megatrain_lightning.engine.engine as engine_module
 from megatrain_lightning import HostMemoryError, MegatrainPrecision, MegatrainStrategy
 from tests.helpers import (
-    VOCAB, CausalLM, fit, hf_llama, hf_loss, loader, params_of, quiet, token_batches, trainer, twin, warmup_cosine,
+    VOCAB,
+    CausalLM,
+    fit,
+    hf_llama,
+    hf_loss,
+    loader,
+    params_of,
+    quiet,
+    token_batches,
+    trainer,
+    twin,
+    warmup_cosine,
 )
 
 
@@ -64,7 +75,15 @@ def test_resume_from_checkpoint_is_exact(accumulate, fmt, tmp_path, torch_adam):
     first = CausalLM(b, **module_kwargs)
     ckpt_cb = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)
     strategy = MegatrainStrategy(checkpoint_format=fmt)
-    fit(first, batches, strategy=strategy, max_epochs=1, enable_checkpointing=True, callbacks=[ckpt_cb], **trainer_kwargs)
+    fit(
+        first,
+        batches,
+        strategy=strategy,
+        max_epochs=1,
+        enable_checkpointing=True,
+        callbacks=[ckpt_cb],
+        **trainer_kwargs,
+    )
     assert (tmp_path / "last.ckpt").is_file()
     assert first.losses == straight.losses[:10]
 
@@ -143,7 +162,9 @@ def test_resume_across_strategies_is_exact(first, second, tmp_path, torch_adam):
 
     _checkpointed_fit(CausalLM(b, **kwargs), batches, first, tmp_path)
     resumed = CausalLM(c, **kwargs)
-    t = trainer(strategy=MegatrainStrategy(checkpoint_format="torch") if second == "megatrain" else second, max_epochs=2)
+    t = trainer(
+        strategy=MegatrainStrategy(checkpoint_format="torch") if second == "megatrain" else second, max_epochs=2
+    )
     with quiet():
         t.fit(resumed, loader(batches), ckpt_path=tmp_path / "last.ckpt")
     assert resumed.losses == straight.losses[6:]
@@ -273,9 +294,12 @@ def _csv_rows(t: L.Trainer) -> list[dict[str, str]]:
 def _logged_run(strategy: str, model: nn.Module, batches, tmp_path: Path, schedule: int | None):
     module = LoggingLM(model, split_decay=True, schedule=schedule)
     t = trainer(
-        strategy, logger=CSVLogger(tmp_path / strategy), log_every_n_steps=1, enable_progress_bar=True,
+        strategy,
+        logger=CSVLogger(tmp_path / strategy),
+        log_every_n_steps=1,
+        enable_progress_bar=True,
         callbacks=[LearningRateMonitor(logging_interval="step")],
-    )  # fmt: skip
+    )
     with quiet():
         t.fit(module, loader(batches))
     return t, module, _csv_rows(t)
@@ -359,9 +383,12 @@ def test_rejects_two_optimizers():
 
 def test_rejects_value_clipping():
     _fit_raises(
-        CausalLM(hf_llama()), ValueError, r"gradient_clip_algorithm='value'.*'norm'",
-        gradient_clip_val=1.0, gradient_clip_algorithm="value",
-    )  # fmt: skip
+        CausalLM(hf_llama()),
+        ValueError,
+        r"gradient_clip_algorithm='value'.*'norm'",
+        gradient_clip_val=1.0,
+        gradient_clip_algorithm="value",
+    )
 
 
 # "16-mixed" never reaches the strategy on a CPU: Lightning rewrites it to "bf16-mixed" with a warning

@@ -123,7 +123,9 @@ def test_resolve_tile():
     cpu = torch.device("cpu")
     assert resolve_tile(LlamaConfig.from_preset("tiny", token_chunk_size=None), 100, 1, cpu, 4) is None
     assert resolve_tile(LlamaConfig.from_preset("tiny", token_chunk_size=64), 100, 1, cpu, 4) == 64
-    assert resolve_tile(LlamaConfig.from_preset("tiny", token_chunk_size=64), 64, 1, cpu, 4) is None  # one tile: untiled
+    assert (
+        resolve_tile(LlamaConfig.from_preset("tiny", token_chunk_size=64), 64, 1, cpu, 4) is None
+    )  # one tile: untiled
     assert resolve_tile(LlamaConfig.from_preset("tiny", token_chunk_size="auto"), 100_000, 1, cpu, 4) == 8192
     assert resolve_tile(LlamaConfig.from_preset("tiny", token_chunk_size="auto"), 8192, 1, cpu, 4) is None
 

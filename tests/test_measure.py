@@ -117,7 +117,7 @@ def test_work_on_other_threads_is_not_counted():
 
 
 def test_auto_tiles_are_refused():
-    """"auto" sizes tiles from the GPU's free memory, which the fake run does not have."""
+    """ "auto" sizes tiles from the GPU's free memory, which the fake run does not have."""
     with pytest.raises(ValueError, match="auto"):
         measure_step(LlamaConfig.from_preset("tiny", token_chunk_size="auto"), 256)
 

@@ -36,9 +36,15 @@ LLAMA3_ROPE = {
 
 def _config(kind: str) -> LlamaConfig:
     common = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=0.08, loss_chunk_size=7,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.08,
+        loss_chunk_size=7,
     )
     if kind == "llama_gqa_rope":
         return LlamaConfig(**common, rope_theta=10000.0, rope_scaling=dict(LLAMA3_ROPE))
@@ -266,8 +272,11 @@ def test_chunked_cross_entropy_bf16_grad_dtypes():
 # ---------------------------------------------------------------------------- RoPE
 
 
-@pytest.mark.parametrize("config", [_config("llama_gqa_rope"), PRESETS["llama-3.1-8b"], PRESETS["llama-3.2-1b"],
-                                    PRESETS["qwen2.5-7b"]], ids=["tiny", "llama-3.1-8b", "llama-3.2-1b", "qwen2.5-7b"])
+@pytest.mark.parametrize(
+    "config",
+    [_config("llama_gqa_rope"), PRESETS["llama-3.1-8b"], PRESETS["llama-3.2-1b"], PRESETS["qwen2.5-7b"]],
+    ids=["tiny", "llama-3.1-8b", "llama-3.2-1b", "qwen2.5-7b"],
+)
 def test_rope_inv_freq_matches_transformers(config):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -282,8 +291,13 @@ def test_rope_inv_freq_matches_transformers(config):
 # ---------------------------------------------------------------------------- config and presets
 
 PUBLISHED_SIZES = {
-    "llama-3.2-1b": 1.236e9, "llama-3.1-8b": 8.030e9, "llama-3.1-70b": 70.55e9, "qwen2.5-7b": 7.616e9,
-    "qwen2.5-14b": 14.77e9, "qwen2.5-32b": 32.76e9, "qwen2.5-72b": 72.71e9,
+    "llama-3.2-1b": 1.236e9,
+    "llama-3.1-8b": 8.030e9,
+    "llama-3.1-70b": 70.55e9,
+    "qwen2.5-7b": 7.616e9,
+    "qwen2.5-14b": 14.77e9,
+    "qwen2.5-32b": 32.76e9,
+    "qwen2.5-72b": 72.71e9,
 }
 
 
@@ -350,8 +364,9 @@ def test_config_validation(overrides, needle):
 # ---------------------------------------------------------------------------- checkpoint I/O
 
 
-@pytest.mark.parametrize("kind,max_shard_bytes", [("llama_gqa_rope", 40_000), ("llama_tied", 5 * 2**30),
-                                                   ("qwen2_bias", 60_000)])
+@pytest.mark.parametrize(
+    "kind,max_shard_bytes", [("llama_gqa_rope", 40_000), ("llama_tied", 5 * 2**30), ("qwen2_bias", 60_000)]
+)
 def test_save_pretrained_loads_in_transformers(tmp_path, kind, max_shard_bytes):
     ours, _ = _pair(kind)
     save_pretrained(ours, tmp_path, max_shard_bytes=max_shard_bytes)

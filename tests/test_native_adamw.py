@@ -25,9 +25,7 @@ import torch
 from megatrain_lightning.optim import native
 
 AVAILABLE = native.available()
-requires_native = pytest.mark.skipif(
-    not AVAILABLE, reason=f"native AdamW library not available: {native.load_error()}"
-)
+requires_native = pytest.mark.skipif(not AVAILABLE, reason=f"native AdamW library not available: {native.load_error()}")
 
 LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
 STEPS = 50
@@ -78,9 +76,21 @@ def _run_pair(n, ref_kind, grad_dtype, weight_decay, grad_scale, steps=STEPS, be
         g = _grad(n, step, gen, grad_dtype)
         ref.grad = g.float() * grad_scale if grad_scale != 1.0 else g.float()
         opt.step()
-        native.adamw_step_(master, m, v, g, copy, lr=LR, beta1=beta1, beta2=beta2, eps=EPS,
-                           weight_decay=weight_decay, step=step, grad_scale=grad_scale,
-                           decoupled=ref_kind != "adam")
+        native.adamw_step_(
+            master,
+            m,
+            v,
+            g,
+            copy,
+            lr=LR,
+            beta1=beta1,
+            beta2=beta2,
+            eps=EPS,
+            weight_decay=weight_decay,
+            step=step,
+            grad_scale=grad_scale,
+            decoupled=ref_kind != "adam",
+        )
     state = opt.state[ref]
     return (master, m, v, copy), (ref.detach(), state["exp_avg"], state["exp_avg_sq"])
 
@@ -91,8 +101,10 @@ def _assert_matches(ours, theirs):
     torch.testing.assert_close(m, m_ref, rtol=RTOL, atol=ATOL, msg=lambda s: f"exp_avg: {s}")
     torch.testing.assert_close(v, v_ref, rtol=RTOL, atol=ATOL, msg=lambda s: f"exp_avg_sq: {s}")
     # the copy is the new master in the copy dtype, bit for bit
-    assert torch.equal(copy.view(torch.int16 if copy.dtype == torch.bfloat16 else torch.int32),
-                       master.to(copy.dtype).view(torch.int16 if copy.dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(
+        copy.view(torch.int16 if copy.dtype == torch.bfloat16 else torch.int32),
+        master.to(copy.dtype).view(torch.int16 if copy.dtype == torch.bfloat16 else torch.int32),
+    )
 
 
 SMALL = [1, 7, 22, 4096]
@@ -129,8 +141,13 @@ def test_matches_torch_adamw_big(ref_kind, grad_dtype, weight_decay, grad_scale)
 @requires_native
 @pytest.mark.parametrize(
     "n,grad_dtype,grad_scale",
-    [(7, torch.float32, 0.37), (7, torch.bfloat16, 1.0), (4096, torch.float32, 1.0), (4096, torch.bfloat16, 0.37),
-     (BIG, torch.bfloat16, 1.0)],
+    [
+        (7, torch.float32, 0.37),
+        (7, torch.bfloat16, 1.0),
+        (4096, torch.float32, 1.0),
+        (4096, torch.bfloat16, 0.37),
+        (BIG, torch.bfloat16, 1.0),
+    ],
 )
 def test_l2_mode_matches_torch_adam(n, grad_dtype, grad_scale):
     _assert_matches(*_run_pair(n, "adam", grad_dtype, 0.1, grad_scale))
@@ -154,9 +171,21 @@ def _step_all_variants(n, seed=0, steps=3):
                 master, m, v = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
                 copy = None if copy_dtype is None else torch.empty(n, dtype=copy_dtype)
                 for step in range(1, steps + 1):
-                    native.adamw_step_(master, m, v, _grad(n, step, gen, grad_dtype), copy, lr=LR, beta1=BETA1,
-                                       beta2=BETA2, eps=EPS, weight_decay=wd, step=step, grad_scale=0.5,
-                                       decoupled=decoupled)
+                    native.adamw_step_(
+                        master,
+                        m,
+                        v,
+                        _grad(n, step, gen, grad_dtype),
+                        copy,
+                        lr=LR,
+                        beta1=BETA1,
+                        beta2=BETA2,
+                        eps=EPS,
+                        weight_decay=wd,
+                        step=step,
+                        grad_scale=0.5,
+                        decoupled=decoupled,
+                    )
                 out += [master, m, v] + ([] if copy is None else [copy])
     return out
 
@@ -200,9 +229,25 @@ def test_bf16_copy_rounds_like_torch_including_specials():
     n = 1 << 16
     bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
     ties = (torch.randint(0, 2**15, (4096,), generator=gen, dtype=torch.int32) << 16) | 0x8000
-    specials = torch.tensor([0x00000000, -(2**31), 0x7F800000, 0xFF800000 - 2**32, 0x7FC00000, 0x7F800001,
-                             0xFFC00000 - 2**32, 0x7F7FFFFF, 0x7F7F8000, 0x00000001, 0x00008000, 0x00018000,
-                             0x3F808000, 0x3F818000], dtype=torch.int64).to(torch.int32)
+    specials = torch.tensor(
+        [
+            0x00000000,
+            -(2**31),
+            0x7F800000,
+            0xFF800000 - 2**32,
+            0x7FC00000,
+            0x7F800001,
+            0xFFC00000 - 2**32,
+            0x7F7FFFFF,
+            0x7F7F8000,
+            0x00000001,
+            0x00008000,
+            0x00018000,
+            0x3F808000,
+            0x3F818000,
+        ],
+        dtype=torch.int64,
+    ).to(torch.int32)
     master = torch.cat([bits, ties, specials]).view(torch.float32).clone()
     k = master.numel()
     m, v, grad = torch.zeros(k), torch.zeros(k), torch.zeros(k, dtype=torch.bfloat16)
@@ -212,8 +257,19 @@ def test_bf16_copy_rounds_like_torch_including_specials():
         for copy in (c16, c32):
             mm = master.clone()
             # lr=0 and zero grad/state: the update is -0, so master keeps its values (NaNs stay NaN)
-            native.adamw_step_(mm, m.clone(), v.clone(), grad, copy, lr=0.0, beta1=BETA1, beta2=BETA2, eps=EPS,
-                               weight_decay=0.0, step=1)
+            native.adamw_step_(
+                mm,
+                m.clone(),
+                v.clone(),
+                grad,
+                copy,
+                lr=0.0,
+                beta1=BETA1,
+                beta2=BETA2,
+                eps=EPS,
+                weight_decay=0.0,
+                step=1,
+            )
             want = mm.to(copy.dtype)
             nan = torch.isnan(want)
             assert torch.equal(torch.isnan(copy), nan), isa
@@ -254,8 +310,19 @@ def test_sq_norm(n, dtype):
 @requires_native
 def test_zero_size_is_a_no_op():
     e = torch.empty(0)
-    native.adamw_step_(e, e.clone(), e.clone(), e.clone(), e.clone(), lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS,
-                       weight_decay=0.1, step=1)
+    native.adamw_step_(
+        e,
+        e.clone(),
+        e.clone(),
+        e.clone(),
+        e.clone(),
+        lr=LR,
+        beta1=BETA1,
+        beta2=BETA2,
+        eps=EPS,
+        weight_decay=0.1,
+        step=1,
+    )
     native.grad_accumulate_(torch.empty(0), torch.empty(0), first=False)
 
 
@@ -277,8 +344,13 @@ def test_thread_setting_applies_to_calls_from_other_threads():
 
 
 def _bufs(n=16, grad_dtype=torch.bfloat16, copy_dtype=torch.bfloat16):
-    return dict(master=torch.zeros(n), exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n),
-                grad=torch.zeros(n, dtype=grad_dtype), out_copy=torch.empty(n, dtype=copy_dtype))
+    return dict(
+        master=torch.zeros(n),
+        exp_avg=torch.zeros(n),
+        exp_avg_sq=torch.zeros(n),
+        grad=torch.zeros(n, dtype=grad_dtype),
+        out_copy=torch.empty(n, dtype=copy_dtype),
+    )
 
 
 def _step(**over):
@@ -296,7 +368,11 @@ def _step(**over):
         (dict(master=torch.zeros(16, dtype=torch.float64)), TypeError, r"master has dtype float64, expected float32"),
         (dict(exp_avg=torch.zeros(16, dtype=torch.bfloat16)), TypeError, r"exp_avg has dtype bfloat16"),
         (dict(exp_avg_sq=torch.zeros(16, dtype=torch.float16)), TypeError, r"exp_avg_sq has dtype float16"),
-        (dict(grad=torch.zeros(16, dtype=torch.float16)), TypeError, r"grad has dtype float16, expected float32 or bfloat16"),
+        (
+            dict(grad=torch.zeros(16, dtype=torch.float16)),
+            TypeError,
+            r"grad has dtype float16, expected float32 or bfloat16",
+        ),
         (dict(out_copy=torch.zeros(16, dtype=torch.float16)), TypeError, r"out_copy has dtype float16"),
         (dict(master=torch.zeros(32)[::2]), ValueError, r"master is not contiguous.*contiguous\(\)"),
         (dict(grad=torch.zeros(4, 8, dtype=torch.bfloat16).t()), ValueError, r"grad is not contiguous"),
@@ -365,8 +441,7 @@ def test_unavailable_library_warns_once_and_raises(monkeypatch):
         assert native.backend().startswith("torch (")
         assert "simulated" in native.load_error()
         with pytest.raises(RuntimeError, match="not available.*simulated"):
-            native.adamw_step_(*_bufs().values(), lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS,
-                               weight_decay=0.0, step=1)
+            native.adamw_step_(*_bufs().values(), lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0, step=1)
         with pytest.raises(RuntimeError, match="not available"):
             native.grad_accumulate_(torch.zeros(2), torch.zeros(2), first=True)
 

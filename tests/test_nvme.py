@@ -53,8 +53,14 @@ def train(precision: str, nvme_dir=None, layout: str = "default", batches: int =
     module = CausalLM(hf_llama(layers=3), split_decay=True, schedule=batches)
     strategy = "auto" if nvme_dir == "ordinary" else MegatrainStrategy(nvme_dir=nvme_dir, host_layout=layout)
     torch.manual_seed(5)
-    fit(module, token_batches(batches), strategy=strategy, precision=precision, callbacks=list(callbacks),
-        **trainer_kwargs)  # fmt: skip
+    fit(
+        module,
+        token_batches(batches),
+        strategy=strategy,
+        precision=precision,
+        callbacks=list(callbacks),
+        **trainer_kwargs,
+    )
     return module
 
 
@@ -127,8 +133,15 @@ def test_resume_with_nvme_is_exact(fmt, first_on_nvme, tmp_path):
     straight = module()
     fit(straight, batches, max_epochs=2, **kwargs)
     cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_epochs=1)
-    fit(module(), batches, strategy=strategy(first_on_nvme), max_epochs=1, enable_checkpointing=True,
-        callbacks=[cb], **kwargs)  # fmt: skip
+    fit(
+        module(),
+        batches,
+        strategy=strategy(first_on_nvme),
+        max_epochs=1,
+        enable_checkpointing=True,
+        callbacks=[cb],
+        **kwargs,
+    )
     resumed = module()
     t = trainer(strategy=strategy(True), max_epochs=2, **kwargs)
     with quiet():
@@ -146,8 +159,13 @@ def test_a_sharded_save_never_gathers_the_moments(tmp_path, monkeypatch):
     drive.mkdir()
     monkeypatch.setattr(HostAdamW, "_stepped_moments", lambda self: pytest.fail("moments gathered for a sharded save"))
     cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
-    fit(CausalLM(hf_llama(layers=2)), token_batches(4), strategy=MegatrainStrategy(nvme_dir=str(drive)),
-        enable_checkpointing=True, callbacks=[cb])  # fmt: skip
+    fit(
+        CausalLM(hf_llama(layers=2)),
+        token_batches(4),
+        strategy=MegatrainStrategy(nvme_dir=str(drive)),
+        enable_checkpointing=True,
+        callbacks=[cb],
+    )
     assert (tmp_path / "ckpt" / "last.ckpt").exists()
 
 

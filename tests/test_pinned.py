@@ -121,7 +121,9 @@ def test_registration_failure_names_the_size_and_the_fix(cuda):
     cuda.fail_with = 2  # cudaErrorMemoryAllocation
     model = own_llama()
     first_copy = sum(p.numel() for p in model.model.layers[0].parameters()) * 2  # block 0's bf16 copy
-    with pytest.raises(pinned.PinnedMemoryError, match=rf"\({first_copy} bytes\).*returned 2.*RLIMIT_MEMLOCK.*ulimit -l"):
+    with pytest.raises(
+        pinned.PinnedMemoryError, match=rf"\({first_copy} bytes\).*returned 2.*RLIMIT_MEMLOCK.*ulimit -l"
+    ):
         StreamingEngine(model, device="cpu", compute_dtype=torch.bfloat16, pin_memory=True)
     assert pinned.registered_bytes() == 0
 
@@ -165,7 +167,9 @@ def test_host_check_counts_the_accumulator():
     available, _ = host_check_limits(model)
     StreamingEngine(model, device="cpu", available_bytes=lambda: available).release()  # 16 B/param fits
     model = own_llama()
-    with pytest.raises(HostMemoryError, match=r"20 bytes/param: .*fp32 gradient accumulator\).*accumulate_grad_batches=1"):
+    with pytest.raises(
+        HostMemoryError, match=r"20 bytes/param: .*fp32 gradient accumulator\).*accumulate_grad_batches=1"
+    ):
         StreamingEngine(model, device="cpu", accumulating=True, available_bytes=lambda: available)
 
 
@@ -176,8 +180,11 @@ def test_strategy_counts_the_accumulator_when_fitting_with_accumulation(monkeypa
     monkeypatch.setattr(engine_module, "available_host_bytes", lambda: available)
     fit(module, token_batches(2), precision="bf16-mixed")  # 16 B/param fits
     module = CausalLM(hf_llama())
-    kwargs = {"accumulate_grad_batches": 2} if how == "accumulate_grad_batches" else \
-        {"callbacks": [GradientAccumulationScheduler({0: 1, 1: 2})], "max_epochs": 2}  # fmt: skip
+    kwargs = (
+        {"accumulate_grad_batches": 2}
+        if how == "accumulate_grad_batches"
+        else {"callbacks": [GradientAccumulationScheduler({0: 1, 1: 2})], "max_epochs": 2}
+    )
     with pytest.raises(HostMemoryError, match="fp32 gradient accumulator"):
         fit(module, token_batches(2), precision="bf16-mixed", **kwargs)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import multiprocessing
 
 import pytest
@@ -14,8 +13,8 @@ from megatrain_lightning.callbacks import rss_bytes
 from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.host import host_bytes_per_param
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from megatrain_lightning.optim.adamw import HostAdamW
 from megatrain_lightning.models.tiling import tile_bytes_per_token
+from megatrain_lightning.optim.adamw import HostAdamW
 from megatrain_lightning.planner import (
     block_numel,
     format_size,
@@ -30,12 +29,20 @@ PRECISION = {torch.bfloat16: "bf16-mixed", torch.float32: "32-true"}
 
 
 def small_config(layers: int = 4, hidden: int = 64) -> LlamaConfig:
-    return LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                       num_attention_heads=max(1, hidden // 64) * 2, num_key_value_heads=max(1, hidden // 64),
-                       loss_chunk_size=64)  # fmt: skip
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64) * 2,
+        num_key_value_heads=max(1, hidden // 64),
+        loss_chunk_size=64,
+    )
 
 
-def train(model: LlamaForCausalLM, dtype: torch.dtype, accumulate: int, offload_inputs: bool = False) -> StreamingEngine:
+def train(
+    model: LlamaForCausalLM, dtype: torch.dtype, accumulate: int, offload_inputs: bool = False
+) -> StreamingEngine:
     """One optimizer step of `accumulate` micro-batches on the CPU, as the strategy drives the engine."""
     config = model.config
     engine = StreamingEngine(model, device="cpu", compute_dtype=dtype)
@@ -77,14 +84,23 @@ def test_offloaded_inputs_are_planned_as_the_engine_allocates_them(dtype):
     kept = plan(config, seq_len=32, micro_batch=1, precision=PRECISION[dtype])
     assert offloaded.host["activations"] == engine.saved_inputs.host_bytes() > 0 == kept.host["activations"]
     per_input = offloaded.host["activations"] // config.num_hidden_layers
-    assert kept.gpu["saved_inputs"] == config.num_hidden_layers * per_input and offloaded.gpu["saved_inputs"] == per_input
+    assert (
+        kept.gpu["saved_inputs"] == config.num_hidden_layers * per_input and offloaded.gpu["saved_inputs"] == per_input
+    )
 
 
 def _rss_growth(dtype: torch.dtype) -> dict:
     """In a fresh process: resident-memory growth from handing a model to the engine through one step."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                         num_attention_heads=16, num_key_value_heads=4, loss_chunk_size=256)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        loss_chunk_size=256,
+    )
     model = LlamaForCausalLM(config)
     before = rss_bytes()
     engine = train(model, dtype, accumulate=1)
@@ -108,7 +124,9 @@ def test_host_estimate_matches_process_rss():
 
 
 def test_refuses_a_model_too_big_for_host_memory():
-    p = plan(LlamaConfig.from_preset("qwen2.5-72b"), 4096, 1, host_mem=parse_size("512GiB"), gpu_mem=parse_size("80GiB"))
+    p = plan(
+        LlamaConfig.from_preset("qwen2.5-72b"), 4096, 1, host_mem=parse_size("512GiB"), gpu_mem=parse_size("80GiB")
+    )
     assert not p.fits
     [problem] = p.problems()
     assert "1083.4 GiB" in problem and "512.0 GiB" in problem and "more host memory" in problem
@@ -155,14 +173,24 @@ def test_fp32_has_no_separate_copy_and_accumulation_adds_four_bytes():
     assert plan(config, 1024, 1, accumulate=4).host_total == 20 * n
 
 
-@pytest.mark.parametrize(("text", "expected"), [("512GiB", 512 * 2**30), ("80GB", 80 * 10**9), ("1.5TiB", int(1.5 * 2**40)),
-                                                ("4096", 4096), ("80 gib", 80 * 2**30)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512GiB", 512 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("1.5TiB", int(1.5 * 2**40)),
+        ("4096", 4096),
+        ("80 gib", 80 * 2**30),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize(("text", "message"), [("80G", "ambiguous.*80GB.*80GiB"), ("lots", "not a number"),
-                                               ("5 parsecs", "unknown unit 'parsecs'")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("80G", "ambiguous.*80GB.*80GiB"), ("lots", "not a number"), ("5 parsecs", "unknown unit 'parsecs'")],
+)
 def test_parse_size_errors(text, message):
     with pytest.raises(ValueError, match=message):
         parse_size(text)
@@ -262,7 +290,11 @@ def test_lean_layout_is_twelve_bytes_per_param_plus_rings(precision, elt):
 def test_default_layout_ignores_clipping():
     """The default layout keeps a slab per unit anyway: clipping costs it nothing."""
     config = LlamaConfig.from_preset("llama-3.2-1b")
-    assert plan(config, 1024, 1, clipping=True).host == plan(config, 1024, 1).host == host_breakdown(config, "bf16-mixed", 1)
+    assert (
+        plan(config, 1024, 1, clipping=True).host
+        == plan(config, 1024, 1).host
+        == host_breakdown(config, "bf16-mixed", 1)
+    )
 
 
 def test_nvme_moves_adam_to_the_drive_keeping_four_pieces_in_flight():
@@ -311,7 +343,9 @@ def test_an_explicit_layout_that_does_not_fit_names_the_options_that_would():
     config, limit = LlamaConfig.from_preset("llama-120b"), parse_size("1536GiB")
     [problem] = plan(config, 4096, 1, host_mem=limit, host_layout="default").problems()
     assert "--host-layout lean (MegatrainStrategy(host_layout='lean')" in problem and "fits: 1321.9 GiB" in problem
-    [problem] = plan(config, 4096, 1, host_mem=parse_size("256GiB"), host_layout="lean", nvme_dir="d", clipping=True).problems()
+    [problem] = plan(
+        config, 4096, 1, host_mem=parse_size("256GiB"), host_layout="lean", nvme_dir="d", clipping=True
+    ).problems()
     assert "more host memory" in problem and "without gradient clipping lean drops the 2 bytes/param" in problem
 
 

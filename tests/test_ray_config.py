@@ -21,14 +21,22 @@ from ray_jobs.config import SweepConfigError, as_dict, changes, load, resolve
 from ray_jobs.sweep import SweepChanged, check_unchanged, main, record_config, stored_config
 
 REPO = Path(__file__).resolve().parents[1]
-BASE = {"seed": 0, "model": {"model": "tiny", "warmup_steps": 5},
-        "data": {"path": "builtin:python-docs", "seq_len": 64, "batch_size": 8},
-        "trainer": {"max_steps": 30, "precision": "32-true", "val_check_interval": 10}}  # fmt: skip
+BASE = {
+    "seed": 0,
+    "model": {"model": "tiny", "warmup_steps": 5},
+    "data": {"path": "builtin:python-docs", "seq_len": 64, "batch_size": 8},
+    "trainer": {"max_steps": 30, "precision": "32-true", "val_check_interval": 10},
+}
 
 
 def sweep_file(tmp_path: Path, name: str = "cfg", **overrides) -> str:
-    cfg = {"name": name, "storage": str(tmp_path / "storage"), "base": BASE,
-           "search_space": {"model.lr": {"grid": [1.0e-3, 3.0e-3]}}, "checkpoint_every": 10}  # fmt: skip
+    cfg = {
+        "name": name,
+        "storage": str(tmp_path / "storage"),
+        "base": BASE,
+        "search_space": {"model.lr": {"grid": [1.0e-3, 3.0e-3]}},
+        "checkpoint_every": 10,
+    }
     cfg.update(overrides)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -100,13 +108,21 @@ def test_a_wheel_ships_configs_as_package_data(monkeypatch):
         dist = Distribution(captured)
         dist.parse_config_files()
     dirs = {pkg: Path((dist.package_dir or {}).get(pkg, pkg.replace(".", "/"))) for pkg in dist.packages}
-    shipped = {str(Path(d) / name) for pkg, d in dirs.items() for pattern in (dist.package_data or {}).get(pkg, [])
-               for name in os.listdir(REPO / d) if fnmatch.fnmatch(name, pattern)}  # fmt: skip
+    shipped = {
+        str(Path(d) / name)
+        for pkg, d in dirs.items()
+        for pattern in (dist.package_data or {}).get(pkg, [])
+        for name in os.listdir(REPO / d)
+        if fnmatch.fnmatch(name, pattern)
+    }
     wanted = {str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.yaml")}
     assert wanted and wanted <= shipped, sorted(wanted - shipped)
     assert dirs["megatrain_lightning.configs"] == Path("configs")  # installed as megatrain_lightning/configs
-    python_packages = {str(p.parent.relative_to(REPO)).replace("/", ".") for top in ("megatrain_lightning", "ray_jobs")
-                       for p in (REPO / top).rglob("__init__.py")}  # fmt: skip
+    python_packages = {
+        str(p.parent.relative_to(REPO)).replace("/", ".")
+        for top in ("megatrain_lightning", "ray_jobs")
+        for p in (REPO / top).rglob("__init__.py")
+    }
     assert python_packages <= set(dist.packages)
 
 
@@ -119,8 +135,12 @@ def test_resubmitting_an_edited_sweep_is_refused_with_what_changed(tmp_path, cap
     assert stored_config(cfg) is None and not check_unchanged(cfg)
     record_config(cfg)  # what the first submission stores before Tune starts
     assert check_unchanged(cfg)  # the same file again: restored
-    edited = sweep_file(tmp_path, "lr", base={**BASE, "trainer": {**BASE["trainer"], "max_steps": 60}},
-                        search_space={"model.lr": {"grid": [1.0e-3, 1.0e-2]}})  # fmt: skip
+    edited = sweep_file(
+        tmp_path,
+        "lr",
+        base={**BASE, "trainer": {**BASE["trainer"], "max_steps": 60}},
+        search_space={"model.lr": {"grid": [1.0e-3, 1.0e-2]}},
+    )
     with pytest.raises(SweepChanged) as err:
         check_unchanged(load(edited))
     assert "base.trainer.max_steps: 30 -> 60" in str(err.value) and "search_space.model.lr.grid" in str(err.value)
@@ -141,7 +161,11 @@ def test_resources_may_change_on_resubmission(tmp_path):
 def test_changes_lists_added_removed_and_changed_leaves():
     a = {"name": "a", "base": {"model": {"lr": 1.0}}, "num_samples": 1, "resources": {"cpus_per_trial": 1}}
     b = {"name": "b", "base": {"model": {"lr": 2.0, "warmup_steps": 3}}, "resources": {"cpus_per_trial": 8}}
-    assert changes(a, b) == ["base.model.lr: 1.0 -> 2.0", "base.model.warmup_steps: added (3)", "num_samples: removed (was 1)"]
+    assert changes(a, b) == [
+        "base.model.lr: 1.0 -> 2.0",
+        "base.model.warmup_steps: added (3)",
+        "num_samples: removed (was 1)",
+    ]
 
 
 # ------------------------------------------------------------------------------- bad input: one line
@@ -254,8 +278,11 @@ def test_seaweedfs_leaves_nothing_behind(tmp_path, monkeypatch):
     assert len(ports) == 4  # master, volume, filer, s3
     numbers = {str(p) for port in ports for p in (port, port + 10000)}  # gRPC ports are port + 10000
     left = [n for n in os.listdir("/tmp") if n.startswith("weed.") and n.endswith(f".{proc.pid}")]  # weed's logs
-    left += [n for n in os.listdir("/tmp")
-             if n.startswith("seaweedfs-") and n.removesuffix(".sock").rsplit("-", 1)[-1] in numbers]  # fmt: skip
+    left += [
+        n
+        for n in os.listdir("/tmp")
+        if n.startswith("seaweedfs-") and n.removesuffix(".sock").rsplit("-", 1)[-1] in numbers
+    ]
     assert left == []
 
 
@@ -277,8 +304,14 @@ def test_a_trial_resumed_at_its_end_still_reports_its_metric(tmp_path):
         "seed": 0,
         "model": {"model": "tiny", "warmup_steps": 1},
         "data": {"path": "builtin:python-docs", "seq_len": 32, "batch_size": 2, "val_fraction": 0.02},
-        "trainer": {"max_steps": 4, "precision": "32-true", "val_check_interval": 2, "limit_val_batches": 1,
-                    "enable_checkpointing": True, "accelerator": "cpu"},  # fmt: skip
+        "trainer": {
+            "max_steps": 4,
+            "precision": "32-true",
+            "val_check_interval": 2,
+            "limit_val_batches": 1,
+            "enable_checkpointing": True,
+            "accelerator": "cpu",
+        },
     }
     trial = str(tmp_path / "trial")
     first = run_trial(run, trial, checkpoint_every=2)
@@ -292,23 +325,31 @@ def test_a_trial_resumed_at_its_end_still_reports_its_metric(tmp_path):
 # ------------------------------------------------------------------ the trials' strategy and its memory
 
 
-def strategy_cfg(tmp_path: Path, strategy: dict | None = None, trainer: dict | None = None, layers: int = 16,
-                 **overrides):  # fmt: skip
+def strategy_cfg(
+    tmp_path: Path, strategy: dict | None = None, trainer: dict | None = None, layers: int = 16, **overrides
+):
     """A sweep of the tiny Llama with 16 blocks: enough parameters that the lean rings and the NVMe tier's
     working buffers (a few units' worth) are well below the 4 and 8 B/param they replace."""
     model = {**BASE["model"], "overrides": {"num_hidden_layers": layers}}
     base = {**BASE, "model": model, "trainer": {**BASE["trainer"], **(trainer or {})}}
-    return load(sweep_file(tmp_path, base=base, **({"strategy": strategy} if strategy is not None else {}), **overrides))
+    return load(
+        sweep_file(tmp_path, base=base, **({"strategy": strategy} if strategy is not None else {}), **overrides)
+    )
 
 
 def test_strategy_section_round_trips_through_the_stored_record(tmp_path):
-    cfg = strategy_cfg(tmp_path, {"host_layout": "lean", "nvme_dir": "/mnt/nvme", "host_threads": 3},
-                       resources={"cpus_per_trial": 4})  # fmt: skip
+    cfg = strategy_cfg(
+        tmp_path, {"host_layout": "lean", "nvme_dir": "/mnt/nvme", "host_threads": 3}, resources={"cpus_per_trial": 4}
+    )
     assert (cfg.strategy.host_layout, cfg.strategy.nvme_dir, cfg.strategy.host_threads) == ("lean", "/mnt/nvme", 3)
     assert config_mod.from_dict(as_dict(cfg)) == cfg
     record_config(cfg)
     stored = load(f"{cfg.root}/sweep.yaml")
-    assert stored == cfg and as_dict(stored)["strategy"] == {"host_layout": "lean", "nvme_dir": "/mnt/nvme", "host_threads": 3}
+    assert stored == cfg and as_dict(stored)["strategy"] == {
+        "host_layout": "lean",
+        "nvme_dir": "/mnt/nvme",
+        "host_threads": 3,
+    }
     assert strategy_cfg(tmp_path).strategy == config_mod.TrialStrategy()  # absent: the strategy's defaults
 
 
@@ -324,7 +365,10 @@ BAD_STRATEGY = [
     ({"nvme_dir": "scratch/nvme"}, "strategy.nvme_dir='scratch/nvme' is relative"),
     ({"host_threads": 0}, "strategy.host_threads=0 must be an integer >= 1"),
     ({"host_threads": 4}, "strategy.host_threads=4 is more than the 1 cores Ray reserves per trial"),
-    ({"nvme": "/mnt/nvme"}, "strategy: unknown keys ['nvme']; known keys are ['host_layout', 'nvme_dir', 'host_threads']"),
+    (
+        {"nvme": "/mnt/nvme"},
+        "strategy: unknown keys ['nvme']; known keys are ['host_layout', 'nvme_dir', 'host_threads']",
+    ),
 ]
 
 
@@ -350,19 +394,35 @@ def _expected_request(cfg, layout: str, nvme: bool) -> float:
     dtype = torch.float32 if trainer["precision"] == "32-true" else torch.bfloat16
     accumulate, clipping = trainer.get("accumulate_grad_batches", 1), bool(trainer.get("gradient_clip_val"))
     need = host_bytes_per_param(dtype, True, accumulate > 1, layout, clipping) * n - (8 * n if nvme else 0)
-    p = plan(config, 64, 8, trainer["precision"], accumulate, host_layout=layout,
-             nvme_dir="/mnt/nvme" if nvme else None, clipping=clipping)  # fmt: skip
+    p = plan(
+        config,
+        64,
+        8,
+        trainer["precision"],
+        accumulate,
+        host_layout=layout,
+        nvme_dir="/mnt/nvme" if nvme else None,
+        clipping=clipping,
+    )
     buffers = {k: v for k, v in p.host.items() if k in ("staging", "grad_ring", "nvme_buffers")}
-    assert set(buffers) == ({"staging", "grad_ring"} if layout == "lean" else set()) | ({"nvme_buffers"} if nvme else set())
+    assert set(buffers) == ({"staging", "grad_ring"} if layout == "lean" else set()) | (
+        {"nvme_buffers"} if nvme else set()
+    )
     return float(need + sum(buffers.values()) + parse_size(cfg.resources.memory_headroom))
 
 
 TIERS = [("default", False), ("lean", False), ("default", True), ("lean", True)]
 
 
-@pytest.mark.parametrize("trainer", [{}, {"precision": "bf16-mixed", "gradient_clip_val": 1.0},
-                                     {"precision": "bf16-mixed", "accumulate_grad_batches": 4}],
-                         ids=["fp32", "bf16-clip", "bf16-accumulate"])  # fmt: skip
+@pytest.mark.parametrize(
+    "trainer",
+    [
+        {},
+        {"precision": "bf16-mixed", "gradient_clip_val": 1.0},
+        {"precision": "bf16-mixed", "accumulate_grad_batches": 4},
+    ],
+    ids=["fp32", "bf16-clip", "bf16-accumulate"],
+)
 def test_memory_request_follows_the_layout_and_nvme(tmp_path, trainer):
     from ray_jobs.resources import planned_tier, trial_resources
 
@@ -406,8 +466,11 @@ def test_driver_resolves_auto_and_hands_the_tier_to_the_tuner(tmp_path, capsys, 
     from ray_jobs import sweep
     from ray_jobs.resources import trial_resources
 
-    path = sweep_file(tmp_path, base={**BASE, "trainer": {**BASE["trainer"], "precision": "bf16-mixed"}},
-                      strategy={"host_layout": "auto"})  # fmt: skip
+    path = sweep_file(
+        tmp_path,
+        base={**BASE, "trainer": {**BASE["trainer"], "precision": "bf16-mixed"}},
+        strategy={"host_layout": "auto"},
+    )
     lean = trial_resources(load(path), tier=("lean", False))["memory"]
     monkeypatch.setattr(ray, "init", lambda **kwargs: None)
     monkeypatch.setattr(ray, "nodes", lambda: [_node(lean)])
@@ -428,11 +491,17 @@ def test_each_trial_gets_the_strategy_options(tmp_path, monkeypatch):
     one_core = strategy_cfg(tmp_path, {"host_threads": None})
     assert strategy_options(one_core, ("default", False))["host_threads"] == 1
     seen = {}
-    monkeypatch.setattr(sweep, "tune_trainable", lambda root, base, every, strategy: seen.update(strategy=strategy) or
-                        (lambda params: None))  # fmt: skip
+    monkeypatch.setattr(
+        sweep,
+        "tune_trainable",
+        lambda root, base, every, strategy: seen.update(strategy=strategy) or (lambda params: None),
+    )
     monkeypatch.setattr("ray.tune.with_resources", lambda fn, res: seen.update(resources=res) or fn)
     sweep.build_tuner(cfg, ("lean", True))
-    assert seen == {"strategy": strategy_options(cfg, ("lean", True)), "resources": trial_resources(cfg, tier=("lean", True))}
+    assert seen == {
+        "strategy": strategy_options(cfg, ("lean", True)),
+        "resources": trial_resources(cfg, tier=("lean", True)),
+    }
 
 
 def test_a_trials_strategy_and_its_own_nvme_directory(tmp_path):
@@ -444,7 +513,9 @@ def test_a_trials_strategy_and_its_own_nvme_directory(tmp_path):
     own = drive / "megatrain-trial-abc_00001"
     (own / f"{PREFIX}left-by-a-killed-attempt").mkdir(parents=True)
     (own / "notes.txt").write_text("not ours to remove")
-    st = trial_strategy({"host_layout": "lean", "nvme_dir": str(drive), "host_threads": 10**6}, "s3://b/sweeps/x/trials/abc_00001")
+    st = trial_strategy(
+        {"host_layout": "lean", "nvme_dir": str(drive), "host_threads": 10**6}, "s3://b/sweeps/x/trials/abc_00001"
+    )
     assert (st.host_layout, st.nvme_dir, st.host_threads) == ("lean", str(own), len(usable_cpus()))
     assert sorted(p.name for p in own.iterdir()) == ["notes.txt"]
     missing = str(tmp_path / "no-such-drive")
@@ -466,12 +537,24 @@ def test_a_trial_trains_with_its_strategy(tmp_path, monkeypatch):
     monkeypatch.setattr(trial_mod, "MegatrainStrategy", Recording)
     drive = tmp_path / "nvme"
     drive.mkdir()
-    run = {"seed": 0, "model": {"model": "tiny", "warmup_steps": 1},
-           "data": {"path": "builtin:python-docs", "seq_len": 32, "batch_size": 2, "val_fraction": 0.02},
-           "trainer": {"max_steps": 2, "precision": "32-true", "val_check_interval": 2, "limit_val_batches": 1,
-                       "accelerator": "cpu"}}  # fmt: skip
-    result = trial_mod.run_trial(run, str(tmp_path / "trials" / "t1"), checkpoint_every=2,
-                                 strategy={"host_layout": "lean", "nvme_dir": str(drive), "host_threads": 1})  # fmt: skip
+    run = {
+        "seed": 0,
+        "model": {"model": "tiny", "warmup_steps": 1},
+        "data": {"path": "builtin:python-docs", "seq_len": 32, "batch_size": 2, "val_fraction": 0.02},
+        "trainer": {
+            "max_steps": 2,
+            "precision": "32-true",
+            "val_check_interval": 2,
+            "limit_val_batches": 1,
+            "accelerator": "cpu",
+        },
+    }
+    result = trial_mod.run_trial(
+        run,
+        str(tmp_path / "trials" / "t1"),
+        checkpoint_every=2,
+        strategy={"host_layout": "lean", "nvme_dir": str(drive), "host_threads": 1},
+    )
     assert result["step"] == 2
     (layout, tier, scratch) = used[0]
     assert layout == "lean" and tier and len(scratch) == 1

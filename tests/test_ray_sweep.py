@@ -33,8 +33,9 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-def sweep_yaml(tmp_path: Path, name: str, lrs: list[float], steps: int, concurrent: int = 2,
-               strategy: dict | None = None) -> str:  # fmt: skip
+def sweep_yaml(
+    tmp_path: Path, name: str, lrs: list[float], steps: int, concurrent: int = 2, strategy: dict | None = None
+) -> str:
     cfg = {
         "name": name,
         "storage": "s3://megatrain/sweeps",
@@ -42,8 +43,13 @@ def sweep_yaml(tmp_path: Path, name: str, lrs: list[float], steps: int, concurre
             "seed": 0,
             "model": {"model": "tiny", "warmup_steps": 5},
             "data": {"path": "builtin:python-docs", "seq_len": 64, "batch_size": 8, "val_fraction": 0.02},
-            "trainer": {"max_steps": steps, "precision": "32-true", "val_check_interval": 10,
-                        "limit_val_batches": 2, "gradient_clip_val": 1.0},  # fmt: skip
+            "trainer": {
+                "max_steps": steps,
+                "precision": "32-true",
+                "val_check_interval": 10,
+                "limit_val_batches": 2,
+                "gradient_clip_val": 1.0,
+            },
         },
         "search_space": {"model.lr": {"grid": lrs}},
         "max_concurrent_trials": concurrent,
@@ -68,8 +74,14 @@ def cluster(s3_env):
 
     tmp = tempfile.mkdtemp(prefix="mt-ray-")
     port = free_port()
-    head = dict(num_cpus=1, num_gpus=1, memory=3 * 2**30, include_dashboard=True, dashboard_host="127.0.0.1",
-                dashboard_port=port)  # fmt: skip
+    head = dict(
+        num_cpus=1,
+        num_gpus=1,
+        memory=3 * 2**30,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=port,
+    )
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("TMPDIR", tmp)
@@ -132,7 +144,9 @@ def test_two_trial_sweep_through_ray_job_submit(cluster, s3_env, tmp_path):
     _, dashboard, _ = cluster
     drive = tmp_path / "nvme"
     drive.mkdir()
-    config = sweep_yaml(tmp_path, "e2e", [1e-3, 3e-3], steps=20, strategy={"host_layout": "lean", "nvme_dir": str(drive)})
+    config = sweep_yaml(
+        tmp_path, "e2e", [1e-3, 3e-3], steps=20, strategy={"host_layout": "lean", "nvme_dir": str(drive)}
+    )
     client, job = submit(dashboard, config, s3_env)
     assert wait_job(client, job) == "SUCCEEDED", client.get_job_logs(job)[-3000:]
     assert list(drive.iterdir()) == []  # each trial's scratch directory went with its engine

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import lightning.pytorch as L
 import pytest

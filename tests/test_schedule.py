@@ -22,15 +22,24 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatrain_lightning import StreamingEngine
+from megatrain_lightning.flops import matmul_params, model_flops
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.schedule import Profile, Recorder, replay, summarize, train_steps
+from megatrain_lightning.schedule.profiles import LINK_EFFICIENCY
 from megatrain_lightning.schedule.replay import Interval, Replay, Timeline
 from megatrain_lightning.schedule.report import CHAIN
-from megatrain_lightning.schedule.profiles import LINK_EFFICIENCY
-from megatrain_lightning.flops import matmul_params, model_flops
 from megatrain_lightning.schedule.trace import (
-    Copy, HostWork, Join, Kernel, Mark, Record, Submit, Sync, Trace, Wait,
-)  # fmt: skip
+    Copy,
+    HostWork,
+    Join,
+    Kernel,
+    Mark,
+    Record,
+    Submit,
+    Sync,
+    Trace,
+    Wait,
+)
 
 SEQ, BATCH, STEPS = 32, 2, 2
 
@@ -176,21 +185,31 @@ def test_replay_overlaps_lanes_waits_for_events_and_blocks_the_host():
     kernel = dict(counted=0, nbytes=0, step=1, phase="p")
     trace = Trace(
         issue=[
-            Mark(1), Copy("h2d", 2 * 10**9, 1, "p"), Record(1, "h2d"),
-            Kernel("A", 10**12, attention=False, causal=False, **kernel), Wait("compute", 1),
-            Kernel("B", 10**12, attention=False, causal=False, **kernel), Record(2, "compute"),
-            Submit(0), Join(0, "test"), Kernel("C", 2 * 10**12, attention=True, causal=True, **kernel),
-        ],  # fmt: skip
+            Mark(1),
+            Copy("h2d", 2 * 10**9, 1, "p"),
+            Record(1, "h2d"),
+            Kernel("A", 10**12, attention=False, causal=False, **kernel),
+            Wait("compute", 1),
+            Kernel("B", 10**12, attention=False, causal=False, **kernel),
+            Record(2, "compute"),
+            Submit(0),
+            Join(0, "test"),
+            Kernel("C", 2 * 10**12, attention=True, causal=True, **kernel),
+        ],
         jobs=[[Sync(2, "land"), HostWork("adam", 10**9, 28 * 10**9, 1, "p")]],
         job_step=[1],
     )
     timeline = replay(trace, unit_profile(), launch_s=0.25)
     spans = {(iv.lane, iv.what): (iv.start, iv.end) for iv in timeline.intervals if iv.what != "launch"}
     expected = {
-        ("h2d", "copy"): (0.25, 2.25), ("compute", "A"): (0.5, 1.5), ("compute", "B"): (2.25, 3.25),
-        ("host blocked", "land"): (0.75, 3.25), ("host", "adam"): (3.25, 4.25),
-        ("issue blocked", "test"): (0.75, 4.25), ("compute", "C"): (4.5, 5.5),
-    }  # fmt: skip
+        ("h2d", "copy"): (0.25, 2.25),
+        ("compute", "A"): (0.5, 1.5),
+        ("compute", "B"): (2.25, 3.25),
+        ("host blocked", "land"): (0.75, 3.25),
+        ("host", "adam"): (3.25, 4.25),
+        ("issue blocked", "test"): (0.75, 4.25),
+        ("compute", "C"): (4.5, 5.5),
+    }
     assert spans.keys() == expected.keys()  # (pytest >= 9.2 refuses approx over a dict of tuples)
     assert all(spans[k] == pytest.approx(v) for k, v in expected.items()), spans
 
@@ -199,14 +218,17 @@ def test_replay_runs_the_ready_job_of_lowest_order_first():
     """As engine/worker.py does: jobs 0 (order 5) and 1 (order 1) are submitted at once and run 1 then 0;
     job 2 (order 0) comes after a copy that ends at 1.25, so it waits while job 0 runs (1 to 2), then goes
     ahead of job 3 (order 9, ready at 0) that was submitted before it."""
+
     def adam(job: int) -> HostWork:  # 1 s each on the unit profile; the phase names the job
         return HostWork("adam", 10**9, 1, 1, f"job {job}")
 
     trace = Trace(
         issue=[Mark(1), Submit(0), Submit(1), Submit(3), Copy("d2h", 10**9, 1, "p"), Record(1, "d2h"), Submit(2)],
         jobs=[[adam(0)], [adam(1)], [Sync(1, "land"), adam(2)], [adam(3)]],
-        job_step=[1] * 4, job_order=[5, 1, 0, 9], job_after=[((), ()), ((), ()), ((1,), ()), ((), ())],
-    )  # fmt: skip
+        job_step=[1] * 4,
+        job_order=[5, 1, 0, 9],
+        job_after=[((), ()), ((), ()), ((1,), ()), ((), ())],
+    )
     timeline = replay(trace, unit_profile(), launch_s=0.25)
     ran = [(iv.phase, iv.start) for iv in timeline.intervals if iv.lane == "host"]
     assert ran == [("job 1", 0.0), ("job 0", 1.0), ("job 2", 2.0), ("job 3", 3.0)]  # the copy ended at 1.25
@@ -309,12 +331,14 @@ def test_clipping_is_bound_by_the_backward_then_the_host_steps():
     clipping no step may start before the backward's last gradient, nor the next backward before the last
     step, so the bound is the chain 0.8 + 1 = 1.8 s. Without clipping the steps may overlap the backward:
     the chain is the Adam time, 1 s, and the bound the busiest resource's (a tie names the resource)."""
-    timeline = Timeline(intervals=[
-        Interval("compute", 0.0, 1.0, 1, "mm", "backward block 0"),
-        Interval("host", 1.0, 2.0, 2, "adam", "optimizer"),
-        Interval("compute", 2.0, 2.2, 2, "mm", "forward block 0"),
-        Interval("compute", 2.2, 3.0, 2, "mm", "backward block 0"),
-    ])  # fmt: skip
+    timeline = Timeline(
+        intervals=[
+            Interval("compute", 0.0, 1.0, 1, "mm", "backward block 0"),
+            Interval("host", 1.0, 2.0, 2, "adam", "optimizer"),
+            Interval("compute", 2.0, 2.2, 2, "mm", "forward block 0"),
+            Interval("compute", 2.2, 3.0, 2, "mm", "backward block 0"),
+        ]
+    )
     clipped, plain = (summarize(timeline, unit_profile(), 1e12, 2, clipped=c) for c in (True, False))
     assert (clipped.bound, clipped.bound_s, clipped.step_s) == pytest.approx((CHAIN, 1.8, 2.0))
     assert clipped.resource in ("gpu", "host") and clipped.resource_ratio == pytest.approx(2.0)
@@ -327,13 +351,15 @@ def test_with_accumulation_the_chain_holds_all_but_the_first_forward():
     so with clipping the chain is 1 + 2.0 - 0.2 = 2.8 s (the accumulating overlaps the GPU); without, the
     steps may start during the last backward, each after its unit's last accumulation: 2.8 - 0.8 + 0.2 =
     2.2 s, above every resource (GPU 2.0 s, host 1.4 s)."""
-    timeline = Timeline(intervals=[
-        Interval("compute", 0.0, 1.0, 1, "mm", "backward block 0"),
-        Interval("host", 1.0, 2.0, 2, "adam", "optimizer"),
-        *(Interval("host", t, t + 0.2, 2, "accumulate", "backward block 0") for t in (3.0, 4.0)),
-        *(Interval("compute", t, t + 0.2, 2, "mm", "forward block 0") for t in (2.0, 3.0)),
-        *(Interval("compute", t, t + 0.8, 2, "mm", "backward block 0") for t in (2.2, 3.2)),
-    ])  # fmt: skip
+    timeline = Timeline(
+        intervals=[
+            Interval("compute", 0.0, 1.0, 1, "mm", "backward block 0"),
+            Interval("host", 1.0, 2.0, 2, "adam", "optimizer"),
+            *(Interval("host", t, t + 0.2, 2, "accumulate", "backward block 0") for t in (3.0, 4.0)),
+            *(Interval("compute", t, t + 0.2, 2, "mm", "forward block 0") for t in (2.0, 3.0)),
+            *(Interval("compute", t, t + 0.8, 2, "mm", "backward block 0") for t in (2.2, 3.2)),
+        ]
+    )
     clipped, plain = (summarize(timeline, unit_profile(), 1e12, 2, clipped=c, micro_batches=2) for c in (True, False))
     assert (clipped.bound, clipped.bound_s, clipped.step_s) == pytest.approx((CHAIN, 2.8, 3.0))
     assert (plain.bound, plain.bound_s) == pytest.approx((CHAIN, 2.2))
@@ -353,7 +379,20 @@ def test_command_line_ends_with_the_summary_line(tmp_path):
     out = io.StringIO()
     png = tmp_path / "lanes.png"
     with redirect_stdout(out):
-        args = ["--model", "tiny", "--tokens", "64", "--clip", "1.0", "--device", "a100", "--steps", "2", "--png", str(png)]
+        args = [
+            "--model",
+            "tiny",
+            "--tokens",
+            "64",
+            "--clip",
+            "1.0",
+            "--device",
+            "a100",
+            "--steps",
+            "2",
+            "--png",
+            str(png),
+        ]
         assert cli.main(args) == 0
     lines = out.getvalue().strip().splitlines()
     match = LAST.match(lines[-1])

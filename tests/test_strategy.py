@@ -42,8 +42,10 @@ MODELS = {
     "own-llama": (own_llama, own_loss),
     "hf-llama": (hf_llama, None),
     # Odd sizes (norms of 36, k/v 648, vocab 97x36): vector tails everywhere, in each tensor and segment.
-    "hf-llama-odd": (lambda: hf_llama(hidden_size=36, num_attention_heads=2, num_key_value_heads=1,
-                                      intermediate_size=70), None),  # fmt: skip
+    "hf-llama-odd": (
+        lambda: hf_llama(hidden_size=36, num_attention_heads=2, num_key_value_heads=1, intermediate_size=70),
+        None,
+    ),
     "hf-qwen2-tied": (hf_qwen2, None),
 }
 
@@ -95,16 +97,21 @@ def test_twenty_steps_equal_ordinary_training(model, adam_backend):
     """Accumulation 4, clipping 1.0, warm-up + cosine schedule, a no-decay param group."""
     make, loss_fn = MODELS[model]
     ref, mt, start = run_pair(
-        make, loss_fn, token_batches(STEPS * 4),
+        make,
+        loss_fn,
+        token_batches(STEPS * 4),
         module_kwargs=dict(split_decay=True, schedule=STEPS),
-        accumulate_grad_batches=4, gradient_clip_val=1.0,
-    )  # fmt: skip
+        accumulate_grad_batches=4,
+        gradient_clip_val=1.0,
+    )
     assert_same_training(ref, mt, adam_backend, start)
 
 
 def test_overlapped_steps_equal_ordinary_training(adam_backend):
     """No clipping: every block steps on the host while backward is still running."""
-    ref, mt, start = run_pair(hf_llama, None, token_batches(STEPS), module_kwargs=dict(split_decay=True, schedule=STEPS))
+    ref, mt, start = run_pair(
+        hf_llama, None, token_batches(STEPS), module_kwargs=dict(split_decay=True, schedule=STEPS)
+    )
     assert_same_training(ref, mt, adam_backend, start)
 
 

@@ -122,6 +122,7 @@ def test_the_engine_issues_every_copy_through_the_streams(monkeypatch):
 
 # -- 2. bitwise equality under the double -------------------------------------------------------
 
+
 def two_views(model, batch: torch.Tensor) -> torch.Tensor:
     """Two forwards in one loss: each block's gradients are held and summed in its slab (host_steps.Held)."""
     return hf_loss(model, batch) + 0.5 * hf_loss(model, batch.flip(1))
@@ -133,16 +134,20 @@ def two_views(model, batch: torch.Tensor) -> torch.Tensor:
 # tests/test_host_steps.py's two forwards in one loss.
 TRAININGS = {
     "accumulate-clip-schedule": dict(
-        layers=3, batches=20, module=dict(split_decay=True, schedule=5),
+        layers=3,
+        batches=20,
+        module=dict(split_decay=True, schedule=5),
         trainer=dict(accumulate_grad_batches=4, gradient_clip_val=1.0),
     ),
     "overlapped": dict(layers=3, batches=8, module=dict(split_decay=True, schedule=8), trainer={}),
     "three-slots": dict(layers=5, batches=6, module={}, trainer={}, slots=3),
     "two-views": dict(layers=3, batches=6, module=dict(loss_fn=two_views), trainer=dict(accumulate_grad_batches=2)),
-}  # fmt: skip
+}
 # num_slots="auto" growing to a slot per block after the first step (with the device memory patched in).
-CONFIGS = {**TRAININGS, "auto-slots": dict(layers=5, batches=6, module={}, trainer=dict(accumulate_grad_batches=2),
-                                           slots="auto")}  # fmt: skip
+CONFIGS = {
+    **TRAININGS,
+    "auto-slots": dict(layers=5, batches=6, module={}, trainer=dict(accumulate_grad_batches=2), slots="auto"),
+}
 
 MODES = {
     "lazy": dict(hold=1.0),  # every copy runs only when something waits for it
@@ -160,7 +165,7 @@ def train(name: str, strategy: str) -> tuple[list[float], dict[str, torch.Tensor
     return module.losses, params_of(module.model)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ordinary(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return train(name, "auto")
 
@@ -206,8 +211,14 @@ def test_bf16_is_unchanged_by_asynchronous_copies(mode, monkeypatch):
 
     def run() -> tuple:
         module = CausalLM(hf_llama(layers=4), split_decay=True, schedule=4)
-        fit(module, token_batches(8), strategy="megatrain", precision="bf16-mixed",
-            accumulate_grad_batches=2, gradient_clip_val=1.0)  # fmt: skip
+        fit(
+            module,
+            token_batches(8),
+            strategy="megatrain",
+            precision="bf16-mixed",
+            accumulate_grad_batches=2,
+            gradient_clip_val=1.0,
+        )
         return module.losses, params_of(module.model)
 
     plain = run()

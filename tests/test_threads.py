@@ -194,8 +194,9 @@ def test_one_and_two_threads_give_the_same_bits_and_match_torch(tmp_path):
     n = 200_003  # several 32K-element ranges and a scalar tail
     runs = {}
     for threads in sorted({1, min(2, CORES)}):
-        _, _, runs[threads] = on_worker(threads, lambda: _run_pair(n, "fused", torch.bfloat16, 0.1, 0.37, steps=10),
-                                        sysfs_root=root)  # fmt: skip
+        _, _, runs[threads] = on_worker(
+            threads, lambda: _run_pair(n, "fused", torch.bfloat16, 0.1, 0.37, steps=10), sysfs_root=root
+        )
     for ours, theirs in runs.values():
         _assert_matches(ours, theirs)
     (ours1, _), (ours2, _) = runs[1], runs[max(runs)]

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import lightning.pytorch as L
 import pytest
@@ -77,9 +78,19 @@ def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
 def hf_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=DROPOUT,
-                     embd_pdrop=DROPOUT, attn_pdrop=DROPOUT, bos_token_id=0, eos_token_id=0,
-                     attn_implementation="eager")  # fmt: skip
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=DROPOUT,
+        embd_pdrop=DROPOUT,
+        attn_pdrop=DROPOUT,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
     return _seeded(lambda: GPT2LMHeadModel(cfg))
 
 
@@ -89,21 +100,37 @@ def hf_model(family: str, **config: Any) -> nn.Module:
     `config` says otherwise, and every dropout the caller names."""
     import transformers
 
-    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    shape = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
     fields = {k: v for k, v in {**shape, **config}.items() if v is not None}  # None: a field the family lacks
     cfg = getattr(transformers, f"{family}Config")(vocab_size=VOCAB, max_position_embeddings=64, **fields)
     return _seeded(lambda: getattr(transformers, f"{family}ForCausalLM")(cfg))
 
 
 def hf_gpt_neox() -> nn.Module:
-    return hf_model("GPTNeoX", num_key_value_heads=None, rotary_pct=0.25, hidden_dropout=DROPOUT,
-                    attention_dropout=DROPOUT, attn_implementation="eager")  # fmt: skip
+    return hf_model(
+        "GPTNeoX",
+        num_key_value_heads=None,
+        rotary_pct=0.25,
+        hidden_dropout=DROPOUT,
+        attention_dropout=DROPOUT,
+        attn_implementation="eager",
+    )
 
 
 def hf_opt() -> nn.Module:
-    return hf_model("OPT", intermediate_size=None, num_key_value_heads=None, ffn_dim=64, word_embed_proj_dim=32,
-                    dropout=DROPOUT, attention_dropout=DROPOUT, activation_dropout=DROPOUT,
-                    attn_implementation="eager")  # fmt: skip
+    return hf_model(
+        "OPT",
+        intermediate_size=None,
+        num_key_value_heads=None,
+        ffn_dim=64,
+        word_embed_proj_dim=32,
+        dropout=DROPOUT,
+        attention_dropout=DROPOUT,
+        activation_dropout=DROPOUT,
+        attn_implementation="eager",
+    )
 
 
 def hf_mistral() -> nn.Module:
@@ -121,29 +148,58 @@ def hf_qwen3() -> nn.Module:
 
 def hf_gemma2() -> nn.Module:
     # Alternating sliding (window 8 < SEQ) and full attention layers, logit soft-capping, tied head.
-    return hf_model("Gemma2", head_dim=8, query_pre_attn_scalar=8, sliding_window=8, attention_dropout=DROPOUT,
-                    attn_implementation="eager")  # fmt: skip
+    return hf_model(
+        "Gemma2",
+        head_dim=8,
+        query_pre_attn_scalar=8,
+        sliding_window=8,
+        attention_dropout=DROPOUT,
+        attn_implementation="eager",
+    )
 
 
 def hf_phi3() -> nn.Module:
-    return hf_model("Phi3", original_max_position_embeddings=64, resid_pdrop=DROPOUT, embd_pdrop=DROPOUT,
-                    attention_dropout=DROPOUT, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                    attn_implementation="sdpa")  # fmt: skip
+    return hf_model(
+        "Phi3",
+        original_max_position_embeddings=64,
+        resid_pdrop=DROPOUT,
+        embd_pdrop=DROPOUT,
+        attention_dropout=DROPOUT,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="sdpa",
+    )
 
 
 AUX_COEF = 0.1  # large enough that the auxiliary loss visibly moves the router weights
 
 
 def hf_mixtral(router_aux_loss_coef: float = AUX_COEF) -> nn.Module:
-    return hf_model("Mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-                    router_aux_loss_coef=router_aux_loss_coef, router_jitter_noise=DROPOUT,
-                    attention_dropout=DROPOUT, attn_implementation="eager")  # fmt: skip
+    return hf_model(
+        "Mixtral",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=router_aux_loss_coef,
+        router_jitter_noise=DROPOUT,
+        attention_dropout=DROPOUT,
+        attn_implementation="eager",
+    )
 
 
 def hf_qwen2_moe(router_aux_loss_coef: float = AUX_COEF) -> nn.Module:
-    return hf_model("Qwen2Moe", moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
-                    num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=router_aux_loss_coef,
-                    attention_dropout=DROPOUT, attn_implementation="sdpa")  # fmt: skip
+    return hf_model(
+        "Qwen2Moe",
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=router_aux_loss_coef,
+        attention_dropout=DROPOUT,
+        attn_implementation="sdpa",
+    )
 
 
 class UserEncoderLM(nn.Module):
@@ -493,8 +549,10 @@ def test_use_cache_in_training_step_is_refused(make, monkeypatch):
     error naming the cache (its recompute would fill the cache a second time), never a silently different result."""
     use_backend("torch", monkeypatch)
     model = make()
-    ref, mt = CausalLM(model, loss_with_cache, **MODULE_KWARGS), CausalLM(copy.deepcopy(model), loss_with_cache,
-                                                                        **MODULE_KWARGS)  # fmt: skip
+    ref, mt = (
+        CausalLM(model, loss_with_cache, **MODULE_KWARGS),
+        CausalLM(copy.deepcopy(model), loss_with_cache, **MODULE_KWARGS),
+    )
     batches = token_batches(2)
     seeded_fit(trainer("auto"), ref, batches)
     assert len(ref.losses) == 2

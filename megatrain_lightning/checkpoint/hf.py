@@ -7,7 +7,8 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,8 +56,12 @@ def describe_export(engine: StreamingEngine) -> dict[str, Any] | None:
     for name, module in engine.model.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(module, LlamaForCausalLM):
-            return {"library": "megatrain", "prefix": prefix, "config": module.config.to_hf_dict(),
-                    "llama_config": dataclasses.asdict(module.config)}  # fmt: skip
+            return {
+                "library": "megatrain",
+                "prefix": prefix,
+                "config": module.config.to_hf_dict(),
+                "llama_config": dataclasses.asdict(module.config),
+            }
         if pretrained is not None and isinstance(module, pretrained):
             return {"library": "transformers", "prefix": prefix, "config": _transformers_config(engine, module)}
     return None

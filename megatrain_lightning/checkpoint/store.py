@@ -32,7 +32,8 @@ import time
 import uuid
 import warnings
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import fsspec
 import torch
@@ -97,9 +98,17 @@ def save(
     raw = io.BytesIO()
     torch.save(trainer_state, raw)
     fs.pipe_file(f"{vdir}/trainer.pt", raw.getvalue())
-    index = {"format": FORMAT, "version": VERSION, "units": units, "buffers": buf_info,
-             "param_groups": param_groups, "optimizer": optimizer, "param_order": _param_order(engine),
-             "aliases": aliases, "export": _export(engine)}  # fmt: skip
+    index = {
+        "format": FORMAT,
+        "version": VERSION,
+        "units": units,
+        "buffers": buf_info,
+        "param_groups": param_groups,
+        "optimizer": optimizer,
+        "param_order": _param_order(engine),
+        "aliases": aliases,
+        "export": _export(engine),
+    }
     index_bytes = json.dumps(index, indent=1).encode()
     fs.pipe_file(f"{vdir}/index.json", index_bytes)
     _commit(fs, path, {"format": FORMAT, "version": VERSION, "data": version, "index_crc32": zlib.crc32(index_bytes)})
@@ -125,8 +134,7 @@ def _unit_record(engine: StreamingEngine, unit: Any, i: int, info: dict, with_ad
         {"name": n, "offset": e.offset, "shape": list(e.shape), "step": step, "group": e.group}
         for n, e, step in zip(names, unit.entries, unit.steps)
     ]
-    return {"file": f"units/{i:05d}.safetensors", "numel": unit.numel, "adam": with_adam, "params": params,
-            **info}  # fmt: skip
+    return {"file": f"units/{i:05d}.safetensors", "numel": unit.numel, "adam": with_adam, "params": params, **info}
 
 
 def _export(engine: StreamingEngine) -> dict | None:
@@ -260,7 +268,9 @@ def read_index(url: str) -> tuple[Any, str, dict]:
             "resume from an earlier checkpoint"
         ) from None
     if zlib.crc32(raw) != marker["index_crc32"]:
-        raise CheckpointError(f"{url}: {vdir}/index.json does not match its commit marker; resume from an earlier checkpoint")
+        raise CheckpointError(
+            f"{url}: {vdir}/index.json does not match its commit marker; resume from an earlier checkpoint"
+        )
     return fs, vdir, json.loads(raw)
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -82,7 +83,9 @@ def write(fs: Any, path: str, tensors: list[tuple[str, Any]], metadata: dict[str
                 f.write(view)
                 crc, written = zlib.crc32(view, crc), written + view.nbytes
             if written != t.numel() * t.element_size():
-                raise ValueError(f"tensor {name!r}: its parts hold {written} bytes, its header says {t.numel() * t.element_size()}")
+                raise ValueError(
+                    f"tensor {name!r}: its parts hold {written} bytes, its header says {t.numel() * t.element_size()}"
+                )
             size += written
     return {"bytes": size, "crc32": crc}
 
@@ -102,7 +105,9 @@ def read_into(fs: Any, path: str, targets: dict[str, Any], expect: dict) -> None
     with fs.open(path, "rb") as f:
         header, head_bytes = read_header(f)
         crc = zlib.crc32(head_bytes)
-        entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"])
+        entries = sorted(
+            ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"]
+        )
         for name, meta in entries:
             dst = targets.get(name)
             _check_entry(path, name, meta, dst)
@@ -114,7 +119,9 @@ def read_into(fs: Any, path: str, targets: dict[str, Any], expect: dict) -> None
     if missing:
         raise ShardError(f"{path} lacks tensors {missing}")
     if crc != expect["crc32"]:
-        raise ShardError(f"{path} has checksum {crc:#010x}, the index recorded {expect['crc32']:#010x}: the shard is damaged")
+        raise ShardError(
+            f"{path} has checksum {crc:#010x}, the index recorded {expect['crc32']:#010x}: the shard is damaged"
+        )
 
 
 def read_tensors(fs: Any, path: str, expect: dict) -> dict[str, torch.Tensor]:

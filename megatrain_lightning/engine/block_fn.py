@@ -23,8 +23,9 @@ both times keeps the loss and the gradients bit for bit those of ordinary traini
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -120,7 +121,7 @@ class SideOutputs:
         self.attrs: list[tuple[nn.Module, str, Any]] = []  # (module, name, value before the call)
 
     @contextmanager
-    def recording(self) -> Iterator["SideOutputs"]:
+    def recording(self) -> Iterator[SideOutputs]:
         before = {(id(m), k): v for m in self.modules for k, v in m.__dict__.items() if isinstance(v, torch.Tensor)}
         # The global hook records only modules that carry hooks of their own and run inside the call (the
         # block's own hooks fire around it): without any there is nothing to record, and no hook is
@@ -173,7 +174,7 @@ class _BlockFunction(torch.autograd.Function):
     hidden state and the block's side outputs (see :class:`SideOutputs`)."""
 
     @staticmethod
-    def forward(ctx, runner: "BlockRunner", state: CallState, anchor: torch.Tensor, hidden: torch.Tensor):
+    def forward(ctx, runner: BlockRunner, state: CallState, anchor: torch.Tensor, hidden: torch.Tensor):
         ctx.runner, ctx.state = runner, state
         engine = runner.engine
         if state.offload:
@@ -202,7 +203,7 @@ class BlockRunner:
 
     `inner` is the forward the block had before (its class's, or one a library put on the instance)."""
 
-    def __init__(self, engine: "StreamingEngine", idx: int, block: nn.Module) -> None:
+    def __init__(self, engine: StreamingEngine, idx: int, block: nn.Module) -> None:
         self.engine, self.idx = engine, idx
         self.own = block.__dict__.get("forward")  # an instance forward to put back on release
         self.inner = self.own if self.own is not None else type(block).forward.__get__(block)
@@ -280,8 +281,11 @@ class CompiledBlock:
         """Submodule hooks run inside the compiled call, where what they capture is neither recorded as a
         side output nor re-checked when hooks change; checked at every call (Hugging Face installs its output
         recorders at a model's first forward)."""
-        hooked = [n for n, m in self.submodules if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                  or m._backward_pre_hooks]  # fmt: skip
+        hooked = [
+            n
+            for n, m in self.submodules
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+        ]
         if hooked:
             names = ", ".join(hooked[:4]) + (", ..." if len(hooked) > 4 else "")
             raise RuntimeError(

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,6 +51,7 @@ log = logging.getLogger("megatrain_lightning")
 
 class HostMemoryError(MemoryError):
     """The model's host-resident training state does not fit in this machine's memory."""
+
 
 class StreamingEngine(HostSteps, OuterParams):
     """Streams a model's decoder blocks through device slots; all persistent state stays on the host."""
@@ -155,8 +157,9 @@ class StreamingEngine(HostSteps, OuterParams):
         self.grad_anchor = torch.empty(0, requires_grad=True)
         # Steps run in the order the next forward needs them, among those whose gradient has landed
         # (engine/worker.py); with the NVMe tier in the order queued, the order its read-ahead plan names.
-        self._worker = HostWorker("megatrain-host_0", worker_init, (self.device, self.host_threads),
-                                  fifo=self.tier is not None)  # fmt: skip
+        self._worker = HostWorker(
+            "megatrain-host_0", worker_init, (self.device, self.host_threads), fifo=self.tier is not None
+        )
         self.backward_mode: str | None = None  # None | "accumulate" | "step": set by the trainer glue
         self.hyper: Callable[[], list[AdamHyper]] | None = None  # the attached optimizer's groups, now
         self.param_order: list[int] = []  # ids of the optimizer's parameters in group order
@@ -188,7 +191,14 @@ class StreamingEngine(HostSteps, OuterParams):
         return self.host_layout != "lean"
 
     def _check_host_memory(
-        self, block_params, outer, training: bool, available_bytes, accumulating: bool, clipping: bool, largest_block: int
+        self,
+        block_params,
+        outer,
+        training: bool,
+        available_bytes,
+        accumulating: bool,
+        clipping: bool,
+        largest_block: int,
     ) -> None:
         numel = _numel(block_params, outer)
         layout, elt = self.host_layout, torch.tensor([], dtype=self.compute_dtype).element_size()
@@ -198,18 +208,32 @@ class StreamingEngine(HostSteps, OuterParams):
         per_param -= 8 if nvme else 0
         need = numel * per_param + rings + (BUFFERS * self.piece * 8 if nvme else 0)
         # The model's own parameters are released unit by unit as they move into flat buffers.
-        reclaim = sum(p.numel() * p.element_size() for params in block_params for _, p in params if p.device.type == "cpu")
+        reclaim = sum(
+            p.numel() * p.element_size() for params in block_params for _, p in params if p.device.type == "cpu"
+        )
         have = (available_bytes or available_host_bytes)() + reclaim
         if need > have:
-            labels = {"master": "fp32 master", "adam": "Adam m and v", "copy": "transfer copy",
-                      "slab": "gradient slab", "acc": "fp32 gradient accumulator"}  # fmt: skip
-            kinds = [labels[k] for k, b in host_bytes_by_kind(elt, training, accumulating, layout, clipping).items()
-                     if b and not (nvme and k == "adam")]  # fmt: skip
+            labels = {
+                "master": "fp32 master",
+                "adam": "Adam m and v",
+                "copy": "transfer copy",
+                "slab": "gradient slab",
+                "acc": "fp32 gradient accumulator",
+            }
+            kinds = [
+                labels[k]
+                for k, b in host_bytes_by_kind(elt, training, accumulating, layout, clipping).items()
+                if b and not (nvme and k == "adam")
+            ]
             raise HostMemoryError(
                 f"the model's {numel / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB of host memory "
                 f"({per_param} bytes/param: {', '.join(kinds[:-1])} and {kinds[-1]}) but about "
                 f"{have / 2**30:.1f} GiB is available. Use a machine with more host memory, a smaller model"
-                + (", accumulate_grad_batches=1 (drops the 4 bytes/param fp32 gradient accumulator)" if accumulating else "")
+                + (
+                    ", accumulate_grad_batches=1 (drops the 4 bytes/param fp32 gradient accumulator)"
+                    if accumulating
+                    else ""
+                )
                 + ", or check the size first with the memory planner."
             )
 
@@ -280,8 +304,11 @@ class StreamingEngine(HostSteps, OuterParams):
             log.info(
                 "offload_inputs='auto': saving block inputs in host memory: %d blocks x %s need %.2f GiB, "
                 "%.2f GiB of device memory free",
-                len(self.blocks), tuple(hidden.shape), saved / 2**30, free / 2**30,
-            )  # fmt: skip
+                len(self.blocks),
+                tuple(hidden.shape),
+                saved / 2**30,
+                free / 2**30,
+            )
         return offload
 
     def _free_device_bytes(self) -> int | None:
@@ -314,8 +341,12 @@ class StreamingEngine(HostSteps, OuterParams):
         log.info(
             "num_slots='auto': %d weight slots for %d blocks (%.2f GiB each); the first step needed %.2f GiB "
             "beyond the persistent buffers and %.2f GiB was free",
-            self.pool.num_slots, len(self.units), slot / 2**30, transient / 2**30, free / 2**30,
-        )  # fmt: skip
+            self.pool.num_slots,
+            len(self.units),
+            slot / 2**30,
+            transient / 2**30,
+            free / 2**30,
+        )
 
     def _step_transient_bytes(self) -> int | None:
         if self.step_transient_bytes is not None:
@@ -344,7 +375,9 @@ class StreamingEngine(HostSteps, OuterParams):
             return out, []
         side.add(state.extra)
         state.recorded = len(side.tensors)
-        state.side_index = select_side(side.tensors, out, [x, *torch.utils._pytree.tree_leaves((state.args, state.kwargs))])
+        state.side_index = select_side(
+            side.tensors, out, [x, *torch.utils._pytree.tree_leaves((state.args, state.kwargs))]
+        )
         picked = [side.tensors[i] for i in state.side_index]
         state.extra_ids = {id(t): j for j, t in enumerate(picked)}
         self._forward_states[idx] = weakref.ref(state)
@@ -546,7 +579,11 @@ class StreamingEngine(HostSteps, OuterParams):
 
     def _pinnable(self) -> list[torch.Tensor | None]:
         rings = [b for r in self._rings() for b in r.buffers]
-        return [t for unit in self.all_units() for t in (unit.master, unit.copy, unit.slab)] + self.saved_inputs.buffers + rings
+        return (
+            [t for unit in self.all_units() for t in (unit.master, unit.copy, unit.slab)]
+            + self.saved_inputs.buffers
+            + rings
+        )
 
     def num_parameters(self) -> int:
         return sum(u.numel for u in self.all_units())
@@ -573,6 +610,7 @@ class StreamingEngine(HostSteps, OuterParams):
         self.pool.buffers.clear()
         self._grad_slots.clear()
         pinned.unregister(self._pinnable())  # they stay allocated (the masters as the model's parameters)
+
 
 def _numel(block_params: list, outer: list) -> int:
     return sum(p.numel() for params in block_params for _, p in params) + sum(p.numel() for _, p in outer)

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -158,7 +159,11 @@ class HostUnit:
         return self.m is not None or (self.tier is not None and self.tier.holds(self))
 
     def moment_pieces(
-        self, write: bool = True, fresh: bool = False, lo: int = 0, hi: int | None = None,
+        self,
+        write: bool = True,
+        fresh: bool = False,
+        lo: int = 0,
+        hi: int | None = None,
         only: list[tuple[int, int]] | None = None,
     ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
         """(start, end, m, v) for the elements lo..hi, piece by piece, each valid until the loop moves on:
@@ -184,7 +189,9 @@ class HostUnit:
         """The unit's NVMe pieces that overlap any of the (start, end) ranges `only` (all when None)."""
         return [p for p in self.tier.pieces(self) if only is None or any(a < p.hi and b > p.lo for a, b in only)]
 
-    def overlaps(self, lo: int, hi: int, entries: list[ParamEntry] | None = None) -> Iterator[tuple[ParamEntry, int, int]]:
+    def overlaps(
+        self, lo: int, hi: int, entries: list[ParamEntry] | None = None
+    ) -> Iterator[tuple[ParamEntry, int, int]]:
         """(entry, start, end) for each parameter of `entries` (all when None) with elements in lo..hi:
         start..end is the overlap, in the unit's element numbering."""
         for e in self.entries if entries is None else entries:
@@ -254,7 +261,11 @@ def host_bytes_by_kind(
 
 
 def host_bytes_per_param(
-    compute_dtype: torch.dtype, training: bool, accumulating: bool = False, layout: str = "default", clipping: bool = False
+    compute_dtype: torch.dtype,
+    training: bool,
+    accumulating: bool = False,
+    layout: str = "default",
+    clipping: bool = False,
 ) -> int:
     """Bytes the engine allocates per parameter (master, copy, and when training m, v and the slab; the
     fp32 accumulator too when gradients are accumulated over micro-batches)."""

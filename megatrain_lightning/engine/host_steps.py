@@ -22,8 +22,9 @@ others come down through a ring and are added to it, and the last call lands the
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -198,7 +199,12 @@ class HostSteps:
         self._shipped(unit, eager, block_idx)
 
     def _ship_pieces(
-        self, unit: HostUnit, flat: torch.Tensor, present: list[bool], to_acc: bool, want_norm: bool,
+        self,
+        unit: HostUnit,
+        flat: torch.Tensor,
+        present: list[bool],
+        to_acc: bool,
+        want_norm: bool,
         hyper: list[AdamHyper] | None,
     ) -> object:
         """Lean layout: download `flat` piece by piece into the gradient ring, each piece landed (and, when
@@ -215,8 +221,17 @@ class HostSteps:
         return done
 
     def _land_piece(
-        self, unit: HostUnit, done: Any, present: list[bool], buf: torch.Tensor, lo: int, hi: int, to_acc: bool,
-        first: bool, want_norm: bool, hyper: list[AdamHyper] | None,
+        self,
+        unit: HostUnit,
+        done: Any,
+        present: list[bool],
+        buf: torch.Tensor,
+        lo: int,
+        hi: int,
+        to_acc: bool,
+        first: bool,
+        want_norm: bool,
+        hyper: list[AdamHyper] | None,
     ) -> None:
         """Land elements lo..hi of a gradient from a ring buffer: add them into the fp32 accumulator, and/or
         step them (`hyper`); the piece that ends the unit finishes its bookkeeping."""
@@ -292,7 +307,6 @@ class HostSteps:
     def _grad_of(self, unit: HostUnit) -> torch.Tensor:
         return unit.acc if unit.grad_state is GradState.ACC else unit.slab
 
-
     # -- optimizer step ---------------------------------------------------------------------
     def request_clip(self, max_norm: float) -> None:
         """Clip the global gradient norm to `max_norm` in the next optimizer step (exactly, over all units)."""
@@ -358,7 +372,9 @@ class HostSteps:
 
     def _clip_scale(self, todo: list[HostUnit], clip_val: float) -> float:
         by_param: dict[int, torch.Tensor] = {}
-        on_device = [(id(e.param), n) for u in todo if u.device_norms for e, (n, g) in zip(u.entries, u.device_norms) if g]
+        on_device = [
+            (id(e.param), n) for u in todo if u.device_norms for e, (n, g) in zip(u.entries, u.device_norms) if g
+        ]
         if on_device:  # one copy to the host for all of them (it waits for the backward to finish on the device)
             by_param.update(zip([i for i, _ in on_device], torch.stack([n for _, n in on_device]).cpu().unbind()))
         for unit in todo:
@@ -372,8 +388,14 @@ class HostSteps:
         return kernels.clip_coefficient([by_param[i] for i in self.param_order if i in by_param], clip_val)
 
     def _step_unit(
-        self, unit: HostUnit, hyper: list[AdamHyper], scale: float, lo: int = 0, hi: int | None = None,
-        grad: torch.Tensor | None = None, last: bool = True,
+        self,
+        unit: HostUnit,
+        hyper: list[AdamHyper],
+        scale: float,
+        lo: int = 0,
+        hi: int | None = None,
+        grad: torch.Tensor | None = None,
+        last: bool = True,
     ) -> None:
         """Adam on elements lo..hi of `unit` (all by default), reading their gradient from `grad` (element lo
         first; the unit's slab or accumulator when None). The moments come a piece at a time (NVMe: read
@@ -391,9 +413,15 @@ class HostSteps:
                 a, b = max(start, plo), min(end, phi)
                 if a < b:
                     kernels.adam_step_(
-                        unit.master[a:b], m[a - plo : b - plo], v[a - plo : b - plo], grad[a - base : b - base],
-                        None if copy_out is None else copy_out[a:b], hyper[group], step + 1, scale,
-                    )  # fmt: skip
+                        unit.master[a:b],
+                        m[a - plo : b - plo],
+                        v[a - plo : b - plo],
+                        grad[a - base : b - base],
+                        None if copy_out is None else copy_out[a:b],
+                        hyper[group],
+                        step + 1,
+                        scale,
+                    )
         self.stats["host_step_seconds"] += time.perf_counter() - t0
         if last:
             self._finish_step(unit)
@@ -401,7 +429,9 @@ class HostSteps:
     def _finish_step(self, unit: HostUnit, stepped: bool = True) -> None:
         """After a unit's step (or, `stepped=False`, instead of it): its gradient is gone."""
         if stepped:
-            unit.steps = [s + int(g and e.group is not None) for s, g, e in zip(unit.steps, unit.has_grad, unit.entries)]
+            unit.steps = [
+                s + int(g and e.group is not None) for s, g, e in zip(unit.steps, unit.has_grad, unit.entries)
+            ]
         unit.grad_state, unit.norms, unit.device_norms = GradState.EMPTY, None, None
         unit.has_grad = [False] * len(unit.entries)
 
@@ -415,7 +445,6 @@ class HostSteps:
             for e in unit.entries:
                 e.param.grad = None
         self._pending.clear()
-
 
     # -- the worker -------------------------------------------------------------------------
     def flush(self) -> None:

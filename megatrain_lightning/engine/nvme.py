@@ -39,9 +39,10 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -152,8 +153,7 @@ class NvmeTier:
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="megatrain-nvme")
         self._failed: BaseException | None = None
         self._closed = False
-        self.stats = {"read_bytes": 0, "write_bytes": 0, "read_seconds": 0.0, "write_seconds": 0.0,
-                      "wait_seconds": 0.0}  # fmt: skip
+        self.stats = {"read_bytes": 0, "write_bytes": 0, "read_seconds": 0.0, "write_seconds": 0.0, "wait_seconds": 0.0}
 
     # -- files ----------------------------------------------------------------------------------
     def alloc(self, unit: Any) -> None:
@@ -171,8 +171,9 @@ class NvmeTier:
                 f"({err.strerror}); free space there or point nvme_dir at another drive"
             ) from err
         self._fds[unit] = fd
-        self._pieces[unit] = [Piece(unit, lo, min(lo + self.max_numel, unit.numel))
-                              for lo in range(0, unit.numel, self.max_numel)]  # fmt: skip
+        self._pieces[unit] = [
+            Piece(unit, lo, min(lo + self.max_numel, unit.numel)) for lo in range(0, unit.numel, self.max_numel)
+        ]
 
     def holds(self, unit: Any) -> bool:
         return unit in self._fds
@@ -220,7 +221,9 @@ class NvmeTier:
             self._pool.append(_Buffer(self.max_numel))
             return self._pool[-1]
         rank = {id(u): i for i, u in enumerate(self._plan)}
-        clean = [b for b in self._pool if b.state is _State.CLEAN and b.piece not in keep and b.piece not in self._wanted]
+        clean = [
+            b for b in self._pool if b.state is _State.CLEAN and b.piece not in keep and b.piece not in self._wanted
+        ]
         if not clean:
             return None
         buf = max(clean, key=lambda b: rank.get(id(b.piece), len(rank)))
@@ -230,7 +233,9 @@ class NvmeTier:
 
     # -- one piece in host memory ------------------------------------------------------------------
     @contextmanager
-    def resident(self, piece: Piece, write: bool = True, fresh: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def resident(
+        self, piece: Piece, write: bool = True, fresh: bool = False
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """A piece's (m, v) in a working buffer for the block; written back afterwards when `write` (on an
         error inside the block the buffer is dropped and the file keeps the moments from before).
         `fresh`: the caller overwrites every element, so the file is not read (and the buffer is written)."""

@@ -105,8 +105,11 @@ def unregister(tensors: list[torch.Tensor | None]) -> int:
                 held = _registry.pop(ptr)
                 done += held.numel() * held.element_size()
         if code != 0:
-            warnings.warn(f"cudaHostUnregister of a pinned host buffer at {ptr:#x} returned {_error_name(code)}; "
-                          "it stays allocated", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"cudaHostUnregister of a pinned host buffer at {ptr:#x} returned {_error_name(code)}; "
+                "it stays allocated",
+                stacklevel=2,
+            )
     return done
 
 

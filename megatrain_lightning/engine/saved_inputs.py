@@ -30,7 +30,6 @@ import torch
 from megatrain_lightning.engine.host import host_empty
 from megatrain_lightning.engine.streams import Streams
 
-
 OffloadInputs = bool | Literal["auto"]
 OFFLOAD_CHOICES: tuple[OffloadInputs, ...] = (True, False, "auto")
 

@@ -38,8 +38,9 @@ before it issues the copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 

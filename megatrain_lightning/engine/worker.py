@@ -21,13 +21,17 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable
+from typing import Any
+
 
 class HostWorker:
     """A single thread running submitted callables, the ready one of lowest (order, submission) first."""
 
-    def __init__(self, thread_name: str, initializer: Callable[..., None], initargs: tuple = (), fifo: bool = False) -> None:
+    def __init__(
+        self, thread_name: str, initializer: Callable[..., None], initargs: tuple = (), fifo: bool = False
+    ) -> None:
         self._initializer, self._initargs, self.fifo = initializer, initargs, fifo
         self._queue: list[tuple[int, int, Future, Callable, tuple, dict, tuple]] = []
         self._seq = itertools.count()
@@ -37,12 +41,16 @@ class HostWorker:
         self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, order: int = 0, after: Iterable[Any] = (), **kwargs: Any) -> Future:
+    def submit(
+        self, fn: Callable[..., Any], /, *args: Any, order: int = 0, after: Iterable[Any] = (), **kwargs: Any
+    ) -> Future:
         future: Future = Future()
         with self._cv:
             if self._closing:
                 raise RuntimeError("the engine's host worker was shut down (engine.release())")
-            self._queue.append((order, next(self._seq), future, fn, args, kwargs, tuple(a for a in after if a is not None)))
+            self._queue.append(
+                (order, next(self._seq), future, fn, args, kwargs, tuple(a for a in after if a is not None))
+            )
             self._cv.notify()
         return future
 

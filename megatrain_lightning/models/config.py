@@ -84,7 +84,9 @@ class LlamaConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         self._validate()
         if self.token_chunk_size not in (None, "auto") and not (
-            isinstance(self.token_chunk_size, int) and not isinstance(self.token_chunk_size, bool) and self.token_chunk_size > 0
+            isinstance(self.token_chunk_size, int)
+            and not isinstance(self.token_chunk_size, bool)
+            and self.token_chunk_size > 0
         ):
             raise ValueError(f"token_chunk_size={self.token_chunk_size!r} must be a positive integer, 'auto' or None.")
 
@@ -98,8 +100,14 @@ class LlamaConfig:
 
     def _validate(self) -> None:
         self._check_positive(
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
             "loss_chunk_size",
         )
         if self.num_attention_heads % self.num_key_value_heads:
@@ -277,18 +285,34 @@ def _llama3_rope(factor: float) -> dict[str, Any]:
 def _llama31(hidden: int, intermediate: int, layers: int, heads: int, **kw: Any) -> LlamaConfig:
     kw.setdefault("rope_scaling", _llama3_rope(8.0))
     return LlamaConfig(
-        vocab_size=128256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
-        max_position_embeddings=131072, model_type="llama",
-        token_ids={"bos_token_id": 128000, "eos_token_id": 128001}, **kw,
+        vocab_size=128256,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        model_type="llama",
+        token_ids={"bos_token_id": 128000, "eos_token_id": 128001},
+        **kw,
     )
 
 
 def _qwen25(hidden: int, intermediate: int, layers: int, heads: int, kv: int, eps: float) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=152064, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, rms_norm_eps=eps, rope_theta=1000000.0,
-        max_position_embeddings=131072, model_type="qwen2", attention_bias=True,
+        vocab_size=152064,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        rms_norm_eps=eps,
+        rope_theta=1000000.0,
+        max_position_embeddings=131072,
+        model_type="qwen2",
+        attention_bias=True,
         token_ids={"bos_token_id": 151643, "eos_token_id": 151643},
     )
 
@@ -309,13 +333,28 @@ PRESETS: dict[str, LlamaConfig] = {
     "qwen2.5-72b": _qwen25(8192, 29568, 80, 64, 8, 1e-5),
     # Test sizes: a few hundred thousand parameters, fast on CPU.
     "tiny": LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, loss_chunk_size=64,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        loss_chunk_size=64,
     ),
     "tiny-qwen": LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        max_position_embeddings=512, model_type="qwen2", attention_bias=True,
-        tie_word_embeddings=True, loss_chunk_size=64,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=512,
+        model_type="qwen2",
+        attention_bias=True,
+        tie_word_embeddings=True,
+        loss_chunk_size=64,
     ),
 }

@@ -97,8 +97,7 @@ def _check_key(key: str, expected: dict[str, torch.Tensor], present: set[str], f
     shape = tuple(f.get_slice(key).get_shape())
     if shape != tuple(expected[key].shape):
         raise ValueError(
-            f"Shape mismatch for {key!r} in {file}: checkpoint has {shape}, "
-            f"model expects {tuple(expected[key].shape)}."
+            f"Shape mismatch for {key!r} in {file}: checkpoint has {shape}, model expects {tuple(expected[key].shape)}."
         )
 
 

@@ -156,10 +156,11 @@ class Attention(nn.Module):
         rows = []
         for b, spans in enumerate(segments if len(segments) == q.shape[0] else segments * q.shape[0]):
             parts = [
-                F.scaled_dot_product_attention(q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e],
-                                               is_causal=True, enable_gqa=gqa)
+                F.scaled_dot_product_attention(
+                    q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e], is_causal=True, enable_gqa=gqa
+                )
                 for s, e in spans
-            ]  # fmt: skip
+            ]
             rows.append(torch.cat(parts, dim=2))
         return torch.cat(rows, dim=0)
 
@@ -215,7 +216,9 @@ class DecoderLayer(nn.Module):
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, segments)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
-    def _tiled(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments, tile: int) -> torch.Tensor:
+    def _tiled(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments, tile: int
+    ) -> torch.Tensor:
         """The same function tile by tile: q/k/v per tile, attention over the whole sequence, the rest
         (o_proj, residual, second norm, MLP) per tile. Outside the attention core tokens are independent."""
         xs = x.split(tile, dim=1)
@@ -376,7 +379,7 @@ class LlamaForCausalLM(nn.Module):
         """
         ids = input_ids
         for _ in range(max_new_tokens):
-            context = ids[:, -self.config.max_position_embeddings:]
+            context = ids[:, -self.config.max_position_embeddings :]
             logits = self(context)[:, -1, :].float()
             ids = torch.cat((ids, _sample(logits, temperature, top_k)), dim=1)
         return ids

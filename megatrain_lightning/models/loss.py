@@ -60,7 +60,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         w = weight.to(hidden.dtype)
         valid = targets != ctx.ignore_index
         # d(mean loss)/d(logit) = (softmax - onehot) * grad / n_valid, zero on ignored rows.
-        scale = (grad_loss.float() / n_valid)
+        scale = grad_loss.float() / n_valid
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_nw32 = torch.zeros(norm_weight.shape, dtype=torch.float32, device=hidden.device) if need_nw else None
@@ -151,4 +151,6 @@ def chunked_cross_entropy(
     if chunk_size <= 0:
         raise ValueError(f"chunk_size={chunk_size} must be positive")
     norm_weight, norm_eps = norm if norm is not None else (None, 0.0)
-    return _ChunkedCrossEntropy.apply(hidden, weight, targets, int(chunk_size), int(ignore_index), norm_weight, norm_eps)
+    return _ChunkedCrossEntropy.apply(
+        hidden, weight, targets, int(chunk_size), int(ignore_index), norm_weight, norm_eps
+    )

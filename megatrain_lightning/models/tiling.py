@@ -12,7 +12,8 @@ an argument, so a block's recompute in backward uses the very tiles its forward 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint

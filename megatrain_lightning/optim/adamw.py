@@ -8,7 +8,8 @@ move between this strategy and ordinary training.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -75,10 +76,13 @@ class HostAdamW(torch.optim.Optimizer):
         decoupled_default = isinstance(self._source, torch.optim.AdamW)
         return [
             AdamHyper(
-                lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]), eps=float(g["eps"]),
+                lr=float(g["lr"]),
+                beta1=float(g["betas"][0]),
+                beta2=float(g["betas"][1]),
+                eps=float(g["eps"]),
                 weight_decay=float(g["weight_decay"]),
                 decoupled=bool(g.get("decoupled_weight_decay", decoupled_default)),
-            )  # fmt: skip
+            )
             for g in self.param_groups
         ]
 
@@ -113,7 +117,11 @@ class HostAdamW(torch.optim.Optimizer):
                 unit, i, e = where[id(p)]
                 if with_moments and unit.steps[i] > 0:  # torch.optim keeps state only for parameters it has stepped
                     exp_avg, exp_avg_sq = moments[id(p)]
-                    state[index] = {"step": torch.tensor(float(unit.steps[i])), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+                    state[index] = {
+                        "step": torch.tensor(float(unit.steps[i])),
+                        "exp_avg": exp_avg,
+                        "exp_avg_sq": exp_avg_sq,
+                    }
                 ids.append(index)
                 index += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
@@ -128,8 +136,16 @@ class HostAdamW(torch.optim.Optimizer):
             if not stepped:
                 continue
             if unit.tier is None:
-                out.update((id(e.param), (unit.m[e.offset : e.offset + e.numel].view(e.shape),
-                                          unit.v[e.offset : e.offset + e.numel].view(e.shape))) for e in stepped)  # fmt: skip
+                out.update(
+                    (
+                        id(e.param),
+                        (
+                            unit.m[e.offset : e.offset + e.numel].view(e.shape),
+                            unit.v[e.offset : e.offset + e.numel].view(e.shape),
+                        ),
+                    )
+                    for e in stepped
+                )
                 continue
             out.update((id(e.param), (torch.empty(e.shape), torch.empty(e.shape))) for e in stepped)
             for lo, hi, m, v in unit.moment_pieces(write=False, only=spans(stepped)):

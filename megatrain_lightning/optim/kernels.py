@@ -65,9 +65,20 @@ def adam_step_(
     """One Adam(W) step of a flat fp32 segment; `copy` (bf16/fp32) receives the new weights."""
     if backend() == "native":
         _native().adamw_step_(
-            master, m, v, grad, copy, lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps,
-            weight_decay=hp.weight_decay, step=step, grad_scale=grad_scale, decoupled=hp.decoupled,
-        )  # fmt: skip
+            master,
+            m,
+            v,
+            grad,
+            copy,
+            lr=hp.lr,
+            beta1=hp.beta1,
+            beta2=hp.beta2,
+            eps=hp.eps,
+            weight_decay=hp.weight_decay,
+            step=step,
+            grad_scale=grad_scale,
+            decoupled=hp.decoupled,
+        )
         return
     g = grad if grad.dtype == torch.float32 else grad.float()
     if grad_scale != 1.0:

@@ -257,7 +257,7 @@ def _check_disjoint(fn: str, named: list[tuple[str, torch.Tensor]]) -> None:
             start = t.data_ptr()
             spans.append((start, start + t.numel() * t.element_size(), name))
     spans.sort()
-    for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
+    for (_s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
         if s1 < e0:
             raise ValueError(f"{fn}: {n1} overlaps {n0} in memory; each buffer needs its own storage")
 

@@ -45,12 +45,23 @@ What it leaves out:
 
 from megatrain_lightning.schedule.profiles import PROFILES, Profile, measure_host_adam, profile
 from megatrain_lightning.schedule.record import Recorder
-from megatrain_lightning.schedule.trace import Trace
 from megatrain_lightning.schedule.replay import Timeline, replay
 from megatrain_lightning.schedule.report import Summary, summarize, table
 from megatrain_lightning.schedule.steps import record_steps, train_steps
+from megatrain_lightning.schedule.trace import Trace
 
 __all__ = [
-    "PROFILES", "Profile", "Recorder", "Summary", "Timeline", "Trace", "measure_host_adam",
-    "profile", "record_steps", "replay", "summarize", "table", "train_steps",
-]  # fmt: skip
+    "PROFILES",
+    "Profile",
+    "Recorder",
+    "Summary",
+    "Timeline",
+    "Trace",
+    "measure_host_adam",
+    "profile",
+    "record_steps",
+    "replay",
+    "summarize",
+    "table",
+    "train_steps",
+]

@@ -27,9 +27,10 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -43,8 +44,18 @@ from megatrain_lightning.optim import kernels
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.replay import LAUNCH_S, Replay
 from megatrain_lightning.schedule.trace import (
-    Copy, DeviceSync, HostWork, Join, Kernel, Mark, Record, Submit, Sync, Trace, Wait,
-)  # fmt: skip
+    Copy,
+    DeviceSync,
+    HostWork,
+    Join,
+    Kernel,
+    Mark,
+    Record,
+    Submit,
+    Sync,
+    Trace,
+    Wait,
+)
 
 aten = torch.ops.aten
 
@@ -100,9 +111,13 @@ class Recorder:
     def recording(self) -> Iterator[Recorder]:
         """Log from now on; an engine built inside gets the recording streams. Enter inside a FakeTensorMode
         (if any), so that this dispatch mode sees each op before the fake mode runs it."""
-        with _patched(engine_module, "Streams", lambda device: RecordingStreams(self, device)), \
-                _patched_kernels(self), observe_host_allocations(self._host_buffer), _Ops(self), \
-                _HostReads(self):  # fmt: skip
+        with (
+            _patched(engine_module, "Streams", lambda device: RecordingStreams(self, device)),
+            _patched_kernels(self),
+            observe_host_allocations(self._host_buffer),
+            _Ops(self),
+            _HostReads(self),
+        ):
             try:
                 yield self
             finally:
@@ -283,7 +298,9 @@ class _Worker:
     def __init__(self, recorder: Recorder, inner: Any) -> None:
         self.recorder, self.inner = recorder, inner
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, order: int = 0, after: tuple = (), **kwargs: Any) -> _Future:
+    def submit(
+        self, fn: Callable[..., Any], /, *args: Any, order: int = 0, after: tuple = (), **kwargs: Any
+    ) -> _Future:
         job, done = self.recorder.submit(order, tuple(after)), Future()
         try:
             done.set_result(self.recorder.run_job(job, fn, args, kwargs))
@@ -383,9 +400,12 @@ def _patched_kernels(rec: Recorder) -> Iterator[None]:
         with rec.quiet():
             return clip(values, max_norm)
 
-    with _patched(kernels, "adam_step_", adam_step_), _patched(kernels, "accumulate_", accumulate_), \
-            _patched(kernels, "param_norms", param_norms), \
-            _patched(kernels, "clip_coefficient", clip_coefficient):  # fmt: skip
+    with (
+        _patched(kernels, "adam_step_", adam_step_),
+        _patched(kernels, "accumulate_", accumulate_),
+        _patched(kernels, "param_norms", param_norms),
+        _patched(kernels, "clip_coefficient", clip_coefficient),
+    ):
         yield
 
 
@@ -400,8 +420,17 @@ def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 
 # -- classifying ops -------------------------------------------------------------------------------------
-_NO_KERNEL = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided,
-              aten._unsafe_view, aten.lift_fresh, aten.resize_, aten.set_}  # fmt: skip
+_NO_KERNEL = {
+    aten.empty,
+    aten.empty_strided,
+    aten.empty_like,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten._unsafe_view,
+    aten.lift_fresh,
+    aten.resize_,
+    aten.set_,
+}
 _GATHERS = {aten.embedding, aten.index_select, aten.index, aten.gather}  # read what they write, not the table
 
 

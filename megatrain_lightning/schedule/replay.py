@@ -26,8 +26,18 @@ from typing import Any
 
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.trace import (
-    Copy, DeviceSync, HostWork, Join, Kernel, Mark, Record, Submit, Sync, Trace, Wait,
-)  # fmt: skip
+    Copy,
+    DeviceSync,
+    HostWork,
+    Join,
+    Kernel,
+    Mark,
+    Record,
+    Submit,
+    Sync,
+    Trace,
+    Wait,
+)
 
 LAUNCH_S = 8e-6
 """Issuing one kernel or copy from Python: PyTorch's eager dispatch plus cudaLaunchKernel, typically 5-10 us."""

@@ -90,12 +90,20 @@ def summarize(
             blocked[iv.what] += _overlap(iv, lo, hi)
     compute = [iv for iv in timeline.intervals if iv.lane == "compute"]
     return Summary(
-        step_s=hi - lo, bound_s=bound_s, bound=bound, mfu=flops / (hi - lo) / (profile.bf16_peak_tflops * 1e12),
-        model_flops=flops, window=(lo, hi), busy=busy,
-        gpu_kinds=_by(mine, "compute", _gpu_kind), host_kinds=_by(mine, "host", lambda w: w),
+        step_s=hi - lo,
+        bound_s=bound_s,
+        bound=bound,
+        mfu=flops / (hi - lo) / (profile.bf16_peak_tflops * 1e12),
+        model_flops=flops,
+        window=(lo, hi),
+        busy=busy,
+        gpu_kinds=_by(mine, "compute", _gpu_kind),
+        host_kinds=_by(mine, "host", lambda w: w),
         blocked={k: v for k, v in sorted(blocked.items(), key=lambda kv: -kv[1]) if v > 0},
-        gpu_idle_s=(hi - lo) - _covered(compute, lo, hi), resource=resource, chain_s=chain,
-    )  # fmt: skip
+        gpu_idle_s=(hi - lo) - _covered(compute, lo, hi),
+        resource=resource,
+        chain_s=chain,
+    )
 
 
 def chain_seconds(intervals: list[Interval], micro_batches: int = 1, clipped: bool = False) -> float:
@@ -121,7 +129,9 @@ def table(s: Summary) -> str:
         mark = "  <- bound" if name == s.bound else "  <- busiest" if name == s.resource else ""
         rows.append(f"{name:<6} {seconds:>9.4f} {seconds / s.step_s:>7.1%}{mark}")
     mark = "  <- bound" if s.bound == CHAIN else ""
-    rows.append(f"{CHAIN} {s.chain_s:>5.4f} {s.chain_s / s.step_s:>7.1%}{mark}  (Adam, then the GPU work that waits for it)")
+    rows.append(
+        f"{CHAIN} {s.chain_s:>5.4f} {s.chain_s / s.step_s:>7.1%}{mark}  (Adam, then the GPU work that waits for it)"
+    )
     rows.append(f"step   {s.step_s:>9.4f}  (bound {s.bound_s:.4f} s on {s.bound}; GPU idle {s.gpu_idle_s:.4f} s of it)")
     rows.append("gpu:   " + _listing(s.gpu_kinds))
     rows.append("host:  " + _listing(s.host_kinds))

@@ -11,8 +11,8 @@ optimization loop). :func:`train_steps` makes the same calls in the same order.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 import dataclasses
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -52,8 +52,15 @@ def train_steps(
 
 
 def _closure(
-    engine, model, batch, opt, recorder: Recorder, clip: float | None, autocast: torch.dtype | None,
-    zero_grad: bool = True, mode: str = "step",
+    engine,
+    model,
+    batch,
+    opt,
+    recorder: Recorder,
+    clip: float | None,
+    autocast: torch.dtype | None,
+    zero_grad: bool = True,
+    mode: str = "step",
 ) -> Any:
     """Lightning's closure: training_step, zero_grad (the first micro-batch of a step), backward; then
     clip_gradients after the last micro-batch's."""
@@ -103,10 +110,16 @@ def record_steps(
         batch = torch.zeros(1, tokens, dtype=torch.int64)
         with recorder.recording():
             engine = StreamingEngine(
-                model, device="cpu", compute_dtype=torch.bfloat16, num_slots=num_slots, pin_memory=False,
-                available_bytes=lambda: 1 << 62, clipping=clip is not None, accumulating=micro_batches > 1,
+                model,
+                device="cpu",
+                compute_dtype=torch.bfloat16,
+                num_slots=num_slots,
+                pin_memory=False,
+                available_bytes=lambda: 1 << 62,
+                clipping=clip is not None,
+                accumulating=micro_batches > 1,
                 **_memory_figures(device_memory),
-            )  # fmt: skip
+            )
             engine.offload_inputs = offload_inputs
             recorder.attach(engine)
             try:
