@@ -38,8 +38,9 @@ import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.callbacks import MegatrainMonitor
 from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.engine.config import PRECISIONS
 from megatrain_lightning.module import CausalLMModule, check_init_from, resolve_config
-from megatrain_lightning.planner import HOST_LAYOUTS, NVME_GBPS, PRECISIONS, Plan, parse_size, plan
+from megatrain_lightning.planner import HOST_LAYOUTS, NVME_GBPS, Plan, parse_size, plan
 
 USAGE = """usage: megatrain {fit,validate,test,predict,plan,convert,env} ...
 

@@ -53,11 +53,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatrain_lightning.engine import host
+from megatrain_lightning.engine.config import compute_dtype
 from megatrain_lightning.engine.engine import StreamingEngine
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 
 _FLASH_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward"
-_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -81,12 +81,10 @@ def measure_step(
     offload_inputs: bool = False,
 ) -> Measured:
     """Run one training step of `config` on fake tensors and measure its device memory."""
-    if precision not in _DTYPES:
-        raise ValueError(f"precision={precision!r}: choose one of {', '.join(_DTYPES)}")
     if getattr(config, "token_chunk_size", None) == "auto":
         # "auto" sizes tiles from free CUDA memory; on the fake CPU it would pick the CPU's fixed tile.
         raise ValueError("token_chunk_size='auto' depends on the GPU's free memory; measure a fixed tile size")
-    dtype = _DTYPES[precision]
+    dtype = compute_dtype(precision)  # ValueError naming a bad precision
     t0 = time.perf_counter()
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = LlamaForCausalLM(config)  # host memory: built before counting starts

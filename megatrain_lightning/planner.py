@@ -85,19 +85,20 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megatrain_lightning.device_memory import auto_slot_count
+from megatrain_lightning.engine.config import HOST_LAYOUTS as ENGINE_HOST_LAYOUTS
+from megatrain_lightning.engine.config import check_host_layout, check_num_slots, check_precision
 from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
 from megatrain_lightning.engine.ring import piece_numel, ring_counts
-from megatrain_lightning.engine.streams import check_num_slots
 from megatrain_lightning.models.config import LlamaConfig
 from megatrain_lightning.models.tiling import auto_tile, tile_bytes_per_token, untiled_bytes_per_token
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
-PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
 GiB = 2**30
 CUDA_CONTEXT_BYTES = GiB
 """Allowance for the CUDA context and allocator fragmentation; not visible to ``max_memory_allocated``."""
-HOST_LAYOUTS: tuple[str, ...] = ("default", "lean", "auto")
+HOST_LAYOUTS: tuple[str, ...] = (*ENGINE_HOST_LAYOUTS, "auto")
+"""The engine's layouts and "auto", which the planner resolves (:func:`choose_tiers`)."""
 NVME_PIECES_IN_FLIGHT = NVME_BUFFERS
 """Pieces whose Adam m, v the host holds while the drive reads ahead and writes behind (the tier's buffers)."""
 NVME_GBPS = 6.0
@@ -163,9 +164,7 @@ def outer_numel(config: LlamaConfig) -> int:
 
 def compute_bytes(precision: str) -> int:
     """Bytes per element of the dtype weights stream and blocks compute in."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: choose one of {', '.join(PRECISIONS)}")
-    return 4 if precision == "32-true" else 2
+    return 4 if check_precision(precision) == "32-true" else 2
 
 
 def saved_input_bytes(config: LlamaConfig, tokens: int, precision: str) -> int:
@@ -176,14 +175,6 @@ def saved_input_bytes(config: LlamaConfig, tokens: int, precision: str) -> int:
 def largest_unit(config: LlamaConfig) -> int:
     """Parameters of the largest streamed unit: a decoder block, or the vocab x hidden embedding or head."""
     return max(block_numel(config), config.vocab_size * config.hidden_size)
-
-
-def check_host_layout(host_layout: str) -> None:
-    if host_layout not in HOST_LAYOUTS:
-        raise ValueError(
-            f"host_layout={host_layout!r}: choose one of {', '.join(HOST_LAYOUTS)} "
-            "(auto: default if it fits host_mem, else lean, else lean with Adam on NVMe)"
-        )
 
 
 def host_breakdown(
@@ -786,7 +777,7 @@ def plan(
     slots_asked, num_slots = num_slots, 2 if num_slots == "auto" else num_slots  # the sizes below: auto's least
     if offload_inputs not in (True, False, "auto"):
         raise ValueError(f"offload_inputs={offload_inputs!r}: choose True, False or 'auto'")
-    check_host_layout(host_layout)
+    check_host_layout(host_layout, allow_auto=True)
     if isinstance(nvme_gbps, bool) or not isinstance(nvme_gbps, (int, float)) or not nvme_gbps > 0:
         raise ValueError(f"nvme_gbps={nvme_gbps!r} must be a positive number of GB/s, e.g. 6.0 for a PCIe 4.0 drive")
     nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager as ContextManager
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,10 +11,10 @@ from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from torch import nn
 from typing_extensions import override
 
+from megatrain_lightning.engine.config import check_precision, compute_dtype, forward_context
+
 if TYPE_CHECKING:
     from megatrain_lightning.engine.engine import StreamingEngine
-
-SUPPORTED = ("32-true", "bf16-mixed", "bf16-true")
 
 
 class MegatrainPrecision(Precision):
@@ -27,18 +26,13 @@ class MegatrainPrecision(Precision):
     """
 
     def __init__(self, precision: str = "32-true") -> None:
-        if precision not in SUPPORTED:
-            raise ValueError(
-                f"precision={precision!r} is not supported by strategy='megatrain'; choose one of {', '.join(SUPPORTED)}. "
-                "fp16 needs loss scaling, which the host optimizer does not do: use 'bf16-mixed' instead."
-            )
-        self.precision = precision  # type: ignore[assignment]
+        self.precision = check_precision(precision)  # type: ignore[assignment]
         self.device_type = "cpu"  # set by the strategy to its root device's type
         self.engine: StreamingEngine | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return torch.float32 if self.precision == "32-true" else torch.bfloat16
+        return compute_dtype(self.precision)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -47,9 +41,7 @@ class MegatrainPrecision(Precision):
 
     @override
     def forward_context(self) -> ContextManager:
-        if self.precision == "bf16-mixed":
-            return torch.autocast(self.device_type, dtype=torch.bfloat16, cache_enabled=False)
-        return nullcontext()
+        return forward_context(self.precision, self.device_type)
 
     @override
     def clip_gradients(

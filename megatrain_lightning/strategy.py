@@ -22,11 +22,16 @@ from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.engine.block_fn import compile_block_calls
+from megatrain_lightning.engine.config import (
+    check_checkpoint_format,
+    check_flag,
+    check_host_layout,
+    check_host_threads,
+    check_num_slots,
+    check_offload_inputs,
+)
 from megatrain_lightning.engine.engine import StreamingEngine
-from megatrain_lightning.engine.saved_inputs import check_offload_inputs
-from megatrain_lightning.engine.streams import check_num_slots
 from megatrain_lightning.optim.adamw import HostAdamW
-from megatrain_lightning.optim.threads import resolve_host_threads
 from megatrain_lightning.precision import MegatrainPrecision
 
 
@@ -83,15 +88,12 @@ class MegatrainStrategy(SingleDeviceStrategy):
         compile_blocks: bool = False,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(compile_blocks, bool):
-            raise ValueError(f"compile_blocks={compile_blocks!r}: pass True or False")
-        if checkpoint_format not in ("sharded", "torch"):
-            raise ValueError(f"checkpoint_format={checkpoint_format!r}: choose 'sharded' or 'torch'")
+        check_flag("compile_blocks", compile_blocks)
+        check_checkpoint_format(checkpoint_format)
         check_num_slots(num_slots)
         check_offload_inputs(offload_inputs)
-        if host_layout not in ("default", "lean"):
-            raise ValueError(f"host_layout={host_layout!r}: choose 'default' or 'lean'")
-        resolve_host_threads(host_threads)  # ValueError for < 1 or more than the cores
+        check_host_layout(host_layout)
+        check_host_threads(host_threads)  # ValueError for < 1 or more than the cores
         super().__init__(device=device or "cpu", **kwargs)
         self._device_arg = device
         self.num_slots = num_slots

@@ -29,6 +29,13 @@ from torch import nn
 from megatrain_lightning.device_memory import auto_slot_count, free_device_bytes, step_transient_bytes
 from megatrain_lightning.engine import pinned
 from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, select_side
+from megatrain_lightning.engine.config import (
+    NumSlots,
+    OffloadInputs,
+    check_host_layout,
+    check_num_slots,
+    check_offload_inputs,
+)
 from megatrain_lightning.engine.discover import find_blocks
 from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
 from megatrain_lightning.engine.host_steps import HostSteps, graph_task
@@ -36,12 +43,10 @@ from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
 from megatrain_lightning.engine.outer import OuterParams, _bind
 from megatrain_lightning.engine.ring import HostRing, piece_numel, pieces, ring_counts
 from megatrain_lightning.engine.saved_inputs import (
-    OffloadInputs,
     SavedInputs,
-    check_offload_inputs,
     offload_needed,
 )
-from megatrain_lightning.engine.streams import NumSlots, SlotPool, Streams, check_num_slots
+from megatrain_lightning.engine.streams import SlotPool, Streams
 from megatrain_lightning.engine.worker import HostWorker
 from megatrain_lightning.optim.kernels import AdamHyper
 from megatrain_lightning.optim.threads import configure_host_threads, resolve_host_threads
@@ -89,8 +94,7 @@ class StreamingEngine(HostSteps, OuterParams):
             "host_land_seconds": 0.0,  # worker: waiting for downloads, accumulating, norms
             "host_wait_seconds": 0.0,  # compute-issuing thread blocked on a pending host job
         }
-        if host_layout not in ("default", "lean"):
-            raise ValueError(f"host_layout={host_layout!r}: choose 'default' or 'lean'")
+        check_host_layout(host_layout)
         self.host_layout, self.nvme_dir = host_layout, nvme_dir
         self.host_threads = resolve_host_threads(host_threads)  # ValueError before anything is allocated
         self.num_slots = check_num_slots(num_slots)

@@ -23,23 +23,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from megatrain_lightning.engine.host import host_empty
 from megatrain_lightning.engine.streams import Streams
-
-OffloadInputs = bool | Literal["auto"]
-OFFLOAD_CHOICES: tuple[OffloadInputs, ...] = (True, False, "auto")
-
-
-def check_offload_inputs(value: Any) -> OffloadInputs:
-    """`value` if it is one of :data:`OFFLOAD_CHOICES`, else a ValueError naming it and the choices."""
-    # isinstance, not `in`: 1 == True would let an int through
-    if isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
-        return value
-    raise ValueError(f"offload_inputs={value!r}: choose True (always offload), False (never) or 'auto'")
 
 
 def offload_needed(saved_bytes: int, free_bytes: int) -> bool:

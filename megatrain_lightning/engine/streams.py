@@ -40,21 +40,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Literal
 
 import torch
 
-NumSlots = int | Literal["auto"]
-
-
-def check_num_slots(value: Any) -> NumSlots:
-    """`value` if it is a slot count of at least 2 or "auto", else a ValueError naming it and the choices."""
-    if (isinstance(value, int) and not isinstance(value, bool) and value >= 2) or value == "auto":
-        return value
-    raise ValueError(
-        f"num_slots={value!r}: give at least 2 slots (one computing, one loading) or 'auto' (2, then after "
-        "the first step as many as the device memory that step left free allows)"
-    )
+from megatrain_lightning.engine.config import check_num_slots
 
 
 class _DoneEvent:
