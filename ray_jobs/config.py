@@ -19,8 +19,9 @@ resources: {cpus_per_trial: 8, gpus_per_trial: 1, node_resource: bigmem, memory_
 strategy: {host_layout: lean, nvme_dir: /mnt/nvme, host_threads: 7}   # each trial's MegatrainStrategy
 ```
 
-Write numbers in exponent form with a dot and a signed exponent (``1.0e-5``): YAML reads ``1e-5`` as a
-string, which is refused.
+Numbers may be written ``1e-5``: PyYAML reads that (no dot, or no exponent sign) as a string, and a string
+that spells a number is taken as that number wherever a number is expected (and, in `base` and grid or
+choice values, wherever the argument's type reads it as one).
 
 Where the file is looked up: see :func:`resolve`. Everything is checked here, in the driver, before
 anything runs on the cluster; an error is one line naming the file, the key and the fix.
@@ -30,14 +31,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
+
+from megatrain_lightning.engine.config import check_host_layout
+from megatrain_lightning.planner import parse_size
 
 SAMPLERS = ("grid", "choice", "uniform", "loguniform", "randint")
 SECTIONS = ("model", "data", "trainer", "seed")
@@ -53,38 +60,205 @@ class SweepConfigError(ValueError):
     """A sweep file that cannot run. The message is one line: the file, the key, the fix."""
 
 
-@dataclass
+def _yaml_number(value: Any) -> Any:
+    """PyYAML reads ``1e-5`` (no dot, or no exponent sign) as a string: take a string that spells a number as it."""
+    return float(value) if isinstance(value, str) and _NUMERIC.fullmatch(value.strip()) else value
+
+
+_NUMERIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+# Strict: YAML's `true` where a number is expected, or `4.0` where an integer is, is a mistake to report.
+Int = Annotated[int, Field(strict=True)]
+Number = Annotated[float, BeforeValidator(_yaml_number), Field(strict=True)]
+_INT, _NUMBER, _POSITIVE = TypeAdapter(Int), TypeAdapter(Number), TypeAdapter(Annotated[Number, Field(gt=0)])
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def _checked(adapter: TypeAdapter | None, key: str, value: Any) -> Any:
+    """`value` checked against `adapter`'s type (None: any). A string that type reads as a value (``1e-5``, which
+    PyYAML reads as text, for a float) becomes that value; anything else stays as written."""
+    if adapter is None:
+        return value
+    try:
+        checked = adapter.validate_python(value)
+    except ValidationError as err:
+        text = " or ".join(dict.fromkeys(e["msg"] for e in err.errors())).replace(" or Input should be ", " or ")
+        raise ValueError(f"{key}={value!r}: {text}") from None
+    return checked if isinstance(value, str) else value
+
+
+def _check_name(name: str) -> str:
+    if "/" in name or name.strip(". ") == "":
+        raise ValueError(f"name={name!r} must be a plain directory name (no '/')")
+    return name
+
+
+def _check_size(size: str) -> str:
+    parse_size(size)  # its ValueError names the size and the units
+    return size
+
+
+def _check_nvme_dir(path: str | None) -> str | None:
+    if path is not None and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path):
+        raise ValueError(
+            f"nvme_dir={path!r} is a URL, but the Adam moments are read and written every step on a local drive: "
+            "give a directory that exists on every node, e.g. /mnt/nvme (checkpoints go to `storage`)"
+        )
+    if path is not None and not path.startswith("/"):
+        raise ValueError(
+            f"nvme_dir={path!r} is relative; trials run in Ray's directories on each node, so give an absolute "
+            "path that exists on every node, e.g. /mnt/nvme"
+        )
+    return path
+
+
+def _check_scheduler(scheduler: dict[str, Any]) -> dict[str, Any]:
+    kind = scheduler.get("type")
+    if kind not in ("none", "asha"):
+        raise ValueError(
+            f"scheduler.type={kind!r}; choose 'asha' or 'none' (scheduler: {{type: asha, max_t: 10, grace_period: 2}})"
+        )
+    extra = sorted(set(scheduler) - {"type"} - (set(ASHA_KEYS) if kind == "asha" else set()))
+    if extra:
+        allowed = f"asha takes {list(ASHA_KEYS)}" if kind == "asha" else "type none takes no other keys"
+        raise ValueError(f"scheduler: unknown keys {extra}; {allowed}")
+    positive = ("max_t", "grace_period", "reduction_factor", "brackets")
+    return {k: _checked(_POSITIVE, f"scheduler.{k}", v) if k in positive else v for k, v in scheduler.items()}
+
+
+def _check_base(base: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(base) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"base: unknown sections {unknown}; a trial config has {list(SECTIONS)}")
+    out = {"seed": _checked(_INT, "base.seed", base["seed"])} if "seed" in base else {}
+    for section in ("model", "data", "trainer"):
+        values = base.get(section) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"base.{section} must be a mapping of keyword arguments, got {values!r}")
+        for key, value in values.items():
+            where = f"base.{section}.{key}"
+            out.setdefault(section, {})[key] = _checked(_argument(where, f"{section}.{key}"), where, value)
+    model = out.get("model") or {}
+    if not model.get("model") and not model.get("init_from"):
+        raise ValueError("base.model needs `model` (a preset such as llama-3.1-8b, or a config.json) or `init_from`")
+    if "data" in base and not (out.get("data") or {}).get("path"):
+        raise ValueError(
+            "base.data needs `path` (a text, JSONL or token file every node reads, or builtin:python-docs)"
+        )
+    return {k: out.get(k, base[k]) for k in base}  # in the file's order, an empty section as written
+
+
+def _argument(where: str, key: str) -> TypeAdapter | None:
+    """The type of the keyword argument that `key` (dotted: `section.name[.deeper]`, or `seed`) sets, as a
+    TypeAdapter; None where any value goes (a key below an argument, a section that takes ``**kwargs``)."""
+    section, _, rest = key.partition(".")
+    if section == "seed":
+        if rest:
+            raise ValueError(f"{where}: seed takes no sub-keys")
+        return _INT
+    if section not in ("model", "data", "trainer") or not rest:
+        raise ValueError(f"{where} must start with model., data., trainer. (or be seed)")
+    name, _, deeper = rest.partition(".")
+    params = _parameters(section)
+    if params is None:
+        return None
+    if section == "trainer" and name in TRAINER_RESERVED:
+        raise ValueError(
+            f"{where}: the sweep sets trainer.{name} itself (strategy=megatrain, its checkpoint and report "
+            "callbacks); remove it"
+        )
+    if name not in params:
+        close = [p for p in params if p.lower().startswith(name.lower()[:3])][:5]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(
+            f"{where}: {name!r} is not an argument of the {section} section{hint}; valid: {', '.join(params)}"
+        )
+    return None if deeper else params[name]
+
+
+@functools.cache
+def _parameters(section: str) -> dict[str, TypeAdapter] | None:
+    """Keyword arguments (name -> type) of the class a base section configures; None: any keyword."""
+    if section == "model":
+        from megatrain_lightning.module import CausalLMModule as target
+    elif section == "data":
+        from megatrain_lightning.data import TextDataModule as target
+    else:
+        import lightning.pytorch as L
+
+        target = L.Trainer
+    params = [p for p in inspect.signature(target.__init__, eval_str=True).parameters.values() if p.name != "self"]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    known = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    # A class pydantic does not know (a Logger, a Callback) is checked with isinstance.
+    any_class = ConfigDict(arbitrary_types_allowed=True)
+    return {p.name: TypeAdapter(Any if p.annotation is p.empty else p.annotation, config=any_class) for p in known}
+
+
+def _check_sampler(key: str, spec: dict[str, list]) -> dict[str, list]:
+    adapter = _argument(f"search_space key {key!r}", key)
+    if len(spec) != 1:
+        raise ValueError(f"search_space.{key} must be one of {{{'|'.join(SAMPLERS)}: [...]}}, got {spec!r}")
+    ((kind, values),) = spec.items()
+    where = f"search_space.{key}.{kind}"
+    if kind not in SAMPLERS:
+        raise ValueError(f"search_space.{key}: unknown sampler {kind!r}; use one of {', '.join(SAMPLERS)}")
+    if not values:
+        raise ValueError(f"{where} takes a non-empty list")
+    if kind in ("grid", "choice"):
+        return {kind: [_checked(adapter, where, value) for value in values]}
+    if len(values) != 2:
+        raise ValueError(f"{where} takes [low, high], got {values!r}")
+    low, high = (_checked(_INT if kind == "randint" else _NUMBER, where, value) for value in values)
+    if not low < high:
+        raise ValueError(f"{where}: low {low!r} must be below high {high!r}")
+    if kind == "loguniform" and low <= 0:
+        raise ValueError(f"{where}: low {low!r} must be above 0")
+    return {kind: [low, high]}
+
+
+# ---------------------------------------------------------------------------------------- the file
+
+
+# Unknown keys are refused: a misspelt option would otherwise silently keep its default.
+_SECTION = ConfigDict(extra="forbid")
+
+
+@dataclass(config=_SECTION)
 class Resources:
-    cpus_per_trial: float = 1
+    cpus_per_trial: Annotated[Number, Field(gt=0)] = 1
     """CPU cores Ray reserves per trial (the host optimizer and data loading use them)."""
-    gpus_per_trial: int = 1
+    gpus_per_trial: Literal[1] = 1
     """GPUs per trial: one, a trial is a single-GPU trainer."""
-    node_resource: str | None = None
+    node_resource: Annotated[str, Field(min_length=1)] | None = None
     """A custom node resource (e.g. `bigmem`) that only the big-memory nodes declare; None: no such filter."""
-    memory_headroom: str = "4GiB"
+    memory_headroom: Annotated[str, AfterValidator(_check_size)] = "4GiB"
     """Host memory added to the planner's figure for the Python process, data and allocator slack."""
 
 
-@dataclass
+@dataclass(config=_SECTION)
 class TrialStrategy:
     """Options of each trial's ``MegatrainStrategy`` (the trial builds the strategy itself, so
     ``base.trainer.strategy`` cannot set them). None of them changes what a trial computes: training is
     bit-identical across host layouts, with or without the NVMe tier, and at any thread count."""
 
-    host_layout: Literal["default", "lean", "auto"] = "default"
+    host_layout: Annotated[str, BeforeValidator(functools.partial(check_host_layout, allow_auto=True))] = "default"
     """"default" (16 B/param in bf16), "lean" (12) or "auto": the first of default, lean and (given
     `nvme_dir`) lean with Adam on NVMe whose memory request fits the largest node that can run a trial,
     chosen by the driver once the cluster is known (ray_jobs/resources.py)."""
-    nvme_dir: str | None = None
+    nvme_dir: Annotated[str | None, AfterValidator(_check_nvme_dir)] = None
     """An absolute local directory on every node that runs trials (not a URL): the Adam moments go there,
     8 B/param per trial, taking them off the memory request. Each trial uses its own subdirectory."""
-    host_threads: int | None = None
-    """Threads of the trial's host optimizer; None: resources.cpus_per_trial minus one (at least 1)."""
+    host_threads: Annotated[Int, Field(ge=1)] | None = None
+    """Threads of the trial's host optimizer; None: resources.cpus_per_trial minus one (at least 1). Checked
+    against cpus_per_trial, not this machine's cores (the engine's check): trials run on other nodes."""
 
 
-@dataclass
+@dataclass(config=_SECTION)
 class SweepConfig:
-    name: str
+    name: Annotated[str, AfterValidator(_check_name)]
     """Sweep name: its directory under `storage` and Ray's experiment name."""
     storage: str
     """fsspec URL of shared storage (s3://..., or a directory every node mounts)."""
@@ -92,21 +266,36 @@ class SweepConfig:
     """The base training config: `model`, `data`, `trainer` sections as for `megatrain fit`, optional `seed`."""
     search_space: dict[str, dict[str, list]] = field(default_factory=dict)
     """Dotted key into `base` -> {grid|choice|uniform|loguniform|randint: [...]}."""
-    num_samples: int = 1
+    num_samples: Annotated[Int, Field(ge=1)] = 1
     scheduler: dict[str, Any] = field(default_factory=lambda: {"type": "none"})
-    max_concurrent_trials: int = 0
+    max_concurrent_trials: Annotated[Int, Field(ge=0)] = 0
     """0: as many as the cluster fits."""
-    failure_budget: int = 2
+    failure_budget: Annotated[Int, Field(ge=0)] = 2
     """Retries per trial; a trial that fails more often counts as errored and fails the job."""
-    checkpoint_every: int = 100
-    metric: str = "val_loss"
+    checkpoint_every: Annotated[Int, Field(ge=1)] = 100
+    metric: Annotated[str, Field(min_length=1)] = "val_loss"
     mode: Literal["min", "max"] = "min"
     resources: Resources = field(default_factory=Resources)
     strategy: TrialStrategy = field(default_factory=TrialStrategy)
 
+    def __post_init__(self) -> None:
+        """What the types above cannot say (each message names its key)."""
+        self.base = _check_base(self.base)
+        self.search_space = {key: _check_sampler(key, spec) for key, spec in self.search_space.items()}
+        self.scheduler = _check_scheduler(self.scheduler)
+        threads, cpus = self.strategy.host_threads, self.resources.cpus_per_trial
+        if threads is not None and threads > cpus:
+            raise ValueError(
+                f"strategy.host_threads={threads} is more than the {cpus:g} cores Ray reserves per trial "
+                f"(resources.cpus_per_trial): raise cpus_per_trial to {threads} or lower host_threads"
+            )
+
     @property
     def root(self) -> str:
         return f"{self.storage.rstrip('/')}/{self.name}"
+
+
+_SWEEP = TypeAdapter(SweepConfig)
 
 
 # ---------------------------------------------------------------------------------------------- finding
@@ -173,271 +362,58 @@ def load(path: str | Path) -> SweepConfig:
         else:
             text = Path(where).read_text()
     except Exception as err:  # noqa: BLE001  (any storage backend's error)
-        raise SweepConfigError(f"sweep config {where} cannot be read: {one_line(err)}") from None
+        raise SweepConfigError(f"sweep config {where} cannot be read: {error_line(err)}") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise SweepConfigError(
-            f"{where}: not valid YAML{at}: {getattr(err, 'problem', None) or one_line(err)}"
+            f"{where}: not valid YAML{at}: {getattr(err, 'problem', None) or error_line(err)}"
         ) from None
     return from_dict(raw if raw is not None else {}, where)
 
 
 def from_dict(raw: Any, where: str = "<sweep>") -> SweepConfig:
-    """A checked :class:`SweepConfig` from the parsed YAML mapping `raw`; `where` names it in errors."""
+    """A checked :class:`SweepConfig` from the parsed YAML mapping `raw`; `where` names it in errors. A key
+    left empty (None) takes its default."""
     if not isinstance(raw, dict):
         got = type(raw).__name__
         raise SweepConfigError(f"{where}: a sweep file is a mapping of keys (name, storage, base, ...), got {got}")
-    known = [f.name for f in fields(SweepConfig)]
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise SweepConfigError(f"{where}: unknown keys {unknown}; known keys are {sorted(known)}")
-    missing = [k for k in ("name", "storage", "base") if not raw.get(k)]
-    if missing:
-        raise SweepConfigError(f"{where}: missing {missing} (see ray_jobs/config.py for a complete example)")
-    raw = dict(raw)
-    raw["resources"] = _section(raw, "resources", Resources, where)
-    raw["strategy"] = _section(raw, "strategy", TrialStrategy, where)
-    cfg = SweepConfig(**raw)
-    _check(cfg, where)
-    return cfg
-
-
-def _section(raw: dict[str, Any], key: str, cls: type, where: str) -> Any:
-    """The mapping `raw[key]` as a `cls` dataclass (its defaults where it is absent)."""
-    values = raw.get(key) or {}
-    known = [f.name for f in fields(cls)]
-    if not isinstance(values, dict) or set(values) - set(known):
-        bad = sorted(set(values) - set(known)) if isinstance(values, dict) else values
-        raise SweepConfigError(f"{where}: {key}: unknown keys {bad}; known keys are {known}")
-    return cls(**values)
-
-
-def _check(cfg: SweepConfig, where: str) -> None:
-    def fail(msg: str) -> None:
-        raise SweepConfigError(f"{where}: {msg}")
-
-    if not isinstance(cfg.name, str) or "/" in cfg.name or cfg.name.strip(". ") == "":
-        fail(f"name={cfg.name!r} must be a plain directory name (no '/')")
-    if not isinstance(cfg.storage, str):
-        fail(f"storage={cfg.storage!r} must be a URL or directory, e.g. s3://bucket/sweeps")
-    for key, low in (("num_samples", 1), ("max_concurrent_trials", 0), ("failure_budget", 0), ("checkpoint_every", 1)):
-        value = getattr(cfg, key)
-        if not _is_int(value) or value < low:
-            fail(f"{key}={value!r} must be an integer >= {low}")
-    if cfg.mode not in ("min", "max"):
-        fail(f"mode={cfg.mode!r}; choose 'min' or 'max'")
-    if not isinstance(cfg.metric, str) or not cfg.metric:
-        fail(f"metric={cfg.metric!r} must be the name of a logged metric, e.g. val_loss")
-    _check_scheduler(cfg.scheduler, fail)
-    _check_resources(cfg.resources, fail)
-    _check_strategy(cfg.strategy, cfg.resources, fail)
-    _check_base(cfg.base, fail)
-    if not isinstance(cfg.search_space, dict):
-        fail(f"search_space must map dotted keys to {{sampler: [...]}}, got {cfg.search_space!r}")
-    for key, spec in cfg.search_space.items():
-        annotation = _check_key(str(key), fail, where_key=f"search_space key {key!r}")
-        _check_sampler(key, spec, annotation, fail)
-
-
-def _check_scheduler(scheduler: Any, fail) -> None:
-    if not isinstance(scheduler, dict) or scheduler.get("type") not in ("none", "asha"):
-        kind = scheduler.get("type") if isinstance(scheduler, dict) else scheduler
-        fail(
-            f"scheduler.type={kind!r}; choose 'asha' or 'none' (scheduler: {{type: asha, max_t: 10, grace_period: 2}})"
-        )
-    extra = sorted(set(scheduler) - {"type"} - (set(ASHA_KEYS) if scheduler["type"] == "asha" else set()))
-    if extra:
-        allowed = f"asha takes {list(ASHA_KEYS)}" if scheduler["type"] == "asha" else "type none takes no other keys"
-        fail(f"scheduler: unknown keys {extra}; {allowed}")
-    for key in ("max_t", "grace_period", "reduction_factor", "brackets"):
-        value = scheduler.get(key, 1)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            fail(f"scheduler.{key}={value!r} must be a positive number")
-
-
-def _check_resources(res: Resources, fail) -> None:
-    from megatrain_lightning.planner import parse_size
-
-    if res.gpus_per_trial != 1:
-        fail(f"resources.gpus_per_trial={res.gpus_per_trial!r}; a trial is a single-GPU trainer, set it to 1")
-    if (
-        not isinstance(res.cpus_per_trial, (int, float))
-        or isinstance(res.cpus_per_trial, bool)
-        or res.cpus_per_trial <= 0
-    ):
-        fail(f"resources.cpus_per_trial={res.cpus_per_trial!r} must be a positive number")
-    if res.node_resource is not None and (not isinstance(res.node_resource, str) or not res.node_resource):
-        fail(f"resources.node_resource={res.node_resource!r} must be the name of a custom node resource, e.g. bigmem")
     try:
-        parse_size(res.memory_headroom)
-    except (ValueError, TypeError) as err:
-        fail(f"resources.memory_headroom: {err}")
+        return _SWEEP.validate_python({k: v for k, v in raw.items() if v is not None})
+    except ValidationError as err:
+        raise SweepConfigError(f"{where}: {_describe(err.errors())}") from None
 
 
-def _check_strategy(st: TrialStrategy, res: Resources, fail) -> None:
-    from megatrain_lightning.planner import HOST_LAYOUTS
-
-    if st.host_layout not in HOST_LAYOUTS:
-        fail(
-            f"strategy.host_layout={st.host_layout!r}; choose one of {', '.join(HOST_LAYOUTS)} (auto: the first of "
-            "default, lean and lean with Adam on nvme_dir whose trials fit the largest node)"
-        )
-    if st.nvme_dir is not None:
-        if not isinstance(st.nvme_dir, str) or not st.nvme_dir:
-            fail(f"strategy.nvme_dir={st.nvme_dir!r} must be a local directory on every node, e.g. /mnt/nvme")
-        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", st.nvme_dir):
-            fail(
-                f"strategy.nvme_dir={st.nvme_dir!r} is a URL, but the Adam moments are read and written every "
-                "step on a local drive: give a directory that exists on every node, e.g. /mnt/nvme (checkpoints "
-                "go to `storage`)"
-            )
-        if not st.nvme_dir.startswith("/"):
-            fail(
-                f"strategy.nvme_dir={st.nvme_dir!r} is relative; trials run in Ray's directories on each node, so "
-                "give an absolute path that exists on every node, e.g. /mnt/nvme"
-            )
-    if st.host_threads is not None:
-        if not _is_int(st.host_threads) or st.host_threads < 1:
-            fail(
-                f"strategy.host_threads={st.host_threads!r} must be an integer >= 1, or unset for "
-                "resources.cpus_per_trial minus one"
-            )
-        if st.host_threads > res.cpus_per_trial:
-            fail(
-                f"strategy.host_threads={st.host_threads} is more than the {res.cpus_per_trial:g} cores Ray "
-                f"reserves per trial (resources.cpus_per_trial): raise cpus_per_trial to {st.host_threads} "
-                "or lower host_threads"
-            )
+# Reported first, as a whole: a misspelt or missing key explains the errors that follow from it.
+_FIRST = ("unexpected_keyword_argument", "missing")
+_PHRASES = {"greater_than_equal": "must be an integer >= {ge}", "greater_than": "must be a number above {gt}"}
 
 
-def _check_base(base: Any, fail) -> None:
-    if not isinstance(base, dict):
-        fail(f"base must be a mapping with model / data / trainer sections, got {base!r}")
-    unknown = sorted(set(base) - set(SECTIONS))
-    if unknown:
-        fail(f"base: unknown sections {unknown}; a trial config has {list(SECTIONS)}")
-    if "seed" in base and not _is_int(base["seed"]):
-        fail(f"base.seed={base['seed']!r} must be an integer")
-    for section in ("model", "data", "trainer"):
-        values = base.get(section) or {}
-        if not isinstance(values, dict):
-            fail(f"base.{section} must be a mapping of keyword arguments, got {values!r}")
-        for key, value in values.items():
-            _check_key(f"{section}.{key}", fail, value=value, where_key=f"base.{section}.{key}")
-    model = base.get("model") or {}
-    if not model.get("model") and not model.get("init_from"):
-        fail("base.model needs `model` (a preset such as llama-3.1-8b, or a config.json) or `init_from`")
-    if "data" in base and not (base.get("data") or {}).get("path"):
-        fail("base.data needs `path` (a text, JSONL or token file every node reads, or builtin:python-docs)")
+def _describe(errors: list[Any]) -> str:
+    """Pydantic's errors as one line: the first one's dotted key, its value and the fix."""
+    errors = sorted(errors, key=lambda e: _FIRST.index(e["type"]) if e["type"] in _FIRST else len(_FIRST))
+    first = errors[0]
+    kind, loc, value = first["type"], tuple(str(part) for part in first["loc"]), first["input"]
+    key, parent = ".".join(loc), ".".join(loc[:-1])
+    if kind == "value_error":  # from a check here, or the engine's
+        text = str(first["ctx"]["error"])
+        if loc and not text.startswith(loc[-1]):  # about the value alone (parse_size's)
+            return f"{key}: {text}"
+        return f"{parent}.{text}" if parent else text  # it names its key (the engine's: the last part)
+    if kind in _FIRST:
+        keys = [e["loc"][-1] for e in errors if e["type"] == kind and e["loc"][:-1] == first["loc"][:-1]]
+        if kind == "missing":
+            return f"missing {keys} (see ray_jobs/config.py for a complete example)"
+        section = {"": SweepConfig, "resources": Resources, "strategy": TrialStrategy}[parent]
+        known = [f.name for f in dataclasses.fields(section)]
+        return f"{parent + ': ' if parent else ''}unknown keys {sorted(keys)}; known keys are {known}"
+    phrase = _PHRASES.get(kind)
+    return f"{key}={value!r} {phrase.format(**first['ctx'])}" if phrase else f"{key}={value!r}: {first['msg']}"
 
 
-_NO_VALUE = object()
-
-
-def _check_key(key: str, fail, value: Any = _NO_VALUE, where_key: str = "") -> str:
-    """`key` (dotted, `section.name[.deeper]`) must name a keyword argument of that section's class.
-    Returns that argument's annotation as text ("" when unknown)."""
-    section, _, rest = key.partition(".")
-    if section == "seed":
-        if rest:
-            fail(f"{where_key}: seed takes no sub-keys")
-        return "int"
-    if section not in ("model", "data", "trainer") or not rest:
-        fail(f"{where_key} must start with model., data., trainer. (or be seed)")
-    name = rest.split(".", 1)[0]
-    params = _parameters(section)
-    if params is None:
-        return ""
-    if section == "trainer" and name in TRAINER_RESERVED:
-        fail(
-            f"{where_key}: the sweep sets trainer.{name} itself (strategy=megatrain, its checkpoint and report "
-            "callbacks); remove it"
-        )
-    if name not in params:
-        close = [p for p in params if p.lower().startswith(name.lower()[:3])][:5]
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        fail(f"{where_key}: {name!r} is not an argument of the {section} section{hint}; valid: {', '.join(params)}")
-    annotation = params[name] if "." not in rest else ""
-    if value is not _NO_VALUE:
-        _check_number(where_key, value, annotation, fail)
-    return annotation
-
-
-def _check_number(where_key: str, value: Any, annotation: str, fail) -> None:
-    """A numeric argument given as text: YAML reads `1e-3` (no dot, or no exponent sign) as a string."""
-    if not isinstance(value, str) or not _NUMERIC.search(annotation) or _TEXTUAL.search(annotation):
-        return
-    try:
-        float(value)
-    except ValueError:
-        return  # not a number at all: the class's own check names it
-    mantissa, e, exponent = value.strip().lower().partition("e")
-    if e:
-        mantissa = mantissa if "." in mantissa else f"{mantissa}.0"
-        exponent = exponent if exponent[:1] in ("+", "-") else f"+{exponent}"
-        fix = f"YAML reads {value} as a string; write {mantissa}e{exponent} (with a dot and a signed exponent)"
-    else:
-        fix = f"write {value.strip()} without quotes"
-    fail(f"{where_key}: {value!r} is text, not a number: {fix}")
-
-
-_NUMERIC = re.compile(r"\b(int|float)\b")
-_TEXTUAL = re.compile(r"\b(str|Literal)\b")
-
-
-def _parameters(section: str) -> dict[str, str] | None:
-    """Keyword arguments (name -> annotation text) of the class a base section configures; None: any."""
-    if section == "model":
-        from megatrain_lightning.module import CausalLMModule as target
-    elif section == "data":
-        from megatrain_lightning.data import TextDataModule as target
-    else:
-        import lightning.pytorch as L
-
-        target = L.Trainer
-    sig = inspect.signature(target.__init__)
-    params = [p for p in sig.parameters.values() if p.name != "self"]
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name: str(p.annotation) for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-
-
-def _check_sampler(key: Any, spec: Any, annotation: str, fail) -> None:
-    usage = f"{{{'|'.join(SAMPLERS)}: [...]}}"
-    if not isinstance(spec, dict) or len(spec) != 1:
-        fail(f"search_space.{key} must be one of {usage}, got {spec!r}")
-    kind, values = next(iter(spec.items()))
-    if kind not in SAMPLERS:
-        fail(f"search_space.{key}: unknown sampler {kind!r}; use one of {', '.join(SAMPLERS)}")
-    if not isinstance(values, list) or not values:
-        fail(f"search_space.{key}.{kind} takes a non-empty list, got {values!r}")
-    if kind in ("grid", "choice"):
-        for value in values:
-            _check_number(f"search_space.{key}.{kind}", value, annotation, fail)
-        return
-    if len(values) != 2:
-        fail(f"search_space.{key}.{kind} takes [low, high], got {values!r}")
-    for value in values:
-        _check_number(f"search_space.{key}.{kind}", value, "float", fail)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            fail(f"search_space.{key}.{kind}: {value!r} must be a number")
-    low, high = values
-    if not low < high:
-        fail(f"search_space.{key}.{kind}: low {low!r} must be below high {high!r}")
-    if kind == "loguniform" and low <= 0:
-        fail(f"search_space.{key}.loguniform: low {low!r} must be above 0")
-    if kind == "randint" and not (_is_int(low) and _is_int(high)):
-        fail(f"search_space.{key}.randint takes integers [low, high), got {values!r}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def one_line(err: BaseException) -> str:
+def error_line(err: BaseException) -> str:
     """An exception as one line of at most ~300 characters: its type and message."""
     text = " ".join(str(err).split())
     text = text if len(text) <= 300 else text[:297] + "..."

@@ -32,9 +32,9 @@ from ray_jobs.config import (
     SweepConfigError,
     as_dict,
     changes,
+    error_line,
     is_shipped,
     load,
-    one_line,
     param_space,
     resolve,
 )
@@ -59,7 +59,7 @@ def stored_config(cfg: SweepConfig) -> dict[str, Any] | None:
             return None
         return yaml.safe_load(fs.cat_file(path))
     except Exception as err:  # noqa: BLE001  (any backend's error: credentials, endpoint, protocol)
-        raise SweepError(f"storage {cfg.storage} cannot be read ({one_line(err)}); {_STORAGE_FIX}") from None
+        raise SweepError(f"storage {cfg.storage} cannot be read ({error_line(err)}); {_STORAGE_FIX}") from None
 
 
 def check_unchanged(cfg: SweepConfig) -> bool:
@@ -86,7 +86,7 @@ def record_config(cfg: SweepConfig) -> None:
             fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         fs.pipe_file(path, yaml.safe_dump(as_dict(cfg), sort_keys=False).encode())
     except Exception as err:  # noqa: BLE001
-        raise SweepError(f"storage {cfg.storage} cannot be written ({one_line(err)}); {_STORAGE_FIX}") from None
+        raise SweepError(f"storage {cfg.storage} cannot be written ({error_line(err)}); {_STORAGE_FIX}") from None
 
 
 _STORAGE_FIX = (
@@ -202,7 +202,7 @@ def _run(args: argparse.Namespace) -> int:
         ray.init(address=args.address or "auto", ignore_reinit_error=True)
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise SweepError(
-            f"no Ray cluster at {args.address or 'auto'} ({one_line(err)}); start one with `ray start --head` "
+            f"no Ray cluster at {args.address or 'auto'} ({error_line(err)}); start one with `ray start --head` "
             "and submit with `ray job submit`, or pass --address HEAD:6379"
         ) from None
     nodes = ray.nodes()

@@ -175,11 +175,12 @@ BAD = [
     ({"serach_space": {}}, "unknown keys ['serach_space']"),
     ({"storage": None}, "missing ['storage']"),
     ({"search_space": {"model.lr": {"logunif": [1.0e-5, 1.0e-3]}}}, "unknown sampler 'logunif'"),
-    ({"search_space": {"model.lr": {"loguniform": ["1e-5", 1.0e-3]}}}, "write 1.0e-5"),
+    ({"search_space": {"model.lr": {"loguniform": ["fast", 1.0e-3]}}}, "model.lr.loguniform='fast': Input should be"),
     ({"search_space": {"model.lr": {"uniform": [1.0, 0.5]}}}, "low 1.0 must be below high 0.5"),
     ({"search_space": {"model.learning_rate": {"grid": [0.1]}}}, "'learning_rate' is not an argument of the model"),
     ({"search_space": {"optim.lr": {"grid": [0.1]}}}, "must start with model., data., trainer."),
-    ({"base": {**BASE, "model": {"model": "tiny", "lr": "3e-4"}}}, "base.model.lr: '3e-4' is text"),
+    ({"base": {**BASE, "model": {"model": "tiny", "lr": "x"}}}, "base.model.lr='x': Input should be a valid number"),
+    ({"base": {**BASE, "trainer": {"max_steps": "1e3"}}}, "trainer.max_steps='1e3': Input should be a valid integer"),
     ({"base": {**BASE, "trainer": {"max_step": 5}}}, "'max_step' is not an argument of the trainer section"),
     ({"base": {**BASE, "trainer": {"strategy": "ddp"}}}, "the sweep sets trainer.strategy itself"),
     ({"base": {**BASE, "optimizer": {}}}, "unknown sections ['optimizer']"),
@@ -229,6 +230,25 @@ def test_shipped_sweeps_pass_the_checks():
 def test_sweep_config_error_names_the_file(tmp_path):
     with pytest.raises(SweepConfigError, match=r"cfg\.yaml: num_samples"):
         load(sweep_file(tmp_path, num_samples="four"))
+
+
+def test_numbers_written_like_1e_5_are_numbers(tmp_path):
+    """PyYAML reads `1e-5` (no dot, or no exponent sign) as a string: the sweep takes it as the number it spells
+    in its own numbers, a range's bounds, and the values of arguments that are numbers."""
+    path = tmp_path / "exp.yaml"
+    path.write_text(
+        f"name: exp\nstorage: {tmp_path / 'storage'}\nresources: {{cpus_per_trial: 2e0}}\n"
+        "base: {model: {model: tiny, lr: 1e-5, weight_decay: 1E-2}, data: {path: 'builtin:python-docs'}}\n"
+        "search_space: {model.lr: {loguniform: [1e-5, 3e-4]}, model.weight_decay: {grid: [0, 1e-2]}}\n"
+    )
+    raw = yaml.safe_load(path.read_text())
+    assert raw["base"]["model"]["lr"] == "1e-5" and raw["search_space"]["model.lr"]["loguniform"] == ["1e-5", "3e-4"]
+    cfg = load(path)
+    assert cfg.base["model"] == {"model": "tiny", "lr": 1e-5, "weight_decay": 1e-2}
+    assert cfg.search_space == {"model.lr": {"loguniform": [1e-5, 3e-4]}, "model.weight_decay": {"grid": [0, 1e-2]}}
+    assert cfg.resources.cpus_per_trial == 2.0
+    stored = yaml.safe_load(yaml.safe_dump(as_dict(cfg)))  # what sweep.yaml keeps: numbers, read back as numbers
+    assert stored["base"]["model"]["lr"] == 1e-5 and stored["search_space"]["model.lr"]["loguniform"][0] == 1e-5
 
 
 # ------------------------------------------------------------------------------------- trial files
@@ -360,7 +380,7 @@ def test_strategy_may_change_on_resubmission(tmp_path):
 
 
 BAD_STRATEGY = [
-    ({"host_layout": "compact"}, "strategy.host_layout='compact'; choose one of default, lean, auto"),
+    ({"host_layout": "compact"}, "strategy.host_layout='compact': choose one of default, lean, auto"),
     ({"nvme_dir": "s3://bucket/nvme"}, "strategy.nvme_dir='s3://bucket/nvme' is a URL"),
     ({"nvme_dir": "scratch/nvme"}, "strategy.nvme_dir='scratch/nvme' is relative"),
     ({"host_threads": 0}, "strategy.host_threads=0 must be an integer >= 1"),
