@@ -188,6 +188,15 @@ def test_killed_trial_resumes_from_its_checkpoint(cluster, s3_env, tmp_path, mon
     assert final_masters(f"s3://{trial}/checkpoints/last.ckpt") == final_masters(f"{reference}/checkpoints/last.ckpt")
 
 
+def recorded_statuses(name: str) -> list[str]:
+    """The trials' statuses in the newest experiment state Tune has written to storage (what a restore reads)."""
+    fs = s3()
+    states = sorted(fs.glob(f"megatrain/sweeps/{name}/experiment_state-*.json"))
+    if not states:
+        return []
+    return [json.loads(trial)["status"] for trial, _ in json.loads(fs.cat_file(states[-1]))["trial_data"]]
+
+
 def wait_job_running(client, job: str) -> bool:
     return str(client.get_job_status(job)).rsplit(".", 1)[-1] in ("PENDING", "RUNNING")
 
@@ -210,10 +219,16 @@ def test_restored_sweep_finishes_only_unfinished_trials(cluster, s3_env, tmp_pat
     config = sweep_yaml(tmp_path, "restore", [1e-3, 3e-3], steps=80, concurrent=1)
     client, job = submit(dashboard, config, s3_env)
     deadline = time.monotonic() + 300
-    while not (len(trial_dirs("restore")) == 2 and all(attempts(d) for d in trial_dirs("restore"))):
+    # The first trial finished (one at a time) and Tune's state in storage, which the restore reads, says so;
+    # the second has started.
+    while not (
+        len(trial_dirs("restore")) == 2
+        and all(attempts(d) for d in trial_dirs("restore"))
+        and "TERMINATED" in recorded_statuses("restore")
+    ):
         assert time.monotonic() < deadline and wait_job_running(client, job), client.get_job_logs(job)[-3000:]
         time.sleep(0.5)
-    time.sleep(3)  # the first trial finished (one at a time) and Tune recorded it; the second is mid-run
+    assert recorded_statuses("restore").count("TERMINATED") == 1  # the second not yet: the stop cuts it short
     client.stop_job(job)
     assert wait_job(client, job) == "STOPPED"
     client, job = submit(dashboard, config, s3_env)
