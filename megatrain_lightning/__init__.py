@@ -7,9 +7,11 @@ Importing the package registers ``Trainer(strategy="megatrain")`` with Lightning
 from lightning.pytorch.strategies import StrategyRegistry
 
 from megatrain_lightning.convert import load_from_checkpoint
-from megatrain_lightning.engine.engine import HostMemoryError, StreamingEngine
+from megatrain_lightning.engine.config import EngineConfig
+from megatrain_lightning.engine.engine import Engine, HostMemoryError
+from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.engine.pinned import PinnedMemoryError
-from megatrain_lightning.optim.adamw import HostAdamW
+from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.precision import MegatrainPrecision
 from megatrain_lightning.strategy import MegatrainStrategy
 
@@ -18,11 +20,13 @@ __version__ = "0.1.0"
 MegatrainStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "Engine",
+    "EngineConfig",
+    "Probes",
     "HostAdamW",
     "HostMemoryError",
     "MegatrainPrecision",
     "MegatrainStrategy",
     "PinnedMemoryError",
-    "StreamingEngine",
     "load_from_checkpoint",
 ]

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from megatrain_lightning.engine.engine import StreamingEngine
+    from megatrain_lightning.engine.engine import Engine
 
 
 class CallState:
@@ -203,7 +203,7 @@ class BlockRunner:
 
     `inner` is the forward the block had before (its class's, or one a library put on the instance)."""
 
-    def __init__(self, engine: StreamingEngine, idx: int, block: nn.Module) -> None:
+    def __init__(self, engine: Engine, idx: int, block: nn.Module) -> None:
         self.engine, self.idx = engine, idx
         self.own = block.__dict__.get("forward")  # an instance forward to put back on release
         self.inner = self.own if self.own is not None else type(block).forward.__get__(block)

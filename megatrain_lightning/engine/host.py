@@ -217,6 +217,12 @@ class HostUnit:
         if self.future is not None:
             self.future.result()
 
+    def bind(self, flat: torch.Tensor) -> None:
+        """Point each parameter of this unit at its slice of `flat` (no copy): the master, a device slot or
+        a device copy."""
+        for e in self.entries:
+            e.param.data = flat[e.offset : e.offset + e.numel].view(e.shape)
+
     def refresh_copy(self) -> None:
         """Rewrite the compute copy from the master (after loading weights)."""
         if self.copy is not None and self.copy is not self.master:

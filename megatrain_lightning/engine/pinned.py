@@ -8,7 +8,7 @@ place with ``cudaHostRegister``, so the pinned bytes are exactly the bytes the e
 
 A registered tensor is held in a registry until it is unregistered: freeing page-locked memory while
 it is still registered (and letting the allocator hand the pages out again) must not happen. The
-engine unregisters its own buffers in ``StreamingEngine.release()``; afterwards they are ordinary host
+engine unregisters its own buffers in ``Engine.close()``; afterwards they are ordinary host
 memory (the fp32 masters live on as the model's parameters).
 
 The CUDA calls sit in :func:`_host_register` and :func:`_host_unregister` only, so tests replace them
@@ -61,7 +61,7 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
             f"GPU: cudaHostRegister returned {_error_name(code)}, with {registered_bytes() / 2**30:.2f} GiB already "
             f"pinned by this process and a locked-memory limit (RLIMIT_MEMLOCK) of {_memlock_limit()}. Raise the "
             "limit (`ulimit -l unlimited`, memlock in /etc/security/limits.conf, or `docker run --ulimit "
-            "memlock=-1`), free host memory, or pass pin_memory=False to StreamingEngine (slower, synchronous copies)."
+            "memlock=-1`), free host memory, or pass EngineConfig(pin_memory=False) (slower, synchronous copies)."
         )
     with _lock:
         _registry[t.data_ptr()] = t
