@@ -17,6 +17,10 @@ as soon as its copy is done, so the host holds a few pieces of gradient, not a u
 A block called more than once before one backward (two forwards in one loss) has its calls' gradients
 summed first (:class:`Held`): the first waits in the slab while another call is still to come back, the
 others come down through a ring and are added to it, and the last call lands the sum as one gradient.
+
+Why one file of about 500 lines: every path a gradient takes to the host (whole, in pieces, held for a
+second call, accumulated, stepped at once or at the step) moves the unit's grad state, which this object
+keeps consistent; split, that state machine would be spread over several files.
 """
 
 from __future__ import annotations
