@@ -1,10 +1,12 @@
 """The package's shape: no import cycle, the engine and the optimizer import no Lightning, optim/ imports nothing
 of engine/, and a file over 500 lines says why in its docstring.
 
-Imports are read from the source (ast), every ``import`` a module runs: at the top, in functions, in ``try``.
-Imports under ``if TYPE_CHECKING:`` never run and are left out. Importing ``a.b.c`` also runs the packages
-``a`` and ``a.b``; those implicit edges are left out too (every module would otherwise reach the package's
-``__init__``, which imports the strategy), so a package's own ``__init__`` imports count as its edges."""
+Imports are read from the source (ast), every ``import`` a module names: at the top, in functions, in ``try``,
+and under ``if TYPE_CHECKING:`` too (a module that needs another's type where that one imports it takes a
+Protocol instead). Importing ``a.b.c`` also runs the packages ``a`` and ``a.b``; those implicit edges are left
+out (every module would otherwise reach the package's ``__init__``, which imports the strategy), so a
+package's own ``__init__`` imports count as its edges. The Lightning check below counts only imports that
+run."""
 
 from __future__ import annotations
 
@@ -26,10 +28,12 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in ROOT.rglob("*.py")}
 
 
-def runtime_imports(path: Path, name: str) -> set[str]:
-    """Every module `path` imports when it runs, resolved to module names (relative imports included)."""
+def imports(path: Path, name: str, typing_too: bool = True) -> set[str]:
+    """Every module `path` imports, resolved to module names (relative imports included); with
+    `typing_too=False` only those that run (not under ``if TYPE_CHECKING:``)."""
     tree = ast.parse(path.read_text())
-    skipped = {id(n) for node in ast.walk(tree) if _is_type_checking(node) for n in ast.walk(node)}
+    typing = [node for node in ast.walk(tree) if _is_type_checking(node)] if not typing_too else []
+    skipped = {id(n) for node in typing for n in ast.walk(node)}
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
@@ -53,7 +57,7 @@ def _is_type_checking(node: ast.AST) -> bool:
 
 def graph() -> dict[str, set[str]]:
     known = modules()
-    return {name: {m for m in runtime_imports(path, name) if m in known and m != name} for name, path in known.items()}
+    return {name: {m for m in imports(path, name) if m in known and m != name} for name, path in known.items()}
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -80,7 +84,7 @@ def test_the_walker_sees_a_cycle_and_resolves_relative_imports():
     """The check itself can fail: a made-up cycle is found, and relative imports resolve."""
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
-    llama = runtime_imports(ROOT / "models" / "llama.py", f"{PACKAGE}.models.llama")
+    llama = imports(ROOT / "models" / "llama.py", f"{PACKAGE}.models.llama")
     assert f"{PACKAGE}.models.config" in llama
 
 
@@ -99,7 +103,9 @@ def test_engine_and_optim_import_no_lightning():
     for name, path in modules().items():
         if name.startswith((f"{PACKAGE}.engine", f"{PACKAGE}.optim")):
             lightning = sorted(
-                m for m in runtime_imports(path, name) if m.split(".")[0] in ("lightning", "pytorch_lightning")
+                m
+                for m in imports(path, name, typing_too=False)
+                if m.split(".")[0] in ("lightning", "pytorch_lightning")
             )
             assert not lightning, f"{name} imports {lightning}"
 

@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.engine.host import host_empty
+from megatrain_lightning.engine.pinned import host_empty
 from megatrain_lightning.measure import DeviceBytes, Measured, flash_workspace, measure_step, observe_host_allocations
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 

@@ -103,6 +103,7 @@ def recorded_run(clip: float | None = None, offload: bool = False, count: bool =
             EngineConfig(
                 device="cpu", precision="bf16-true", pin_memory=False, offload_inputs=offload, clipping=clip is not None
             ),
+            recorder.probes(),
         )
         recorder.attach(engine)
         train_steps(engine, model, batch(), recorder, STEPS, clip, micro_batches=micro_batches)
@@ -307,6 +308,7 @@ def recorded_uploads(profile: Profile | None, num_slots: int) -> list[Copy]:
         engine = Engine(
             model,
             EngineConfig(device="cpu", precision="bf16-true", pin_memory=False, clipping=True, num_slots=num_slots),
+            recorder.probes(),
         )
         recorder.attach(engine)
         train_steps(engine, model, batch(), recorder, STEPS, clip=1.0)

@@ -250,7 +250,7 @@ def hold_first_landing(monkeypatch) -> None:
 
 
 # Not caught, because the host thread is the compute stream: the copy streams' waits for compute (H2D
-# on a slot's `free` event in SlotPool.load, D2H on the gradient's `produced` event in _ship, the outer
+# on a slot's `free` event in SlotPool.load, D2H on the gradient's `produced` event in ship, the outer
 # upload's wait for earlier compute); every copy is issued after the compute before it has run. Nor the
 # host worker's wait for a unit's upload before stepping it (_step_unit): every upload is waited for by
 # the compute that reads it, which comes before the block's gradient and so before its step.
@@ -260,10 +260,10 @@ REMOVED = {
     # The compute stream reads a weight slot before the block's upload into it has finished.
     "compute-reads-slot-before-upload": dict(skip=("acquire", "compute")),
     # The compute stream reads the embedding/norm/head before their upload after a step has finished.
-    "compute-reads-outer-before-upload": dict(skip=("_upload_outer", "compute")),
+    "compute-reads-outer-before-upload": dict(skip=("_upload", "compute")),
     # The compute stream overwrites a device grad slot before its previous download has read it (visible
     # when the host worker lags behind, which would otherwise force each download promptly).
-    "grad-slot-reused-before-download": dict(skip=("_pack_grads", "compute"), setup=hold_first_landing),
+    "grad-slot-reused-before-download": dict(skip=("pack_grads", "compute"), setup=hold_first_landing),
 }
 
 

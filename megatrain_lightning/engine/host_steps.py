@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from megatrain_lightning.engine.host import GradState, HostUnit, host_empty, spans
+from megatrain_lightning.engine.host import GradState, HostUnit, spans
+from megatrain_lightning.engine.pinned import host_empty
 from megatrain_lightning.engine.ring import HostRing, pieces
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.optim.kernels import AdamHyper
@@ -110,7 +111,7 @@ class HostSide:
     # -- gradients to the host ------------------------------------------------------------------
     def pack_grads(self, unit: HostUnit, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor, int]:
         """Write a block's parameter gradients (None: the parameter got none) into a free device grad slot,
-        flat in the unit's layout; a missing gradient is written as zeros and marked absent by `_ship`."""
+        flat in the unit's layout; a missing gradient is written as zeros and marked absent by `ship`."""
         k = self.next_grad_slot
         self.next_grad_slot = 1 - k
         self.streams.wait(None, self.grad_slot_free[k])  # its previous download must have finished

@@ -9,15 +9,29 @@ move between this strategy and ordinary training.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from megatrain_lightning.engine.host import ParamEntry, spans
+from megatrain_lightning.engine.host import HostUnit, ParamEntry, spans
 from megatrain_lightning.optim.kernels import AdamHyper
 
-if TYPE_CHECKING:
-    from megatrain_lightning.engine.engine import Engine
+
+class Steps(Protocol):
+    """What the optimizer asks of the engine (engine.py's ``Engine``, which imports this module)."""
+
+    def all_units(self) -> list[HostUnit]: ...
+
+    def attach_optimizer(
+        self, groups: dict[int, int], hyper: Callable[[], list[AdamHyper]], order: list[int]
+    ) -> None: ...
+
+    def optimizer_step(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+    def flush(self) -> None: ...
+
 
 SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
 
@@ -42,7 +56,7 @@ def check_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 class HostAdamW(torch.optim.Optimizer):
     """An optimizer whose ``step`` runs the engine's host step over all units."""
 
-    def __init__(self, source: torch.optim.Optimizer, engine: Engine) -> None:
+    def __init__(self, source: torch.optim.Optimizer, engine: Steps) -> None:
         # Optimizer.__init__ is skipped on purpose: it would copy the groups, and the point is to share them.
         self._source = check_optimizer(source)
         self.defaults = source.defaults

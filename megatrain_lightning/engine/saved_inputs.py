@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from megatrain_lightning.engine.config import OffloadInputs, check_offload_inputs
-from megatrain_lightning.engine.host import host_empty
+from megatrain_lightning.engine.pinned import host_empty
 from megatrain_lightning.engine.streams import Streams
 
 log = logging.getLogger("megatrain_lightning")
