@@ -12,12 +12,14 @@ from megatrain_lightning.engine.engine import Engine, HostMemoryError
 from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.engine.pinned import PinnedMemoryError
 from megatrain_lightning.engine.probes import Probes
+from megatrain_lightning.fabric import MegatrainFabricStrategy
 from megatrain_lightning.precision import MegatrainPrecision
 from megatrain_lightning.strategy import MegatrainStrategy
 
 __version__ = "0.1.0"
 
 MegatrainStrategy.register_strategies(StrategyRegistry)
+MegatrainFabricStrategy.register_strategies()  # Fabric(strategy="megatrain")
 
 __all__ = [
     "Engine",

@@ -148,6 +148,7 @@ class Engine:
         self._outer_buffers_to(self.device)
         self.outer = OuterParams(outer_units, self.device, self.streams, self.uploads, self.host)
         self.optimizer_steps = 0
+        self._optimizer: HostAdamW | None = None  # the one engine.optimizer() returned (its groups go in save())
         if config.compile_blocks:
             compile_block_calls(self.blocks, self.runners)
 
@@ -224,7 +225,8 @@ class Engine:
     def optimizer(self, optimizer: torch.optim.Optimizer) -> HostAdamW:
         """Take over a ``torch.optim.AdamW`` (or ``Adam``) built on the model's parameters: the returned
         optimizer shares its param groups (schedulers keep working) and steps the host masters."""
-        return HostAdamW(optimizer, self)
+        self._optimizer = HostAdamW(optimizer, self)
+        return self._optimizer
 
     def attach_optimizer(self, groups: dict[int, int], hyper: Callable[[], list[Any]], param_order: list[int]) -> None:
         """Map parameters (by id) to param groups and allocate Adam moments (first time only); called by
@@ -501,10 +503,16 @@ class Engine:
 
     def save(self, url: str, state: dict[str, Any] | None = None, optimizer: bool = True) -> None:
         """Write a sharded checkpoint to any fsspec URL, streamed unit by unit and committed atomically
-        (megatrain_lightning/checkpoint/store.py); `state`: JSON-safe extras saved beside it."""
+        (megatrain_lightning/checkpoint/store.py): the masters and, with `optimizer`, the Adam state and the
+        optimizer's param group settings (lr, betas, ...); `state`: extras saved beside them (tensors,
+        numbers, strings, and lists and dicts of them)."""
         from megatrain_lightning.checkpoint import store  # (store reads the engine; the engine needs it only here)
 
-        store.save(self, url, dict(state or {}), optimizer=optimizer and self.has_optimizer)
+        with_optimizer = optimizer and self._optimizer is not None
+        groups = None
+        if with_optimizer:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self._optimizer.param_groups]
+        store.save(self, url, dict(state or {}), optimizer=with_optimizer, param_groups=groups)
 
     def load(self, url: str, optimizer: bool = True) -> dict[str, Any]:
         """Restore a checkpoint written by :meth:`save` (weights, and with an attached optimizer its state);
@@ -512,7 +520,11 @@ class Engine:
         from megatrain_lightning.checkpoint import store
 
         extras, index = store.read_checkpoint(url)
-        store.restore(self, url, optimizer=optimizer and self.has_optimizer and index["optimizer"])
+        with_optimizer = optimizer and self._optimizer is not None and index["optimizer"]
+        store.restore(self, url, optimizer=with_optimizer)
+        if with_optimizer and index["param_groups"]:
+            for group, saved in zip(self._optimizer.param_groups, index["param_groups"]):
+                group.update(saved)
         return extras
 
     def refresh_from_masters(self) -> None:
