@@ -1,6 +1,7 @@
 """megatrain_lightning: train models larger than GPU memory on one GPU with host-resident state.
 
-Importing the package registers ``Trainer(strategy="megatrain")`` with Lightning.
+Importing the package registers ``Trainer(strategy="megatrain")`` and ``Fabric(strategy="megatrain")`` with
+Lightning. ``Engine(model, EngineConfig(...))`` is the library under both, for plain PyTorch loops too.
 ``load_from_checkpoint(MyModule, path)`` loads any checkpoint, sharded ones included, for inference.
 """
 
@@ -12,7 +13,7 @@ from megatrain_lightning.engine.engine import Engine, HostMemoryError
 from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.engine.pinned import PinnedMemoryError
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.fabric import MegatrainFabricStrategy
+from megatrain_lightning.fabric import MegatrainFabricPrecision, MegatrainFabricStrategy
 from megatrain_lightning.precision import MegatrainPrecision
 from megatrain_lightning.strategy import MegatrainStrategy
 
@@ -27,6 +28,8 @@ __all__ = [
     "Probes",
     "HostAdamW",
     "HostMemoryError",
+    "MegatrainFabricPrecision",
+    "MegatrainFabricStrategy",
     "MegatrainPrecision",
     "MegatrainStrategy",
     "PinnedMemoryError",

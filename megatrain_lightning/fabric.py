@@ -101,8 +101,10 @@ class MegatrainFabricStrategy(Strategy):
             gradients to wait for ``optimizer.step()``, which is exact whatever the loop does next, but the host
             step does not overlap backward. ``True`` declares that every such backward completes the step's
             gradient (micro-batches before it run under ``no_backward_sync``): each block is then stepped on the
-            host as soon as its gradient lands, while backward goes on, unless ``clipping``. A loop that breaks
-            the promise gets an error from the engine, never a wrong step.
+            host as soon as its gradient lands, while backward goes on, unless ``clipping``, with the learning
+            rate the param groups hold then. A loop that breaks the promise (accumulating without
+            ``no_backward_sync``) has already stepped on a partial gradient when the engine raises at its next
+            backward: do not continue such a run.
         clipping: the loop calls ``fabric.clip_gradients(..., max_norm=...)`` before each step. With
             ``overlap_optimizer`` this is required for clipping (the norms are then taken as the gradients go
             down and nothing steps during backward); it also counts in the host-memory check.
@@ -350,7 +352,7 @@ class MegatrainFabricStrategy(Strategy):
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """The streamed model's fp32 masters (views, no copies: ``fabric.save`` writes them at once)."""
         if self._streams(module):
-            return module.state_dict()
+            return self.engine.master_state_dict()
         return super().get_module_state_dict(module)
 
     @override
