@@ -205,7 +205,7 @@ def cpu_worker_alone(engine: Any, accumulate: int, clip: bool, piece: int = PIEC
     It runs on scratch buffers, a piece of at most `piece` elements at a time: each piece of a unit's
     master, moments and gradient is copied into them first (not timed), so the arithmetic sees the
     trained values and the trained state itself is left exactly as it was."""
-    hyper = engine.hyper()
+    hyper = engine.host.hyper()
     units = [u for u in engine.all_units() if u.slab is not None and group_runs(u)]
     size = min(piece, max((u.numel for u in units), default=1))
     master, m, v, acc = (torch.empty(size, dtype=torch.float32) for _ in range(4))

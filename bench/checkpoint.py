@@ -15,14 +15,12 @@ import sys
 import tempfile
 import time
 
-import torch
-
-from megatrain_lightning import StreamingEngine
+from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.checkpoint import restore, save
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 
 
-def build(layers: int, hidden: int) -> StreamingEngine:
+def build(layers: int, hidden: int) -> Engine:
     cfg = LlamaConfig(
         vocab_size=32000,
         hidden_size=hidden,
@@ -31,7 +29,7 @@ def build(layers: int, hidden: int) -> StreamingEngine:
         num_attention_heads=hidden // 64,
         num_key_value_heads=hidden // 256,
     )
-    engine = StreamingEngine(LlamaForCausalLM(cfg), device="cpu", compute_dtype=torch.float32)
+    engine = Engine(LlamaForCausalLM(cfg), EngineConfig(device="cpu", precision="32-true"))
     for unit in engine.all_units():
         unit.alloc_optimizer_state()
         unit.m.normal_()
@@ -62,7 +60,7 @@ def main() -> None:
         row(engine, mb, "S3 (SeaweedFS, loopback)", "s3://bench/run/last.ckpt")
 
 
-def row(engine: StreamingEngine, mb: float, name: str, url: str) -> None:
+def row(engine: Engine, mb: float, name: str, url: str) -> None:
     t_save = timed(lambda: save(engine, url, {}))
     t_load = timed(lambda: restore(engine, url, optimizer=True))
     print(f"| {name} | {mb:.0f} | {t_save:.2f} | {mb / t_save:.0f} | {t_load:.2f} | {mb / t_load:.0f} |")

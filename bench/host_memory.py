@@ -25,10 +25,9 @@ import multiprocessing
 import torch
 from nvme import measure_sequential, measure_tier
 
-from megatrain_lightning import StreamingEngine
+from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.callbacks import rss_bytes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from megatrain_lightning.optim.adamw import HostAdamW
 
 
 def measure(layers: int, hidden: int, dtype: torch.dtype, layout: str, nvme_dir: str | None) -> dict:
@@ -46,12 +45,20 @@ def measure(layers: int, hidden: int, dtype: torch.dtype, layout: str, nvme_dir:
     model = LlamaForCausalLM(cfg)
     n = sum(p.numel() for p in model.parameters())
     before = rss_bytes()
-    engine = StreamingEngine(model, device="cpu", compute_dtype=dtype, host_layout=layout, nvme_dir=nvme_dir)
-    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-4), engine)
-    engine.backward_mode = "step"  # as the strategy sets it: the optimizer overlaps backward
+    engine = Engine(
+        model,
+        EngineConfig(
+            device="cpu",
+            precision="32-true" if dtype == torch.float32 else "bf16-true",
+            host_layout=layout,
+            nvme_dir=nvme_dir,
+        ),
+    )
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     for _ in range(2):
         tokens = torch.randint(0, cfg.vocab_size, (1, 32))
-        model(tokens, targets=tokens).backward()
+        with engine.backward():  # as the strategy runs it: the optimizer overlaps backward
+            model(tokens, targets=tokens).backward()
         opt.step()
         opt.zero_grad()
     engine.flush()
@@ -60,7 +67,7 @@ def measure(layers: int, hidden: int, dtype: torch.dtype, layout: str, nvme_dir:
     acct = {k: v / n for k, v in engine.host_bytes().items()}
     nvme = engine.nvme_bytes() / n
     io = dict(engine.tier.stats, piece=engine.piece) if engine.tier is not None else None
-    engine.release()
+    engine.close()
     return {"params": n, "acct": acct, "allocated": allocated, "host": allocated - device, "nvme": nvme, "io": io}
 
 

@@ -3,7 +3,7 @@
     python bench/schedule.py --model llama-3.1-8b --tokens 32768 [--micro-batches K] [--clip 1.0]
         [--device h100-sxm] [--num-slots auto] [--png PLOT]
 
-Runs 3 optimizer steps of StreamingEngine + this project's LlamaForCausalLM (bf16-mixed; each step K
+Runs 3 optimizer steps of Engine + this project's LlamaForCausalLM (bf16-mixed; each step K
 micro-batches of 1 x --tokens, accumulated as Trainer(accumulate_grad_batches=K) does) on fake tensors,
 records every decision the engine takes (megatrain_lightning/schedule), replays them on the device profile
 and prints, for the last step (measured from the same point of the step before), each lane's busy time

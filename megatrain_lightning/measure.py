@@ -1,6 +1,6 @@
 """The device memory of one training step, measured by running the engine and model on fake tensors.
 
-``measure_step(config, seq_len)`` runs one real step of :class:`StreamingEngine` with
+``measure_step(config, seq_len)`` runs one real step of :class:`~megatrain_lightning.Engine` with
 :class:`LlamaForCausalLM` (forward with the chunked loss, backward, the host worker's flush) under
 ``FakeTensorMode``: every tensor has a shape, a dtype and a storage size but no memory, so an 8B model
 at 128k tokens takes seconds and no RAM. It checks the planner's formulas against the code that runs.
@@ -14,7 +14,7 @@ What is counted (like ``torch.cuda.max_memory_allocated``, not the CUDA context)
 - The "device" is the fake CPU: on the CPU-only wheel autograd refuses fake CUDA tensors, and the
   engine swaps ``param.data`` between host and device tensors, which torch refuses between cpu and
   meta. So host buffers must be told apart: every host buffer the engine owns comes from
-  ``engine.host.host_empty``, whose observers (``host_observers``) report it, and its bytes are taken
+  ``engine.pinned.host_empty``, whose observers (``host_observers``) report it, and its bytes are taken
   off again (and the peak is restored to what it was before that allocation).
 - Dispatch modes are thread-local, so what the engine's host worker thread computes is not counted,
   which is right: it works on host memory.
@@ -52,9 +52,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatrain_lightning.engine import host
-from megatrain_lightning.engine.config import compute_dtype
-from megatrain_lightning.engine.engine import StreamingEngine
+from megatrain_lightning.engine import pinned
+from megatrain_lightning.engine.config import EngineConfig, compute_dtype
+from megatrain_lightning.engine.engine import Engine
+from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 
 _FLASH_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward"
@@ -90,15 +91,10 @@ def measure_step(
         model = LlamaForCausalLM(config)  # host memory: built before counting starts
         counter = DeviceBytes(flash_workspace if dtype == torch.bfloat16 else None)
         with counter, observe_host_allocations(counter.host_buffer):
-            engine = StreamingEngine(
-                model,
-                device="cpu",
-                compute_dtype=dtype,
-                num_slots=num_slots,
-                pin_memory=False,
-                available_bytes=lambda: 1 << 62,
+            options = EngineConfig(
+                device="cpu", precision=precision, num_slots=num_slots, offload_inputs=offload_inputs, pin_memory=False
             )
-            engine.offload_inputs = offload_inputs
+            engine = Engine(model, options, Probes(host_available_bytes=lambda: 1 << 62))
             try:
                 persistent = counter.live
                 forward, backward = _step(model, engine, counter, micro_batch, seq_len)
@@ -115,7 +111,7 @@ def measure_step(
 
 
 def _step(
-    model: LlamaForCausalLM, engine: StreamingEngine, counter: DeviceBytes, micro_batch: int, seq_len: int
+    model: LlamaForCausalLM, engine: Engine, counter: DeviceBytes, micro_batch: int, seq_len: int
 ) -> tuple[int, int]:
     """(forward peak, backward peak) of one step; the batch lives on the device, as in training."""
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.int64)
@@ -127,22 +123,22 @@ def _step(
     return forward, counter.reset_peak()
 
 
-def _release(engine: StreamingEngine) -> None:
+def _release(engine: Engine) -> None:
     # Stops the host worker thread. Unregistering pinned buffers asks the fake tensors for a data pointer
     # (none were pinned here), which only warns.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        engine.release()
+        engine.close()
 
 
 @contextmanager
 def observe_host_allocations(callback: Callable[[torch.Tensor], None]) -> Iterator[None]:
     """Call `callback` with every host buffer the engine allocates (``host_empty``) meanwhile."""
-    host.host_observers.append(callback)
+    pinned.host_observers.append(callback)
     try:
         yield
     finally:
-        host.host_observers.remove(callback)
+        pinned.host_observers.remove(callback)
 
 
 def flash_workspace(func: Any, args: tuple) -> int:

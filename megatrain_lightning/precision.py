@@ -14,7 +14,7 @@ from typing_extensions import override
 from megatrain_lightning.engine.config import check_precision, compute_dtype, forward_context
 
 if TYPE_CHECKING:
-    from megatrain_lightning.engine.engine import StreamingEngine
+    from megatrain_lightning.engine.engine import Engine
 
 
 class MegatrainPrecision(Precision):
@@ -28,7 +28,7 @@ class MegatrainPrecision(Precision):
     def __init__(self, precision: str = "32-true") -> None:
         self.precision = check_precision(precision)  # type: ignore[assignment]
         self.device_type = "cpu"  # set by the strategy to its root device's type
-        self.engine: StreamingEngine | None = None
+        self.engine: Engine | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -60,4 +60,4 @@ class MegatrainPrecision(Precision):
             )
         if self.engine is None:
             raise RuntimeError("clip_gradients was called before the megatrain strategy was set up")
-        self.engine.request_clip(float(clip_val))
+        self.engine.clip_grad_norm_(float(clip_val))

@@ -21,8 +21,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
-from megatrain_lightning.engine.block_fn import compile_block_calls
 from megatrain_lightning.engine.config import (
+    EngineConfig,
     check_checkpoint_format,
     check_flag,
     check_host_layout,
@@ -30,8 +30,8 @@ from megatrain_lightning.engine.config import (
     check_num_slots,
     check_offload_inputs,
 )
-from megatrain_lightning.engine.engine import StreamingEngine
-from megatrain_lightning.optim.adamw import HostAdamW
+from megatrain_lightning.engine.engine import Engine
+from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.precision import MegatrainPrecision
 
 
@@ -104,7 +104,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         self.checkpoint_format = checkpoint_format
         self.compile_blocks = compile_blocks
         self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
-        self.engine: StreamingEngine | None = None
+        self.engine: Engine | None = None
 
     # -- device and precision ----------------------------------------------------------------------
     @property
@@ -148,28 +148,30 @@ class MegatrainStrategy(SingleDeviceStrategy):
         plugin = self.precision_plugin
         plugin.device_type = self.root_device.type
         if self.engine is None:
-            self.engine = StreamingEngine(
-                self.lightning_module,
-                device=self.root_device,
-                compute_dtype=plugin.compute_dtype,
-                num_slots=self.num_slots,
-                training=fitting,
-                accumulating=fitting and _accumulates(trainer),  # the fp32 accumulator counts too
-                clipping=bool(fitting and trainer.gradient_clip_val),
-                host_layout=self.host_layout,
-                nvme_dir=self.nvme_dir,
-                host_threads=self.host_threads,
-            )
-            if self.compile_blocks:
-                compile_block_calls(self.engine.blocks, self.engine.runners)
-        self.engine.overlap_optimizer = self.overlap_optimizer
-        self.engine.offload_inputs = self.offload_inputs
-        self.engine.want_norms = bool(fitting and trainer.gradient_clip_val)
+            self.engine = Engine(self.lightning_module, self.engine_config(trainer, plugin.precision, fitting))
         plugin.engine = self.engine
         self.precision_plugin = plugin
         if fitting:
-            self.optimizers = [HostAdamW(self._single_optimizer(), self.engine)]
+            self.optimizers = [self.engine.optimizer(self._single_optimizer())]
         self.setup_precision_plugin()
+
+    def engine_config(self, trainer: Any, precision: str, fitting: bool) -> EngineConfig:
+        """The engine's options: this strategy's, with what the Trainer says of the run."""
+        clipping = bool(fitting and trainer.gradient_clip_val)
+        return EngineConfig(
+            device=self.root_device,
+            precision=precision,
+            num_slots=self.num_slots,
+            overlap_optimizer=self.overlap_optimizer,
+            offload_inputs=self.offload_inputs,
+            host_layout=self.host_layout,
+            nvme_dir=self.nvme_dir,
+            host_threads=self.host_threads,
+            compile_blocks=self.compile_blocks,
+            training=fitting,
+            accumulating=fitting and _accumulates(trainer),  # the fp32 accumulator counts too
+            clipping=clipping,
+        )
 
     def _check_clipping(self, trainer: Any) -> None:
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
@@ -195,7 +197,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
     def teardown(self) -> None:
         """Hand back an ordinary fp32 host model (its parameters are the trained masters)."""
         if self.engine is not None:
-            self.engine.release()
+            self.engine.close()
             self.engine = None
         super().teardown()
 
@@ -204,17 +206,14 @@ class MegatrainStrategy(SingleDeviceStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Tell the engine whether this gradient completes an optimizer step, then run backward."""
         assert self.engine is not None
-        self.engine.backward_mode = self._backward_mode()
-        try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        finally:
-            self.engine.backward_mode = None
-
-    def _backward_mode(self) -> str | None:
         module = self.lightning_module
         if module is None or not module.automatic_optimization or module._trainer is None:
-            return None  # manual optimization: nothing is known about what follows
-        return "accumulate" if module.trainer.fit_loop._should_accumulate() else "step"
+            # Manual optimization: nothing is known about what follows; the gradients wait for the step.
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        trainer = module.trainer
+        accumulate = trainer.fit_loop._should_accumulate()
+        with self.engine.backward(accumulate=accumulate, clip=bool(trainer.gradient_clip_val)):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     # -- checkpoints ------------------------------------------------------------------------------
     @property
@@ -283,7 +282,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         if self.engine is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
         if "megatrain_checkpoint" in checkpoint:
-            resuming = self.engine.hyper is not None and "optimizer_states" in checkpoint
+            resuming = self.engine.has_optimizer and "optimizer_states" in checkpoint
             mt_checkpoint.restore(self.engine, checkpoint["megatrain_checkpoint"], optimizer=resuming)
             return
         self.engine.load_master_state_dict(checkpoint["state_dict"], strict=strict)

@@ -8,12 +8,14 @@ torch.optim.AdamW, fp32 on the CPU with the torch-op optimizer backend: bit-iden
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain_lightning import HostAdamW, StreamingEngine
+from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.engine.block_fn import SideOutputs
 
 VOCAB, WIDTH, EXPERTS = 37, 16, 4
@@ -84,19 +86,18 @@ def train(model: nn.Module, aux: str, streamed: bool, steps: int = 4) -> list[fl
     torch.manual_seed(7)  # dropout masks
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if streamed:
-        engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
-        opt = HostAdamW(opt, engine)
+        engine = Engine(model, EngineConfig(device="cpu", precision="32-true"))
+        opt = engine.optimizer(opt)
     losses = []
     for ids in batches(steps):
-        if streamed:
-            engine.backward_mode = "step"
         loss = model(ids, aux)
-        loss.backward()
+        with engine.backward() if streamed else nullcontext():
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     if streamed:
-        engine.release()
+        engine.close()
     return losses
 
 
@@ -133,7 +134,7 @@ def test_blocks_follow_train_and_eval_mode():
     """model.eval() turns the blocks' dropout off, model.train() back on: the blocks are the user's modules."""
     torch.manual_seed(0)
     model = MoEModel()
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true"))
     ids = batches(1)[0]
     model.eval()
     with torch.no_grad():
@@ -142,7 +143,7 @@ def test_blocks_follow_train_and_eval_mode():
     model.train()
     with torch.no_grad():
         assert not torch.equal(model(ids, "none"), first)
-    engine.release()
+    engine.close()
     model.eval()
     with torch.no_grad():
         assert torch.equal(model(ids, "none"), first)  # the same function as the streamed eval
@@ -153,7 +154,7 @@ def test_hooks_see_differentiable_outputs_and_fire_in_recompute():
     block's recompute calls submodule hooks again (their outputs then carry the recompute's graph)."""
     torch.manual_seed(0)
     model = MoEModel(layers=2)
-    StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+    Engine(model, EngineConfig(device="cpu", precision="32-true"))
     loss = model(batches(1)[0], "hook")
     assert len(model.hooked) == 2 and all(t.requires_grad for t in model.hooked)
     loss.backward()

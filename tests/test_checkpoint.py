@@ -12,7 +12,7 @@ import fsspec
 import pytest
 import torch
 
-from megatrain_lightning import StreamingEngine
+from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, export_hf, restore, save, store
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM, from_pretrained
 from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin
@@ -125,7 +125,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, torch_adam):
 
 def engine_with_state(layers: int = 3):
     model = LlamaForCausalLM(LlamaConfig.from_preset("tiny") if layers == 4 else _tiny(layers))
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true"))
     for unit in engine.all_units():
         unit.alloc_optimizer_state()
         unit.m.normal_()
@@ -155,7 +155,7 @@ def test_index_names_tied_parameters_and_the_model_to_export(tmp_path):
     """The tie's second name is an alias, not a buffer; the model to export and its config are recorded;
     the marker is JSON inside a pickle that torch.load refuses, and is read back."""
     model = LlamaForCausalLM(LlamaConfig.from_preset("tiny-qwen"))
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true"))
     url = str(tmp_path / "c.ckpt")
     save(engine, url, {})
     _, _, index = store.read_index(url)
@@ -201,7 +201,7 @@ def test_checkpoint_of_another_shape_is_refused(tmp_path):
         restore(engine_with_state(layers=2)[1], url, optimizer=False)
     wider = LlamaForCausalLM(LlamaConfig(**{**_tiny(3).__dict__, "intermediate_size": 96}))
     with pytest.raises(CheckpointError, match="another shape"):
-        restore(StreamingEngine(wider, device="cpu"), url, optimizer=False)
+        restore(Engine(wider, EngineConfig(device="cpu", precision="bf16-true")), url, optimizer=False)
 
 
 def test_export_hf_loads_in_transformers(tmp_path):
@@ -222,14 +222,14 @@ MEMORY_SCRIPT = textwrap.dedent(
     import sys, threading, time
     sys.path.insert(0, {repo!r})
     import torch
-    from megatrain_lightning import StreamingEngine
+    from megatrain_lightning import Engine, EngineConfig
     from megatrain_lightning.callbacks import rss_bytes as rss
     from megatrain_lightning.checkpoint import save
     from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                       num_attention_heads=16, num_key_value_heads=4)
-    engine = StreamingEngine(LlamaForCausalLM(cfg), device="cpu", compute_dtype=torch.float32)
+    engine = Engine(LlamaForCausalLM(cfg), EngineConfig(device="cpu", precision="32-true"))
     for u in engine.all_units():
         u.alloc_optimizer_state(); u.m.fill_(1e-3); u.v.fill_(1e-6); u.steps = [1] * len(u.entries)
     n = engine.num_parameters()

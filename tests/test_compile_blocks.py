@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch._dynamo.utils import counters
 
-from megatrain_lightning import MegatrainStrategy, StreamingEngine
+from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.engine.block_fn import CompiledBlock, compile_block_calls
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from tests.helpers import CausalLM, fit, params_of, token_batches, twin
@@ -186,9 +186,9 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def streamed_compiled(block: type[nn.Module]) -> tuple[nn.Module, StreamingEngine]:
+def streamed_compiled(block: type[nn.Module]) -> tuple[nn.Module, Engine]:
     model = Stack(block)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true"))
     compile_block_calls(engine.blocks, engine.runners)
     return model, engine
 
@@ -198,7 +198,7 @@ def test_a_block_that_cannot_compile_names_its_class_and_the_fix():
     with pytest.raises(RuntimeError, match=r"could not compile decoder block class Branching .*compile_blocks=False"):
         with torch.no_grad():
             model(torch.ones(2, 8))
-    engine.release()
+    engine.close()
 
 
 def test_too_many_variants_raise_naming_the_class_and_the_fix():
@@ -211,7 +211,7 @@ def test_too_many_variants_raise_naming_the_class_and_the_fix():
         too_many = r"class Residual needs more compiled variants.*fixed length.*compile_blocks=False"
         with pytest.raises(RuntimeError, match=too_many):
             model(torch.ones(1, 5, 8))
-    engine.release()
+    engine.close()
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from megatrain_lightning import HostAdamW, StreamingEngine
+from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin
 from tests.test_strategy import update_error
@@ -69,7 +69,7 @@ def test_peak_gpu_memory_is_flat_across_depth():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         model = big_llama(layers)
-        engine = StreamingEngine(model, device="cuda", compute_dtype=torch.bfloat16)
+        engine = Engine(model, EngineConfig(device="cuda", precision="bf16-true"))
         assert engine.units[0].copy.is_pinned()
         tokens = torch.randint(0, 1024, (batch, seq), device="cuda")
         for _ in range(2):
@@ -77,7 +77,7 @@ def test_peak_gpu_memory_is_flat_across_depth():
             engine.zero_grad()
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated())
-        engine.release()
+        engine.close()
         del model, engine
     saved_inputs = 12 * batch * seq * hidden * 2
     assert peaks[1] - peaks[0] <= saved_inputs + 2**20, (peaks, saved_inputs)
@@ -91,19 +91,19 @@ def test_auto_slots_grow_on_the_device_and_change_no_result():
     for num_slots in ("auto", 2):
         torch.manual_seed(0)
         model = big_llama(6)
-        engine = StreamingEngine(model, device="cuda", compute_dtype=torch.bfloat16, num_slots=num_slots)
-        opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+        engine = Engine(model, EngineConfig(device="cuda", precision="bf16-true", num_slots=num_slots))
+        opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
         tokens = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(1)).cuda()
         for _ in range(3):
-            engine.backward_mode = "step"
-            model(tokens, targets=tokens).backward()
+            with engine.backward():
+                model(tokens, targets=tokens).backward()
             opt.step()
             opt.zero_grad()
         engine.flush()
         with torch.no_grad():
             model(tokens)
         runs[num_slots] = (engine.pool.num_slots, engine.pool.uploads, params_of(model))
-        engine.release()
+        engine.close()
     assert runs["auto"][0] == 6 and runs[2][0] == 2
     assert runs["auto"][1] == (6 + 4) + 2 * 6 + 6  # after the first step (2 slots): one upload per block and step
     assert all(torch.equal(runs["auto"][2][k], runs[2][2][k]) for k in runs[2][2])

@@ -12,13 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from megatrain_lightning import StreamingEngine
+from megatrain_lightning import Engine, EngineConfig, Probes
 from megatrain_lightning.device_memory import SLOT_RESERVE_BYTES
 from megatrain_lightning.engine.engine import worker_init
 from megatrain_lightning.engine.host import HostUnit
+from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from megatrain_lightning.optim.adamw import HostAdamW
 from tests.helpers import CausalLM, fit, hf_llama, own_loop, params_of, token_batches, twin
+from tests.streamed import precision_of
 
 
 def own_llama(layers: int) -> LlamaForCausalLM:
@@ -28,13 +29,13 @@ def own_llama(layers: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg)
 
 
-def train_steps(engine: StreamingEngine, model: nn.Module, steps: int) -> list[float]:
-    return own_loop(model, HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine), token_batches(steps))
+def train_steps(engine: Engine, model: nn.Module, steps: int) -> list[float]:
+    return own_loop(model, engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3)), token_batches(steps))
 
 
 def test_device_bytes_do_not_grow_with_depth():
     """Weight slots, gradient slots and the outer parameters are the same for 4 and 16 blocks."""
-    shallow, deep = (StreamingEngine(own_llama(n), device="cpu") for n in (4, 16))
+    shallow, deep = (Engine(own_llama(n), EngineConfig(device="cpu", precision="bf16-true")) for n in (4, 16))
     assert shallow.device_bytes() == deep.device_bytes()
     assert deep.host_bytes()["master"] > 3 * shallow.host_bytes()["master"]  # the host holds the depth
 
@@ -44,7 +45,7 @@ def test_host_bytes_per_parameter(dtype, per_param):
     """After a step: fp32 master 4 + Adam m, v 8 + bf16 copy 2 + bf16 slab 2 = 16 bytes/param;
     in fp32 the master is the transfer copy itself, and the slab is fp32: 4 + 8 + 4 = 16."""
     model = own_llama(4)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=dtype)
+    engine = Engine(model, EngineConfig(device="cpu", precision=precision_of(dtype)))
     train_steps(engine, model, 1)
     assert sum(engine.host_bytes().values()) == per_param * engine.num_parameters()
     assert engine.host_bytes()["acc"] == 0  # the fp32 accumulator only exists while accumulating
@@ -57,7 +58,7 @@ def test_backward_does_not_reupload_resident_blocks(slots):
     done), so the forward after the last step uploads the rest: every block once."""
     layers = 6
     model = own_llama(layers)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, num_slots=slots)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true", num_slots=slots))
     train_steps(engine, model, 3)
     assert engine.pool.slot_of(0) is not None
     assert 1 <= engine.pool.uploads - 3 * (layers + layers - slots) <= slots - 1
@@ -79,14 +80,14 @@ def test_each_block_saves_only_its_input():
     counts = []
     for layers in (2, 6):
         model = own_llama(layers)
-        StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+        Engine(model, EngineConfig(device="cpu", precision="32-true"))
         counts.append(count_saved(model, batch))
     assert counts[1] - counts[0] == 4
 
 
 def test_evaluation_builds_no_graph():
     model = own_llama(3)
-    StreamingEngine(model, device="cpu")
+    Engine(model, EngineConfig(device="cpu", precision="bf16-true"))
     batch = token_batches(1)[0]
     with torch.no_grad():
         out = model(batch)
@@ -100,8 +101,8 @@ def test_evaluation_builds_no_graph():
 def test_release_returns_an_ordinary_model():
     model = own_llama(3)
     reference = copy.deepcopy(model)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
-    engine.release()
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true"))
+    engine.close()
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
     batch = token_batches(1)[0]
     assert torch.equal(model(batch), reference(batch))
@@ -160,7 +161,7 @@ def test_grad_requiring_side_inputs_are_refused():
     """Only the hidden state gets a gradient back from a block; a block argument that wants one is refused
     while training (and is fine without grad, where nothing is differentiated)."""
     model = own_llama(2)
-    StreamingEngine(model, device="cpu", compute_dtype=torch.float32)  # the blocks now stream
+    Engine(model, EngineConfig(device="cpu", precision="32-true"))  # the blocks now stream
     hidden = torch.zeros(1, 4, model.config.hidden_size, requires_grad=True)
     cos, sin = model.model.position_embeddings(torch.zeros(1, 4, dtype=torch.long), None, torch.float32)
     with pytest.raises(NotImplementedError, match="hidden state only"):
@@ -174,16 +175,15 @@ def test_blocks_step_during_backward_unless_clipping(clip):
     """Without clipping every block is stepped by the time backward returns (the host step overlaps the
     rest of backward); with clipping nothing steps before the global norm is known."""
     model = own_llama(4)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
-    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
-    engine.want_norms = clip is not None
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true"))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     batch = token_batches(1)[0]
-    engine.backward_mode = "step"
-    model(batch, targets=batch).backward()
+    with engine.backward(clip=clip is not None):
+        model(batch, targets=batch).backward()
     engine.flush()
     assert [u.steps for u in engine.units] == [[0 if clip else 1] * len(u.entries) for u in engine.units]
     if clip:
-        engine.request_clip(clip)
+        engine.clip_grad_norm_(clip)
     opt.step()
     engine.flush()
     assert all(u.steps == [1] * len(u.entries) for u in engine.all_units())
@@ -194,7 +194,7 @@ def test_stats_count_transfers():
     (the last step has already issued block 0 for the forward after it)."""
     layers = 4
     model = own_llama(layers)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true"))
     start = dict(engine.stats)
     train_steps(engine, model, 2)
     block = engine.units[0].numel * 4
@@ -209,8 +209,8 @@ def test_saved_block_inputs_are_freed_after_backward():
     block saved for its recompute must still be freed by backward (one hidden state per block otherwise:
     8 GiB at 32k tokens for an 8B model)."""
     model = own_llama(3)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
-    HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true"))
+    engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     saved = []
     for blk in engine.blocks:
         blk.register_forward_pre_hook(lambda module, args: saved.append(weakref.ref(args[0])))
@@ -239,7 +239,7 @@ class SpyEvent:
 
 def test_compute_copies_are_rewritten_only_after_their_uploads(monkeypatch):
     """Loading weights rewrites every pinned compute copy; an upload still reading one must finish first."""
-    engine = StreamingEngine(own_llama(2), device="cpu", compute_dtype=torch.bfloat16)
+    engine = Engine(own_llama(2), EngineConfig(device="cpu", precision="bf16-true"))
     events = {unit.name: SpyEvent() for unit in engine.all_units()}
     for unit in engine.all_units():
         unit.upload_done = events[unit.name]
@@ -256,10 +256,10 @@ def test_compute_copies_are_rewritten_only_after_their_uploads(monkeypatch):
 
 
 def test_release_waits_for_the_copy_streams_before_freeing_device_buffers(monkeypatch):
-    engine = StreamingEngine(own_llama(2), device="cpu")
+    engine = Engine(own_llama(2), EngineConfig(device="cpu", precision="bf16-true"))
     slots, seen = engine.pool.num_slots, []
     monkeypatch.setattr(engine.streams, "synchronize", lambda: seen.append(len(engine.pool.buffers)))
-    engine.release()
+    engine.close()
     assert seen == [slots] and engine.pool.buffers == []
 
 
@@ -271,8 +271,9 @@ def test_host_worker_thread_uses_the_engines_gpu(monkeypatch):
         thread.submit(worker_init, torch.device("cuda", 1)).result()
         thread.submit(worker_init, torch.device("cpu")).result()
     assert calls == [torch.device("cuda", 1)]
-    engine = StreamingEngine(own_llama(2), device="cpu", host_threads=1)
-    assert engine._worker._initializer is worker_init and engine._worker._initargs == (engine.device, 1)
+    engine = Engine(own_llama(2), EngineConfig(device="cpu", precision="bf16-true", host_threads=1))
+    worker = engine.host.worker
+    assert worker._initializer is worker_init and worker._initargs == (engine.device, 1)
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
@@ -281,35 +282,37 @@ def test_outer_parameters_are_current_when_the_optimizer_step_returns(clip):
     weights: every outer parameter's device copy equals its master once optimizer_step returns, with the
     optimizer overlapping backward or (clipping) stepping after it."""
     model = own_llama(3)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.bfloat16, clipping=clip is not None)
-    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-2), engine)
-    engine.want_norms = clip is not None
+    engine = Engine(model, EngineConfig(device="cpu", precision="bf16-true", clipping=clip is not None))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     for batch in token_batches(3):
-        engine.backward_mode = "step"
-        model(batch, targets=batch).backward()
+        with engine.backward(clip=clip is not None):
+            model(batch, targets=batch).backward()
         if clip is not None:
-            engine.request_clip(clip)
+            engine.clip_grad_norm_(clip)
         opt.step()
         for unit in engine.outer_units:
             (entry,) = unit.entries
             assert torch.equal(entry.param.detach().reshape(-1), unit.master.to(torch.bfloat16)), unit.name
         opt.zero_grad()
-    engine.release()
+    engine.close()
 
 
 # -- num_slots="auto" -------------------------------------------------------------------------------------
-def memory_for(engine: StreamingEngine, extra_slots: int, transient: int = 10**6) -> None:
-    """Make the device report, after the first step, room for `extra_slots` more slots (and half of one)
-    beyond four times a `transient` step and the reserve (device_memory.auto_slot_count)."""
-    free = 4 * transient + SLOT_RESERVE_BYTES + extra_slots * engine.pool.slot_bytes + engine.pool.slot_bytes // 2
-    engine.free_device_bytes = lambda: free
-    engine.step_transient_bytes = lambda: transient
+def auto_slots_engine(model: nn.Module, extra_slots: int, transient: int = 10**6) -> Engine:
+    """An engine with num_slots="auto" whose device reports, after the first step, room for `extra_slots`
+    more slots (and half of one) beyond four times a `transient` step and the reserve
+    (device_memory.auto_slot_count)."""
+    free: list[int] = []  # filled once the engine knows its slot size
+    probes = Probes(device_free_bytes=lambda: free[0], step_transient_bytes=lambda: transient)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true", num_slots="auto"), probes)
+    free.append(4 * transient + SLOT_RESERVE_BYTES + extra_slots * engine.pool.slot_bytes + engine.pool.slot_bytes // 2)
+    return engine
 
 
-def traced_steps(engine: StreamingEngine, model: nn.Module, steps: int) -> tuple[list[float], list[int], int]:
+def traced_steps(engine: Engine, model: nn.Module, steps: int) -> tuple[list[float], list[int], int]:
     """own_loop's steps, then a forward without grad: the losses, the slots each step started with and the
     blocks uploaded in all (an optimizer step issues some of the next forward's, as many as are stepped)."""
-    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     losses, slots = [], []
     for batch in token_batches(steps):
         slots.append(engine.pool.num_slots)
@@ -330,9 +333,8 @@ def test_auto_slots_grow_after_the_first_step_and_train_the_same():
     training is bit for bit that of 2 fixed slots."""
     layers = 6
     ref_model, model = own_llama(layers), own_llama(layers)
-    ref = StreamingEngine(ref_model, device="cpu", compute_dtype=torch.float32, num_slots=2)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, num_slots="auto")
-    memory_for(engine, extra_slots=3)
+    ref = Engine(ref_model, EngineConfig(device="cpu", precision="32-true", num_slots=2))
+    engine = auto_slots_engine(model, extra_slots=3)
     losses, slots, uploads = traced_steps(engine, model, 4)
     ref_losses, ref_slots, ref_uploads = traced_steps(ref, ref_model, 4)
     assert slots == [2, 5, 5, 5] and ref_slots == [2] * 4
@@ -349,16 +351,15 @@ def test_auto_slots_stop_at_one_per_block_and_keep_them_all_resident():
     after the first, find every block resident."""
     layers = 4
     model = own_llama(layers)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, num_slots="auto")
-    memory_for(engine, extra_slots=50)
-    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+    engine = auto_slots_engine(model, extra_slots=50)
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     marks = []
     for batches in [token_batches(2), token_batches(2)]:
         for micro, batch in enumerate(batches):
-            engine.backward_mode = "accumulate" if micro == 0 else "step"
             loss = model(batch, targets=batch)
             marks.append(engine.pool.uploads)  # after the forward
-            loss.backward()
+            with engine.backward(accumulate=micro == 0):
+                loss.backward()
             marks.append(engine.pool.uploads)  # after the backward
         opt.step()
         opt.zero_grad()
@@ -377,41 +378,41 @@ def test_auto_slots_stop_at_one_per_block_and_keep_them_all_resident():
 def test_auto_slots_need_a_measure_of_device_memory():
     """On the CPU (no free or transient figure) "auto" keeps its 2 slots."""
     model = own_llama(3)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, num_slots="auto")
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true", num_slots="auto"))
     assert traced_steps(engine, model, 2)[1] == [2, 2] and engine.pool.num_slots == 2
 
 
 @pytest.mark.parametrize("bad", [1, 0, True, "many", 2.0, None])
 def test_num_slots_is_checked_where_it_enters(bad):
     with pytest.raises(ValueError, match=f"num_slots={bad!r}: give at least 2 slots .* or 'auto'"):
-        StreamingEngine(own_llama(2), device="cpu", num_slots=bad)
+        Engine(own_llama(2), EngineConfig(device="cpu", precision="bf16-true", num_slots=bad))
 
 
 # -- what a step waits for --------------------------------------------------------------------------------
-def held_step(engine: StreamingEngine, block: int, seconds: float) -> threading.Event:
+def held_step(engine: Engine, block: int, seconds: float) -> threading.Event:
     """Hold block `block`'s next Adam step on the worker until the returned gate opens (a timer opens it
     after `seconds`, so a regression fails an assertion instead of hanging)."""
-    gate, step = threading.Event(), engine._step_unit
+    gate, step = threading.Event(), engine.host._step_unit
 
     def held(unit: HostUnit, *args, **kwargs):
         if unit is engine.units[block]:
             gate.wait()
         return step(unit, *args, **kwargs)
 
-    engine._step_unit = held
+    engine.host._step_unit = held
     threading.Timer(seconds, gate.set).start()
     return gate
 
 
-def clipped_backward(layers: int, num_slots: int = 2) -> tuple[nn.Module, StreamingEngine, HostAdamW]:
+def clipped_backward(layers: int, num_slots: int = 2) -> tuple[nn.Module, Engine, HostAdamW]:
     """A model after one backward with clipping requested: its steps all wait for the optimizer step."""
     model = own_llama(layers)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, num_slots=num_slots, clipping=True)
-    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
-    engine.want_norms, engine.backward_mode = True, "step"
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true", num_slots=num_slots, clipping=True))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     batch = token_batches(1)[0]
-    model(batch, targets=batch).backward()
-    engine.request_clip(1.0)
+    with engine.backward(clip=True):
+        model(batch, targets=batch).backward()
+    engine.clip_grad_norm_(1.0)
     return model, engine, opt
 
 
@@ -424,7 +425,7 @@ def test_optimizer_step_waits_for_block_0_alone_with_more_slots():
     assert not gate.is_set()  # returned before block 1's step could finish
     assert engine.pool.slot_of(0) is not None and engine.pool.slot_of(1) is None
     gate.set()
-    engine.release()
+    engine.close()
 
 
 def test_state_dict_waits_for_the_blocks_steps():
@@ -438,4 +439,4 @@ def test_state_dict_waits_for_the_blocks_steps():
     assert gate.is_set() and engine.units[2].future.done()
     engine.flush()
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-    engine.release()
+    engine.close()

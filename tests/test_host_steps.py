@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain_lightning import HostAdamW, MegatrainStrategy, StreamingEngine
+from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from tests.helpers import CausalLM, fit, params_of, token_batches
+from tests.streamed import precision_of
 
 
 @pytest.fixture(autouse=True)
@@ -56,16 +57,15 @@ def test_two_forwards_in_one_loss_train_as_ordinary_training(name):
     assert all(torch.equal(pm[k], pr[k]) for k in pr)
 
 
-def engine_pair(dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, LlamaForCausalLM, StreamingEngine]:
+def engine_pair(dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, LlamaForCausalLM, Engine]:
     """(ordinary model, streamed model, its engine) with the same weights; accumulating, an optimizer attached."""
     ref, mt = own_llama(), own_llama()
-    engine = StreamingEngine(mt, device="cpu", compute_dtype=dtype)
-    HostAdamW(torch.optim.AdamW(mt.parameters(), lr=1e-3), engine)
-    engine.backward_mode = "accumulate"
+    engine = Engine(mt, EngineConfig(device="cpu", precision=precision_of(dtype)))
+    engine.optimizer(torch.optim.AdamW(mt.parameters(), lr=1e-3))
     return ref, mt, engine
 
 
-def assert_accumulated(engine: StreamingEngine, ref: LlamaForCausalLM) -> None:
+def assert_accumulated(engine: Engine, ref: LlamaForCausalLM) -> None:
     """Every block's fp32 accumulator equals the ordinary model's `.grad`, bit for bit."""
     engine.flush()
     grads = {n: p.grad for n, p in ref.named_parameters()}
@@ -80,9 +80,10 @@ def test_a_sum_over_two_calls_adds_to_the_accumulated_gradient_once():
     together, then to `.grad` ((g + (c2 + c1)), not ((g + c2) + c1)); so does the engine."""
     ref, mt, engine = engine_pair()
     x, y = token_batches(2)
-    for model in (ref, mt):
-        model(x, targets=x).backward()
-        two_views(model, y).backward()
+    with engine.backward(accumulate=True):
+        for model in (ref, mt):
+            model(x, targets=x).backward()
+            two_views(model, y).backward()
     assert_accumulated(engine, ref)
 
 
@@ -92,11 +93,12 @@ def test_forwards_whose_backwards_run_separately():
     it when the second arrives from another pass."""
     ref, mt, engine = engine_pair()
     x, y, z = token_batches(3)
-    for model in (ref, mt):
-        model(x, targets=x).backward()
-        first, second = model(y, targets=y), model(z, targets=z)
-        first.backward()
-        second.backward()
+    with engine.backward(accumulate=True):
+        for model in (ref, mt):
+            model(x, targets=x).backward()
+            first, second = model(y, targets=y), model(z, targets=z)
+            first.backward()
+            second.backward()
     assert_accumulated(engine, ref)
 
 
@@ -105,9 +107,10 @@ def test_a_graph_dropped_before_its_backward_leaves_nothing_open():
     backward lands each block's gradient at once."""
     ref, mt, engine = engine_pair()
     x, y = token_batches(2)
-    for model in (ref, mt):
-        model(x, targets=x)  # dropped
-        model(y, targets=y).backward()
+    with engine.backward(accumulate=True):
+        for model in (ref, mt):
+            model(x, targets=x)  # dropped
+            model(y, targets=y).backward()
     assert all(not calls for calls in engine._open_calls)
     assert_accumulated(engine, ref)
 
@@ -117,17 +120,17 @@ def test_a_graph_kept_without_a_backward_lands_at_the_optimizer_step():
     gradients of the calls that did are held, and the optimizer step lands and steps them, as ordinary
     training steps on the `.grad` it has."""
     ref, mt = own_llama(), own_llama()
-    engine = StreamingEngine(mt, device="cpu", compute_dtype=torch.float32)
+    engine = Engine(mt, EngineConfig(device="cpu", precision="32-true"))
     opts = [
         torch.optim.AdamW(ref.parameters(), lr=1e-2),
-        HostAdamW(torch.optim.AdamW(mt.parameters(), lr=1e-2), engine),
+        engine.optimizer(torch.optim.AdamW(mt.parameters(), lr=1e-2)),
     ]
     x, y = token_batches(2)
     kept = []
     for model, opt in zip((ref, mt), opts):
-        engine.backward_mode = "step"
         kept.append(model(x, targets=x))
-        model(y, targets=y).backward()
+        with engine.backward():
+            model(y, targets=y).backward()
         assert model is ref or all(unit.held is not None for unit in engine.units)
         opt.step()
     engine.flush()
@@ -142,7 +145,7 @@ def test_the_calls_are_summed_in_the_compute_dtype():
     ref = own_llama().to(torch.bfloat16)  # ordinary bf16 training; the streamed model computes in bf16 too
     mt = own_llama()
     mt.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
-    engine = StreamingEngine(mt, device="cpu", compute_dtype=torch.bfloat16)
+    engine = Engine(mt, EngineConfig(device="cpu", precision="bf16-true"))
     x = token_batches(1)[0]
     for model in (ref, mt):
         two_views(model, x).backward()

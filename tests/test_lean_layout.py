@@ -13,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from megatrain_lightning import MegatrainStrategy, StreamingEngine
+from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.engine.host import host_bytes_per_param
 from tests import async_streams
 from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches
@@ -188,4 +188,4 @@ def test_bad_layout_is_refused():
     with pytest.raises(ValueError, match="host_layout='slim'"):
         MegatrainStrategy(host_layout="slim")
     with pytest.raises(ValueError, match="host_layout='slim'"):
-        StreamingEngine(hf_llama(layers=2), device="cpu", host_layout="slim")
+        Engine(hf_llama(layers=2), EngineConfig(device="cpu", precision="bf16-true", host_layout="slim"))

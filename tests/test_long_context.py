@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain_lightning import HostAdamW, MegatrainStrategy, StreamingEngine
+from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.models.llama import document_segments
 from megatrain_lightning.models.tiling import auto_tile, resolve_tile, tile_bytes_per_token
@@ -43,9 +43,8 @@ def train(model: LlamaForCausalLM, streamed: bool, offload: bool = False) -> lis
     # summation orders of the same function part by ~5e-6 in the Qwen shape.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     if streamed:
-        engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
-        engine.offload_inputs = offload
-        opt = HostAdamW(opt, engine)
+        engine = Engine(model, EngineConfig(device="cpu", precision="32-true", offload_inputs=offload))
+        opt = engine.optimizer(opt)
     return own_loop(model, opt, batches())
 
 

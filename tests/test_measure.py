@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from megatrain_lightning import StreamingEngine
-from megatrain_lightning.engine.host import host_empty
+from megatrain_lightning import Engine, EngineConfig
+from megatrain_lightning.engine.pinned import host_empty
 from megatrain_lightning.measure import DeviceBytes, Measured, flash_workspace, measure_step, observe_host_allocations
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 
@@ -48,14 +48,17 @@ def one_input(config: LlamaConfig, tokens: int, elt: int = 2) -> int:
 def test_persistent_is_the_engines_device_buffers_not_its_host_buffers():
     """After construction the device holds exactly the weight slots, gradient slots and outer parameters
     (as a real engine reports them); the host buffers, which grow with depth, are not counted."""
-    real = {n: StreamingEngine(LlamaForCausalLM(tiny(n)), device="cpu", pin_memory=False) for n in (4, 16)}
+    real = {
+        n: Engine(LlamaForCausalLM(tiny(n)), EngineConfig(device="cpu", precision="bf16-true", pin_memory=False))
+        for n in (4, 16)
+    }
     measured = {n: tiny_step(n) for n in (4, 16)}
     for n in (4, 16):
         assert measured[n].persistent == sum(real[n].device_bytes().values())
     assert measured[4].persistent == measured[16].persistent
     assert sum(real[16].host_bytes().values()) > 3 * sum(real[4].host_bytes().values())
     for engine in real.values():
-        engine.release()
+        engine.close()
 
 
 def test_saved_inputs_are_seen_and_workspace_is_modelled():

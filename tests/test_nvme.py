@@ -19,13 +19,14 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from megatrain_lightning import MegatrainStrategy, StreamingEngine
+from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.engine import nvme
 from megatrain_lightning.engine.nvme import BUFFERS, PREFIX, NvmeTier, NvmeTierError
+from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from megatrain_lightning.optim.adamw import HostAdamW
 from tests import async_streams
 from tests.helpers import CausalLM, fit, hf_llama, loader, own_loop, params_of, quiet, token_batches, trainer
+from tests.streamed import precision_of
 
 STEPS = 20
 
@@ -190,8 +191,8 @@ def test_host_bytes_drop_by_8_per_param(dtype, tmp_path):
     held = {}
     for nvme_dir in (None, str(tmp_path)):
         model = own_llama(12)
-        engine = StreamingEngine(model, device="cpu", compute_dtype=dtype, nvme_dir=nvme_dir)
-        own_loop(model, HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine), token_batches(2))
+        engine = Engine(model, EngineConfig(device="cpu", precision=precision_of(dtype), nvme_dir=nvme_dir))
+        own_loop(model, engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3)), token_batches(2))
         engine.flush()
         held[nvme_dir], n = engine.host_bytes(), engine.num_parameters()
         largest = max(u.numel for u in engine.all_units())
@@ -201,7 +202,7 @@ def test_host_bytes_drop_by_8_per_param(dtype, tmp_path):
             assert 0 < held[nvme_dir]["adam"] == engine.tier.buffer_bytes() <= BUFFERS * 8 * (largest + 16)
         else:
             assert engine.nvme_bytes() == 0 and held[None]["adam"] == 8 * n
-        engine.release()
+        engine.close()
     on_nvme, in_memory = held[str(tmp_path)], held[None]
     assert {k: v for k, v in on_nvme.items() if k != "adam"} == {k: v for k, v in in_memory.items() if k != "adam"}
     assert in_memory["adam"] - on_nvme["adam"] > 0.5 * 8 * n  # 12 blocks: the buffers are a third of the moments
@@ -211,8 +212,8 @@ def test_host_bytes_drop_by_8_per_param(dtype, tmp_path):
 # -- a bad nvme_dir fails at construction, naming the directory, the bytes and the fix ----------------
 
 
-def engine_on(nvme_dir: str) -> StreamingEngine:
-    return StreamingEngine(own_llama(2), device="cpu", compute_dtype=torch.float32, nvme_dir=nvme_dir)
+def engine_on(nvme_dir: str) -> Engine:
+    return Engine(own_llama(2), EngineConfig(device="cpu", precision="32-true", nvme_dir=nvme_dir))
 
 
 def test_missing_directory(tmp_path):
@@ -244,7 +245,7 @@ def test_directory_not_writable(tmp_path, monkeypatch):
     model = own_llama(2)
     before = params_of(model)
     with pytest.raises(NvmeTierError, match="not writable") as err:
-        StreamingEngine(model, device="cpu", compute_dtype=torch.float32, nvme_dir=str(tmp_path))
+        Engine(model, EngineConfig(device="cpu", precision="32-true", nvme_dir=str(tmp_path)))
     assert str(tmp_path) in str(err.value) and "Permission denied" in str(err.value)
     assert all(torch.equal(p, before[n]) for n, p in params_of(model).items())
 
@@ -256,7 +257,10 @@ def test_strategy_refuses_a_missing_directory(tmp_path):
 
 def test_evaluation_needs_no_tier(tmp_path):
     """Without training there are no moments: nvme_dir is not even looked at."""
-    engine = StreamingEngine(own_llama(2), device="cpu", training=False, nvme_dir=str(tmp_path / "missing"))
+    engine = Engine(
+        own_llama(2),
+        EngineConfig(device="cpu", precision="bf16-true", training=False, nvme_dir=str(tmp_path / "missing")),
+    )
     assert engine.tier is None and engine.nvme_bytes() == 0
 
 

@@ -11,12 +11,12 @@ import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 import megatrain_lightning.engine.engine as engine_module
-from megatrain_lightning import HostMemoryError, StreamingEngine
+from megatrain_lightning import Engine, EngineConfig, HostMemoryError, Probes
 from megatrain_lightning.engine import pinned
 from megatrain_lightning.engine.host import host_bytes_per_param
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from megatrain_lightning.optim.adamw import HostAdamW
 from tests.helpers import CausalLM, fit, hf_llama, token_batches
+from tests.streamed import precision_of
 
 
 class FakeCuda:
@@ -60,13 +60,12 @@ def own_llama(layers: int = 4) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg)
 
 
-def step(engine: StreamingEngine, model: LlamaForCausalLM, accumulate: int = 1) -> None:
+def step(engine: Engine, model: LlamaForCausalLM, accumulate: int = 1) -> None:
     """One optimizer step over `accumulate` micro-batches, as the strategy drives the engine."""
-    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     for i, batch in enumerate(token_batches(accumulate)):
-        engine.backward_mode = "accumulate" if i < accumulate - 1 else "step"
-        model(batch, targets=batch).backward()
-    engine.backward_mode = None
+        with engine.backward(accumulate=i < accumulate - 1):
+            model(batch, targets=batch).backward()
     opt.step()
     engine.flush()
 
@@ -81,7 +80,7 @@ def test_pinned_bytes_are_exactly_the_accounted_pinned_buffers(cuda, dtype, accu
     master, which is the copy, and the slab), buffer by buffer at its exact size: no power-of-two rounding.
     Adam moments and the fp32 accumulator are ordinary memory."""
     model = own_llama()
-    engine = StreamingEngine(model, device="cpu", compute_dtype=dtype, pin_memory=True)
+    engine = Engine(model, EngineConfig(device="cpu", precision=precision_of(dtype), pin_memory=True))
     step(engine, model, accumulate)
     accounted = engine.host_bytes()
     assert (accounted["acc"] > 0) == (accumulate > 1)
@@ -98,22 +97,22 @@ def test_pinned_bytes_are_exactly_the_accounted_pinned_buffers(cuda, dtype, accu
     assert all(flags == pinned.CUDA_HOST_REGISTER_PORTABLE for _, _, flags in cuda.calls)
     for unit in engine.all_units():
         assert not any(pinned.is_registered(t) for t in (unit.m, unit.v, unit.acc))
-    engine.release()
+    engine.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_release_unregisters_every_range(cuda, dtype):
     model = own_llama()
-    engine = StreamingEngine(model, device="cpu", compute_dtype=dtype, pin_memory=True)
+    engine = Engine(model, EngineConfig(device="cpu", precision=precision_of(dtype), pin_memory=True))
     step(engine, model)
     registered = {ptr for ptr, _, _ in cuda.calls}
     masters = {name: t.clone() for name, t in engine.master_state_dict().items()}
-    engine.release()
+    engine.close()
     assert sorted(cuda.unregistered) == sorted(registered) and not cuda.registered
     assert engine.pinned_bytes() == 0 and pinned.registered_bytes() == 0
     # The memory itself stays: the model's parameters are the (now ordinary) fp32 masters.
     assert all(torch.equal(p, masters[name]) for name, p in model.named_parameters())
-    engine.release()  # a second release has nothing left to unregister
+    engine.close()  # a second release has nothing left to unregister
     assert len(cuda.unregistered) == len(registered)
 
 
@@ -124,7 +123,7 @@ def test_registration_failure_names_the_size_and_the_fix(cuda):
     with pytest.raises(
         pinned.PinnedMemoryError, match=rf"\({first_copy} bytes\).*returned 2.*RLIMIT_MEMLOCK.*ulimit -l"
     ):
-        StreamingEngine(model, device="cpu", compute_dtype=torch.bfloat16, pin_memory=True)
+        Engine(model, EngineConfig(device="cpu", precision="bf16-true", pin_memory=True))
     assert pinned.registered_bytes() == 0
 
 
@@ -145,7 +144,7 @@ def test_empty_buffers_are_not_registered(cuda):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_pinning_without_cuda_is_a_clear_error():
     with pytest.raises(pinned.PinnedMemoryError, match="needs a CUDA GPU.*pin_memory=False"):
-        StreamingEngine(own_llama(2), device="cpu", pin_memory=True)
+        Engine(own_llama(2), EngineConfig(device="cpu", precision="bf16-true", pin_memory=True))
 
 
 # -- the host-memory check counts the fp32 accumulator when accumulating ---------------------------------
@@ -165,12 +164,18 @@ def test_host_check_counts_the_accumulator():
     assert host_bytes_per_param(torch.float32, True, accumulating=True) == 20
     model = own_llama()
     available, _ = host_check_limits(model)
-    StreamingEngine(model, device="cpu", available_bytes=lambda: available).release()  # 16 B/param fits
+    Engine(
+        model, EngineConfig(device="cpu", precision="bf16-true"), Probes(host_available_bytes=lambda: available)
+    ).release()  # 16 B/param fits
     model = own_llama()
     with pytest.raises(
         HostMemoryError, match=r"20 bytes/param: .*fp32 gradient accumulator\).*accumulate_grad_batches=1"
     ):
-        StreamingEngine(model, device="cpu", accumulating=True, available_bytes=lambda: available)
+        Engine(
+            model,
+            EngineConfig(device="cpu", precision="bf16-true", accumulating=True),
+            Probes(host_available_bytes=lambda: available),
+        )
 
 
 @pytest.mark.parametrize("how", ["accumulate_grad_batches", "scheduler"])
@@ -192,12 +197,11 @@ def test_strategy_counts_the_accumulator_when_fitting_with_accumulation(monkeypa
 def test_offloaded_block_inputs_are_pinned_at_their_exact_size_and_released(cuda):
     """offload_inputs: one pinned buffer per block call, exactly the hidden state's bytes, unregistered at release."""
     model = own_llama(3)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, pin_memory=True)
-    engine.offload_inputs = True
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true", pin_memory=True, offload_inputs=True))
     step(engine, model)
     saved = engine.saved_inputs.buffers
     batch = token_batches(1)[0]
     assert len(saved) == 3 and engine.saved_inputs.host_bytes() == 3 * batch.numel() * model.config.hidden_size * 4
     assert all(cuda.registered[t.data_ptr()] == t.numel() * 4 for t in saved)
-    engine.release()
+    engine.close()
     assert not cuda.registered

@@ -8,13 +8,12 @@ import multiprocessing
 import pytest
 import torch
 
-from megatrain_lightning import StreamingEngine
+from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.callbacks import rss_bytes
 from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.host import host_bytes_per_param
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.models.tiling import tile_bytes_per_token
-from megatrain_lightning.optim.adamw import HostAdamW
 from megatrain_lightning.planner import (
     block_numel,
     format_size,
@@ -24,6 +23,7 @@ from megatrain_lightning.planner import (
     parse_size,
     plan,
 )
+from tests.streamed import precision_of
 
 PRECISION = {torch.bfloat16: "bf16-mixed", torch.float32: "32-true"}
 
@@ -40,19 +40,15 @@ def small_config(layers: int = 4, hidden: int = 64) -> LlamaConfig:
     )
 
 
-def train(
-    model: LlamaForCausalLM, dtype: torch.dtype, accumulate: int, offload_inputs: bool = False
-) -> StreamingEngine:
+def train(model: LlamaForCausalLM, dtype: torch.dtype, accumulate: int, offload_inputs: bool = False) -> Engine:
     """One optimizer step of `accumulate` micro-batches on the CPU, as the strategy drives the engine."""
     config = model.config
-    engine = StreamingEngine(model, device="cpu", compute_dtype=dtype)
-    engine.offload_inputs = offload_inputs
-    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-4), engine)
+    engine = Engine(model, EngineConfig(device="cpu", precision=precision_of(dtype), offload_inputs=offload_inputs))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     tokens = torch.randint(0, config.vocab_size, (1, 32))
     for i in range(accumulate):
-        engine.backward_mode = "accumulate" if i < accumulate - 1 else "step"
-        model(tokens, targets=tokens).backward()
-    engine.backward_mode = None
+        with engine.backward(accumulate=i < accumulate - 1):
+            model(tokens, targets=tokens).backward()
     opt.step()
     engine.flush()
     return engine

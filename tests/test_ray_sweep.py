@@ -22,7 +22,6 @@ from pathlib import Path
 
 import fsspec
 import pytest
-import torch
 import yaml
 
 from tests.s3_server import free_port
@@ -202,13 +201,13 @@ def wait_job_running(client, job: str) -> bool:
 
 
 def final_masters(url: str) -> list[bytes]:
-    from megatrain_lightning import StreamingEngine
+    from megatrain_lightning import Engine, EngineConfig
     from megatrain_lightning.checkpoint import restore
     from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
     from megatrain_lightning.module import CausalLMModule
 
     module = CausalLMModule(model="tiny")
-    engine = StreamingEngine(module, device="cpu", compute_dtype=torch.float32)
+    engine = Engine(module, EngineConfig(device="cpu", precision="32-true"))
     restore(engine, url, optimizer=False)
     del LlamaConfig, LlamaForCausalLM
     return [u.master.numpy().tobytes() for u in engine.all_units()]

@@ -19,7 +19,8 @@ import lightning.pytorch as L
 import pytest
 import torch
 
-from megatrain_lightning import HostAdamW, MegatrainStrategy, StreamingEngine
+import megatrain_lightning.engine.engine as engine_module
+from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy, Probes
 from megatrain_lightning.device_memory import free_device_bytes
 from megatrain_lightning.engine.saved_inputs import offload_needed
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
@@ -67,9 +68,9 @@ def input_bytes(model: LlamaForCausalLM, batch: torch.Tensor) -> int:
     return batch.numel() * model.config.hidden_size * 4
 
 
-def train_and_count_kept(model: LlamaForCausalLM, engine: StreamingEngine, steps: int) -> list[int]:
+def train_and_count_kept(model: LlamaForCausalLM, engine: Engine, steps: int) -> list[int]:
     """Train `steps` steps; per step, how many block inputs the forward left alive for backward."""
-    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     inputs = []
     for blk in engine.blocks:
         blk.register_forward_pre_hook(lambda module, args: inputs.append(weakref.ref(args[0])))
@@ -91,8 +92,9 @@ def test_no_block_input_stays_on_the_device(offload):
     """Each block's input leaves the device after its forward; backward brings it back, and the host
     buffers are reused from step to step (one per block). "auto" does so when device memory is short."""
     model = own_llama(3)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, offload_inputs=offload)
-    engine.free_device_bytes = lambda: 1024  # less than one block's input: used by "auto" only
+    # less than one block's input: used by "auto" only
+    probes = Probes(device_free_bytes=lambda: 1024)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true", offload_inputs=offload), probes)
     assert train_and_count_kept(model, engine, steps=3) == [0, 0, 0]
     assert len(engine.saved_inputs.buffers) == 3
     one_input = input_bytes(model, token_batches(1)[0])
@@ -105,8 +107,8 @@ def test_inputs_stay_on_a_cpu_device(offload):
     """Without offloading every block's input is kept for backward; on a CPU device "auto" (the default)
     never offloads: the device's memory is host memory already."""
     model = own_llama(3)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32, offload_inputs=offload)
-    assert engine.offload_inputs == offload
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true", offload_inputs=offload))
+    assert engine.config.offload_inputs == offload
     assert train_and_count_kept(model, engine, steps=2) == [3, 3]
     assert engine.stats["offloaded_passes"] == 0 and engine.stats["input_offload_bytes"] == 0
     assert not engine.saved_inputs.buffers
@@ -117,10 +119,11 @@ def test_auto_offloads_beyond_half_the_free_memory(caplog):
     line says so once, with the sizes."""
     assert not offload_needed(100, 200) and offload_needed(101, 200) and offload_needed(1, 1)
     model = own_llama(3)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
     saved = 3 * input_bytes(model, token_batches(1)[0])
     free = iter([2 * saved, 2 * saved - 2, 2 * saved - 2, 2 * saved])
-    engine.free_device_bytes = lambda: next(free)
+    engine = Engine(
+        model, EngineConfig(device="cpu", precision="32-true"), Probes(device_free_bytes=lambda: next(free))
+    )
     with caplog.at_level(logging.INFO, logger="megatrain_lightning"):
         assert train_and_count_kept(model, engine, steps=4) == [3, 0, 0, 3]
     assert engine.stats["offloaded_passes"] == 2
@@ -129,15 +132,15 @@ def test_auto_offloads_beyond_half_the_free_memory(caplog):
     assert f"{saved / 2**30:.2f} GiB" in lines[0].getMessage()
 
 
-def two_forwards_one_backward(**engine_kwargs) -> StreamingEngine:
+def two_forwards_one_backward(probes: Probes | None = None, **options) -> Engine:
     """A loss over two forwards of a 2-block model, its gradients checked against ordinary autograd's."""
     ref, mt = own_llama(2), own_llama(2)
-    engine = StreamingEngine(mt, device="cpu", compute_dtype=torch.float32, **engine_kwargs)
-    engine.backward_mode = "accumulate"
-    HostAdamW(torch.optim.AdamW(mt.parameters(), lr=1e-3), engine)
+    engine = Engine(mt, EngineConfig(device="cpu", precision="32-true", **options), probes)
+    engine.optimizer(torch.optim.AdamW(mt.parameters(), lr=1e-3))
     x, y = token_batches(2)
     (ref(x, targets=x) + 0.5 * ref(y, targets=y)).backward()
-    (mt(x, targets=x) + 0.5 * mt(y, targets=y)).backward()
+    with engine.backward(accumulate=True):
+        (mt(x, targets=x) + 0.5 * mt(y, targets=y)).backward()
     engine.flush()
     grads = {n: p.grad for n, p in ref.named_parameters()}
     for unit in engine.units:
@@ -166,7 +169,7 @@ def test_forwards_deciding_differently_before_one_backward():
     """Two forwards of one loss, the first keeping its inputs on the device and the second offloading:
     each block's backward finds its input where its own forward put it, and the gradients are exact."""
     free = iter([10**12, 0])  # the first pass has room, the second none
-    engine = two_forwards_one_backward(free_device_bytes=lambda: next(free))
+    engine = two_forwards_one_backward(Probes(device_free_bytes=lambda: next(free)))
     assert engine.stats["offloaded_passes"] == 1 and len(engine.saved_inputs.buffers) == 2
 
 
@@ -179,9 +182,12 @@ class FreeDeviceMemory(L.Callback):
         self.stats: dict = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        engine = trainer.strategy.engine
-        engine.free_device_bytes = lambda: self.free(batch_idx)
-        self.stats = engine.stats
+        self.batch_idx = batch_idx
+        self.stats = trainer.strategy.engine.stats
+
+    def device_free_bytes(self, device: torch.device) -> int:
+        """What the engine reads as the free device memory (in place of device_memory.free_device_bytes)."""
+        return self.free(self.batch_idx)
 
 
 @pytest.mark.parametrize(
@@ -197,6 +203,7 @@ def test_auto_offloading_trains_exactly(streams, pattern, monkeypatch):
     batches, train = token_batches(8), dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
     short = (lambda i: True) if pattern == "always" else (lambda i: i % 2 == 1)
     free = FreeDeviceMemory(lambda i: 0 if short(i) else 10**12)
+    monkeypatch.setattr(engine_module, "free_device_bytes", free.device_free_bytes)
     torch.manual_seed(5)
     fit(ref, batches, strategy="auto", **train)
     torch.manual_seed(5)
@@ -211,17 +218,13 @@ def test_a_bad_offload_inputs_value_is_refused(value):
         MegatrainStrategy(offload_inputs=value)
     assert repr(value) in str(err.value)
     with pytest.raises(ValueError, match="offload_inputs="):
-        StreamingEngine(own_llama(2), device="cpu", compute_dtype=torch.float32, offload_inputs=value)
-    engine = StreamingEngine(own_llama(2), device="cpu", compute_dtype=torch.float32)
-    with pytest.raises(ValueError, match="offload_inputs="):
-        engine.offload_inputs = value
+        Engine(own_llama(2), EngineConfig(device="cpu", precision="32-true", offload_inputs=value))
 
 
 def test_a_step_dropped_without_backward_returns_its_buffers():
     model = own_llama(2)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
-    engine.offload_inputs = True
-    HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true", offload_inputs=True))
+    engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     for batch in token_batches(3):
         loss = model(batch, targets=batch)  # e.g. a step skipped for a non-finite loss
         del loss

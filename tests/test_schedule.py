@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatrain_lightning import StreamingEngine
+from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.flops import matmul_params, model_flops
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.schedule import Profile, Recorder, replay, summarize, train_steps
@@ -98,13 +98,17 @@ def recorded_run(clip: float | None = None, offload: bool = False, count: bool =
     model = LlamaForCausalLM(tiny())
     recorder, counter = Recorder(), GlobalFlopCounter()
     with counter if count else nullcontext(), recorder.recording():
-        engine = StreamingEngine(
-            model, device="cpu", pin_memory=False, offload_inputs=offload, clipping=clip is not None
+        engine = Engine(
+            model,
+            EngineConfig(
+                device="cpu", precision="bf16-true", pin_memory=False, offload_inputs=offload, clipping=clip is not None
+            ),
+            recorder.probes(),
         )
         recorder.attach(engine)
         train_steps(engine, model, batch(), recorder, STEPS, clip, micro_batches=micro_batches)
     weights = {k: v.clone() for k, v in engine.master_state_dict().items()}
-    engine.release()
+    engine.close()
     return Run(recorder.trace, dict(engine.stats), engine.num_parameters(), weights, counter.get_total_flops())
 
 
@@ -133,12 +137,12 @@ def test_recording_changes_nothing_the_engine_computes():
     """The same steps without the recorder installed (the engine's own streams and worker thread)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny())
-    engine = StreamingEngine(model, device="cpu", pin_memory=False, clipping=True)
+    engine = Engine(model, EngineConfig(device="cpu", precision="bf16-true", pin_memory=False, clipping=True))
     train_steps(engine, model, batch(), Recorder(), STEPS, 1.0)  # the recorder only counts steps here
     plain = engine.master_state_dict()
     recorded = recorded_run(1.0).weights
     assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
-    engine.release()
+    engine.close()
 
 
 def test_recorded_flops_equal_the_flop_counter():
@@ -301,10 +305,14 @@ def recorded_uploads(profile: Profile | None, num_slots: int) -> list[Copy]:
     model = LlamaForCausalLM(tiny())
     recorder = Recorder(profile)
     with recorder.recording():
-        engine = StreamingEngine(model, device="cpu", pin_memory=False, clipping=True, num_slots=num_slots)
+        engine = Engine(
+            model,
+            EngineConfig(device="cpu", precision="bf16-true", pin_memory=False, clipping=True, num_slots=num_slots),
+            recorder.probes(),
+        )
         recorder.attach(engine)
         train_steps(engine, model, batch(), recorder, STEPS, clip=1.0)
-    engine.release()
+    engine.close()
     return [i for i in recorder.trace.issue if isinstance(i, Copy) and i.lane == "h2d"]
 
 

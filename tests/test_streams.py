@@ -20,11 +20,10 @@ import time
 import pytest
 import torch
 
-from megatrain_lightning import MegatrainStrategy, StreamingEngine
+from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.engine import engine as engine_module
-from megatrain_lightning.engine.host_steps import HostSteps
+from megatrain_lightning.engine.host_steps import HostSide
 from megatrain_lightning.engine.streams import SlotPool
-from megatrain_lightning.optim.adamw import HostAdamW
 from tests.async_streams import AsyncStreams, install
 from tests.helpers import CausalLM, fit, hf_llama, hf_loss, params_of, token_batches
 
@@ -107,14 +106,14 @@ def test_the_engine_issues_every_copy_through_the_streams(monkeypatch):
 
     monkeypatch.setattr(AsyncStreams, "copy", counted)
     model = hf_llama(layers=4)
-    engine = StreamingEngine(model, device="cpu", compute_dtype=torch.float32)
-    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-3), engine)
-    engine.backward_mode = "step"
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true"))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     for batch in token_batches(2):
-        model(input_ids=batch, labels=batch).loss.backward()
+        with engine.backward():
+            model(input_ids=batch, labels=batch).loss.backward()
         opt.step()
         opt.zero_grad()
-    engine.release()
+    engine.close()
     assert len(made) == 1 and made[0].copies > 0
     assert moved == {"h2d": engine.stats["h2d_bytes"], "d2h": engine.stats["d2h_bytes"]}
     assert not (made[0].h2d.queue or made[0].d2h.queue)  # release drained both streams
@@ -233,7 +232,7 @@ def hold_first_landing(monkeypatch) -> None:
     """Keep the host worker busy with its first landing until the host has packed three block gradients:
     a slow host worker, as with a large model, so the host runs ahead of the downloads."""
     packed, gate = [0], threading.Event()
-    pack, land = HostSteps._pack_grads, HostSteps._land
+    pack, land = HostSide.pack_grads, HostSide._land
 
     def counting_pack(self, *args):
         out = pack(self, *args)
@@ -246,12 +245,12 @@ def hold_first_landing(monkeypatch) -> None:
         gate.wait(timeout=10)
         return land(self, *args)
 
-    monkeypatch.setattr(HostSteps, "_pack_grads", counting_pack)
-    monkeypatch.setattr(HostSteps, "_land", held_land)
+    monkeypatch.setattr(HostSide, "pack_grads", counting_pack)
+    monkeypatch.setattr(HostSide, "_land", held_land)
 
 
 # Not caught, because the host thread is the compute stream: the copy streams' waits for compute (H2D
-# on a slot's `free` event in SlotPool.load, D2H on the gradient's `produced` event in _ship, the outer
+# on a slot's `free` event in SlotPool.load, D2H on the gradient's `produced` event in ship, the outer
 # upload's wait for earlier compute); every copy is issued after the compute before it has run. Nor the
 # host worker's wait for a unit's upload before stepping it (_step_unit): every upload is waited for by
 # the compute that reads it, which comes before the block's gradient and so before its step.
@@ -261,10 +260,10 @@ REMOVED = {
     # The compute stream reads a weight slot before the block's upload into it has finished.
     "compute-reads-slot-before-upload": dict(skip=("acquire", "compute")),
     # The compute stream reads the embedding/norm/head before their upload after a step has finished.
-    "compute-reads-outer-before-upload": dict(skip=("_upload_outer", "compute")),
+    "compute-reads-outer-before-upload": dict(skip=("_upload", "compute")),
     # The compute stream overwrites a device grad slot before its previous download has read it (visible
     # when the host worker lags behind, which would otherwise force each download promptly).
-    "grad-slot-reused-before-download": dict(skip=("_pack_grads", "compute"), setup=hold_first_landing),
+    "grad-slot-reused-before-download": dict(skip=("pack_grads", "compute"), setup=hold_first_landing),
 }
 
 

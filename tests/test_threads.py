@@ -207,7 +207,7 @@ def test_one_and_two_threads_give_the_same_bits_and_match_torch(tmp_path):
 
 
 def test_the_engines_host_worker_runs_on_its_budget():
-    from megatrain_lightning.engine.engine import StreamingEngine
+    from megatrain_lightning.engine.engine import Engine, EngineConfig
     from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 
     def own_llama(layers: int) -> LlamaForCausalLM:
@@ -215,11 +215,11 @@ def test_the_engines_host_worker_runs_on_its_budget():
         config.num_hidden_layers = layers
         return LlamaForCausalLM(config)
 
-    engine = StreamingEngine(own_llama(2), device="cpu", host_threads=1)
+    engine = Engine(own_llama(2), EngineConfig(device="cpu", precision="bf16-true", host_threads=1))
     try:
         probe = (torch.get_num_threads, native.get_num_threads) if native.available() else (torch.get_num_threads,)
-        assert [engine._worker.submit(f).result() for f in probe] == [1] * len(probe)
+        assert [engine.host.worker.submit(f).result() for f in probe] == [1] * len(probe)
     finally:
-        engine.release()
+        engine.close()
     with pytest.raises(ValueError, match="host_threads=0"):
-        StreamingEngine(own_llama(2), device="cpu", host_threads=0)
+        Engine(own_llama(2), EngineConfig(device="cpu", precision="bf16-true", host_threads=0))

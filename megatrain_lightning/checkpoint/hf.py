@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatrain_lightning.engine.engine import StreamingEngine
+from megatrain_lightning.checkpoint.stream import EngineView
 from megatrain_lightning.models import LlamaForCausalLM, save_hf_checkpoint
 
 
 def export_hf(
-    engine: StreamingEngine,
+    engine: EngineView,
     model: LlamaForCausalLM,
     directory: str | os.PathLike,
     dtype: torch.dtype | None = torch.bfloat16,
@@ -38,7 +38,7 @@ def _prefix_of(root: nn.Module, model: nn.Module) -> str:
     raise ValueError(f"{type(model).__name__} is not part of the module the engine streams")
 
 
-def _named_masters(engine: StreamingEngine, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _named_masters(engine: EngineView, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     engine.flush()
     for unit in engine.all_units():
         for name, e in zip(engine.qualified_names(unit), unit.entries):
@@ -46,7 +46,7 @@ def _named_masters(engine: StreamingEngine, prefix: str) -> Iterator[tuple[str, 
                 yield name[len(prefix) :], unit.master[e.offset : e.offset + e.numel].view(e.shape)
 
 
-def describe_export(engine: StreamingEngine) -> dict[str, Any] | None:
+def describe_export(engine: EngineView) -> dict[str, Any] | None:
     """What ``megatrain convert --to hf`` needs, recorded in each checkpoint's index: the outermost model
     in the trained module that has a Hugging Face layout (this project's :class:`LlamaForCausalLM`, or
     a ``transformers`` ``PreTrainedModel``), the state-dict prefix of its parameters and its config.json.
@@ -67,7 +67,7 @@ def describe_export(engine: StreamingEngine) -> dict[str, Any] | None:
     return None
 
 
-def _transformers_config(engine: StreamingEngine, model: nn.Module) -> dict[str, Any] | None:
+def _transformers_config(engine: EngineView, model: nn.Module) -> dict[str, Any] | None:
     try:
         config = json.loads(model.config.to_json_string(use_diff=False))
     except (TypeError, ValueError, AttributeError):  # a config that does not serialize: no export

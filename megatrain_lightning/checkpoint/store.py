@@ -41,7 +41,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from megatrain_lightning.checkpoint import stream
 from megatrain_lightning.checkpoint.hf import describe_export
-from megatrain_lightning.engine.engine import StreamingEngine
+from megatrain_lightning.checkpoint.stream import EngineView
 
 FORMAT = "megatrain-checkpoint"
 VERSION = 1
@@ -63,7 +63,7 @@ _PICKLE_HEAD = b"\x80\x02c"  # protocol 2, GLOBAL
 
 # -- writing ----------------------------------------------------------------------------------------
 def save(
-    engine: StreamingEngine,
+    engine: EngineView,
     url: str,
     trainer_state: dict,
     *,
@@ -128,7 +128,7 @@ def _moments(unit: Any, write: bool) -> dict[str, Any]:
     }
 
 
-def _unit_record(engine: StreamingEngine, unit: Any, i: int, info: dict, with_adam: bool) -> dict:
+def _unit_record(engine: EngineView, unit: Any, i: int, info: dict, with_adam: bool) -> dict:
     names = engine.qualified_names(unit)
     params = [
         {"name": n, "offset": e.offset, "shape": list(e.shape), "step": step, "group": e.group}
@@ -137,7 +137,7 @@ def _unit_record(engine: StreamingEngine, unit: Any, i: int, info: dict, with_ad
     return {"file": f"units/{i:05d}.safetensors", "numel": unit.numel, "adam": with_adam, "params": params, **info}
 
 
-def _export(engine: StreamingEngine) -> dict | None:
+def _export(engine: EngineView) -> dict | None:
     try:
         return describe_export(engine)
     except Exception as err:  # a description must never fail a save
@@ -145,17 +145,17 @@ def _export(engine: StreamingEngine) -> dict | None:
         return None
 
 
-def _names_by_id(engine: StreamingEngine) -> dict[int, str]:
+def _names_by_id(engine: EngineView) -> dict[int, str]:
     return {id(e.param): n for u in engine.all_units() for n, e in zip(engine.qualified_names(u), u.entries)}
 
 
-def _param_order(engine: StreamingEngine) -> list[str]:
+def _param_order(engine: EngineView) -> list[str]:
     """The optimizer's parameters by name, in its group order: what torch.optim numbers its state by."""
     names = _names_by_id(engine)
     return [names[i] for i in engine.param_order]
 
 
-def _aliases(engine: StreamingEngine) -> dict[str, str]:
+def _aliases(engine: EngineView) -> dict[str, str]:
     """State-dict names of tied parameters besides their first (``lm_head.weight`` -> the embedding's)."""
     names = _names_by_id(engine)
     known = set(names.values())
@@ -166,7 +166,7 @@ def _aliases(engine: StreamingEngine) -> dict[str, str]:
     }
 
 
-def _buffers(engine: StreamingEngine, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+def _buffers(engine: EngineView, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """The model's persistent buffers (its state dict less the parameters, under any of their names)."""
     params = {name for unit in engine.all_units() for name in engine.qualified_names(unit)}
     params |= set(_aliases(engine) if aliases is None else aliases)
@@ -285,7 +285,7 @@ def read_checkpoint(url: str) -> tuple[dict, dict]:
         return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False), index
 
 
-def restore(engine: StreamingEngine, url: str, *, optimizer: bool) -> dict:
+def restore(engine: EngineView, url: str, *, optimizer: bool) -> dict:
     """Stream masters (and Adam state when `optimizer`) into the engine's host buffers; returns the index."""
     fs, vdir, index = read_index(url)
     _check_layout(engine, index, url)
@@ -327,7 +327,7 @@ def read_buffers(fs: Any, vdir: str, index: dict, url: str) -> dict[str, torch.T
         raise CheckpointError(f"{url}: {err}; use an earlier checkpoint") from None
 
 
-def _restore_buffers(engine: StreamingEngine, fs: Any, vdir: str, index: dict, url: str) -> None:
+def _restore_buffers(engine: EngineView, fs: Any, vdir: str, index: dict, url: str) -> None:
     current = _buffers(engine)
     if not current:
         return
@@ -336,7 +336,7 @@ def _restore_buffers(engine: StreamingEngine, fs: Any, vdir: str, index: dict, u
     engine.model.load_state_dict(loaded, strict=False)
 
 
-def _check_layout(engine: StreamingEngine, index: dict, url: str) -> None:
+def _check_layout(engine: EngineView, index: dict, url: str) -> None:
     units = engine.all_units()
     if len(units) != len(index["units"]):
         raise CheckpointError(

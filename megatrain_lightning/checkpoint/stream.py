@@ -16,9 +16,27 @@ import json
 import struct
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
+
+
+class EngineView(Protocol):
+    """What a checkpoint reads and writes of the engine (engine.py's ``Engine``, whose save/load come here)."""
+
+    model: nn.Module
+    tier: Any  # the NVMe tier of the Adam moments, or None
+    param_order: list[int]
+
+    def all_units(self) -> list[Any]: ...
+
+    def qualified_names(self, unit: Any) -> list[str]: ...
+
+    def flush(self) -> None: ...
+
+    def refresh_from_masters(self) -> None: ...
+
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32"}
 _NAMES = {v: k for k, v in DTYPES.items()}

@@ -25,13 +25,29 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from megatrain_lightning.engine.engine import StreamingEngine
+
+class Streamer(Protocol):
+    """What a block's runner asks of the engine (engine.py's ``Engine``, which imports this module)."""
+
+    device: torch.device
+    preserve_rng_state: bool
+    grad_anchor: torch.Tensor
+    saved_inputs: Any
+
+    def forward_block(
+        self, idx: int, state: CallState, hidden: torch.Tensor, input_requires_grad: bool, record: bool = True
+    ) -> tuple: ...
+
+    def backward_block(
+        self, idx: int, state: CallState, hidden: torch.Tensor, grads_out: list, need_input_grad: bool
+    ) -> Any: ...
+
+    def offloads_call(self, idx: int, hidden: torch.Tensor) -> bool: ...
 
 
 class CallState:
@@ -203,7 +219,7 @@ class BlockRunner:
 
     `inner` is the forward the block had before (its class's, or one a library put on the instance)."""
 
-    def __init__(self, engine: StreamingEngine, idx: int, block: nn.Module) -> None:
+    def __init__(self, engine: Streamer, idx: int, block: nn.Module) -> None:
         self.engine, self.idx = engine, idx
         self.own = block.__dict__.get("forward")  # an instance forward to put back on release
         self.inner = self.own if self.own is not None else type(block).forward.__get__(block)

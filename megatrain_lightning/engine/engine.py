@@ -1,18 +1,36 @@
-"""The streaming engine: host-resident units, device slots, gradient shipping and the host worker.
+"""The streaming engine: the one public API every client drives.
 
-The engine is applied to an ordinary, built model (it imports no Lightning):
+    engine = Engine(model, EngineConfig(precision="bf16-mixed"))   # the model's blocks now stream
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
+    with engine.autocast():
+        loss = model(batch)
+    with engine.backward(accumulate=False, clip=True):            # what this backward is for
+        loss.backward()
+    engine.clip_grad_norm_(1.0)
+    opt.step(); opt.zero_grad()
+    engine.save("s3://bucket/run/step-100")                        # engine.load(url) resumes
+    engine.close()                                                 # an ordinary fp32 host model again
 
-- every decoder block's parameters move into one :class:`HostUnit` (flat fp32 master, Adam moments,
-  pinned compute copy and gradient slab) and the block's ``forward`` becomes a :class:`BlockRunner`;
-  the block's parameters stay registered, as fp32 views of the master, so names and ``state_dict``
-  keys do not change;
-- every parameter outside the blocks (embedding, final norm, head) gets a unit of its own. Its compute
-  copy lives on the device for the whole run (it does not grow with depth) and is rewritten after each
-  optimizer step; a post-accumulate-grad hook ships its gradient to host as soon as autograd has it;
-- one host worker thread (engine/worker.py) does all host-side arithmetic: landing gradients
-  (accumulating in fp32), norms for clipping, and optimizer steps, a unit's jobs in the order submitted
-  and steps in the order the next forward needs them. A unit's ``future`` is its last job;
-  nothing reads or overwrites a unit's buffers before that future and the copy events it waits on.
+The Lightning Trainer strategy, the Fabric strategy, a plain loop, the planner's fake-tensor measurement
+and the schedule model all go through these calls. The engine holds its parts and passes each what it
+needs (it imports no Lightning):
+
+    Engine
+     |- HostUnit per block and per outer parameter (engine/host.py): flat fp32 master, Adam moments,
+     |  compute copy, gradient slab; the block's parameters stay registered as views of the master
+     |- SlotPool (engine/streams.py): device slots blocks stream through; Uploader (engine/uploads.py)
+     |- BlockRunner per block (engine/block_fn.py): the block's forward, recomputed in backward
+     |- SavedInputs (engine/saved_inputs.py): block inputs kept for backward, on the device or the host
+     |- HostSide (engine/host_steps.py): gradients to the host, accumulation, norms, Adam, the worker
+     |- OuterParams (engine/outer.py): embedding, final norm, head: device copies rewritten after a step
+
+One host worker thread (engine/worker.py) does all host-side arithmetic, a unit's jobs in the order
+submitted and steps in the order the next forward needs them. A unit's ``future`` is its last job;
+nothing reads or overwrites a unit's buffers before that future and the copy events it waits on.
+
+Why one file of about 600 lines: it is the public API (each call a few lines) and the per-block streaming
+(forward_block, backward_block, the slot loads they issue), which share the slot pool and the open calls of
+each block; the parts with state of their own live in the files named above.
 """
 
 from __future__ import annotations
@@ -20,7 +38,8 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,27 +47,20 @@ from torch import nn
 
 from megatrain_lightning.device_memory import auto_slot_count, free_device_bytes, step_transient_bytes
 from megatrain_lightning.engine import pinned
-from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, select_side
-from megatrain_lightning.engine.config import (
-    NumSlots,
-    OffloadInputs,
-    check_host_layout,
-    check_num_slots,
-    check_offload_inputs,
-)
+from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, compile_block_calls, select_side
+from megatrain_lightning.engine.config import EngineConfig, forward_context
 from megatrain_lightning.engine.discover import find_blocks
 from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
-from megatrain_lightning.engine.host_steps import HostSteps, graph_task
+from megatrain_lightning.engine.host_steps import HostSide, graph_task
 from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
-from megatrain_lightning.engine.outer import OuterParams, _bind
-from megatrain_lightning.engine.ring import HostRing, piece_numel, pieces, ring_counts
-from megatrain_lightning.engine.saved_inputs import (
-    SavedInputs,
-    offload_needed,
-)
+from megatrain_lightning.engine.optimizer import HostAdamW
+from megatrain_lightning.engine.outer import OuterParams
+from megatrain_lightning.engine.probes import Probes
+from megatrain_lightning.engine.ring import HostRing, piece_numel, ring_counts
+from megatrain_lightning.engine.saved_inputs import SavedInputs
 from megatrain_lightning.engine.streams import SlotPool, Streams
+from megatrain_lightning.engine.uploads import Uploader
 from megatrain_lightning.engine.worker import HostWorker
-from megatrain_lightning.optim.kernels import AdamHyper
 from megatrain_lightning.optim.threads import configure_host_threads, resolve_host_threads
 
 log = logging.getLogger("megatrain_lightning")
@@ -58,121 +70,87 @@ class HostMemoryError(MemoryError):
     """The model's host-resident training state does not fit in this machine's memory."""
 
 
-class StreamingEngine(HostSteps, OuterParams):
+class Engine:
     """Streams a model's decoder blocks through device slots; all persistent state stays on the host."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        device: torch.device | str,
-        compute_dtype: torch.dtype = torch.bfloat16,
-        num_slots: NumSlots = "auto",  # "auto": 2, then after the first step what its device memory allows
-        training: bool = True,
-        accumulating: bool = False,  # gradients summed over micro-batches: count the fp32 accumulator
-        clipping: bool = False,  # gradients wait for a global norm: the lean layout keeps a slab per unit
-        pin_memory: bool | None = None,
-        preserve_rng_state: bool = True,
-        available_bytes: Callable[[], int] | None = None,
-        offload_inputs: OffloadInputs = "auto",
-        free_device_bytes: Callable[[], int] | None = None,
-        step_transient_bytes: Callable[[], int | None] | None = None,  # None: measured (device_memory.py)
-        host_layout: str = "default",  # "lean": no persistent compute copy, gradients through a ring
-        nvme_dir: str | None = None,  # Adam moments in files there (engine/nvme.py)
-        piece: int | None = None,  # elements per piece of the rings and the NVMe tier (engine/ring.py)
-        host_threads: int | None = None,  # the host worker's thread budget (optim/threads.py); None: cores - 1
-    ) -> None:
-        if compute_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"compute_dtype={compute_dtype}: the engine computes in torch.float32 or torch.bfloat16")
-        # Cumulative counters for progress bars and benchmarks (seconds are wall time of the thread named).
-        self.stats = {
-            "h2d_bytes": 0,  # weights uploaded (blocks and outer parameters)
-            "d2h_bytes": 0,  # gradients downloaded
-            "input_offload_bytes": 0,  # saved block inputs to the host and back (offload_inputs)
-            "offloaded_passes": 0,  # forward passes whose saved block inputs went to the host
-            "host_step_seconds": 0.0,  # worker: Adam steps
-            "host_land_seconds": 0.0,  # worker: waiting for downloads, accumulating, norms
-            "host_wait_seconds": 0.0,  # compute-issuing thread blocked on a pending host job
-        }
-        check_host_layout(host_layout)
-        self.host_layout, self.nvme_dir = host_layout, nvme_dir
-        self.host_threads = resolve_host_threads(host_threads)  # ValueError before anything is allocated
-        self.num_slots = check_num_slots(num_slots)
-        self.model = model
-        self.device = torch.device(device)
-        self.compute_dtype = compute_dtype
-        self.preserve_rng_state = preserve_rng_state
+    def __init__(self, model: nn.Module, config: EngineConfig | None = None, probes: Probes | None = None) -> None:
+        self.config = config = EngineConfig() if config is None else config
+        probes = Probes() if probes is None else probes
+        self.model, self.device, self.compute_dtype = model, config.torch_device, config.compute_dtype
+        self.preserve_rng_state = config.preserve_rng_state
+        self.stats = _new_stats()
+        self.host_threads = resolve_host_threads(config.host_threads)
         self.blocks_name, self.blocks = find_blocks(model)
-        pin = self.device.type == "cuda" if pin_memory is None else pin_memory
+        pin = self.device.type == "cuda" if config.pin_memory is None else config.pin_memory
         block_params = [list(b.named_parameters()) for b in self.blocks]
         in_blocks = {id(p) for params in block_params for _, p in params}
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
         largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
-        largest = max(largest_block, *(p.numel() for _, p in outer))
-        self.piece = piece_numel(largest) if piece is None else piece
-        if self.piece < 1:
-            raise ValueError(f"piece={piece}: elements per piece must be at least 1 (None picks a size)")
-        self._check_host_memory(block_params, outer, training, available_bytes, accumulating, clipping, largest_block)
+        self.piece = config.piece or piece_numel(max(largest_block, *(p.numel() for _, p in outer)))
+        self._check_host_memory(block_params, outer, probes.host_available_bytes or available_host_bytes)
         # Checked (directory, free space) before the model is taken apart; the moments need it only to train.
-        self.tier = NvmeTier(nvme_dir, _numel(block_params, outer), self.piece) if training and nvme_dir else None
-
-        self.streams = Streams(self.device)
-        # Block inputs saved for backward: on the device, or (offload_inputs) in pinned host buffers.
-        self.offload_inputs = offload_inputs
-        # Device memory free for saved inputs ("auto"); None measures the device (see _free_device_bytes).
-        self.free_device_bytes = free_device_bytes
-        self.step_transient_bytes = step_transient_bytes
-        self._pass_offloads: bool | None = None  # the decision of the forward pass under way
-        self._auto_announced = False
-        self.saved_inputs = SavedInputs(self.streams, self.device, pin, self.stats)
+        training = config.training
+        self.tier = (
+            NvmeTier(config.nvme_dir, _numel(block_params, outer), self.piece) if training and config.nvme_dir else None
+        )
+        self.streams = (probes.streams or Streams)(self.device)
+        free = probes.device_free_bytes or partial(free_device_bytes, self.device)
+        self._transient = probes.step_transient_bytes or partial(step_transient_bytes, self.device)
+        self._free_device_bytes = free
+        self.saved_inputs = SavedInputs(self.streams, self.device, pin, self.stats, config.offload_inputs, free)
         self._caches_off = _disable_kv_caches(model) if training else []
+        staging, grads = ring_counts(largest_block, self.piece)
+        lean = config.host_layout == "lean"
+        # Lean layout: uploads cast the master into a staging ring (in fp32 the pinned master is the source).
+        staging_ring = (
+            HostRing("staging", staging, self.piece, self.compute_dtype, pin)
+            if lean and self.compute_dtype != torch.float32
+            else None
+        )
+        grad_ring = HostRing("gradient", grads, self.piece, self.compute_dtype, pin) if lean and training else None
+        self.uploads = Uploader(self.streams, self.stats, self.piece, staging_ring)
         self.units: list[HostUnit] = []
-        self.outer_units: list[HostUnit] = []
-        self._staging: HostRing | None = None  # lean layout: uploads cast the master into these
-        self._uploaded: Any = None  # event: the end of the upload issued last (holds its staging buffer)
-        self._grad_ring: HostRing | None = None  # lean layout: gradients landed at once go through these
-        # A block called more than once before a backward: its later calls' gradients come down through this
-        # ring (the lean layout's gradient ring, else one made at the first such call) to add to the first.
-        self._sum_ring: HostRing | None = None
-        self._ring_shape = (ring_counts(largest_block, self.piece)[1], pin)
+        outer_units: list[HostUnit] = []
         try:
-            if host_layout == "lean":
-                staging, grads = ring_counts(largest_block, self.piece)
-                if compute_dtype != torch.float32:  # in fp32 the pinned master is the upload source
-                    self._staging = HostRing("staging", staging, self.piece, compute_dtype, pin)
-                if training:
-                    self._grad_ring = HostRing("gradient", grads, self.piece, compute_dtype, pin)
             self._build_blocks(block_params, pin)
-            self._build_outer(outer, pin)
+            outer_units = [HostUnit(n, [(n, p)], self.compute_dtype, pin, not lean) for n, p in outer]
         except BaseException:
-            pinned.unregister(self._pinnable())  # what was already page-locked (e.g. the limit ran out midway)
+            pinned.unregister(
+                self._pinnable(self.units + outer_units, [staging_ring, grad_ring])
+            )  # the limit ran out midway
             if self.tier is not None:
                 self.tier.close()
             raise
         self._forward_states: list[Any] = [None] * len(self.units)  # weakref: the latest call of each block
         # Per block, its calls whose backward has not run yet (a graph dropped unused drops its calls too).
         self._open_calls: list[weakref.WeakSet] = [weakref.WeakSet() for _ in self.units]
-        self._block_index = {id(u): i for i, u in enumerate(self.units)}
-        max_numel = max(u.numel for u in self.units)
-        self.pool = SlotPool(self.streams, 2 if num_slots == "auto" else num_slots, max_numel, compute_dtype)
-        self._grad_slots = [torch.empty(max_numel, dtype=compute_dtype, device=self.device) for _ in range(2)]
-        self._grad_slot_free: list[object | None] = [None, None]
-        self._next_grad_slot = 0
+        slots = 2 if config.num_slots == "auto" else config.num_slots
+        self.pool = SlotPool(self.streams, slots, max(u.numel for u in self.units), self.compute_dtype)
         self.grad_anchor = torch.empty(0, requires_grad=True)
         # Steps run in the order the next forward needs them, among those whose gradient has landed
         # (engine/worker.py); with the NVMe tier in the order queued, the order its read-ahead plan names.
-        self._worker = HostWorker(
+        worker = HostWorker(
             "megatrain-host_0", worker_init, (self.device, self.host_threads), fifo=self.tier is not None
         )
-        self.backward_mode: str | None = None  # None | "accumulate" | "step": set by the trainer glue
-        self.hyper: Callable[[], list[AdamHyper]] | None = None  # the attached optimizer's groups, now
-        self.param_order: list[int] = []  # ids of the optimizer's parameters in group order
-        self.overlap_optimizer = True
-        self.want_norms = False
-        self._pending: set[HostUnit] = set()  # units with gradients not yet stepped
-        self._eager: set[HostUnit] = set()  # units stepped during this backward already
-        self._clip: float | None = None  # global-norm clipping requested for the next step
+        self.host = HostSide(
+            self.units,
+            outer_units,
+            self.streams,
+            probes.worker(worker) if probes.worker is not None else worker,
+            self.stats,
+            piece=self.piece,
+            grad_ring=grad_ring,
+            ring_shape=(grads, pin),
+            tier=self.tier,
+            overlap_optimizer=config.overlap_optimizer,
+            invalidate=self.pool.invalidate,
+        )
+        self._outer_buffers_to(self.device)
+        self.outer = OuterParams(outer_units, self.device, self.streams, self.uploads, self.host)
         self.optimizer_steps = 0
+        self._optimizer: HostAdamW | None = None  # the one engine.optimizer() returned (its groups go in save())
+        if config.compile_blocks:
+            compile_block_calls(self.blocks, self.runners)
 
     # -- construction helpers -------------------------------------------------------------------
     def _build_blocks(self, block_params: list, pin: bool) -> None:
@@ -180,9 +158,10 @@ class StreamingEngine(HostSteps, OuterParams):
         self.runners: list[BlockRunner] = []
         self._state_hooks = []
         for i, (blk, params) in enumerate(zip(self.blocks, block_params)):
-            unit = HostUnit(f"{self.blocks_name}.{i}", params, self.compute_dtype, pin, self._keep_copy)
+            keep_copy = self.config.host_layout != "lean"
+            unit = HostUnit(f"{self.blocks_name}.{i}", params, self.compute_dtype, pin, keep_copy)
             self.units.append(unit)
-            _bind(unit, unit.master)  # frees the block's own storage right away
+            unit.bind(unit.master)  # frees the block's own storage right away
             self.runners.append(BlockRunner(self, i, blk))
             blk.forward = self.runners[-1]
             # A block's parameters are views of its master, which the worker steps in the background after
@@ -190,32 +169,21 @@ class StreamingEngine(HostSteps, OuterParams):
             self._state_hooks.append(blk.register_state_dict_pre_hook(lambda *_, unit=unit: unit.wait()))
         self._refresh_block_buffers()
 
-    @property
-    def _keep_copy(self) -> bool:
-        return self.host_layout != "lean"
-
-    def _check_host_memory(
-        self,
-        block_params,
-        outer,
-        training: bool,
-        available_bytes,
-        accumulating: bool,
-        clipping: bool,
-        largest_block: int,
-    ) -> None:
+    def _check_host_memory(self, block_params, outer, available_bytes: Callable[[], int]) -> None:
+        c = self.config
         numel = _numel(block_params, outer)
-        layout, elt = self.host_layout, torch.tensor([], dtype=self.compute_dtype).element_size()
-        per_param = host_bytes_per_param(self.compute_dtype, training, accumulating, layout, clipping)
+        layout, elt = c.host_layout, torch.tensor([], dtype=self.compute_dtype).element_size()
+        per_param = host_bytes_per_param(self.compute_dtype, c.training, c.accumulating, layout, c.clipping)
+        largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
         rings = sum(ring_counts(largest_block, self.piece)) * self.piece * elt if layout == "lean" else 0
-        nvme = training and bool(self.nvme_dir)  # m, v on the drive: a few pieces' working buffers instead
+        nvme = c.training and bool(c.nvme_dir)  # m, v on the drive: a few pieces' working buffers instead
         per_param -= 8 if nvme else 0
         need = numel * per_param + rings + (BUFFERS * self.piece * 8 if nvme else 0)
         # The model's own parameters are released unit by unit as they move into flat buffers.
         reclaim = sum(
             p.numel() * p.element_size() for params in block_params for _, p in params if p.device.type == "cpu"
         )
-        have = (available_bytes or available_host_bytes)() + reclaim
+        have = available_bytes() + reclaim
         if need > have:
             labels = {
                 "master": "fp32 master",
@@ -224,18 +192,15 @@ class StreamingEngine(HostSteps, OuterParams):
                 "slab": "gradient slab",
                 "acc": "fp32 gradient accumulator",
             }
-            kinds = [
-                labels[k]
-                for k, b in host_bytes_by_kind(elt, training, accumulating, layout, clipping).items()
-                if b and not (nvme and k == "adam")
-            ]
+            by_kind = host_bytes_by_kind(elt, c.training, c.accumulating, layout, c.clipping)
+            kinds = [labels[k] for k, b in by_kind.items() if b and not (nvme and k == "adam")]
             raise HostMemoryError(
                 f"the model's {numel / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB of host memory "
                 f"({per_param} bytes/param: {', '.join(kinds[:-1])} and {kinds[-1]}) but about "
                 f"{have / 2**30:.1f} GiB is available. Use a machine with more host memory, a smaller model"
                 + (
                     ", accumulate_grad_batches=1 (drops the 4 bytes/param fp32 gradient accumulator)"
-                    if accumulating
+                    if c.accumulating
                     else ""
                 )
                 + ", or check the size first with the memory planner."
@@ -256,72 +221,97 @@ class StreamingEngine(HostSteps, OuterParams):
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
 
-    # -- optimizer attachment -------------------------------------------------------------------
-    def attach_optimizer(
-        self, groups: dict[int, int], hyper: Callable[[], list[AdamHyper]], param_order: list[int]
-    ) -> None:
-        """Map parameters (by id) to param groups and allocate Adam moments (first time only)."""
+    # -- the phases of a step ----------------------------------------------------------------------
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> HostAdamW:
+        """Take over a ``torch.optim.AdamW`` (or ``Adam``) built on the model's parameters: the returned
+        optimizer shares its param groups (schedulers keep working) and steps the host masters."""
+        self._optimizer = HostAdamW(optimizer, self)
+        return self._optimizer
+
+    def attach_optimizer(self, groups: dict[int, int], hyper: Callable[[], list[Any]], param_order: list[int]) -> None:
+        """Map parameters (by id) to param groups and allocate Adam moments (first time only); called by
+        :class:`HostAdamW`."""
         self.flush()
-        self.param_order = param_order
         for unit in self.all_units():
             unit.set_groups(groups)
             unit.tier = self.tier
             unit.alloc_optimizer_state()
-        self.hyper = hyper
+        self.host.attach(hyper, param_order)
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.host.hyper is not None
+
+    @property
+    def param_order(self) -> list[int]:
+        """Ids of the optimizer's parameters in group order (how ``clip_grad_norm_`` walks them)."""
+        return self.host.param_order
+
+    def autocast(self) -> AbstractContextManager:
+        """The context the forward runs under for this precision (autocast to bf16 for ``bf16-mixed``)."""
+        return forward_context(self.config.precision, self.device.type)
+
+    @contextmanager
+    def backward(self, accumulate: bool = False, clip: bool = False) -> Iterator[None]:
+        """What the backward passes run inside are for.
+
+        ``accumulate=True``: more micro-batches follow before the optimizer step, so their gradients are
+        summed in fp32 on the host. Otherwise the backward completes the step's gradient: with
+        ``overlap_optimizer`` each unit is stepped on the host as soon as its gradient lands, while the
+        backward goes on, unless ``clip=True`` says :meth:`clip_grad_norm_` comes first (the norms are then
+        taken on the device as the gradients go down). A backward outside this context (nothing known of
+        what follows, e.g. Lightning's manual optimization) lands its gradients to wait for the step."""
+        host = self.host
+        before = host.mode, host.want_norms
+        host.mode, host.want_norms = ("accumulate" if accumulate else "step"), bool(clip)
+        try:
+            yield
+        finally:
+            host.mode, host.want_norms = before
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """Clip the global gradient norm to `max_norm` in the next optimizer step, exactly as
+        ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (gradients never sit in ``.grad``)."""
+        self.host.clip_to(max_norm)
+
+    def optimizer_step(self) -> None:
+        """Step every unit holding gradients; blocks step in the background in forward order."""
+        stepped = self.host.step()
+        self.outer.mark_stale(stepped)
+        self.optimizer_steps += 1
+        if self.optimizer_steps == 1 and self.config.num_slots == "auto":
+            self.size_slots()  # the step's device memory is known now, its activations freed
+        # What the next forward reads first goes up now, each as soon as its own step is done: the outer
+        # parameters (every device copy is current when this returns), then its first blocks. (Always, not
+        # only when the steps happen to be done: the uploads a step makes do not depend on timing.)
+        self.outer.refresh()
+        # Block 0 waits for its step; the blocks after it go up now only if theirs are done already (the
+        # next forward's prefetch takes the rest), so more slots never hold this thread back.
+        first = set(range(min(self.pool.num_slots - 1, len(self.units))))
+        for j in sorted(first):
+            if self._load(j, first, wait=j == 0) is None:
+                break  # steps finish in forward order: the blocks after it are not ready either
+
+    def zero_grad(self) -> None:
+        """Drop the gradients not stepped yet (nothing blocks)."""
+        self.host.zero_grad()
+
+    def flush(self) -> None:
+        """Wait for every host job and every upload reading a host buffer: the host buffers may then be read
+        or rewritten (checkpoints, loading weights, teardown)."""
+        self.host.flush()
 
     def all_units(self) -> list[HostUnit]:
         # Outer units first: the embedding is the first thing the next forward needs.
-        return self.outer_units + self.units
+        return self.host.all_units()
 
-    # -- where saved block inputs go ----------------------------------------------------------------
     @property
-    def offload_inputs(self) -> OffloadInputs:
-        """True: saved block inputs go to pinned host memory; False: they stay on the device; "auto":
-        decided per forward pass from the device memory free for them (:func:`offload_needed`)."""
-        return self._offload_inputs
-
-    @offload_inputs.setter
-    def offload_inputs(self, value: OffloadInputs) -> None:
-        self._offload_inputs = check_offload_inputs(value)
+    def outer_units(self) -> list[HostUnit]:
+        return self.outer.units
 
     def offloads_call(self, idx: int, hidden: torch.Tensor) -> bool:
-        """Whether this call of block `idx` (under grad) saves its input on the host.
-
-        Decided when block 0 starts a forward pass and then followed by every block of the pass, so a
-        setting or free memory that changes midway cannot split a pass. Each call keeps its answer
-        (CallState.offload, CallState.saved): its backward looks where its forward put the input."""
-        if idx == 0 or self._pass_offloads is None:
-            self._pass_offloads = self._decide_offload(hidden)
-            self.stats["offloaded_passes"] += int(self._pass_offloads)
-        return self._pass_offloads
-
-    def _decide_offload(self, hidden: torch.Tensor) -> bool:
-        if self.offload_inputs != "auto":
-            return self.offload_inputs
-        free = self._free_device_bytes()
-        if free is None:
-            return False
-        saved = len(self.blocks) * hidden.numel() * hidden.element_size()
-        offload = offload_needed(saved, free)
-        if offload and not self._auto_announced:
-            self._auto_announced = True  # once per run: the decision may flip with every step
-            log.info(
-                "offload_inputs='auto': saving block inputs in host memory: %d blocks x %s need %.2f GiB, "
-                "%.2f GiB of device memory free",
-                len(self.blocks),
-                tuple(hidden.shape),
-                saved / 2**30,
-                free / 2**30,
-            )
-        return offload
-
-    def _free_device_bytes(self) -> int | None:
-        """Device memory free for saved inputs, or None where "auto" keeps them on the device: on a CPU
-        device the inputs already are in host memory (a copy would only duplicate them), and other
-        devices have no measure of free memory here."""
-        if self.free_device_bytes is not None:
-            return self.free_device_bytes()
-        return free_device_bytes(self.device)
+        """Whether this call of block `idx` (under grad) saves its input on the host (engine/saved_inputs.py)."""
+        return self.saved_inputs.offloads_call(idx, hidden, len(self.blocks))
 
     # -- how many weight slots ("auto") -----------------------------------------------------------------
     def size_slots(self) -> None:
@@ -330,7 +320,7 @@ class StreamingEngine(HostSteps, OuterParams):
         last blocks of a forward resident for its backward, and with one per block the backward uploads
         nothing and the next micro-batch of an accumulation finds every block resident. Runs once; on a
         device with no memory measure (the CPU) the pool keeps its 2 slots."""
-        transient = self._step_transient_bytes()
+        transient = self._transient()
         free = None if transient is None else self._free_device_bytes()
         if free is None:
             return
@@ -351,11 +341,6 @@ class StreamingEngine(HostSteps, OuterParams):
             transient / 2**30,
             free / 2**30,
         )
-
-    def _step_transient_bytes(self) -> int | None:
-        if self.step_transient_bytes is not None:
-            return self.step_transient_bytes()
-        return step_transient_bytes(self.device)
 
     # -- forward / backward of one block ---------------------------------------------------------
     def forward_block(
@@ -396,7 +381,7 @@ class StreamingEngine(HostSteps, OuterParams):
         self._open_calls[idx].discard(state)
         more = bool(self._open_calls[idx])  # another call of this block is still to come back
         if idx == len(self.units) - 1:
-            self._read_ahead_backward()
+            self.host.read_ahead_backward()
         # Parameters the user froze get no gradient, exactly as in ordinary training (checked now: a
         # parameter may be frozen or unfrozen between steps).
         trained = [i for i, e in enumerate(unit.entries) if e.param.requires_grad]
@@ -430,10 +415,10 @@ class StreamingEngine(HostSteps, OuterParams):
             by_entry[i] = g
         present = [g is not None for g in by_entry]
         if any(present):
-            flat, grad_slot = self._pack_grads(unit, by_entry)
-            self._ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot, more=more)
+            flat, grad_slot = self.host.pack_grads(unit, by_entry)
+            self.host.ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot, more=more)
         elif unit.held is not None and not more:
-            self._land_held(unit, idx, this_pass=unit.held.task == graph_task())  # it was the last call
+            self.host.land_held(unit, idx, this_pass=unit.held.task == graph_task())  # it was the last call
         return grads[0] if need_input_grad else None
 
     def _run(self, idx: int, direction: int, fn: Callable[[], Any]) -> Any:
@@ -462,13 +447,13 @@ class StreamingEngine(HostSteps, OuterParams):
         copies for the duration of a call; afterwards the parameters are views of the masters again."""
         unit = self.units[idx]
         buffers = [(b, b.data, dev) for b, dev in self._block_buffers[idx]]
-        _bind(unit, flat)
+        unit.bind(flat)
         for b, _, dev in buffers:
             b.data = dev
         try:
             yield
         finally:
-            _bind(unit, unit.master)
+            unit.bind(unit.master)
             for b, host, _ in buffers:
                 b.data = host
 
@@ -480,59 +465,67 @@ class StreamingEngine(HostSteps, OuterParams):
         if slot is None:
             if not wait and unit.future is not None and not unit.future.done():
                 return None
-            self._wait(unit)  # a pending optimizer step is still rewriting the master (and copy)
-            self.stats["h2d_bytes"] += unit.numel * self.pool.buffers[0].element_size()
-            slot = self.pool.load(idx, protect, lambda dst: self._upload(unit, dst))
+            self.host.wait(unit)  # a pending optimizer step is still rewriting the master (and copy)
+            slot = self.pool.load(idx, protect, lambda dst: self.uploads.upload(unit, dst))
         unit.upload_done = self.pool.ready[slot]
         return slot
 
-    def _upload(self, unit: HostUnit, dst: torch.Tensor) -> object:
-        """Issue the H2D copies of `unit`'s weights into `dst` (the caller made the H2D stream wait until
-        `dst` may be overwritten): whole from its compute copy, or piece by piece through the staging
-        ring. Returns the event of the last copy, which ends them all (one stream, in order)."""
-        for lo, hi in self._pieces(unit):
-            with self._upload_source(unit, lo, hi) as source:
-                self.streams.copy(self.streams.h2d, dst[lo:hi], source)
-                self._uploaded = self.streams.event(self.streams.h2d)
-        return self._uploaded
-
-    @contextmanager
-    def _upload_source(self, unit: HostUnit, lo: int = 0, hi: int | None = None) -> Iterator[torch.Tensor]:
-        """The host buffer an upload of `unit`'s elements lo..hi reads: its compute copy, or (lean layout)
-        the next staging buffer with the master just cast into it, held until the upload issued meanwhile
-        (whose end `self._uploaded` names) has read it."""
-        hi = unit.numel if hi is None else hi
-        if unit.copy is not None:
-            yield unit.copy[lo:hi]
-            return
-        i, staged = self._staging.take(hi - lo)
-        staged.copy_(unit.master[lo:hi])  # the rounding the step's fused cast would do: the same bits go up
-        yield staged
-        self._staging.hold(i, self._uploaded)
-
-    def _pieces(self, unit: HostUnit) -> list[tuple[int, int]]:
-        """Element ranges an upload of `unit` goes in: one, unless staging buffers are smaller than it."""
-        return pieces(unit.numel, unit.numel if unit.copy is not None else self.piece)
-
-    # -- state exchange ----------------------------------------------------------------------------
+    # -- state ---------------------------------------------------------------------------------------
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict with every parameter as its fp32 host master (views, no copies)."""
         self.flush()
-        for unit in self.outer_units:
-            _bind(unit, unit.master)
+        self.outer.bind_masters()
         try:
             return self.model.state_dict()
         finally:
-            for unit, dev in zip(self.outer_units, self._outer_device):
-                _bind(unit, dev)
+            self.outer.bind_device()
 
     def load_master_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load weights into the fp32 masters and refresh every compute copy."""
         self.flush()
-        for unit in self.outer_units:
-            _bind(unit, unit.master)
+        self.outer.bind_masters()
         self.model.load_state_dict(state_dict, strict=strict)
         self.refresh_from_masters()
+
+    def state_dict(self, optimizer: HostAdamW | None = None) -> dict[str, Any]:
+        """``{"model": fp32 masters, "optimizer": torch.optim's layout}`` (the latter with `optimizer`): the
+        training state in memory, as ordinary training's model and AdamW state dicts hold it. For models too
+        large to hold twice use :meth:`save`, which streams it unit by unit."""
+        state: dict[str, Any] = {"model": self.master_state_dict()}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], optimizer: HostAdamW | None = None) -> None:
+        self.load_master_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+
+    def save(self, url: str, state: dict[str, Any] | None = None, optimizer: bool = True) -> None:
+        """Write a sharded checkpoint to any fsspec URL, streamed unit by unit and committed atomically
+        (megatrain_lightning/checkpoint/store.py): the masters and, with `optimizer`, the Adam state and the
+        optimizer's param group settings (lr, betas, ...); `state`: extras saved beside them (tensors,
+        numbers, strings, and lists and dicts of them)."""
+        from megatrain_lightning.checkpoint import store  # (store reads the engine; the engine needs it only here)
+
+        with_optimizer = optimizer and self._optimizer is not None
+        groups = None
+        if with_optimizer:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self._optimizer.param_groups]
+        store.save(self, url, dict(state or {}), optimizer=with_optimizer, param_groups=groups)
+
+    def load(self, url: str, optimizer: bool = True) -> dict[str, Any]:
+        """Restore a checkpoint written by :meth:`save` (weights, and with an attached optimizer its state);
+        returns the extras saved with it."""
+        from megatrain_lightning.checkpoint import store
+
+        extras, index = store.read_checkpoint(url)
+        with_optimizer = optimizer and self._optimizer is not None and index["optimizer"]
+        store.restore(self, url, optimizer=with_optimizer)
+        if with_optimizer and index["param_groups"]:
+            for group, saved in zip(self._optimizer.param_groups, index["param_groups"]):
+                group.update(saved)
+        return extras
 
     def refresh_from_masters(self) -> None:
         """After the masters (or buffers) were written from outside: rewrite every compute copy, rebind and
@@ -541,9 +534,7 @@ class StreamingEngine(HostSteps, OuterParams):
         for unit in self.all_units():
             unit.refresh_copy()
         self._refresh_block_buffers()
-        for unit, dev in zip(self.outer_units, self._outer_device):
-            self._upload_outer(unit, dev)
-        self._stale.clear()
+        self.outer.reupload()
         self.pool.invalidate()
 
     def qualified_names(self, unit: HostUnit) -> list[str]:
@@ -554,16 +545,15 @@ class StreamingEngine(HostSteps, OuterParams):
     # -- accounting and teardown -------------------------------------------------------------------
     def device_bytes(self) -> dict[str, int]:
         """Bytes the engine holds on the device: they do not grow with the number of blocks."""
-        grad_slots = sum(g.numel() * g.element_size() for g in self._grad_slots)
-        outer = sum(d.numel() * d.element_size() for d in self._outer_device)
-        return {"weight_slots": self.pool.nbytes(), "grad_slots": grad_slots, "outer": outer}
+        grad_slots = sum(g.numel() * g.element_size() for g in self.host.grad_slots)
+        return {"weight_slots": self.pool.nbytes(), "grad_slots": grad_slots, "outer": self.outer.nbytes()}
 
     def host_bytes(self) -> dict[str, int]:
         total: dict[str, int] = {}
         for unit in self.all_units():
             for kind, n in unit.nbytes().items():
                 total[kind] = total.get(kind, 0) + n
-        if self.host_layout == "lean" or self._sum_ring is not None:
+        if self.config.host_layout == "lean" or self.host.sum_ring is not None:
             total["ring"] = sum(r.nbytes() for r in self._rings())
         if self.tier is not None:  # the moments in host memory: the NVMe tier's working buffers only
             total["adam"] = total.get("adam", 0) + self.tier.buffer_bytes()
@@ -576,30 +566,28 @@ class StreamingEngine(HostSteps, OuterParams):
     def pinned_bytes(self) -> int:
         """Page-locked host bytes the engine holds: exactly its pinned buffers' sizes, no rounding (the
         compute copy and the gradient slab; in fp32 the master, which is the copy, and the slab)."""
-        return pinned.registered_bytes(self._pinnable())
+        return pinned.registered_bytes(self._pinnable(self.all_units(), self._rings()) + self.saved_inputs.buffers)
 
     def _rings(self) -> list[HostRing]:
-        return [r for r in {id(r): r for r in (self._staging, self._grad_ring, self._sum_ring) if r}.values()]
+        return [r for r in {id(r): r for r in self.uploads.rings() + self.host.rings()}.values()]
 
-    def _pinnable(self) -> list[torch.Tensor | None]:
-        rings = [b for r in self._rings() for b in r.buffers]
-        return (
-            [t for unit in self.all_units() for t in (unit.master, unit.copy, unit.slab)]
-            + self.saved_inputs.buffers
-            + rings
-        )
+    @staticmethod
+    def _pinnable(units: list[HostUnit], rings: list[HostRing | None]) -> list[torch.Tensor | None]:
+        return [t for unit in units for t in (unit.master, unit.copy, unit.slab)] + [
+            b for r in rings if r is not None for b in r.buffers
+        ]
 
     def num_parameters(self) -> int:
         return sum(u.numel for u in self.all_units())
 
-    def release(self) -> None:
+    def close(self) -> None:
         """Give the model back as an ordinary fp32 host model (parameters are views of the masters)."""
         self.flush()
         self.streams.synchronize()  # no copy may still read or write a device buffer freed below
-        self._worker.shutdown(wait=True)
+        self.host.close()
         if self.tier is not None:
             self.tier.close()  # the moments are scratch: the run directory goes with them
-        for handle in self._hooks + self._state_hooks:
+        for handle in self._state_hooks:
             handle.remove()
         for config in self._caches_off:
             config.use_cache = True
@@ -607,13 +595,34 @@ class StreamingEngine(HostSteps, OuterParams):
             blk.__dict__.pop("forward", None)
             if runner.own is not None:
                 blk.forward = runner.own
-        for unit in self.all_units():
-            _bind(unit, unit.master)
+        for unit in self.units:
+            unit.bind(unit.master)
+        self.outer.close()
         self._outer_buffers_to(torch.device("cpu"))
-        self._outer_device.clear()
         self.pool.buffers.clear()
-        self._grad_slots.clear()
-        pinned.unregister(self._pinnable())  # they stay allocated (the masters as the model's parameters)
+        # They stay allocated (the masters as the model's parameters).
+        pinned.unregister(self._pinnable(self.all_units(), self._rings()) + self.saved_inputs.buffers)
+
+    release = close  # (the name the strategies' teardown used first)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _new_stats() -> dict[str, float]:
+    """Cumulative counters for progress bars and benchmarks (seconds are wall time of the thread named)."""
+    return {
+        "h2d_bytes": 0,  # weights uploaded (blocks and outer parameters)
+        "d2h_bytes": 0,  # gradients downloaded
+        "input_offload_bytes": 0,  # saved block inputs to the host and back (offload_inputs)
+        "offloaded_passes": 0,  # forward passes whose saved block inputs went to the host
+        "host_step_seconds": 0.0,  # worker: Adam steps
+        "host_land_seconds": 0.0,  # worker: waiting for downloads, accumulating, norms
+        "host_wait_seconds": 0.0,  # compute-issuing thread blocked on a pending host job
+    }
 
 
 def _numel(block_params: list, outer: list) -> int:

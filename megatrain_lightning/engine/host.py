@@ -26,18 +26,16 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from megatrain_lightning.engine import pinned
-
-if TYPE_CHECKING:
-    from megatrain_lightning.engine.nvme import NvmeTier
+from megatrain_lightning.engine.nvme import NvmeTier
+from megatrain_lightning.engine.pinned import host_empty
 
 
 class GradState(enum.Enum):
@@ -56,22 +54,6 @@ class ParamEntry:
     numel: int
     shape: torch.Size
     group: int | None  # optimizer param group, None when the optimizer does not own it
-
-
-host_observers: list[Callable[[torch.Tensor], None]] = []
-"""Called with every buffer `host_empty` returns (measure.py tells host from device memory by them)."""
-
-
-def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host buffer; page-locked when it is a DMA source or target so copies can be asynchronous. Every
-    host buffer the engine owns comes from here.
-
-    Pinned buffers are registered at their exact size (engine/pinned.py), not taken from torch's caching
-    host allocator, which would round each one up to a power of two."""
-    t = pinned.pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
-    for observe in host_observers:
-        observe(t)
-    return t
 
 
 class HostUnit:
@@ -216,6 +198,12 @@ class HostUnit:
         """Block until the last host job on this unit has finished (re-raising its error)."""
         if self.future is not None:
             self.future.result()
+
+    def bind(self, flat: torch.Tensor) -> None:
+        """Point each parameter of this unit at its slice of `flat` (no copy): the master, a device slot or
+        a device copy."""
+        for e in self.entries:
+            e.param.data = flat[e.offset : e.offset + e.numel].view(e.shape)
 
     def refresh_copy(self) -> None:
         """Rewrite the compute copy from the master (after loading weights)."""

@@ -1,7 +1,7 @@
 """The host half of the engine: gradients from device to host, and the optimizer steps on them.
 
-Mixed into :class:`~megatrain_lightning.engine.engine.StreamingEngine`, whose state it uses (units, pool,
-streams, worker, stats). Every host-side computation runs on the engine's single worker thread
+An object the engine holds (:class:`HostSide`); it owns the state of the gradients' way to the host
+(grad slots, rings, what is pending) and is given the units, streams, worker and counters. Every host-side computation runs on the engine's single worker thread
 (engine/worker.py: a unit's jobs in the order submitted, steps in the next forward's order); a unit's
 ``future`` is its last job, and nothing overwrites a unit's slab or uploads its copy before that future
 has finished.
@@ -17,6 +17,10 @@ as soon as its copy is done, so the host holds a few pieces of gradient, not a u
 A block called more than once before one backward (two forwards in one loss) has its calls' gradients
 summed first (:class:`Held`): the first waits in the slab while another call is still to come back, the
 others come down through a ring and are added to it, and the last call lands the sum as one gradient.
+
+Why one file of about 500 lines: every path a gradient takes to the host (whole, in pieces, held for a
+second call, accumulated, stepped at once or at the step) moves the unit's grad state, which this object
+keeps consistent; split, that state machine would be spread over several files.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from typing import Any
 
 import torch
 
-from megatrain_lightning.engine.host import GradState, HostUnit, host_empty, spans
+from megatrain_lightning.engine.host import GradState, HostUnit, spans
+from megatrain_lightning.engine.pinned import host_empty
 from megatrain_lightning.engine.ring import HostRing, pieces
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.optim.kernels import AdamHyper
@@ -51,17 +56,66 @@ class Held:
     present: list[bool]  # per parameter, whether any of the calls produced a gradient
 
 
-class HostSteps:
-    """Gradient shipping, accumulation, clipping and AdamW steps on the host worker."""
+class HostSide:
+    """Gradient shipping, accumulation, clipping and AdamW steps on the host worker.
+
+    What the backward under way should do is set by the engine's ``backward`` context: `mode` "accumulate"
+    (more micro-batches follow), "step" (this backward completes the step's gradient) or None (nothing is
+    known, e.g. manual optimization: gradients land and wait for the step); `want_norms`: a global-norm
+    clip comes before the step (norms are taken on the device, nothing steps during backward)."""
+
+    def __init__(
+        self,
+        blocks: list[HostUnit],
+        outer: list[HostUnit],
+        streams,
+        worker,
+        stats: dict,
+        *,
+        piece: int,
+        grad_ring: HostRing | None,
+        ring_shape: tuple[int, bool],
+        tier=None,
+        overlap_optimizer: bool = True,
+        invalidate: Callable[[int], None] = lambda idx: None,
+    ) -> None:
+        """`invalidate(i)`: block i's weights on the host changed, so a device slot holding it is stale."""
+        self.blocks, self.outer, self.streams, self.worker, self.stats = blocks, outer, streams, worker, stats
+        self.piece, self.tier, self.overlap_optimizer, self.invalidate = piece, tier, overlap_optimizer, invalidate
+        self.block_index = {id(u): i for i, u in enumerate(blocks)}
+        self.compute_dtype, self.device = blocks[0].compute_dtype, streams.device
+        max_numel = max(u.numel for u in blocks)
+        self.grad_slots = [torch.empty(max_numel, dtype=self.compute_dtype, device=self.device) for _ in range(2)]
+        self.grad_slot_free: list[object | None] = [None, None]
+        self.next_grad_slot = 0
+        self.grad_ring = grad_ring  # lean layout: gradients landed at once go through these
+        # A block called more than once before a backward: its later calls' gradients come down through this
+        # ring (the lean layout's gradient ring, else one made at the first such call) to add to the first.
+        self.sum_ring: HostRing | None = None
+        self.ring_shape = ring_shape
+        self.mode: str | None = None  # None | "accumulate" | "step": the engine's backward context
+        self.want_norms = False
+        self.hyper: Callable[[], list[AdamHyper]] | None = None  # the attached optimizer's groups, now
+        self.param_order: list[int] = []  # ids of the optimizer's parameters in group order
+        self._pending: set[HostUnit] = set()  # units with gradients not yet stepped
+        self._eager: set[HostUnit] = set()  # units stepped during this backward already
+        self._clip: float | None = None  # global-norm clipping requested for the next step
+
+    def all_units(self) -> list[HostUnit]:
+        # Outer units first: the embedding is the first thing the next forward needs.
+        return self.outer + self.blocks
+
+    def attach(self, hyper: Callable[[], list[AdamHyper]], param_order: list[int]) -> None:
+        self.hyper, self.param_order = hyper, param_order
 
     # -- gradients to the host ------------------------------------------------------------------
-    def _pack_grads(self, unit: HostUnit, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor, int]:
+    def pack_grads(self, unit: HostUnit, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor, int]:
         """Write a block's parameter gradients (None: the parameter got none) into a free device grad slot,
-        flat in the unit's layout; a missing gradient is written as zeros and marked absent by `_ship`."""
-        k = self._next_grad_slot
-        self._next_grad_slot = 1 - k
-        self.streams.wait(None, self._grad_slot_free[k])  # its previous download must have finished
-        flat = self._grad_slots[k][: unit.numel]
+        flat in the unit's layout; a missing gradient is written as zeros and marked absent by `ship`."""
+        k = self.next_grad_slot
+        self.next_grad_slot = 1 - k
+        self.streams.wait(None, self.grad_slot_free[k])  # its previous download must have finished
+        flat = self.grad_slots[k][: unit.numel]
         parts = [
             (g if g is not None else torch.zeros(e.shape, dtype=self.compute_dtype, device=self.device)).reshape(-1)
             for e, g in zip(unit.entries, grads)
@@ -69,14 +123,7 @@ class HostSteps:
         torch.cat([p.to(self.compute_dtype) for p in parts], out=flat)
         return flat, k
 
-    def _outer_grad_hook(self, unit: HostUnit) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            grad, param.grad = param.grad, None
-            self._ship(unit, grad.reshape(-1), present=[True])
-
-        return hook
-
-    def _ship(
+    def ship(
         self,
         unit: HostUnit,
         flat: torch.Tensor,
@@ -95,18 +142,18 @@ class HostSteps:
             )
         task = graph_task()
         if unit.held is not None and unit.held.task != task:
-            self._land_held(unit, block_idx, this_pass=False)  # an earlier backward's sum is complete
-        self._wait(unit)  # the worker must be done reading the slab before it is overwritten
+            self.land_held(unit, block_idx, this_pass=False)  # an earlier backward's sum is complete
+        self.wait(unit)  # the worker must be done reading the slab before it is overwritten
         if unit.held is not None:
             done = self._add_to_held(unit, flat, present)
             if not more:
-                self._land_held(unit, block_idx, this_pass=True)
+                self.land_held(unit, block_idx, this_pass=True)
         elif more:
             done = self._hold(unit, flat, present, task)
         else:
             done = self._ship_whole(unit, flat, present, block_idx)
         if grad_slot is not None:
-            self._grad_slot_free[grad_slot] = done
+            self.grad_slot_free[grad_slot] = done
         elif self.streams.is_cuda:
             flat.record_stream(self.streams.d2h)  # autograd's grad buffer lives until the copy has read it
 
@@ -115,7 +162,7 @@ class HostSteps:
         the optimizer overlaps backward, or kept for the step). Returns the event of its last copy."""
         if unit.grad_state is GradState.SLAB:
             self._promote(unit)
-        accumulate = self.backward_mode == "accumulate"
+        accumulate = self.mode == "accumulate"
         eager = self._eager_ok()
         self._device_norms(unit, flat, present, single=not accumulate and unit.grad_state is GradState.EMPTY)
         # Lean layout: a gradient the landing job consumes at once (into the accumulator, or by the step
@@ -124,15 +171,15 @@ class HostSteps:
         self._before_download(flat)
         hyper = self.hyper() if eager else None
         want_norm = self.want_norms and not accumulate and unit.device_norms is None
-        if self._grad_ring is not None and (to_acc or eager):
+        if self.grad_ring is not None and (to_acc or eager):
             done = self._ship_pieces(unit, flat, present, to_acc, want_norm, hyper)
         else:
             slab = unit.ensure_slab()
             self.streams.copy(self.streams.d2h, slab, flat)
             done = self.streams.event(self.streams.d2h)
             # A step waits its turn (engine/worker.py): the next forward's order, once its copy has landed.
-            rank = self._step_rank(unit) if hyper is not None else 0
-            self._submit(unit, lambda: self._land(unit, done, present, accumulate, want_norm, hyper), rank, done)
+            rank = self.step_rank(unit) if hyper is not None else 0
+            self.submit(unit, lambda: self._land(unit, done, present, accumulate, want_norm, hyper), rank, done)
         self._shipped(unit, eager, block_idx)
         return done
 
@@ -145,7 +192,7 @@ class HostSteps:
             self._eager.add(unit)
             self._pending.discard(unit)  # earlier micro-batches' sum is consumed by this step
             if block_idx is not None:
-                self.pool.invalidate(block_idx)
+                self.invalidate(block_idx)
         else:
             self._pending.add(unit)
 
@@ -159,25 +206,25 @@ class HostSteps:
         self._before_download(flat)
         self.streams.copy(self.streams.d2h, unit.ensure_slab(), flat)
         done = self.streams.event(self.streams.d2h)
-        unit.held = Held(task, self.backward_mode == "accumulate", list(present))
-        self._submit(unit, done.synchronize, 0, done)  # the unit's future covers the copy
+        unit.held = Held(task, self.mode == "accumulate", list(present))
+        self.submit(unit, done.synchronize, 0, done)  # the unit's future covers the copy
         self._pending.add(unit)
         return done
 
     def _add_to_held(self, unit: HostUnit, flat: torch.Tensor, present: list[bool]) -> object:
         """Another call's gradient for the sum held in the slab: down piece by piece through a ring, each piece
         added to its place in the compute dtype by its own host job. Returns the event of the last copy."""
-        if self._sum_ring is None:
-            count, pin = self._ring_shape
-            self._sum_ring = self._grad_ring or HostRing("sum", count, self.piece, self.compute_dtype, pin)
+        if self.sum_ring is None:
+            count, pin = self.ring_shape
+            self.sum_ring = self.grad_ring or HostRing("sum", count, self.piece, self.compute_dtype, pin)
         unit.held.present = [a or b for a, b in zip(unit.held.present, present)]
         self._before_download(flat)
         for lo, hi in pieces(unit.numel, self.piece):
-            i, buf = self._sum_ring.take(hi - lo)
+            i, buf = self.sum_ring.take(hi - lo)
             self.streams.copy(self.streams.d2h, buf, flat[lo:hi])
             done = self.streams.event(self.streams.d2h)
-            self._submit(unit, lambda buf=buf, lo=lo, done=done: self._add_piece(unit, done, buf, lo), 0, done)
-            self._sum_ring.hold(i, unit.future)
+            self.submit(unit, lambda buf=buf, lo=lo, done=done: self._add_piece(unit, done, buf, lo), 0, done)
+            self.sum_ring.hold(i, unit.future)
         return done
 
     def _add_piece(self, unit: HostUnit, done: Any, buf: torch.Tensor, lo: int) -> None:
@@ -186,7 +233,7 @@ class HostSteps:
         unit.slab[lo : lo + buf.numel()].add_(buf)
         self.stats["host_land_seconds"] += time.perf_counter() - t0
 
-    def _land_held(self, unit: HostUnit, block_idx: int | None, this_pass: bool) -> None:
+    def land_held(self, unit: HostUnit, block_idx: int | None, this_pass: bool) -> None:
         """The sum held in the slab is complete: land it as the backward's one gradient of the unit, as
         :meth:`_ship_whole` lands one (stepped at once only when it is this backward's and the optimizer
         overlaps it; a sum left from an earlier backward, or landed by the optimizer step, waits for the step)."""
@@ -194,8 +241,8 @@ class HostSteps:
         eager = this_pass and not held.accumulate and self._eager_ok()
         hyper = self.hyper() if eager else None
         want_norm = self.want_norms and not held.accumulate
-        rank = self._step_rank(unit) if hyper is not None else 0
-        self._submit(unit, lambda: self._land(unit, None, held.present, held.accumulate, want_norm, hyper), rank)
+        rank = self.step_rank(unit) if hyper is not None else 0
+        self.submit(unit, lambda: self._land(unit, None, held.present, held.accumulate, want_norm, hyper), rank)
         self._shipped(unit, eager, block_idx)
 
     def _ship_pieces(
@@ -212,12 +259,12 @@ class HostSteps:
         again only after the job that consumed it, so the host holds the ring's pieces, no slab."""
         first = unit.grad_state is GradState.EMPTY  # (stable: the unit's earlier jobs are done)
         for lo, hi in pieces(unit.numel, self.piece):
-            i, buf = self._grad_ring.take(hi - lo)
+            i, buf = self.grad_ring.take(hi - lo)
             self.streams.copy(self.streams.d2h, buf, flat[lo:hi])
             done = self.streams.event(self.streams.d2h)
             job = (unit, done, present, buf, lo, hi, to_acc, first, want_norm, hyper)
-            self._submit(unit, lambda job=job: self._land_piece(*job), 0, done)
-            self._grad_ring.hold(i, unit.future)  # free once the landing job has consumed it
+            self.submit(unit, lambda job=job: self._land_piece(*job), 0, done)
+            self.grad_ring.hold(i, unit.future)  # free once the landing job has consumed it
         return done
 
     def _land_piece(
@@ -262,9 +309,7 @@ class HostSteps:
 
     def _eager_ok(self) -> bool:
         """Step a unit the moment its last gradient lands: the optimizer overlaps the rest of backward."""
-        return (
-            self.backward_mode == "step" and self.overlap_optimizer and not self.want_norms and self.hyper is not None
-        )
+        return self.mode == "step" and self.overlap_optimizer and not self.want_norms and self.hyper is not None
 
     def _land(
         self,
@@ -308,50 +353,38 @@ class HostSteps:
         return unit.acc if unit.grad_state is GradState.ACC else unit.slab
 
     # -- optimizer step ---------------------------------------------------------------------
-    def request_clip(self, max_norm: float) -> None:
+    def clip_to(self, max_norm: float) -> None:
         """Clip the global gradient norm to `max_norm` in the next optimizer step (exactly, over all units)."""
         if self._eager:
             raise RuntimeError(
                 f"gradient clipping to {max_norm} was requested after the optimizer already stepped during backward. "
-                "Set Trainer(gradient_clip_val=...) so the strategy knows before backward, or pass "
-                "MegatrainStrategy(overlap_optimizer=False)."
+                "Say so before backward: Trainer(gradient_clip_val=...), or engine.backward(clip=True) around a "
+                "plain loop's last backward; or pass overlap_optimizer=False."
             )
         self._clip = float(max_norm)
 
-    def optimizer_step(self) -> None:
-        """Step every unit holding gradients; blocks step in the background in forward order."""
+    def step(self) -> set[HostUnit]:
+        """Queue the optimizer step of every unit holding gradients (blocks in the next forward's order);
+        returns the units stepped since the last step (during backward too)."""
         if self.hyper is None:
-            raise RuntimeError("no optimizer is attached to the engine")
+            raise RuntimeError("no optimizer is attached to the engine: call engine.optimizer(torch.optim.AdamW(...))")
         clip_val, self._clip = self._clip, None
         for unit in self.all_units():
             if unit.held is not None:  # a call of its block never came back: the sum of those that did
-                self._land_held(unit, self._block_index.get(id(unit)), this_pass=False)
+                self.land_held(unit, self.block_index.get(id(unit)), this_pass=False)
         hyper = self.hyper()
-        todo = sorted((u for u in self.all_units() if u in self._pending), key=self._step_rank)
+        todo = sorted((u for u in self.all_units() if u in self._pending), key=self.step_rank)
         if todo:  # (after a backward that stepped everything, the plan it set reaches into the next one)
             self._read_ahead(todo)  # the moments come in while the clipping norm is being computed
         scale = self._clip_scale(todo, clip_val) if clip_val else 1.0
         for unit in todo:
-            self._submit(unit, lambda unit=unit: self._step_unit(unit, hyper, scale), self._step_rank(unit))
-            if id(unit) in self._block_index:
-                self.pool.invalidate(self._block_index[id(unit)])
+            self.submit(unit, lambda unit=unit: self._step_unit(unit, hyper, scale), self.step_rank(unit))
+            if id(unit) in self.block_index:
+                self.invalidate(self.block_index[id(unit)])
         stepped = set(todo) | self._eager
-        self._stale.update(u for u in self.outer_units if u in stepped)
         self._pending.clear()
         self._eager.clear()
-        self.optimizer_steps += 1
-        if self.optimizer_steps == 1 and self.num_slots == "auto":
-            self.size_slots()  # the step's device memory is known now, its activations freed
-        # What the next forward reads first goes up now, each as soon as its own step is done: the outer
-        # parameters (every device copy is current when this returns), then its first blocks. (Always, not
-        # only when the steps happen to be done: the uploads a step makes do not depend on timing.)
-        self._refresh_outer()
-        # Block 0 waits for its step; the blocks after it go up now only if theirs are done already (the
-        # next forward's prefetch takes the rest), so more slots never hold this thread back.
-        first = set(range(min(self.pool.num_slots - 1, len(self.units))))
-        for j in sorted(first):
-            if self._load(j, first, wait=j == 0) is None:
-                break  # steps finish in forward order: the blocks after it are not ready either
+        return stepped
 
     def _read_ahead(self, units: list[HostUnit]) -> None:
         """Tell the NVMe tier the order the next steps take, so it reads their moments ahead of them. The
@@ -359,16 +392,16 @@ class HostSteps:
         already queued is in it, and the order it names is the order the worker will step in."""
         if self.tier is not None:
             trained = [(u, [e for e in u.entries if e.group is not None and e.param.requires_grad]) for u in units]
-            self._worker.submit(self.tier.plan, [p for u, entries in trained for p in u.tier_pieces(spans(entries))])
+            self.worker.submit(self.tier.plan, [p for u, entries in trained for p in u.tier_pieces(spans(entries))])
 
-    def _read_ahead_backward(self) -> None:
+    def read_ahead_backward(self) -> None:
         """At the first block of a backward that steps each unit as its gradient lands: blocks L-1..0, then
         the outer parameters not stepped yet (their gradients come last, e.g. the embedding's), then those
         already stepped (the head's and final norm's were shipped before the blocks' backward began): they
         come first in the next step's backward, so their moments are read during the forward before it."""
         if self.tier is not None and self._eager_ok():
-            later = [u for u in self.outer_units if u not in self._eager]
-            self._read_ahead(self.units[::-1] + later + [u for u in self.outer_units if u in self._eager])
+            later = [u for u in self.outer if u not in self._eager]
+            self._read_ahead(self.blocks[::-1] + later + [u for u in self.outer if u in self._eager])
 
     def _clip_scale(self, todo: list[HostUnit], clip_val: float) -> float:
         by_param: dict[int, torch.Tensor] = {}
@@ -440,13 +473,20 @@ class HostSteps:
         landing jobs on the worker (after an optimizer step there are none, and nothing is queued)."""
         for unit in self._pending:
             unit.held = None
-            self._submit(unit, lambda unit=unit: self._finish_step(unit, stepped=False))
+            self.submit(unit, lambda unit=unit: self._finish_step(unit, stepped=False))
         for unit in self.all_units():
             for e in unit.entries:
                 e.param.grad = None
         self._pending.clear()
 
     # -- the worker -------------------------------------------------------------------------
+    def close(self) -> None:
+        self.worker.shutdown(wait=True)
+        self.grad_slots.clear()
+
+    def rings(self) -> list[HostRing]:
+        return [r for r in {id(r): r for r in (self.grad_ring, self.sum_ring) if r}.values()]
+
     def flush(self) -> None:
         """Wait for every host job (landing, steps) and every upload reading a compute copy to finish: after
         this the host buffers may be read or rewritten (checkpoints, loading weights, teardown)."""
@@ -455,7 +495,7 @@ class HostSteps:
             if unit.upload_done is not None:
                 unit.upload_done.synchronize()
 
-    def _wait(self, unit: HostUnit) -> None:
+    def wait(self, unit: HostUnit) -> None:
         """Block on `unit`'s last host job, counting the time the device queue may starve meanwhile."""
         if unit.future is not None and not unit.future.done():
             t0 = time.perf_counter()
@@ -464,12 +504,12 @@ class HostSteps:
         else:
             unit.wait()
 
-    def _submit(self, unit: HostUnit, job: Callable[[], None], order: int = 0, event: Any = None) -> None:
+    def submit(self, unit: HostUnit, job: Callable[[], None], order: int = 0, event: Any = None) -> None:
         """Queue `job` as `unit`'s last job: after its previous one and (if given) the copy `event`, at
         `order` (engine/worker.py: 0 for landing and bookkeeping, a step's rank for steps)."""
-        unit.future = self._worker.submit(job, order=order, after=(unit.future, event))
+        unit.future = self.worker.submit(job, order=order, after=(unit.future, event))
 
-    def _step_rank(self, unit: HostUnit) -> int:
+    def step_rank(self, unit: HostUnit) -> int:
         """A step's order on the worker: 1 for outer units (``optimizer_step`` waits for them), then
         2 + i for block i, as the next forward reads them."""
-        return 1 if unit in self.outer_units else 2 + self._block_index[id(unit)]
+        return 1 if unit in self.outer else 2 + self.block_index[id(unit)]

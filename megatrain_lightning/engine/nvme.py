@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from megatrain_lightning.engine.host import host_empty
+from megatrain_lightning.engine.pinned import host_empty
 
 BUFFERS = 4  # one stepping, one writing behind, two read ahead
 IO_THREADS = 2

@@ -1,6 +1,6 @@
 """Parameters outside the decoder blocks (embedding, final norm, head): device copies rewritten after a step.
 
-Mixed into :class:`~megatrain_lightning.engine.engine.StreamingEngine`. Each outer parameter is a unit of
+Held by the engine. Each outer parameter is a unit of
 its own whose compute copy lives on the device for the whole run. An optimizer step marks the stepped
 ones *stale*; ``optimizer_step`` then rewrites each one as soon as its own Adam step is done (not after
 every step queued before it), and issues the next forward's first blocks after them. So when control
@@ -19,47 +19,74 @@ from __future__ import annotations
 import torch
 
 from megatrain_lightning.engine.host import HostUnit
+from megatrain_lightning.engine.host_steps import HostSide
+from megatrain_lightning.engine.uploads import Uploader
 
 
 class OuterParams:
     """Device copies of the outer parameters: built, uploaded, marked stale by a step, then rewritten."""
 
-    def _build_outer(self, outer: list, pin: bool) -> None:
-        """A unit per outer parameter, its compute copy on the device, a hook to ship its gradient."""
-        for n, p in outer:
-            self.outer_units.append(HostUnit(n, [(n, p)], self.compute_dtype, pin, self._keep_copy))
-        self._outer_buffers_to(self.device)
-        self._outer_device: list[torch.Tensor] = []
-        for unit in self.outer_units:
-            self._outer_device.append(torch.empty(unit.numel, dtype=self.compute_dtype, device=self.device))
-            self._upload_outer(unit, self._outer_device[-1])
-        self._stale: set[HostUnit] = set()  # stepped; the device copy is not rewritten yet
+    def __init__(self, units: list[HostUnit], device: torch.device, streams, uploads: Uploader, host: HostSide) -> None:
+        """Each unit's compute copy goes to the device now; a hook ships each trained parameter's gradient."""
+        self.units, self.streams, self.uploads, self.host = units, streams, uploads, host
+        self.device_copies = [torch.empty(u.numel, dtype=u.compute_dtype, device=device) for u in units]
+        for unit, dev in zip(units, self.device_copies):
+            self._upload(unit, dev)
+        self.stale: set[HostUnit] = set()  # stepped; the device copy is not rewritten yet
         self._hooks = [  # a frozen parameter gets no gradient, hence no hook
-            e.param.register_post_accumulate_grad_hook(self._outer_grad_hook(u))
-            for u in self.outer_units
+            e.param.register_post_accumulate_grad_hook(self._grad_hook(u))
+            for u in units
             for e in u.entries
             if e.param.requires_grad
         ]
 
-    def _upload_outer(self, unit: HostUnit, dev: torch.Tensor) -> None:
+    def _grad_hook(self, unit: HostUnit):
+        def hook(param: torch.Tensor) -> None:
+            grad, param.grad = param.grad, None
+            self.host.ship(unit, grad.reshape(-1), present=[True])
+
+        return hook
+
+    def _upload(self, unit: HostUnit, dev: torch.Tensor) -> None:
         """Refresh the device copy of an outer parameter from its host copy and bind the parameter to it."""
         self.streams.wait(self.streams.h2d, self.streams.event())  # earlier compute may still read it
-        unit.upload_done = self._upload(unit, dev)
-        self.stats["h2d_bytes"] += dev.numel() * dev.element_size()
+        unit.upload_done = self.uploads.upload(unit, dev)
         self.streams.wait(None, unit.upload_done)
-        _bind(unit, dev)
+        unit.bind(dev)
 
-    def _refresh_outer(self) -> None:
+    def mark_stale(self, stepped: set[HostUnit]) -> None:
+        self.stale.update(u for u in self.units if u in stepped)
+
+    def refresh(self) -> None:
         """Rewrite the stale device copies, each after its own optimizer step; compute issued from here on
         waits for the upload."""
-        for unit, dev in zip(self.outer_units, self._outer_device):
-            if unit in self._stale:
-                self._wait(unit)
-                self._upload_outer(unit, dev)
-                self._stale.discard(unit)
+        for unit, dev in zip(self.units, self.device_copies):
+            if unit in self.stale:
+                self.host.wait(unit)
+                self._upload(unit, dev)
+                self.stale.discard(unit)
 
+    def reupload(self) -> None:
+        """Every device copy from its host copy (after weights were loaded from outside)."""
+        for unit, dev in zip(self.units, self.device_copies):
+            self._upload(unit, dev)
+        self.stale.clear()
 
-def _bind(unit: HostUnit, flat: torch.Tensor) -> None:
-    """Point each parameter of `unit` at its slice of `flat` (no copy)."""
-    for e in unit.entries:
-        e.param.data = flat[e.offset : e.offset + e.numel].view(e.shape)
+    def bind_masters(self) -> None:
+        """Point the parameters at their fp32 masters (to read or load a state dict)."""
+        for unit in self.units:
+            unit.bind(unit.master)
+
+    def bind_device(self) -> None:
+        for unit, dev in zip(self.units, self.device_copies):
+            unit.bind(dev)
+
+    def nbytes(self) -> int:
+        return sum(d.numel() * d.element_size() for d in self.device_copies)
+
+    def close(self) -> None:
+        """The parameters become views of their masters again; the device copies and hooks go."""
+        for handle in self._hooks:
+            handle.remove()
+        self.bind_masters()
+        self.device_copies.clear()

@@ -8,11 +8,13 @@ place with ``cudaHostRegister``, so the pinned bytes are exactly the bytes the e
 
 A registered tensor is held in a registry until it is unregistered: freeing page-locked memory while
 it is still registered (and letting the allocator hand the pages out again) must not happen. The
-engine unregisters its own buffers in ``StreamingEngine.release()``; afterwards they are ordinary host
+engine unregisters its own buffers in ``Engine.close()``; afterwards they are ordinary host
 memory (the fp32 masters live on as the model's parameters).
 
 The CUDA calls sit in :func:`_host_register` and :func:`_host_unregister` only, so tests replace them
 on machines without a GPU.
+
+Every host buffer the engine owns, pinned or not, comes from :func:`host_empty` at the end of this file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import resource
 import threading
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -61,7 +64,7 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
             f"GPU: cudaHostRegister returned {_error_name(code)}, with {registered_bytes() / 2**30:.2f} GiB already "
             f"pinned by this process and a locked-memory limit (RLIMIT_MEMLOCK) of {_memlock_limit()}. Raise the "
             "limit (`ulimit -l unlimited`, memlock in /etc/security/limits.conf, or `docker run --ulimit "
-            "memlock=-1`), free host memory, or pass pin_memory=False to StreamingEngine (slower, synchronous copies)."
+            "memlock=-1`), free host memory, or pass EngineConfig(pin_memory=False) (slower, synchronous copies)."
         )
     with _lock:
         _registry[t.data_ptr()] = t
@@ -131,3 +134,19 @@ def _error_name(code: int) -> str:
 def _memlock_limit() -> str:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
+
+
+host_observers: list[Callable[[torch.Tensor], None]] = []
+"""Called with every buffer `host_empty` returns (measure.py tells host from device memory by them)."""
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host buffer; page-locked when it is a DMA source or target so copies can be asynchronous. Every
+    host buffer the engine owns comes from here.
+
+    Pinned buffers are registered at their exact size (engine/pinned.py), not taken from torch's caching
+    host allocator, which would round each one up to a power of two."""
+    t = pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
+    for observe in host_observers:
+        observe(t)
+    return t

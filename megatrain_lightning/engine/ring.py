@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from megatrain_lightning.engine.host import host_empty
+from megatrain_lightning.engine.pinned import host_empty
 
 PIECE_MIN = 1 << 22
 """Elements per piece at least (16 MiB of fp32): each NVMe read or write stays one large sequential IO."""

@@ -21,14 +21,19 @@ pass follows that decision: each call records where its input went, and its back
 
 from __future__ import annotations
 
+import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatrain_lightning.engine.host import host_empty
+from megatrain_lightning.engine.config import OffloadInputs, check_offload_inputs
+from megatrain_lightning.engine.pinned import host_empty
 from megatrain_lightning.engine.streams import Streams
+
+log = logging.getLogger("megatrain_lightning")
 
 
 def offload_needed(saved_bytes: int, free_bytes: int) -> bool:
@@ -60,10 +65,53 @@ class SavedInput:
 class SavedInputs:
     """A pool of exact-size pinned host buffers holding block inputs between forward and backward."""
 
-    def __init__(self, streams: Streams, device: torch.device, pin: bool, stats: dict) -> None:
+    def __init__(
+        self,
+        streams: Streams,
+        device: torch.device,
+        pin: bool,
+        stats: dict,
+        mode: OffloadInputs = "auto",
+        free_bytes: Callable[[], int | None] = lambda: None,
+    ) -> None:
         self.streams, self.device, self.pin, self.stats = streams, device, pin, stats
+        self.mode = check_offload_inputs(mode)
+        self.free_bytes = free_bytes  # device memory free for saved inputs; None where "auto" keeps them there
+        self._pass_offloads: bool | None = None  # the decision of the forward pass under way
+        self._announced = False
         self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
         self.buffers: list[torch.Tensor] = []  # every buffer allocated (host bytes, teardown)
+
+    def offloads_call(self, idx: int, hidden: torch.Tensor, num_blocks: int) -> bool:
+        """Whether this call of block `idx` (under grad) saves its input on the host.
+
+        Decided when block 0 starts a forward pass and then followed by every block of the pass, so free
+        memory that changes midway cannot split a pass. Each call keeps its answer (CallState.offload,
+        CallState.saved): its backward looks where its forward put the input."""
+        if idx == 0 or self._pass_offloads is None:
+            self._pass_offloads = self._decide(hidden, num_blocks)
+            self.stats["offloaded_passes"] += int(self._pass_offloads)
+        return self._pass_offloads
+
+    def _decide(self, hidden: torch.Tensor, num_blocks: int) -> bool:
+        if self.mode != "auto":
+            return self.mode
+        free = self.free_bytes()
+        if free is None:
+            return False
+        saved = num_blocks * hidden.numel() * hidden.element_size()
+        offload = offload_needed(saved, free)
+        if offload and not self._announced:
+            self._announced = True  # once per run: the decision may flip with every step
+            log.info(
+                "offload_inputs='auto': saving block inputs in host memory: %d blocks x %s need %.2f GiB, "
+                "%.2f GiB of device memory free",
+                num_blocks,
+                tuple(hidden.shape),
+                saved / 2**30,
+                free / 2**30,
+            )
+        return offload
 
     def host_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)

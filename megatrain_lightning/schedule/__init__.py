@@ -1,7 +1,7 @@
 """An executable schedule model of the engine's CUDA pipeline: where a training step's time goes on a GPU
 that is not there.
 
-Record (``record.py``, ``steps.py``). A few training steps of :class:`StreamingEngine` and this project's
+Record (``record.py``, ``steps.py``). A few training steps of :class:`~megatrain_lightning.Engine` and this project's
 ``LlamaForCausalLM`` run for real, at a real size (llama-3.1-8b at 128k tokens: seconds, no memory) on
 fake tensors as in ``measure.py``, in the order the strategy calls the engine (forward under autocast,
 ``zero_grad``, backward, ``request_clip`` when clipping, ``optimizer_step``). Installed from outside, a

@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from megatrain_lightning.engine import engine as engine_module
+from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.measure import _key, _tensors, observe_host_allocations
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.schedule.profiles import Profile
@@ -109,10 +109,9 @@ class Recorder:
     # -- installation ---------------------------------------------------------------------------------
     @contextmanager
     def recording(self) -> Iterator[Recorder]:
-        """Log from now on; an engine built inside gets the recording streams. Enter inside a FakeTensorMode
+        """Log from now on (build the engine inside, with :meth:`probes`). Enter inside a FakeTensorMode
         (if any), so that this dispatch mode sees each op before the fake mode runs it."""
         with (
-            _patched(engine_module, "Streams", lambda device: RecordingStreams(self, device)),
             _patched_kernels(self),
             observe_host_allocations(self._host_buffer),
             _Ops(self),
@@ -123,13 +122,23 @@ class Recorder:
             finally:
                 self.detach()
 
+    def probes(self, device_memory: tuple[int, int] | None = None) -> Probes:
+        """What an engine recorded by this recorder runs on: the recording streams, its host jobs through the
+        recorder, no host-memory limit (fake tensors take none), and `device_memory` = (free, transient
+        bytes) as what ``num_slots="auto"`` reads after the first step."""
+        free, transient = device_memory if device_memory is not None else (None, None)
+        return Probes(
+            host_available_bytes=lambda: 1 << 62,
+            device_free_bytes=None if free is None else lambda: free,
+            step_transient_bytes=None if transient is None else lambda: transient,
+            streams=lambda device: RecordingStreams(self, device),
+            worker=lambda worker: _Worker(self, worker),
+        )
+
     def attach(self, engine: Any) -> None:
-        """Route the engine's host jobs and block calls through the recorder (undone by :meth:`detach`)."""
+        """Name the block each op of the engine's block calls belongs to (undone by :meth:`detach`)."""
         if not isinstance(engine.streams, RecordingStreams):
-            raise RuntimeError("build the engine inside Recorder.recording(): its streams are not the recording ones")
-        worker = engine._worker
-        engine._worker = _Worker(self, worker)
-        self._undo.append(lambda: setattr(engine, "_worker", worker))
+            raise RuntimeError("build the engine with Recorder.probes(): its streams are not the recording ones")
         for name, label in (("forward_block", "forward"), ("backward_block", "backward")):
             engine.__dict__[name] = self._named_block(getattr(engine, name), label)
             self._undo.append(lambda name=name: engine.__dict__.pop(name, None))

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from megatrain_lightning.engine.engine import StreamingEngine
+from megatrain_lightning.engine.config import EngineConfig
+from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.measure import _release
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from megatrain_lightning.optim.adamw import HostAdamW
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.record import Recorder
 from megatrain_lightning.schedule.replay import LAUNCH_S
@@ -29,7 +29,7 @@ from megatrain_lightning.schedule.trace import Trace
 
 
 def train_steps(
-    engine: StreamingEngine,
+    engine: Engine,
     model: torch.nn.Module,
     batch: torch.Tensor,
     recorder: Recorder,
@@ -40,13 +40,16 @@ def train_steps(
 ) -> None:
     """`steps` optimizer steps of `model` on `batch` (targets = the batch), each over `micro_batches`
     micro-batches, with AdamW on the host."""
-    opt = HostAdamW(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1), engine)
-    engine.want_norms = clip is not None  # the strategy sets it from Trainer(gradient_clip_val)
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1))
     for step in range(1, steps + 1):
         recorder.begin_step(step)
         for micro in range(micro_batches - 1):
-            _closure(engine, model, batch, opt, recorder, None, autocast, zero_grad=micro == 0, mode="accumulate")
-        opt.step(lambda: _closure(engine, model, batch, opt, recorder, clip, autocast, micro_batches == 1, "step"))
+            _closure(engine, model, batch, opt, recorder, None, autocast, micro == 0, "accumulate", clip is not None)
+        opt.step(
+            lambda: _closure(
+                engine, model, batch, opt, recorder, clip, autocast, micro_batches == 1, "step", clip is not None
+            )
+        )
     recorder.stage = "end"
     engine.flush()
 
@@ -61,6 +64,7 @@ def _closure(
     autocast: torch.dtype | None,
     zero_grad: bool = True,
     mode: str = "step",
+    norms: bool = False,
 ) -> Any:
     """Lightning's closure: training_step, zero_grad (the first micro-batch of a step), backward; then
     clip_gradients after the last micro-batch's."""
@@ -72,14 +76,12 @@ def _closure(
         recorder.stage = "zero_grad"
         opt.zero_grad()
     recorder.stage = "backward"
-    engine.backward_mode = mode
-    try:
+    # The strategy knows from Trainer(gradient_clip_val) that a clip will come: norms on the device.
+    with engine.backward(accumulate=mode == "accumulate", clip=norms):
         loss.backward()
-    finally:
-        engine.backward_mode = None
     recorder.stage = "optimizer"
     if clip is not None:
-        engine.request_clip(clip)
+        engine.clip_grad_norm_(clip)
     return loss
 
 
@@ -109,18 +111,16 @@ def record_steps(
         model = LlamaForCausalLM(config)  # built before recording: host memory the engine takes over
         batch = torch.zeros(1, tokens, dtype=torch.int64)
         with recorder.recording():
-            engine = StreamingEngine(
-                model,
+            options = EngineConfig(
                 device="cpu",
-                compute_dtype=torch.bfloat16,
+                precision="bf16-mixed",
                 num_slots=num_slots,
+                offload_inputs=offload_inputs,
                 pin_memory=False,
-                available_bytes=lambda: 1 << 62,
                 clipping=clip is not None,
                 accumulating=micro_batches > 1,
-                **_memory_figures(device_memory),
             )
-            engine.offload_inputs = offload_inputs
+            engine = Engine(model, options, recorder.probes(device_memory))
             recorder.attach(engine)
             try:
                 train_steps(engine, model, batch, recorder, steps, clip, micro_batches=micro_batches)
@@ -129,10 +129,3 @@ def record_steps(
                 recorder.detach()
                 _release(engine)
     return recorder.trace
-
-
-def _memory_figures(device_memory: tuple[int, int] | None) -> dict[str, Any]:
-    if device_memory is None:
-        return {}
-    free, transient = device_memory
-    return {"free_device_bytes": lambda: free, "step_transient_bytes": lambda: transient}

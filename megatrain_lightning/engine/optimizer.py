@@ -1,4 +1,4 @@
-"""HostAdamW: takes over a user's ``torch.optim.AdamW``/``Adam`` and steps it on the host flat buffers.
+"""HostAdamW (``engine.optimizer(opt)``): takes over a user's ``torch.optim.AdamW``/``Adam`` and steps it on the host flat buffers.
 
 It shares the user's ``param_groups`` (the same list of the same dicts), so LR schedulers built on the
 user's optimizer keep changing the learning rate this optimizer reads. Its state dict has the layout of
@@ -9,13 +9,29 @@ move between this strategy and ordinary training.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from megatrain_lightning.engine.engine import StreamingEngine
-from megatrain_lightning.engine.host import ParamEntry, spans
+from megatrain_lightning.engine.host import HostUnit, ParamEntry, spans
 from megatrain_lightning.optim.kernels import AdamHyper
+
+
+class Steps(Protocol):
+    """What the optimizer asks of the engine (engine.py's ``Engine``, which imports this module)."""
+
+    def all_units(self) -> list[HostUnit]: ...
+
+    def attach_optimizer(
+        self, groups: dict[int, int], hyper: Callable[[], list[AdamHyper]], order: list[int]
+    ) -> None: ...
+
+    def optimizer_step(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+    def flush(self) -> None: ...
+
 
 SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
 
@@ -40,7 +56,7 @@ def check_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 class HostAdamW(torch.optim.Optimizer):
     """An optimizer whose ``step`` runs the engine's host step over all units."""
 
-    def __init__(self, source: torch.optim.Optimizer, engine: StreamingEngine) -> None:
+    def __init__(self, source: torch.optim.Optimizer, engine: Steps) -> None:
         # Optimizer.__init__ is skipped on purpose: it would copy the groups, and the point is to share them.
         self._source = check_optimizer(source)
         self.defaults = source.defaults

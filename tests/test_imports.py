@@ -1,0 +1,121 @@
+"""The package's shape: no import cycle, the engine and the optimizer import no Lightning, optim/ imports nothing
+of engine/, and a file over 500 lines says why in its docstring.
+
+Imports are read from the source (ast), every ``import`` a module names: at the top, in functions, in ``try``,
+and under ``if TYPE_CHECKING:`` too (a module that needs another's type where that one imports it takes a
+Protocol instead). Importing ``a.b.c`` also runs the packages ``a`` and ``a.b``; those implicit edges are left
+out (every module would otherwise reach the package's ``__init__``, which imports the strategy), so a
+package's own ``__init__`` imports count as its edges. The Lightning check below counts only imports that
+run."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import megatrain_lightning
+
+ROOT = Path(megatrain_lightning.__file__).parent
+PACKAGE = "megatrain_lightning"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def imports(path: Path, name: str, typing_too: bool = True) -> set[str]:
+    """Every module `path` imports, resolved to module names (relative imports included); with
+    `typing_too=False` only those that run (not under ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text())
+    typing = [node for node in ast.walk(tree) if _is_type_checking(node)] if not typing_too else []
+    skipped = {id(n) for node in typing for n in ast.walk(node)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    return found
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: {m for m in imports(path, name) if m in known and m != name} for name, path in known.items()}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node], _ = 1, path.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node], _ = 2, path.pop()
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_walker_sees_a_cycle_and_resolves_relative_imports():
+    """The check itself can fail: a made-up cycle is found, and relative imports resolve."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    llama = imports(ROOT / "models" / "llama.py", f"{PACKAGE}.models.llama")
+    assert f"{PACKAGE}.models.config" in llama
+
+
+def test_no_import_cycle_in_the_package():
+    cycle = find_cycle(graph())
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_optim_imports_nothing_of_the_engine():
+    edges = graph()
+    bad = {m: sorted(t for t in to if t.startswith(f"{PACKAGE}.engine")) for m, to in edges.items()}
+    assert not {m: t for m, t in bad.items() if m.startswith(f"{PACKAGE}.optim") and t}
+
+
+def test_engine_and_optim_import_no_lightning():
+    for name, path in modules().items():
+        if name.startswith((f"{PACKAGE}.engine", f"{PACKAGE}.optim")):
+            lightning = sorted(
+                m
+                for m in imports(path, name, typing_too=False)
+                if m.split(".")[0] in ("lightning", "pytorch_lightning")
+            )
+            assert not lightning, f"{name} imports {lightning}"
+
+
+def test_a_long_file_says_why():
+    """Files of roughly 100-400 lines; one over 500 states the reason in its docstring ("Why one file")."""
+    for path in modules().values():
+        text = path.read_text()
+        if text.count("\n") > 500:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            assert "Why one file" in doc, (
+                f"{path.relative_to(ROOT.parent)}: {text.count(chr(10))} lines, no reason given"
+            )
