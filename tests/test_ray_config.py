@@ -554,7 +554,7 @@ def test_a_trial_trains_with_its_strategy(tmp_path, monkeypatch):
     class Recording(MegatrainStrategy):
         def setup(self, trainer):
             super().setup(trainer)
-            used.append((self.engine.host_layout, self.engine.tier is not None, os.listdir(self.nvme_dir)))
+            used.append((self.engine.config.host_layout, self.engine.tier is not None, os.listdir(self.nvme_dir)))
 
     monkeypatch.setattr(trial_mod, "MegatrainStrategy", Recording)
     drive = tmp_path / "nvme"
