@@ -314,12 +314,6 @@ def recompute_terms(config: LlamaConfig, elt: int, tile: int | None, tokens: int
     return in_tile, tile_fixed
 
 
-def recompute_bytes(config: LlamaConfig, tokens: int, elt: int, tile: int | None = None) -> int:
-    """What one block's recompute with grad holds for a micro-batch of `tokens` tokens (weight gradients aside)."""
-    per_token, fixed = recompute_terms(config, elt, tile, tokens)
-    return fixed + per_token * tokens
-
-
 def gpu_peak(gpu: dict[str, int]) -> int:
     """Persistent buffers + the larger of the two transients (they never coexist) + the context."""
     transient = max(gpu["recompute"], gpu["loss"])
