@@ -19,7 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatrain_lightning.engine.engine import StreamingEngine
-from megatrain_lightning.measure import _release
+from megatrain_lightning.measure import release_quietly
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim.adamw import HostAdamW
 from megatrain_lightning.schedule.profiles import Profile
@@ -127,7 +127,7 @@ def record_steps(
                 recorder.trace.slots = engine.pool.num_slots
             finally:
                 recorder.detach()
-                _release(engine)
+                release_quietly(engine)
     return recorder.trace
 
 
