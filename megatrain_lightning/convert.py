@@ -37,7 +37,8 @@ from megatrain_lightning.checkpoint.store import CheckpointError
 
 T = TypeVar("T", L.LightningModule, L.LightningDataModule)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The dtypes to_hf writes weights in, by their option name (`--dtype`).
+HF_EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def load_from_checkpoint(
@@ -138,9 +139,9 @@ def to_hf(
     if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"{out} exists and is not a directory; the Hugging Face format is a directory")
     if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
+        if dtype not in HF_EXPORT_DTYPES:
+            raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(HF_EXPORT_DTYPES)}")
+        dtype = HF_EXPORT_DTYPES[dtype]
     fs, vdir, index = store.read_index(url)
     export = index.get("export") or _export_from_hparams(fs, vdir, index, url)
     if export is None or export.get("config") is None:

@@ -99,7 +99,7 @@ def measure_step(
                 persistent = counter.live
                 forward, backward = _step(model, engine, counter, micro_batch, seq_len)
             finally:
-                _release(engine)
+                release_quietly(engine)
     return Measured(
         peak=max(forward, backward),
         persistent=persistent,
@@ -123,7 +123,7 @@ def _step(
     return forward, counter.reset_peak()
 
 
-def _release(engine: Engine) -> None:
+def release_quietly(engine: Engine) -> None:
     # Stops the host worker thread. Unregistering pinned buffers asks the fake tensors for a data pointer
     # (none were pinned here), which only warns.
     with warnings.catch_warnings():
@@ -176,13 +176,13 @@ class DeviceBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        outputs = _tensors(out)
+        outputs = tensors_in(out)
         if not outputs:
             return out  # most ops by count are prim.device queries
-        known = {_key(t) for t in _tensors((args, kwargs))}
+        known = {storage_key(t) for t in tensors_in((args, kwargs))}
         created = {}
         for t in outputs:
-            key = _key(t)
+            key = storage_key(t)
             if key not in known and key not in self._sizes:
                 created[key] = t.untyped_storage()
         self._last = (self.peak, set(created))
@@ -206,7 +206,7 @@ class DeviceBytes(TorchDispatchMode):
     def host_buffer(self, t: torch.Tensor) -> None:
         """`t` is host memory: uncount it. Its allocation was the last op (``host_empty``), so the peak is
         what it would have been without it."""
-        key = _key(t)
+        key = storage_key(t)
         if key not in self._sizes:
             return  # allocated on another thread (the host worker): never counted
         self._free(key)
@@ -220,16 +220,16 @@ class DeviceBytes(TorchDispatchMode):
         return peak
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tensors_in(tree: Any) -> list[torch.Tensor]:
     """The tensors in nested tuples, lists and dicts (all an op's arguments and results hold)."""
     if isinstance(tree, torch.Tensor):
         return [tree]
     if isinstance(tree, (tuple, list)):
-        return [t for item in tree for t in _tensors(item)]
+        return [t for item in tree for t in tensors_in(item)]
     if isinstance(tree, dict):
-        return [t for item in tree.values() for t in _tensors(item)]
+        return [t for item in tree.values() for t in tensors_in(item)]
     return []
 
 
-def _key(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata

@@ -314,12 +314,6 @@ def recompute_terms(config: LlamaConfig, elt: int, tile: int | None, tokens: int
     return in_tile, tile_fixed
 
 
-def recompute_bytes(config: LlamaConfig, tokens: int, elt: int, tile: int | None = None) -> int:
-    """What one block's recompute with grad holds for a micro-batch of `tokens` tokens (weight gradients aside)."""
-    per_token, fixed = recompute_terms(config, elt, tile, tokens)
-    return fixed + per_token * tokens
-
-
 def gpu_peak(gpu: dict[str, int]) -> int:
     """Persistent buffers + the larger of the two transients (they never coexist) + the context."""
     transient = max(gpu["recompute"], gpu["loss"])
@@ -349,7 +343,7 @@ def free_and_transient(
     return gpu_mem - persistent, gpu_peak(gpu) - persistent
 
 
-def offload_needed(
+def auto_offloads_inputs(
     config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int, gpu_mem: int | None
 ) -> bool:
     """Whether ``offload_inputs="auto"`` offloads: when the run would not fit `gpu_mem` with its inputs kept."""
@@ -783,7 +777,7 @@ def plan(
     nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
     elt = compute_bytes(precision)  # validates the precision
     if offload_inputs == "auto":
-        offload_inputs = offload_needed(config, seq_len, micro_batch, precision, num_slots, gpu_mem)
+        offload_inputs = auto_offloads_inputs(config, seq_len, micro_batch, precision, num_slots, gpu_mem)
     best = None if gpu_mem is None else max_micro_batch(config, seq_len, precision, num_slots, gpu_mem, offload_inputs)
     longest = None if gpu_mem is None else max_seq_len(config, micro_batch, precision, num_slots, gpu_mem)
     tokens = seq_len * micro_batch

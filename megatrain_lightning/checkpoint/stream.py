@@ -38,8 +38,15 @@ class EngineView(Protocol):
     def refresh_from_masters(self) -> None: ...
 
 
-DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32"}
-_NAMES = {v: k for k, v in DTYPES.items()}
+# The dtype codes of a safetensors header, by torch dtype (and back).
+SAFETENSORS_CODES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+}
+_DTYPE_OF_CODE = {v: k for k, v in SAFETENSORS_CODES.items()}
 
 
 class Chunked:
@@ -77,10 +84,10 @@ def _header(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | 
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, t in tensors:
-        if t.dtype not in DTYPES:
-            raise TypeError(f"tensor {name!r} has dtype {t.dtype}; shards hold {sorted(map(str, DTYPES))}")
+        if t.dtype not in SAFETENSORS_CODES:
+            raise TypeError(f"tensor {name!r} has dtype {t.dtype}; shards hold {sorted(map(str, SAFETENSORS_CODES))}")
         end = offset + t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
+        header[name] = {"dtype": SAFETENSORS_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
         offset = end
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -151,9 +158,9 @@ def read_tensors(fs: Any, path: str, expect: dict) -> dict[str, torch.Tensor]:
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        if meta["dtype"] not in _NAMES:
-            raise ShardError(f"{path}: tensor {name!r} has dtype {meta['dtype']}; shards hold {sorted(_NAMES)}")
-        targets[name] = torch.empty(meta["shape"], dtype=_NAMES[meta["dtype"]])
+        if meta["dtype"] not in _DTYPE_OF_CODE:
+            raise ShardError(f"{path}: tensor {name!r} has dtype {meta['dtype']}; shards hold {sorted(_DTYPE_OF_CODE)}")
+        targets[name] = torch.empty(meta["shape"], dtype=_DTYPE_OF_CODE[meta["dtype"]])
     read_into(fs, path, targets, expect)
     return targets
 
@@ -168,9 +175,9 @@ def _check_entry(path: str, name: str, meta: dict, dst: torch.Tensor | Chunked |
         return
     if not dst.is_contiguous():
         raise ValueError(f"cannot read {name!r} into a non-contiguous tensor")
-    if _NAMES.get(meta["dtype"]) != dst.dtype or list(meta["shape"]) != list(dst.shape):
+    if _DTYPE_OF_CODE.get(meta["dtype"]) != dst.dtype or list(meta["shape"]) != list(dst.shape):
         raise ShardError(
-            f"{path}: tensor {name!r} is {meta['dtype']}{meta['shape']}, this model needs {DTYPES[dst.dtype]}{list(dst.shape)}"
+            f"{path}: tensor {name!r} is {meta['dtype']}{meta['shape']}, this model needs {SAFETENSORS_CODES[dst.dtype]}{list(dst.shape)}"
         )
 
 

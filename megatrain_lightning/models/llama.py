@@ -28,6 +28,7 @@ from torch import nn
 
 from .config import LlamaConfig
 from .loss import chunked_cross_entropy
+from .ops import autograd_records, rms_norm
 from .tiling import resolve_tile, run_tile
 
 Segments = tuple[tuple[tuple[int, int], ...], ...] | None
@@ -42,24 +43,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Statistics in fp32, then cast back *before* the weight multiply: this is HF's exact
-    # order of operations, which is what makes bf16 outputs bit-compatible with theirs.
-    x32 = x.float()
-    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if _differentiated(x, weight) or weight.dtype != x.dtype:
-        return weight * (x32 * rstd).to(x.dtype)
-    # Without a graph (the engine's forward, evaluation) the same products land in place in this call's
-    # own temporaries: one fp32 copy of x (none in fp32) and one output, the same bits as above.
-    y = x * rstd if x32 is x else x32.mul_(rstd)
-    return y.to(x.dtype).mul_(weight)
-
-
-def _differentiated(*tensors: torch.Tensor) -> bool:
-    """Whether autograd records ops on `tensors` (then no in-place shortcuts: the graph saves its inputs)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -186,7 +169,7 @@ class MLP(nn.Module):
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up: one elementwise expression, which torch.compile fuses into one kernel. Without a
     graph the product lands in place in silu's output (the same bits, one temporary fewer)."""
-    if _differentiated(gate, up):
+    if autograd_records(gate, up):
         return F.silu(gate) * up
     return F.silu(gate).mul_(up)
 

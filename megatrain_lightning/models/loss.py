@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from .ops import rms_norm
+
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # The matmul runs in the compute dtype (bf16 tensor cores when training in bf16, as HF's
@@ -25,9 +27,7 @@ def _target_logits(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Ten
 
 
 def _normed(hidden: torch.Tensor, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    # The model's own RMSNorm (imported late: llama.py imports this module).
-    from .llama import rms_norm
-
+    # The model's own final RMSNorm, applied chunk by chunk.
     return hidden if norm_weight is None else rms_norm(hidden, norm_weight, eps)
 
 

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.measure import _key, _tensors, observe_host_allocations
+from megatrain_lightning.measure import observe_host_allocations, storage_key, tensors_in
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.replay import LAUNCH_S, Replay
@@ -162,13 +162,13 @@ class Recorder:
 
     def is_host(self, t: torch.Tensor) -> bool:
         """Whether `t` lives in host memory: a buffer from ``host_empty`` or the result of host work."""
-        return _key(t) in self._host
+        return storage_key(t) in self._host
 
     def mark_host(self, tensors: list[torch.Tensor]) -> None:
         """Remember these tensors' storages as host memory while they live (an address freed may come back as
         device memory), as measure.py's DeviceBytes follows storages."""
         for t in tensors:
-            key = _key(t)
+            key = storage_key(t)
             if key not in self._host:
                 self._host.add(key)
                 weakref.finalize(t.untyped_storage(), self._host.discard, key).atexit = False
@@ -212,10 +212,10 @@ class Recorder:
 
     def op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Log one op of the issuing thread: a device kernel, or host work when it touches a host buffer."""
-        outs = _tensors(out)
+        outs = tensors_in(out)
         if not outs or func._overloadpacket in _NO_KERNEL or _is_view(func):
             return  # metadata, allocation or a view: no kernel runs
-        ins = _tensors((args, kwargs))
+        ins = tensors_in((args, kwargs))
         nbytes = _moved(func, ins, outs)
         if self.in_job() or any(self.is_host(t) for t in ins + outs):  # the worker's arithmetic is host work
             self.host_work(func._overloadpacket.__name__, outs[0].numel(), nbytes)

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine
-from megatrain_lightning.measure import _release
+from megatrain_lightning.measure import release_quietly
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.record import Recorder
@@ -127,5 +127,5 @@ def record_steps(
                 recorder.trace.slots = engine.pool.num_slots
             finally:
                 recorder.detach()
-                _release(engine)
+                release_quietly(engine)
     return recorder.trace
