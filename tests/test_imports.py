@@ -28,6 +28,9 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in ROOT.rglob("*.py")}
 
 
+MODULES = set(modules())
+
+
 def imports(path: Path, name: str, typing_too: bool = True) -> set[str]:
     """Every module `path` imports, resolved to module names (relative imports included); with
     `typing_too=False` only those that run (not under ``if TYPE_CHECKING:``)."""
@@ -46,8 +49,9 @@ def imports(path: Path, name: str, typing_too: bool = True) -> set[str]:
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+            # `from pkg import module` imports the module (pkg's __init__ is the implicit parent edge); `from
+            # module import name` imports the module itself.
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names)
     return found
 
 
