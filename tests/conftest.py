@@ -12,6 +12,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def torch_adam(monkeypatch):
+    """The torch-op optimizer backend, bitwise equal to torch.optim.AdamW (the native kernel rounds 1-2 ulp
+    apart). Files comparing bitwise throughout take it for every test: `pytest.mark.usefixtures("torch_adam")`."""
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+
+
 @pytest.fixture(scope="session")
 def s3_env():
     """A real S3-compatible server (SeaweedFS) on 127.0.0.1 with the bucket `megatrain`; yields the AWS

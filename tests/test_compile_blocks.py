@@ -30,9 +30,20 @@ from torch._dynamo.utils import counters
 from megatrain_lightning import MegatrainStrategy, StreamingEngine
 from megatrain_lightning.engine.block_fn import CompiledBlock, compile_block_calls
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from tests.helpers import CausalLM, fit, params_of, token_batches, twin
-from tests.test_strategy import own_llama, own_loss, update_error
-from tests.test_zoo import SEED, ZOO, Zoo, excluded_mask
+from tests.helpers import (
+    SEED,
+    ZOO,
+    CausalLM,
+    Zoo,
+    excluded_mask,
+    fit,
+    own_llama,
+    own_loss,
+    params_of,
+    token_batches,
+    twin,
+    update_error,
+)
 
 STEPS = 3
 LOSS_BOUND, UPDATE_BOUND = 1e-5, 1e-3

@@ -16,16 +16,8 @@ from megatrain_lightning import StreamingEngine
 from megatrain_lightning.device_memory import SLOT_RESERVE_BYTES
 from megatrain_lightning.engine.engine import worker_init
 from megatrain_lightning.engine.host import HostUnit
-from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim.adamw import HostAdamW
-from tests.helpers import CausalLM, fit, hf_llama, own_loop, params_of, token_batches, twin
-
-
-def own_llama(layers: int) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig.from_preset("tiny")
-    cfg.num_hidden_layers = layers
-    return LlamaForCausalLM(cfg)
+from tests.helpers import CausalLM, fit, hf_llama, own_llama, own_loop, params_of, token_batches, twin
 
 
 def train_steps(engine: StreamingEngine, model: nn.Module, steps: int) -> list[float]:
