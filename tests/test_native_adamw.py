@@ -350,7 +350,7 @@ def test_overlapping_buffers_raise():
 
 
 @requires_native
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_cuda_tensor_raises():
     with pytest.raises(ValueError, match=r"grad is on device cuda"):
         _step(grad=torch.zeros(16, dtype=torch.bfloat16, device="cuda"))
