@@ -259,13 +259,16 @@ def test_sq_norm(n, dtype):
 
 @requires_native
 def test_zero_size_is_a_no_op():
-    e = torch.empty(0)
+    """Empty buffers, each an empty view inside a filled one: every kernel returns and writes nothing."""
+    backing = {name: torch.full((8,), float(i + 1)) for i, name in enumerate(("master", "m", "v", "grad", "copy"))}
+    before = {name: t.clone() for name, t in backing.items()}
+    empty = {name: t[4:4] for name, t in backing.items()}
     native.adamw_step_(
-        e,
-        e.clone(),
-        e.clone(),
-        e.clone(),
-        e.clone(),
+        empty["master"],
+        empty["m"],
+        empty["v"],
+        empty["grad"],
+        empty["copy"],
         lr=LR,
         beta1=BETA1,
         beta2=BETA2,
@@ -273,7 +276,10 @@ def test_zero_size_is_a_no_op():
         weight_decay=0.1,
         step=1,
     )
-    native.grad_accumulate_(torch.empty(0), torch.empty(0), first=False)
+    native.grad_accumulate_(empty["master"], empty["grad"], first=False)
+    native.grad_accumulate_(empty["master"], empty["grad"], first=True)
+    assert native.sq_norm(empty["grad"]) == 0.0
+    assert all(torch.equal(as_bits(backing[name]), as_bits(before[name])) for name in backing)
 
 
 @requires_native
