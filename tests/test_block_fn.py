@@ -101,9 +101,7 @@ def train(model: nn.Module, aux: str, streamed: bool, steps: int = 4) -> list[fl
     return losses
 
 
-@pytest.fixture(autouse=True)
-def torch_adam(monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need torch's own AdamW arithmetic
 
 
 def twin() -> tuple[MoEModel, MoEModel]:

@@ -18,11 +18,6 @@ from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM, from_pretr
 from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin
 
 
-@pytest.fixture
-def torch_adam(monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")  # bitwise comparisons need torch's own arithmetic
-
-
 def checkpointed(module, batches, url, **kwargs):
     cb = ModelCheckpoint(dirpath=url, save_last=True, every_n_train_steps=kwargs.pop("every", 5), save_top_k=1)
     fit(module, batches, enable_checkpointing=True, callbacks=[cb], **kwargs)

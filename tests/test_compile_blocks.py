@@ -12,11 +12,13 @@ gradient, a recompute that draws other dropout masks than its forward) moves the
 
 Inductor compiles C++ on the CPU: each model compiles two graphs (the forward without grad, the recompute
 with grad and its backward), 15 to 45 s on two busy cores without a warm cache, so the models are tiny
-and each fit runs once per module (fixtures) for several tests to read.
+and each fit runs once per module (fixtures) for several tests to read. The tests of the wiring's errors
+compile with Dynamo's eager backend instead (fixture eager_backend): what they check happens before Inductor.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,11 +30,23 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
+from megatrain_lightning.engine import block_fn
 from megatrain_lightning.engine.block_fn import CompiledBlock, compile_block_calls
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from tests.helpers import CausalLM, fit, params_of, token_batches, twin
-from tests.test_strategy import own_llama, own_loss, update_error
-from tests.test_zoo import SEED, ZOO, Zoo, excluded_mask
+from tests.helpers import (
+    SEED,
+    ZOO,
+    CausalLM,
+    Zoo,
+    excluded_mask,
+    fit,
+    own_llama,
+    own_loss,
+    params_of,
+    token_batches,
+    twin,
+    update_error,
+)
 
 STEPS = 3
 LOSS_BOUND, UPDATE_BOUND = 1e-5, 1e-3
@@ -98,6 +112,20 @@ def assert_trains_like_ordinary(run: Run, entry: Zoo | None = None) -> None:
     assert errors[worst] <= UPDATE_BOUND, f"{worst}: update error {errors[worst]:.3g}"
 
 
+@pytest.fixture
+def eager_backend(monkeypatch):
+    """For tests of the wiring (routing, errors), not of the kernels: Dynamo traces, guards and raises as
+    under Inductor, but runs the graph eagerly, with no C++ to compile. A fresh per-class cache for the
+    test, so no Inductor-compiled function leaks in and no eager one leaks out."""
+    compile_ = torch.compile
+
+    def eager(fn, **kwargs):
+        return compile_(fn, **{**kwargs, "backend": "eager", "options": None})  # options are Inductor's
+
+    monkeypatch.setattr(torch, "compile", eager)
+    monkeypatch.setattr(block_fn, "_shared_compiled", functools.cache(block_fn._shared_compiled.__wrapped__))
+
+
 @pytest.fixture(scope="module")
 def own_run() -> Run:
     return run_pair(own_llama, own_loss)  # 4 blocks
@@ -150,7 +178,7 @@ def test_blocks_run_eagerly_by_default():
     assert run.mt.losses == run.ref.losses  # eager streaming is bitwise ordinary training
 
 
-def test_blocks_with_hooks_are_refused_naming_the_class():
+def test_blocks_with_hooks_are_refused_naming_the_class(eager_backend):
     """Hugging Face's output recorders (here: router logits for the auxiliary loss) are hooks inside the block."""
     entry = ZOO["mixtral-aux"]
     module = CausalLM(entry.make(), loss_fn=entry.loss_fn)
@@ -193,7 +221,7 @@ def streamed_compiled(block: type[nn.Module]) -> tuple[nn.Module, Engine]:
     return model, engine
 
 
-def test_a_block_that_cannot_compile_names_its_class_and_the_fix():
+def test_a_block_that_cannot_compile_names_its_class_and_the_fix(eager_backend):
     model, engine = streamed_compiled(Branching)
     with pytest.raises(RuntimeError, match=r"could not compile decoder block class Branching .*compile_blocks=False"):
         with torch.no_grad():
@@ -201,7 +229,7 @@ def test_a_block_that_cannot_compile_names_its_class_and_the_fix():
     engine.close()
 
 
-def test_too_many_variants_raise_naming_the_class_and_the_fix():
+def test_too_many_variants_raise_naming_the_class_and_the_fix(eager_backend):
     """Each sequence length compiles a variant; past Dynamo's recompile limit the call raises (here: limit 1)."""
     model, engine = streamed_compiled(Residual)
     torch._dynamo.reset()

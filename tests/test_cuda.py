@@ -9,8 +9,7 @@ import torch
 
 from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin
-from tests.test_strategy import update_error
+from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin, update_error
 
 pytestmark = pytest.mark.cuda
 

@@ -17,16 +17,8 @@ from megatrain_lightning.device_memory import SLOT_RESERVE_BYTES
 from megatrain_lightning.engine.engine import worker_init
 from megatrain_lightning.engine.host import HostUnit
 from megatrain_lightning.engine.optimizer import HostAdamW
-from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from tests.helpers import CausalLM, fit, hf_llama, own_loop, params_of, token_batches, twin
+from tests.helpers import CausalLM, fit, hf_llama, own_llama, own_loop, params_of, token_batches, twin
 from tests.streamed import precision_of
-
-
-def own_llama(layers: int) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig.from_preset("tiny")
-    cfg.num_hidden_layers = layers
-    return LlamaForCausalLM(cfg)
 
 
 def train_steps(engine: Engine, model: nn.Module, steps: int) -> list[float]:
@@ -264,16 +256,16 @@ def test_release_waits_for_the_copy_streams_before_freeing_device_buffers(monkey
 
 
 def test_host_worker_thread_uses_the_engines_gpu(monkeypatch):
-    """The worker waits on CUDA events; without set_device it would create a context on GPU 0."""
+    """The worker waits on CUDA events; without set_device it would create a context on GPU 0. The current
+    device is per thread: it is set on the worker's own thread, for a CUDA engine only. That the engine's
+    worker runs worker_init with its settings: tests/test_threads.py (the engine's worker runs on its budget)."""
     calls = []
-    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append((threading.get_ident(), device)))
     with ThreadPoolExecutor(max_workers=1) as thread:  # worker_init sets the calling thread's torch threads
+        worker = thread.submit(threading.get_ident).result()
         thread.submit(worker_init, torch.device("cuda", 1)).result()
         thread.submit(worker_init, torch.device("cpu")).result()
-    assert calls == [torch.device("cuda", 1)]
-    engine = Engine(own_llama(2), EngineConfig(device="cpu", precision="bf16-true", host_threads=1))
-    worker = engine.host.worker
-    assert worker._initializer is worker_init and worker._initargs == (engine.device, 1)
+    assert calls == [(worker, torch.device("cuda", 1))]
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
@@ -389,19 +381,25 @@ def test_num_slots_is_checked_where_it_enters(bad):
 
 
 # -- what a step waits for --------------------------------------------------------------------------------
-def held_step(engine: Engine, block: int, seconds: float) -> threading.Event:
-    """Hold block `block`'s next Adam step on the worker until the returned gate opens (a timer opens it
-    after `seconds`, so a regression fails an assertion instead of hanging)."""
-    gate, step = threading.Event(), engine.host._step_unit
+HOLD_LIMIT_S = 60.0  # a held step runs after this long anyway: a regression fails instead of hanging
+
+
+def held_step(engine: Engine, block: int) -> tuple[threading.Event, threading.Event]:
+    """Hold block `block`'s next Adam step on the worker until the test sets the returned gate; the second
+    event is set once that step has run."""
+    gate, stepped, step = threading.Event(), threading.Event(), engine.host._step_unit
 
     def held(unit: HostUnit, *args, **kwargs):
-        if unit is engine.units[block]:
-            gate.wait()
-        return step(unit, *args, **kwargs)
+        if unit is not engine.units[block]:
+            return step(unit, *args, **kwargs)
+        gate.wait(HOLD_LIMIT_S)
+        try:
+            return step(unit, *args, **kwargs)
+        finally:
+            stepped.set()
 
     engine.host._step_unit = held
-    threading.Timer(seconds, gate.set).start()
-    return gate
+    return gate, stepped
 
 
 def clipped_backward(layers: int, num_slots: int = 2) -> tuple[nn.Module, Engine, HostAdamW]:
@@ -420,11 +418,12 @@ def test_optimizer_step_waits_for_block_0_alone_with_more_slots():
     """With 4 slots the optimizer step issues block 0 for the next forward (waiting for its step) and the
     blocks after it only if their steps are done already: it returns while block 1 is still being stepped."""
     model, engine, opt = clipped_backward(4, num_slots=4)
-    gate = held_step(engine, block=1, seconds=5)
-    opt.step()
-    assert not gate.is_set()  # returned before block 1's step could finish
+    gate, stepped = held_step(engine, block=1)
+    opt.step()  # had it waited for block 1, it would return only after HOLD_LIMIT_S, the step run
+    assert not stepped.is_set()  # returned before block 1's step could run
     assert engine.pool.slot_of(0) is not None and engine.pool.slot_of(1) is None
     gate.set()
+    assert stepped.wait(HOLD_LIMIT_S)
     engine.close()
 
 
@@ -432,11 +431,21 @@ def test_state_dict_waits_for_the_blocks_steps():
     """A block's parameters are views of its master, stepped in the background after the optimizer step
     returns; the model's state_dict() waits for each block's step before reading it."""
     model, engine, opt = clipped_backward(3)
-    gate = held_step(engine, block=2, seconds=2)
+    gate, stepped = held_step(engine, block=2)
     opt.step()
-    assert not gate.is_set()
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    assert gate.is_set() and engine.units[2].future.done()
+    assert not stepped.is_set()  # block 2's step is still held when state_dict() starts
+    asked, wait = [], HostUnit.wait
+
+    def open_when_waited_for(unit: HostUnit) -> None:
+        if unit is engine.units[2] and not gate.is_set():
+            asked.append(stepped.is_set())
+            gate.set()  # the step runs only once state_dict() waits for it: reading earlier sees old weights
+        wait(unit)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HostUnit, "wait", open_when_waited_for)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert asked == [False] and stepped.is_set()
     engine.flush()
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     engine.close()

@@ -14,21 +14,11 @@ import pytest
 import torch
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
-from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from tests.helpers import CausalLM, fit, params_of, token_batches
+from megatrain_lightning.models import LlamaForCausalLM
+from tests.helpers import CausalLM, fit, own_llama, params_of, token_batches
 from tests.streamed import precision_of
 
-
-@pytest.fixture(autouse=True)
-def torch_adam(monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
-
-
-def own_llama(layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig.from_preset("tiny")
-    cfg.num_hidden_layers = layers
-    return LlamaForCausalLM(cfg)
+pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need torch's own AdamW arithmetic
 
 
 def two_views(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
@@ -49,7 +39,7 @@ SETTINGS = {
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_two_forwards_in_one_loss_train_as_ordinary_training(name):
     strategy_kwargs, trainer_kwargs = SETTINGS[name]
-    ref, mt = CausalLM(own_llama(), loss_fn=two_views), CausalLM(own_llama(), loss_fn=two_views)
+    ref, mt = CausalLM(own_llama(2), loss_fn=two_views), CausalLM(own_llama(2), loss_fn=two_views)
     fit(ref, token_batches(6), strategy="auto", **trainer_kwargs)
     fit(mt, token_batches(6), strategy=MegatrainStrategy(**strategy_kwargs), **trainer_kwargs)
     assert mt.losses == ref.losses and len(ref.losses) == 6
@@ -59,7 +49,7 @@ def test_two_forwards_in_one_loss_train_as_ordinary_training(name):
 
 def engine_pair(dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, LlamaForCausalLM, Engine]:
     """(ordinary model, streamed model, its engine) with the same weights; accumulating, an optimizer attached."""
-    ref, mt = own_llama(), own_llama()
+    ref, mt = own_llama(2), own_llama(2)
     engine = Engine(mt, EngineConfig(device="cpu", precision=precision_of(dtype)))
     engine.optimizer(torch.optim.AdamW(mt.parameters(), lr=1e-3))
     return ref, mt, engine
@@ -119,7 +109,7 @@ def test_a_graph_kept_without_a_backward_lands_at_the_optimizer_step():
     """A loss kept but never backpropagated leaves each block with a call that never comes back: the
     gradients of the calls that did are held, and the optimizer step lands and steps them, as ordinary
     training steps on the `.grad` it has."""
-    ref, mt = own_llama(), own_llama()
+    ref, mt = own_llama(2), own_llama(2)
     engine = Engine(mt, EngineConfig(device="cpu", precision="32-true"))
     opts = [
         torch.optim.AdamW(ref.parameters(), lr=1e-2),
@@ -142,8 +132,8 @@ def test_the_calls_are_summed_in_the_compute_dtype():
     """Autograd adds a weight's contributions in the dtype the weight is used in (bf16 under autocast, at
     the one cast of the weight it caches), then `.grad` takes the sum: with bf16 weights the held sum is the
     ordinary bf16 `.grad` bit for bit (the fp32 sum of the two bf16 gradients differs from it)."""
-    ref = own_llama().to(torch.bfloat16)  # ordinary bf16 training; the streamed model computes in bf16 too
-    mt = own_llama()
+    ref = own_llama(2).to(torch.bfloat16)  # ordinary bf16 training; the streamed model computes in bf16 too
+    mt = own_llama(2)
     mt.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
     engine = Engine(mt, EngineConfig(device="cpu", precision="bf16-true"))
     x = token_batches(1)[0]

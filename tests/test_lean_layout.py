@@ -16,15 +16,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.engine.host import host_bytes_per_param
 from tests import async_streams
-from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches
+from tests.helpers import CausalLM, assert_same, fit, hf_llama, params_of, token_batches
 
 STEPS = 20
 SMALL_PIECE = 1000  # elements: every unit of the tiny model is cut into pieces, most parameters split
 
 
-@pytest.fixture(autouse=True)
-def torch_adam(monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need torch's own AdamW arithmetic
 
 
 def small_pieces(monkeypatch) -> None:
@@ -47,13 +45,6 @@ def train(layout: str, precision: str, ckpt_path=None, vocab: int | None = None,
         **trainer_kwargs,
     )
     return module
-
-
-def assert_same(a: CausalLM, b: CausalLM) -> None:
-    assert a.losses == b.losses and len(a.losses) > 0
-    pa, pb = params_of(a.model), params_of(b.model)
-    for name in pa:
-        assert torch.equal(pa[name], pb[name]), name
 
 
 @pytest.mark.parametrize("pieces", ["whole", "small"])

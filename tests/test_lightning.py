@@ -39,12 +39,6 @@ from tests.helpers import (
 )
 
 
-@pytest.fixture
-def torch_adam(monkeypatch):
-    """The torch-op optimizer backend: bitwise equal to torch.optim.AdamW."""
-    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
-
-
 def layers_of(module: CausalLM) -> nn.ModuleList:
     return module.model.model.layers
 

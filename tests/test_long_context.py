@@ -19,9 +19,7 @@ from tests.helpers import CausalLM, fit, own_loop, params_of
 TILE = 3
 
 
-@pytest.fixture(autouse=True)
-def torch_adam(monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need torch's own AdamW arithmetic
 
 
 def llama(tile: int | None = None, preset: str = "tiny") -> LlamaForCausalLM:

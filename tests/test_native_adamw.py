@@ -23,13 +23,19 @@ import pytest
 import torch
 
 from megatrain_lightning.optim import native
+from tests.helpers import (
+    BETA1,
+    BETA2,
+    EPS,
+    LR,
+    adamw_grad,
+    as_bits,
+    assert_adamw_matches,
+    requires_native,
+    run_adamw_pair,
+)
 
 AVAILABLE = native.available()
-requires_native = pytest.mark.skipif(not AVAILABLE, reason=f"native AdamW library not available: {native.load_error()}")
-
-LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
-STEPS = 50
-RTOL, ATOL = 1e-6, 1e-7
 
 
 def test_native_kernel_built_in_ci():
@@ -55,58 +61,6 @@ def _restore_settings():
         native.set_num_threads(None)
 
 
-def _grad(n: int, step: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    # magnitudes vary by step so exp_avg_sq sees changing scales
-    return (torch.randn(n, generator=gen) * (0.5 + step % 3)).to(dtype)
-
-
-def _run_pair(n, ref_kind, grad_dtype, weight_decay, grad_scale, steps=STEPS, beta1=BETA1, beta2=BETA2):
-    gen = torch.Generator().manual_seed(1234 + n)
-    p0 = torch.randn(n, generator=gen)
-    ref = torch.nn.Parameter(p0.clone())
-    if ref_kind == "adam":
-        opt = torch.optim.Adam([ref], lr=LR, betas=(beta1, beta2), eps=EPS, weight_decay=weight_decay, foreach=False)
-    elif ref_kind == "fused":
-        opt = torch.optim.AdamW([ref], lr=LR, betas=(beta1, beta2), eps=EPS, weight_decay=weight_decay, fused=True)
-    else:
-        opt = torch.optim.AdamW([ref], lr=LR, betas=(beta1, beta2), eps=EPS, weight_decay=weight_decay, foreach=False)
-    master, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
-    copy = torch.empty(n, dtype=grad_dtype)  # bf16 copy with bf16 grads, fp32 copy with fp32 grads
-    for step in range(1, steps + 1):
-        g = _grad(n, step, gen, grad_dtype)
-        ref.grad = g.float() * grad_scale if grad_scale != 1.0 else g.float()
-        opt.step()
-        native.adamw_step_(
-            master,
-            m,
-            v,
-            g,
-            copy,
-            lr=LR,
-            beta1=beta1,
-            beta2=beta2,
-            eps=EPS,
-            weight_decay=weight_decay,
-            step=step,
-            grad_scale=grad_scale,
-            decoupled=ref_kind != "adam",
-        )
-    state = opt.state[ref]
-    return (master, m, v, copy), (ref.detach(), state["exp_avg"], state["exp_avg_sq"])
-
-
-def _assert_matches(ours, theirs):
-    (master, m, v, copy), (p_ref, m_ref, v_ref) = ours, theirs
-    torch.testing.assert_close(master, p_ref, rtol=RTOL, atol=ATOL, msg=lambda s: f"master: {s}")
-    torch.testing.assert_close(m, m_ref, rtol=RTOL, atol=ATOL, msg=lambda s: f"exp_avg: {s}")
-    torch.testing.assert_close(v, v_ref, rtol=RTOL, atol=ATOL, msg=lambda s: f"exp_avg_sq: {s}")
-    # the copy is the new master in the copy dtype, bit for bit
-    assert torch.equal(
-        copy.view(torch.int16 if copy.dtype == torch.bfloat16 else torch.int32),
-        master.to(copy.dtype).view(torch.int16 if copy.dtype == torch.bfloat16 else torch.int32),
-    )
-
-
 SMALL = [1, 7, 22, 4096]
 BIG = 1_000_003
 GRAD_DTYPES = [torch.float32, torch.bfloat16]
@@ -119,7 +73,7 @@ GRAD_DTYPES = [torch.float32, torch.bfloat16]
 @pytest.mark.parametrize("ref_kind", ["single", "fused"])
 @pytest.mark.parametrize("n", SMALL)
 def test_matches_torch_adamw_small(n, ref_kind, grad_dtype, weight_decay, grad_scale):
-    _assert_matches(*_run_pair(n, ref_kind, grad_dtype, weight_decay, grad_scale))
+    assert_adamw_matches(*run_adamw_pair(n, ref_kind, grad_dtype, weight_decay, grad_scale))
 
 
 # 1_000_003 elements x 50 steps: a covering subset (every option value appears at least once)
@@ -135,7 +89,7 @@ def test_matches_torch_adamw_small(n, ref_kind, grad_dtype, weight_decay, grad_s
     ids=["single-gbf16-wd", "fused-gf32-wd-scale", "single-gf32-scale", "fused-gbf16"],
 )
 def test_matches_torch_adamw_big(ref_kind, grad_dtype, weight_decay, grad_scale):
-    _assert_matches(*_run_pair(BIG, ref_kind, grad_dtype, weight_decay, grad_scale))
+    assert_adamw_matches(*run_adamw_pair(BIG, ref_kind, grad_dtype, weight_decay, grad_scale))
 
 
 @requires_native
@@ -150,7 +104,7 @@ def test_matches_torch_adamw_big(ref_kind, grad_dtype, weight_decay, grad_scale)
     ],
 )
 def test_l2_mode_matches_torch_adam(n, grad_dtype, grad_scale):
-    _assert_matches(*_run_pair(n, "adam", grad_dtype, 0.1, grad_scale))
+    assert_adamw_matches(*run_adamw_pair(n, "adam", grad_dtype, 0.1, grad_scale))
 
 
 # 1 - beta1 >= 0.5 takes the other branch of torch's lerp (end - (end - start) * (1 - weight))
@@ -158,7 +112,7 @@ def test_l2_mode_matches_torch_adam(n, grad_dtype, grad_scale):
 @pytest.mark.parametrize("beta1,beta2", [(0.3, 0.9), (0.0, 0.5), (0.5, 0.99)])
 @pytest.mark.parametrize("ref_kind", ["single", "fused", "adam"])
 def test_other_betas(ref_kind, beta1, beta2):
-    _assert_matches(*_run_pair(4096 + 7, ref_kind, torch.bfloat16, 0.1, 1.0, beta1=beta1, beta2=beta2))
+    assert_adamw_matches(*run_adamw_pair(4096 + 7, ref_kind, torch.bfloat16, 0.1, 1.0, beta1=beta1, beta2=beta2))
 
 
 def _step_all_variants(n, seed=0, steps=3):
@@ -175,7 +129,7 @@ def _step_all_variants(n, seed=0, steps=3):
                         master,
                         m,
                         v,
-                        _grad(n, step, gen, grad_dtype),
+                        adamw_grad(n, step, gen, grad_dtype),
                         copy,
                         lr=LR,
                         beta1=BETA1,
@@ -188,10 +142,6 @@ def _step_all_variants(n, seed=0, steps=3):
                     )
                 out += [master, m, v] + ([] if copy is None else [copy])
     return out
-
-
-def _bits(t):
-    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
 @requires_native
@@ -207,7 +157,7 @@ def test_isas_and_thread_counts_agree_bitwise(n):
             native.set_num_threads(threads)
             got = _step_all_variants(n)
             for a, b in zip(got, expected):
-                assert torch.equal(_bits(a), _bits(b)), f"isa={isa} threads={threads} differs from scalar"
+                assert torch.equal(as_bits(a), as_bits(b)), f"isa={isa} threads={threads} differs from scalar"
 
 
 @requires_native
@@ -273,9 +223,9 @@ def test_bf16_copy_rounds_like_torch_including_specials():
             want = mm.to(copy.dtype)
             nan = torch.isnan(want)
             assert torch.equal(torch.isnan(copy), nan), isa
-            assert torch.equal(_bits(copy)[~nan], _bits(want)[~nan]), f"{isa} {copy.dtype}"
+            assert torch.equal(as_bits(copy)[~nan], as_bits(want)[~nan]), f"{isa} {copy.dtype}"
             if copy.dtype == torch.float32:
-                assert torch.equal(_bits(copy), _bits(mm))
+                assert torch.equal(as_bits(copy), as_bits(mm))
 
 
 @requires_native
@@ -309,13 +259,16 @@ def test_sq_norm(n, dtype):
 
 @requires_native
 def test_zero_size_is_a_no_op():
-    e = torch.empty(0)
+    """Empty buffers, each an empty view inside a filled one: every kernel returns and writes nothing."""
+    backing = {name: torch.full((8,), float(i + 1)) for i, name in enumerate(("master", "m", "v", "grad", "copy"))}
+    before = {name: t.clone() for name, t in backing.items()}
+    empty = {name: t[4:4] for name, t in backing.items()}
     native.adamw_step_(
-        e,
-        e.clone(),
-        e.clone(),
-        e.clone(),
-        e.clone(),
+        empty["master"],
+        empty["m"],
+        empty["v"],
+        empty["grad"],
+        empty["copy"],
         lr=LR,
         beta1=BETA1,
         beta2=BETA2,
@@ -323,7 +276,10 @@ def test_zero_size_is_a_no_op():
         weight_decay=0.1,
         step=1,
     )
-    native.grad_accumulate_(torch.empty(0), torch.empty(0), first=False)
+    native.grad_accumulate_(empty["master"], empty["grad"], first=False)
+    native.grad_accumulate_(empty["master"], empty["grad"], first=True)
+    assert native.sq_norm(empty["grad"]) == 0.0
+    assert all(torch.equal(as_bits(backing[name]), as_bits(before[name])) for name in backing)
 
 
 @requires_native
@@ -400,7 +356,7 @@ def test_overlapping_buffers_raise():
 
 
 @requires_native
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_cuda_tensor_raises():
     with pytest.raises(ValueError, match=r"grad is on device cuda"):
         _step(grad=torch.zeros(16, dtype=torch.bfloat16, device="cuda"))

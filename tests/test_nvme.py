@@ -23,17 +23,27 @@ from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.engine import nvme
 from megatrain_lightning.engine.nvme import BUFFERS, PREFIX, NvmeTier, NvmeTierError
 from megatrain_lightning.engine.optimizer import HostAdamW
-from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from tests import async_streams
-from tests.helpers import CausalLM, fit, hf_llama, loader, own_loop, params_of, quiet, token_batches, trainer
+from tests.helpers import (
+    CausalLM,
+    assert_same,
+    assert_same_params,
+    fit,
+    hf_llama,
+    loader,
+    own_llama,
+    own_loop,
+    params_of,
+    quiet,
+    token_batches,
+    trainer,
+)
 from tests.streamed import precision_of
 
 STEPS = 20
 
 
-@pytest.fixture(autouse=True)
-def torch_adam(monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need torch's own AdamW arithmetic
 
 
 class TierProbe(L.Callback):
@@ -63,14 +73,6 @@ def train(precision: str, nvme_dir=None, layout: str = "default", batches: int =
         **trainer_kwargs,
     )
     return module
-
-
-def assert_same(a: CausalLM, b: CausalLM) -> None:
-    assert a.losses == b.losses and len(a.losses) > 0
-    pa, pb = params_of(a.model), params_of(b.model)
-    assert pa.keys() == pb.keys()
-    for name in pa:
-        assert torch.equal(pa[name], pb[name]), name
 
 
 TRAIN = {
@@ -168,19 +170,6 @@ def test_a_sharded_save_never_gathers_the_moments(tmp_path, monkeypatch):
         callbacks=[cb],
     )
     assert (tmp_path / "ckpt" / "last.ckpt").exists()
-
-
-def assert_same_params(a: CausalLM, b: CausalLM) -> None:
-    pa, pb = params_of(a.model), params_of(b.model)
-    for name in pa:
-        assert torch.equal(pa[name], pb[name]), name
-
-
-def own_llama(layers: int) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig.from_preset("tiny")
-    cfg.num_hidden_layers = layers
-    return LlamaForCausalLM(cfg)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,8 +14,8 @@ import megatrain_lightning.engine.engine as engine_module
 from megatrain_lightning import Engine, EngineConfig, HostMemoryError, Probes
 from megatrain_lightning.engine import pinned
 from megatrain_lightning.engine.host import host_bytes_per_param
-from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from tests.helpers import CausalLM, fit, hf_llama, token_batches
+from megatrain_lightning.models import LlamaForCausalLM
+from tests.helpers import CausalLM, fit, hf_llama, own_llama, token_batches
 from tests.streamed import precision_of
 
 
@@ -51,13 +51,6 @@ def cuda(monkeypatch):
     monkeypatch.setattr(pinned, "_host_unregister", fake.unregister)
     yield fake
     pinned.unregister_all()  # whatever a failed test left behind, while the fake is still in place
-
-
-def own_llama(layers: int = 4) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig.from_preset("tiny")
-    cfg.num_hidden_layers = layers
-    return LlamaForCausalLM(cfg)
 
 
 def step(engine: Engine, model: LlamaForCausalLM, accumulate: int = 1) -> None:

@@ -23,28 +23,11 @@ import megatrain_lightning.engine.engine as engine_module
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy, Probes
 from megatrain_lightning.device_memory import free_device_bytes
 from megatrain_lightning.engine.saved_inputs import offload_needed
-from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+from megatrain_lightning.models import LlamaForCausalLM
 from tests import async_streams
-from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin
+from tests.helpers import CausalLM, assert_same, fit, hf_llama, own_llama, params_of, token_batches, twin
 
-
-@pytest.fixture(autouse=True)
-def torch_adam(monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
-
-
-def own_llama(layers: int) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig.from_preset("tiny")
-    cfg.num_hidden_layers = layers
-    return LlamaForCausalLM(cfg)
-
-
-def assert_same(ref: CausalLM, mt: CausalLM) -> None:
-    assert len(mt.losses) == len(ref.losses) > 0 and mt.losses == ref.losses
-    pr, pm = params_of(ref.model), params_of(mt.model)
-    for name in pr:
-        assert torch.equal(pm[name], pr[name]), name
+pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need torch's own AdamW arithmetic
 
 
 @pytest.mark.parametrize("streams", ["sync", "async-lazy", "async-seed0"])

@@ -21,21 +21,21 @@ import os
 import pytest
 import torch
 
-from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim import kernels
-from tests.helpers import CausalLM, fit, hf_llama, hf_qwen2, params_of, token_batches, twin
+from tests.helpers import (
+    CausalLM,
+    fit,
+    hf_llama,
+    hf_qwen2,
+    own_llama,
+    own_loss,
+    params_of,
+    token_batches,
+    twin,
+    update_error,
+)
 
 STEPS = 20
-
-
-def own_llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig.from_preset("tiny"))
-
-
-def own_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    targets = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], -100)], dim=1)
-    return model(batch, targets=targets)
 
 
 MODELS = {
@@ -59,12 +59,6 @@ def adam_backend(request, monkeypatch):
             pytest.fail("the native optimizer must be built in CI")
         pytest.skip("native optimizer not built")
     return request.param
-
-
-def update_error(params: dict, ref: dict, start: dict) -> float:
-    """||params - ref|| / ||ref - start|| over the whole model: the relative error of the total update."""
-    num = sum(float((params[k] - ref[k]).norm()) ** 2 for k in start) ** 0.5
-    return num / sum(float((ref[k] - start[k]).norm()) ** 2 for k in start) ** 0.5
 
 
 def assert_same_training(ref: CausalLM, mt: CausalLM, backend: str, start: dict) -> None:

@@ -21,7 +21,7 @@ from megatrain_lightning.optim.threads import (
     resolve_host_threads,
     usable_cpus,
 )
-from tests.test_native_adamw import _assert_matches, _bits, _run_pair, requires_native
+from tests.helpers import as_bits, assert_adamw_matches, own_llama, requires_native, run_adamw_pair
 
 CORES = len(usable_cpus())
 
@@ -195,12 +195,12 @@ def test_one_and_two_threads_give_the_same_bits_and_match_torch(tmp_path):
     runs = {}
     for threads in sorted({1, min(2, CORES)}):
         _, _, runs[threads] = on_worker(
-            threads, lambda: _run_pair(n, "fused", torch.bfloat16, 0.1, 0.37, steps=10), sysfs_root=root
+            threads, lambda: run_adamw_pair(n, "fused", torch.bfloat16, 0.1, 0.37, steps=10), sysfs_root=root
         )
     for ours, theirs in runs.values():
-        _assert_matches(ours, theirs)
+        assert_adamw_matches(ours, theirs)
     (ours1, _), (ours2, _) = runs[1], runs[max(runs)]
-    assert all(torch.equal(_bits(x), _bits(y)) for x, y in zip(ours1, ours2))
+    assert all(torch.equal(as_bits(x), as_bits(y)) for x, y in zip(ours1, ours2))
 
 
 # ------------------------------------------------------------------------------------ in the engine
@@ -208,12 +208,6 @@ def test_one_and_two_threads_give_the_same_bits_and_match_torch(tmp_path):
 
 def test_the_engines_host_worker_runs_on_its_budget():
     from megatrain_lightning.engine.engine import Engine, EngineConfig
-    from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-
-    def own_llama(layers: int) -> LlamaForCausalLM:
-        config = LlamaConfig.from_preset("tiny")
-        config.num_hidden_layers = layers
-        return LlamaForCausalLM(config)
 
     engine = Engine(own_llama(2), EngineConfig(device="cpu", precision="bf16-true", host_threads=1))
     try:
