@@ -73,6 +73,11 @@ states with their gradient. The two transients never coexist, so the peak takes 
 
 ``megatrain plan`` prints beside these formulas the peak measured by running one training step of the
 engine and the model on fake tensors (``measure.py``): the formulas are checked, not only stated.
+
+Why one file of about 850 lines: every figure here (host per buffer kind, drive, GPU per item and per
+token, the tiers "auto" tries, the longest sequence that fits) is read by the one ``plan`` and printed by
+the one table, and each is short; the engine-side facts it counts with (buffer kinds, ring and piece sizes,
+slot counts, option checks) are imported from the engine, so they cannot drift.
 """
 
 from __future__ import annotations
