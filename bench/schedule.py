@@ -23,7 +23,11 @@ Token tiles and input offload are the planner's choices for the profile's GPU me
 (the default, as the strategy's) lets the engine size its slots after the first step from the planner's
 free and transient memory for that GPU. The recording is replayed live on the profile, so the engine's
 decisions that depend on timing (prefetch a block whose step is done) are the ones it would take on that
-device. ``--measure-host`` times the host Adam kernel here instead of the profile's 28 B/param over host
+device.
+
+``megatrain schedule`` (--seq-len for --tokens) prints the same through the same function,
+``megatrain_lightning.schedule.modelled_step``; this script adds ``--png``, ``--measure-host``,
+``--host-adam-gparams``, ``--layers`` and ``--launch-us``. ``--measure-host`` times the host Adam kernel here instead of the profile's 28 B/param over host
 bandwidth; ``--host-adam-gparams`` gives the rate. ``--png`` draws the lanes of the last two steps (needs
 matplotlib: ``pip install -e ".[bench]"``).
 """
@@ -33,31 +37,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is a folder of scripts
 
 from timeline import draw_lanes  # noqa: E402
 
-from megatrain_lightning import planner
 from megatrain_lightning.cli import int_or_auto
-from megatrain_lightning.flops import attention_flops, model_flops
 from megatrain_lightning.models import LlamaConfig
-from megatrain_lightning.schedule import (
-    PROFILES,
-    Profile,
-    measure_host_adam,
-    profile,
-    record_steps,
-    replay,
-    summarize,
-    table,
-)
+from megatrain_lightning.schedule import PROFILES, Profile, measure_host_adam, modelled_step, profile
+from megatrain_lightning.schedule.modelled import check_options
 from megatrain_lightning.schedule.replay import LAUNCH_S, Interval, Timeline
 from megatrain_lightning.schedule.report import Summary, steady_window
 
-GiB = 2**30
 PNG_LANES = ("compute", "h2d", "d2h", "host", "issue", "issue blocked")
 
 
@@ -92,58 +84,26 @@ def parse(argv: list[str]) -> argparse.Namespace:
     host.add_argument("--measure-host", action="store_true", help="time kernels.adam_step_ on this machine")
     host.add_argument("--host-adam-gparams", type=float, default=None, help="host Adam rate, 10^9 params/s")
     args = ap.parse_args(argv)
-    if args.steps < 2:
-        ap.error(f"--steps {args.steps}: the last step is measured from the step before, so at least 2")
-    if args.num_slots != "auto" and args.num_slots < 2:
-        ap.error(f"--num-slots {args.num_slots}: at least 2 (one computing, one loading), or auto")
-    if args.tokens < 1 or args.micro_batches < 1 or (args.clip is not None and args.clip <= 0):
-        ap.error("--tokens and --micro-batches must be >= 1 and --clip > 0 (leave --clip out for no clipping)")
+    try:
+        check_options(args.tokens, args.micro_batches, args.clip, args.num_slots, args.steps)
+    except ValueError as err:
+        ap.error(str(err))
     return args
 
 
-def device_profile(args: argparse.Namespace) -> tuple[Profile, str]:
+def device_profile(args: argparse.Namespace) -> tuple[Profile, str | None]:
+    """The profile asked for, with the host Adam rate measured or given; and where that rate comes from."""
     base = profile(args.device)
     if args.measure_host:
-        gparams = measure_host_adam()
-        return base.with_host_adam(gparams), f"Adam {gparams:.3g} Gparams/s measured on this machine"
+        return base.with_host_adam(measure_host_adam()), "measured on this machine"
     if args.host_adam_gparams is not None:
-        return base.with_host_adam(args.host_adam_gparams), f"Adam {args.host_adam_gparams:.3g} Gparams/s (given)"
-    return base, f"Adam {base.adam_params() / 1e9:.3g} Gparams/s (28 B/param over host bandwidth)"
+        return base.with_host_adam(args.host_adam_gparams), "given"
+    return base, None
 
 
 def config_of(args: argparse.Namespace) -> LlamaConfig:
     overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
     return LlamaConfig.from_preset(args.model, **overrides)
-
-
-def describe(args, config, prof: Profile, adam: str, tile, offload, seconds: float, trace) -> list[str]:
-    clip = "none" if args.clip is None else args.clip
-    inputs = "offloaded to host memory" if offload else "kept on the GPU"
-    slots = f"{trace.slots} weight slots" + (" (auto: 2 in the first step)" if args.num_slots == "auto" else "")
-    step_tokens = args.micro_batches * args.tokens
-    flops, attention = model_flops(config, step_tokens, args.tokens), attention_flops(config, step_tokens, args.tokens)
-    micro = f"{args.micro_batches} micro-batches of " if args.micro_batches > 1 else ""
-    return [
-        f"schedule model: {args.model} ({config.num_parameters() / 1e9:.2f}B params, {config.num_hidden_layers} blocks), "
-        f"{micro}1 x {args.tokens} tokens/step, bf16-mixed, clip {clip}, modelled {prof.name}",
-        f"engine decisions: token tiles {tile or 'none'}, block inputs {inputs} (planner, {prof.gpu_mem_gib:g} GiB), "
-        f"{slots}; {args.steps} steps recorded on fake tensors in {seconds:.1f} s ({len(trace.issue)} issued items, "
-        f"{len(trace.jobs)} host jobs)",
-        f"rates: matmul {prof.matmul_tflops:g} TFLOP/s, attention {prof.attention_tflops:g} (peak {prof.bf16_peak_tflops:g}), "
-        f"HBM {prof.hbm_bytes() / 1e9:.0f} GB/s, link {prof.link_bytes() / 1e9:.1f} GB/s each way, "
-        f"host {prof.host_bytes() / 1e9:.0f} GB/s, {adam}, launch {args.launch_us:g} us",
-        f"model FLOPs/step {flops:.4g} = 6·N·tokens (N: weight matrices and head) + causal attention forward and "
-        f"backward {attention:.3g}; no recompute",
-    ]
-
-
-def summary_line(args: argparse.Namespace, s: Summary) -> str:
-    clip = "none" if args.clip is None else f"{args.clip:g}"
-    return (
-        f"schedule: model={args.model} tokens_per_step={args.micro_batches * args.tokens} clip={clip} "
-        f"step_s={s.step_s:.4g} "
-        f"bound_s={s.bound_s:.4g} ratio={s.ratio:.4g} bound={s.bound} mfu={s.mfu:.3g}"
-    )
 
 
 def plot(timeline: Timeline, s: Summary, steps: int, path: Path, title: str) -> str:
@@ -182,35 +142,24 @@ def _merged(timeline: Timeline, lane: str, lo: float, hi: float) -> list[Interva
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    config = config_of(args)
     prof, adam = device_profile(args)
-    gpu_mem = int(prof.gpu_mem_gib * GiB)
-    tile = planner.planned_tile(config, args.tokens, 1, 2, gpu_mem)
-    offload = planner.auto_offloads_inputs(config, args.tokens, 1, "bf16-mixed", 2, gpu_mem)  # (auto: 2 slots first)
-    memory = planner.free_and_transient(config, args.tokens, 1, "bf16-mixed", offload, gpu_mem)
-    t0 = time.perf_counter()
-    trace = record_steps(
-        config,
-        args.tokens,
-        args.clip,
-        args.steps,
-        args.num_slots,
-        offload,
-        tile,
+    step = modelled_step(
+        config_of(args),
         prof,
-        args.launch_us * 1e-6,
-        memory,
+        args.tokens,
         args.micro_batches,
+        args.clip,
+        args.num_slots,
+        args.steps,
+        args.launch_us * 1e-6,
+        name=args.model,
+        adam_source=adam,
     )
-    seconds = time.perf_counter() - t0
-    timeline = replay(trace, prof, args.launch_us * 1e-6)
-    flops = model_flops(config, args.micro_batches * args.tokens, args.tokens)
-    s = summarize(timeline, prof, flops, args.steps, args.clip is not None, args.micro_batches)
-    print("\n".join(describe(args, config, prof, adam, tile, offload, seconds, trace)))
-    print(table(s))
+    *lines, last = step.report()
+    print("\n".join(lines))
     if args.png is not None:
-        print(plot(timeline, s, args.steps, args.png, summary_line(args, s).removeprefix("schedule: ")))
-    print(summary_line(args, s))
+        print(plot(step.timeline, step.summary, args.steps, args.png, last.removeprefix("schedule: ")))
+    print(last)
     return 0
 
 

@@ -5,13 +5,15 @@
     megatrain plan --model llama-3.1-8b --seq-len 4096 --micro-batch 1 [--gpu-mem 80GiB --host-mem 512GiB]
     megatrain plan --model llama-120b --host-mem 512GiB --nvme-dir /mnt/nvme
     megatrain plan --config configs/llama-3.1-8b.yaml
+    megatrain schedule --model llama-3.1-8b --device h100-sxm --seq-len 4096 [--clip 1.0 --micro-batches 4]
     megatrain convert CKPT --to torch OUT.ckpt | --to hf OUT_DIR [--dtype bf16]
     megatrain env
 
 ``fit`` and friends are a ``LightningCLI`` over :class:`CausalLMModule` and :class:`TextDataModule` with
 ``strategy="megatrain"`` by default and :class:`MegatrainMonitor` always attached (``--monitor.*``);
 every Trainer, model and data option can be set in the YAML file and overridden on the command line.
-``plan``, ``convert`` and ``env`` are dispatched on the first argument before LightningCLI sees the rest.
+``plan``, ``schedule``, ``convert`` and ``env`` are dispatched on the first argument before LightningCLI sees
+the rest.
 Mistakes in the user's input end in one line, ``megatrain: error: ...`` (exit status 2), not a traceback.
 """
 
@@ -41,12 +43,15 @@ from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.engine.config import PRECISIONS
 from megatrain_lightning.module import CausalLMModule, check_init_from, resolve_config
 from megatrain_lightning.planner import HOST_LAYOUTS, NVME_GBPS, Plan, parse_size, plan
+from megatrain_lightning.schedule import PROFILES, ModelledStep, modelled_step, profile
+from megatrain_lightning.schedule.modelled import check_options
 
-USAGE = """usage: megatrain {fit,validate,test,predict,plan,convert,env} ...
+USAGE = """usage: megatrain {fit,validate,test,predict,plan,schedule,convert,env} ...
 
   fit        train:  megatrain fit --config configs/demo.yaml [--trainer.max_steps=50 ...]
   validate   evaluate a model on the validation data (also test, predict)
   plan       host and GPU memory a run needs:  megatrain plan --model llama-3.1-8b --seq-len 4096 --micro-batch 1
+  schedule   a training step's time on a GPU profile:  megatrain schedule --model llama-3.1-8b --device h100-sxm
   convert    a sharded checkpoint to Lightning's single file or to Hugging Face:
                megatrain convert last.ckpt --to torch model.ckpt    megatrain convert last.ckpt --to hf hf_dir
   env        versions, devices, memory and the optimizer backend
@@ -480,6 +485,76 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
     )
 
 
+# -- megatrain schedule ---------------------------------------------------------------------------
+SCHEDULE_EPILOG = """\
+A few bf16-mixed optimizer steps of the model run here on fake tensors (no GPU, no memory for the tensors)
+with the engine recording every copy, kernel, wait and host job; the recording is replayed
+on the device profile's rates and the last step is measured. Token tiles and input offload are the
+planner's choices for the profile's GPU memory. The table gives each lane's busy time and share of the step;
+the step's bound is its busiest resource, or the optimizer step's chain when that is longer.
+
+The last line printed is machine-readable:
+  schedule: model=NAME tokens_per_step=N clip=C step_s=X bound_s=Y ratio=X/Y bound=LANE mfu=Z
+
+examples:  megatrain schedule --model llama-3.1-8b --device h100-sxm --seq-len 4096
+           megatrain schedule --model llama-3.1-8b --device rtx4090 --seq-len 8192 --clip 1.0 --micro-batches 4"""
+
+
+def schedule_parser() -> argparse.ArgumentParser:
+    ap = OneLineParser(
+        prog="megatrain schedule",
+        description="Predict a megatrain training step on a GPU that is not here: its time, its bound and MFU.",
+        epilog=SCHEDULE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--model", required=True, help="preset (e.g. llama-3.1-8b), Hugging Face config.json or checkpoint directory"
+    )
+    ap.add_argument("--device", required=True, help=f"GPU profile: {', '.join(PROFILES)}")
+    ap.add_argument(
+        "--seq-len",
+        type=int,
+        default=MODEL_DEFAULTS["seq_len"],
+        help=f"tokens per micro-batch of one sequence (default {MODEL_DEFAULTS['seq_len']})",
+    )
+    ap.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step, as Trainer(accumulate_grad_batches) (default 1)",
+    )
+    ap.add_argument(
+        "--clip", type=float, help="global-norm gradient clipping, as Trainer(gradient_clip_val) (default: none)"
+    )
+    ap.add_argument(
+        "--num-slots",
+        type=_slots,
+        default="auto",
+        help="device weight slots, or auto (the strategy's default: grown after the first step from the "
+        "planner's free GPU memory for the profile)",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=3, help="optimizer steps recorded; the last is measured (default 3, at least 2)"
+    )
+    return ap
+
+
+def schedule_command(argv: list[str]) -> ModelledStep:
+    ap = schedule_parser()
+    args = ap.parse_args(argv)
+    try:  # every input checked before the recording, so that an error inside it is not taken for the user's
+        device = profile(args.device)
+        config = resolve_config(args.model)
+        check_options(args.seq_len, args.micro_batches, args.clip, args.num_slots, args.steps)
+    except (ValueError, FileNotFoundError) as err:
+        user_error(str(err), ap.prog)
+    step = modelled_step(
+        config, device, args.seq_len, args.micro_batches, args.clip, args.num_slots, args.steps, name=args.model
+    )
+    print("\n".join(step.report()), flush=True)
+    return step
+
+
 # -- megatrain convert ----------------------------------------------------------------------------
 def convert_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(
@@ -568,14 +643,16 @@ def env_lines() -> list[str]:
 
 # -- entry points ---------------------------------------------------------------------------------
 def run(argv: list[str] | None = None) -> Any:
-    """Run one ``megatrain`` command; returns the LightningCLI, the Plan, convert's summary line, or the env
-    report's lines."""
+    """Run one ``megatrain`` command; returns the LightningCLI, the Plan, the ModelledStep, convert's summary
+    line, or the env report's lines."""
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return None
     if args[0] == "plan":
         return plan_command(args[1:])
+    if args[0] == "schedule":
+        return schedule_command(args[1:])
     if args[0] == "convert":
         return convert_command(args[1:])
     if args[0] == "env":

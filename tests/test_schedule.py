@@ -1,5 +1,6 @@
-"""The schedule model (megatrain_lightning/schedule, bench/schedule.py): what it records is what the engine
-does, its replay is the timeline worked out by hand, and the command line ends with its summary line.
+"""The schedule model (megatrain_lightning/schedule, `megatrain schedule`, bench/schedule.py): what it records
+is what the engine does, its replay is the timeline worked out by hand, and the command lines print the lanes'
+table and end with the summary line.
 
 The recording tests train a tiny Llama for real on the CPU (real tensors, not fake) with the recorder
 installed, and compare what it logged with the engine's own counters and with torch's FlopCounterMode
@@ -22,9 +23,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatrain_lightning import Engine, EngineConfig
+from megatrain_lightning.cli import run
 from megatrain_lightning.flops import matmul_params, model_flops
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from megatrain_lightning.schedule import Profile, Recorder, replay, summarize, train_steps
+from megatrain_lightning.schedule import PROFILES, Profile, Recorder, replay, summarize, table, train_steps
 from megatrain_lightning.schedule.profiles import LINK_EFFICIENCY
 from megatrain_lightning.schedule.replay import Interval, Replay, Timeline
 from megatrain_lightning.schedule.report import CHAIN
@@ -413,6 +415,35 @@ def test_command_line_ends_with_the_summary_line(tmp_path):
         assert any("matplotlib is not installed" in line for line in lines)
     else:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_megatrain_schedule_prints_the_lanes_table_and_the_summary_line(capsys):
+    """`megatrain schedule` on the tiny preset: the description, every lane's row, the step, what the GPU and
+    host did, and the summary line last (tokens per step: micro-batches x seq-len)."""
+    args = ["--model", "tiny", "--device", "a100", "--seq-len", "64", "--steps", "2", "--micro-batches", "2"]
+    step = run(["schedule", *args, "--clip", "1.0"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("schedule model: tiny (") and "2 micro-batches of 1 x 64 tokens/step" in lines[0]
+    assert "modelled a100" in lines[0]
+    header = lines.index(table(step.summary).splitlines()[0])
+    assert lines[header].split() == ["lane", "busy", "s", "share"]
+    rows = [line.split()[0] for line in lines[header + 1 :]]
+    assert rows[:7] == ["gpu", "h2d", "d2h", "host", "issue", CHAIN, "step"]
+    assert rows[7:9] == ["gpu:", "host:"] and lines[header + 10].startswith("issuing thread blocked: ")
+    for line in lines[header + 1 : header + 6]:  # busy seconds and share of the step, e.g. "gpu 0.0014 24.5%"
+        assert re.match(r"^\S+ +\d+\.\d{4} +\d+\.\d%", line), line
+    match = LAST.match(lines[-1])
+    assert match and match.group(1, 2, 3) == ("tiny", "128", "1"), lines[-1]
+    assert lines[-1] == step.summary_line() and len(lines) == header + 12
+
+
+def test_megatrain_schedule_names_the_profiles_for_an_unknown_device(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run(["schedule", "--model", "tiny", "--device", "h1000", "--seq-len", "64"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1
+    assert err[0].startswith("megatrain schedule: error: device 'h1000': choose one of ")
+    assert all(name in err[0] for name in PROFILES)
 
 
 def test_model_flops_count_the_weight_matrices_and_causal_pairs():

@@ -23,6 +23,7 @@ a copy takes bytes / link bandwidth; a host job starts when submitted and its pr
 host sync blocks its thread until what it waits for has ended. ``report.py`` measures the last recorded
 step from the end of the previous step's backward to the end of its own (the previous step's host Adam
 overlapping this forward included) and compares it with the busiest resource's work per step.
+``modelled.py`` runs the three for a model and a profile: what ``megatrain schedule`` prints.
 
 What it leaves out:
 
@@ -43,6 +44,7 @@ What it leaves out:
   "auto" choices from the memory free at run time.
 """
 
+from megatrain_lightning.schedule.modelled import ModelledStep, modelled_step
 from megatrain_lightning.schedule.profiles import PROFILES, Profile, measure_host_adam, profile
 from megatrain_lightning.schedule.record import Recorder
 from megatrain_lightning.schedule.replay import Timeline, replay
@@ -51,6 +53,7 @@ from megatrain_lightning.schedule.steps import record_steps, train_steps
 from megatrain_lightning.schedule.trace import Trace
 
 __all__ = [
+    "ModelledStep",
     "PROFILES",
     "Profile",
     "Recorder",
@@ -58,6 +61,7 @@ __all__ = [
     "Timeline",
     "Trace",
     "measure_host_adam",
+    "modelled_step",
     "profile",
     "record_steps",
     "replay",

@@ -1,0 +1,153 @@
+"""One training step of strategy="megatrain" modelled on a device profile, end to end: what ``megatrain
+schedule`` and ``bench/schedule.py`` print.
+
+:func:`modelled_step` takes the planner's choices for the profile's GPU memory (token tiles, input offload,
+the free and transient memory that ``num_slots="auto"`` reads), records a few bf16-mixed optimizer steps on
+fake tensors (``steps.py``), replays them on the profile (``replay.py``) and measures the last one
+(``report.py``). :class:`ModelledStep` holds the figures and prints them: what was modelled, the lanes'
+table and, as the last line, one machine-readable summary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from megatrain_lightning import planner
+from megatrain_lightning.engine.config import check_num_slots
+from megatrain_lightning.flops import attention_flops, model_flops
+from megatrain_lightning.models import LlamaConfig
+from megatrain_lightning.schedule.profiles import Profile
+from megatrain_lightning.schedule.replay import LAUNCH_S, Timeline, replay
+from megatrain_lightning.schedule.report import Summary, summarize, table
+from megatrain_lightning.schedule.steps import record_steps
+from megatrain_lightning.schedule.trace import Trace
+
+PRECISION = "bf16-mixed"  # what the recording trains in (steps.record_steps)
+FIRST_SLOTS = 2  # what num_slots="auto" starts with: the planner's figures for the first step use it
+
+
+@dataclass(frozen=True)
+class ModelledStep:
+    """The last of `steps` recorded optimizer steps of `name`, each `micro_batches` micro-batches of
+    1 x `seq_len` tokens, replayed on `profile`."""
+
+    name: str
+    config: LlamaConfig
+    profile: Profile
+    seq_len: int
+    micro_batches: int
+    clip: float | None
+    num_slots: int | str  # as asked; trace.slots is what the engine ended with
+    steps: int
+    launch_s: float
+    adam_source: str  # where the host Adam rate comes from
+    tile: int | None
+    offload_inputs: bool
+    record_s: float  # seconds the recording took here
+    trace: Trace
+    timeline: Timeline
+    summary: Summary
+
+    @property
+    def step_tokens(self) -> int:
+        return self.micro_batches * self.seq_len
+
+    def describe(self) -> list[str]:
+        """What was modelled: the model, the engine's decisions, the profile's rates and the FLOPs counted."""
+        c, p = self.config, self.profile
+        clip = "none" if self.clip is None else self.clip
+        inputs = "offloaded to host memory" if self.offload_inputs else "kept on the GPU"
+        slots = f"{self.trace.slots} weight slots" + (
+            " (auto: 2 in the first step)" if self.num_slots == "auto" else ""
+        )
+        flops, attention = self.summary.model_flops, attention_flops(c, self.step_tokens, self.seq_len)
+        micro = f"{self.micro_batches} micro-batches of " if self.micro_batches > 1 else ""
+        return [
+            f"schedule model: {self.name} ({c.num_parameters() / 1e9:.2f}B params, {c.num_hidden_layers} blocks), "
+            f"{micro}1 x {self.seq_len} tokens/step, {PRECISION}, clip {clip}, modelled {p.name}",
+            f"engine decisions: token tiles {self.tile or 'none'}, block inputs {inputs} (planner, "
+            f"{p.gpu_mem_gib:g} GiB), {slots}; {self.steps} steps recorded on fake tensors in {self.record_s:.1f} s "
+            f"({len(self.trace.issue)} issued items, {len(self.trace.jobs)} host jobs)",
+            f"rates: matmul {p.matmul_tflops:g} TFLOP/s, attention {p.attention_tflops:g} (peak {p.bf16_peak_tflops:g}), "
+            f"HBM {p.hbm_bytes() / 1e9:.0f} GB/s, link {p.link_bytes() / 1e9:.1f} GB/s each way, "
+            f"host {p.host_bytes() / 1e9:.0f} GB/s, Adam {p.adam_params() / 1e9:.3g} Gparams/s "
+            f"({self.adam_source}), launch {self.launch_s * 1e6:g} us",
+            f"model FLOPs/step {flops:.4g} = 6·N·tokens (N: weight matrices and head) + causal attention forward and "
+            f"backward {attention:.3g}; no recompute",
+        ]
+
+    def summary_line(self) -> str:
+        """``schedule: model=... tokens_per_step=... clip=... step_s=... bound_s=... ratio=... bound=... mfu=...``"""
+        s = self.summary
+        clip = "none" if self.clip is None else f"{self.clip:g}"
+        return (
+            f"schedule: model={self.name} tokens_per_step={self.step_tokens} clip={clip} step_s={s.step_s:.4g} "
+            f"bound_s={s.bound_s:.4g} ratio={s.ratio:.4g} bound={s.bound} mfu={s.mfu:.3g}"
+        )
+
+    def report(self) -> list[str]:
+        """Everything printed: the description, the lanes' table, then the summary line."""
+        return [*self.describe(), table(self.summary), self.summary_line()]
+
+
+def modelled_step(
+    config: LlamaConfig,
+    profile: Profile,
+    seq_len: int,
+    micro_batches: int = 1,
+    clip: float | None = None,
+    num_slots: int | str = "auto",
+    steps: int = 3,
+    launch_s: float = LAUNCH_S,
+    name: str = "model",
+    adam_source: str | None = None,
+) -> ModelledStep:
+    """Record `steps` optimizer steps of `config` as the strategy runs them and replay them on `profile`
+    (module docstring); a ValueError names a bad option."""
+    check_options(seq_len, micro_batches, clip, num_slots, steps)
+    gpu_mem = int(profile.gpu_mem_gib * planner.GiB)
+    elt = planner.compute_bytes(PRECISION)
+    tile = planner.planned_tile(config, seq_len, 1, elt, gpu_mem)
+    offload = planner.auto_offloads_inputs(config, seq_len, 1, PRECISION, FIRST_SLOTS, gpu_mem)
+    memory = planner.free_and_transient(config, seq_len, 1, PRECISION, offload, gpu_mem)
+    t0 = time.perf_counter()
+    trace = record_steps(
+        config, seq_len, clip, steps, num_slots, offload, tile, profile, launch_s, memory, micro_batches
+    )
+    record_s = time.perf_counter() - t0
+    timeline = replay(trace, profile, launch_s)
+    flops = model_flops(config, micro_batches * seq_len, seq_len)
+    summary = summarize(timeline, profile, flops, steps, clip is not None, micro_batches)
+    if adam_source is None:
+        adam_source = "28 B/param over host bandwidth" if profile.host_adam_gparams is None else "given"
+    return ModelledStep(
+        name=name,
+        config=config,
+        profile=profile,
+        seq_len=seq_len,
+        micro_batches=micro_batches,
+        clip=clip,
+        num_slots=num_slots,
+        steps=steps,
+        launch_s=launch_s,
+        adam_source=adam_source,
+        tile=tile,
+        offload_inputs=offload,
+        record_s=record_s,
+        trace=trace,
+        timeline=timeline,
+        summary=summary,
+    )
+
+
+def check_options(seq_len: int, micro_batches: int, clip: float | None, num_slots: int | str, steps: int) -> None:
+    """One-line ValueErrors for options the recording cannot take."""
+    for key, value in (("seq_len", seq_len), ("micro_batches", micro_batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r} must be an integer >= 1")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"steps={steps!r}: the last step is measured from the step before, so at least 2")
+    if clip is not None and not clip > 0:
+        raise ValueError(f"clip={clip!r} must be > 0 (None: no clipping)")
+    check_num_slots(num_slots)
