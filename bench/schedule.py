@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is a folder o
 
 from timeline import draw_lanes  # noqa: E402
 
-from megatrain_lightning.cli import int_or_auto
+from megatrain_lightning.commands import int_or_auto
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.schedule import PROFILES, Profile, measure_host_adam, modelled_step, profile
 from megatrain_lightning.schedule.modelled import check_options

@@ -16,7 +16,8 @@ from lightning.pytorch.callbacks import RichProgressBar
 
 from megatrain_lightning import MegatrainStrategy
 from megatrain_lightning.callbacks import MegatrainMonitor
-from megatrain_lightning.cli import MegatrainProgressBar, one_line, plan_from_config, run
+from megatrain_lightning.cli import MegatrainProgressBar, one_line, run
+from megatrain_lightning.commands import plan_from_config
 from megatrain_lightning.models import LlamaForCausalLM, save_pretrained
 from megatrain_lightning.module import resolve_config
 from megatrain_lightning.planner import format_size

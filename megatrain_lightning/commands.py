@@ -1,0 +1,427 @@
+"""``megatrain plan``, ``schedule``, ``convert`` and ``env``: the commands that size, predict, convert and
+report without training (``cli.py`` dispatches them on the first argument; ``fit`` and friends are the
+LightningCLI there). A mistake in the user's input ends in one line, ``megatrain <command>: error: ...``
+(exit status 2), not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import sys
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any, NoReturn
+
+import torch
+
+import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
+from megatrain_lightning import checkpoint as mt_checkpoint
+from megatrain_lightning.engine.config import PRECISIONS
+from megatrain_lightning.module import resolve_config
+from megatrain_lightning.planner import HOST_LAYOUTS, NVME_GBPS, Plan, parse_size, plan
+from megatrain_lightning.schedule import PROFILES, ModelledStep, modelled_step, profile
+from megatrain_lightning.schedule.modelled import check_options
+
+
+def default_precision() -> str:
+    """What ``trainer.precision: null`` means here: bf16 streams half the bytes on a GPU; CPU autocast
+    gains nothing, so fp32 there."""
+    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
+
+
+def user_error(message: str, prog: str = "megatrain") -> NoReturn:
+    """The user's input is wrong: one line naming the value and the fix, exit status 2 (as argparse)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# One-line advice for options whose validation message would be a list of type names.
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``megatrain SUB: error: ...`` (exit status 2), without the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        user_error(f"{message} (see {self.prog} --help)", prog=self.prog)
+
+
+# -- megatrain plan -------------------------------------------------------------------------------
+PLAN_EPILOG = """\
+host layouts (MegatrainStrategy(host_layout=...)), host bytes per parameter in bf16:
+  default  16: fp32 master 4, Adam m + v 8, pinned bf16 copy 2, gradient slab 2 (+4 accumulating)
+  lean     12: master and Adam only, plus two small rings of the largest unit in flight
+           (+2 with gradient clipping, +4 accumulating)
+  --nvme-dir moves Adam m + v (8) into files there: 16 bytes/param of drive traffic per optimizer step
+  auto (the default with --model) plans default if it fits --host-mem, else lean, else lean + --nvme-dir
+
+The last line printed is machine-readable, one line on stdout whenever a plan is made:
+  host_plan: model=NAME params=N host_gib=X nvme_gib=Y fits=yes|no
+Exit status 0 when the plan fits, 1 when it does not (the reasons on stderr, before that line), 2 on bad
+input (no plan, no host_plan line).
+
+examples:  megatrain plan --model llama-120b --host-mem 1536GiB
+           megatrain plan --model llama-120b --host-mem 512GiB --nvme-dir /mnt/nvme
+           megatrain plan --config configs/llama-3.1-8b.yaml --host-mem 512GiB --gpu-mem 80GiB"""
+
+MODEL_DEFAULTS = {"seq_len": 4096, "micro_batch": 1}
+"""What --model plans when --seq-len / --micro-batch are not given."""
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    ap = OneLineParser(
+        prog="megatrain plan",
+        description="Host and GPU memory of a megatrain run.",
+        epilog=PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--config", help="a megatrain fit YAML config to plan (its model, seq_len, batch, precision)")
+    ap.add_argument("--model", help="preset (e.g. llama-3.1-8b), Hugging Face config.json or checkpoint directory")
+    ap.add_argument("--seq-len", type=int, help=f"tokens per sequence (--model: default {MODEL_DEFAULTS['seq_len']})")
+    ap.add_argument(
+        "--micro-batch", type=int, help=f"sequences per micro-batch (--model: default {MODEL_DEFAULTS['micro_batch']})"
+    )
+    ap.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
+    ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    ap.add_argument(
+        "--num-slots",
+        type=_slots,
+        default="auto",
+        help="device weight slots, or auto (the strategy's default: as many as the GPU memory a step "
+        "leaves allows, at most one per block)",
+    )
+    ap.add_argument("--host-mem", type=_size, help="host memory to fit in, e.g. 512GiB")
+    ap.add_argument("--gpu-mem", type=_size, help="GPU memory to fit in, e.g. 80GiB")
+    ap.add_argument(
+        "--token-chunk-size",
+        type=_tile,
+        help="tokens per tile of each block, or auto (the model's token_chunk_size; long context)",
+    )
+    ap.add_argument(
+        "--offload-inputs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan MegatrainStrategy(offload_inputs=True/False): saved block inputs in pinned host memory "
+        "(default: as the config says, else auto: offloaded when they would not fit --gpu-mem)",
+    )
+    ap.add_argument(
+        "--host-layout",
+        choices=HOST_LAYOUTS,
+        help="plan MegatrainStrategy(host_layout=...) (default: as the config says, else auto: the first "
+        "of default, lean, lean with Adam on --nvme-dir that fits --host-mem)",
+    )
+    ap.add_argument(
+        "--nvme-dir",
+        metavar="DIR",
+        help="plan MegatrainStrategy(nvme_dir=DIR): Adam m + v in files on a local NVMe drive; with "
+        "--host-layout auto only when host memory needs it (default: as the config says)",
+    )
+    ap.add_argument(
+        "--nvme-gbps",
+        type=float,
+        default=NVME_GBPS,
+        metavar="X",
+        help=f"the drive's bandwidth in GB/s, read and write each, for the NVMe time per optimizer step "
+        f"(default {NVME_GBPS}: a PCIe 4.0 x4 drive)",
+    )
+    ap.add_argument(
+        "--clip",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan with gradient clipping, which the lean layout pays for with a gradient slab (2 bytes/param "
+        "in bf16) (default: the config's trainer.gradient_clip_val, else off)",
+    )
+    ap.add_argument(
+        "--no-measure",
+        dest="measure",
+        action="store_false",
+        help="skip the check of the GPU formulas by one training step on fake tensors (a few seconds)",
+    )
+    return ap
+
+
+def int_or_auto(what: str) -> Callable[[str], int | str]:
+    """An argparse type: an integer, or the word auto; otherwise an error naming `what` was expected."""
+
+    def parse(text: str) -> int | str:
+        if text == "auto":
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what} or auto") from None
+
+    return parse
+
+
+_tile = int_or_auto("a number of tokens")
+_slots = int_or_auto("a number of slots")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as err:  # argparse would replace the message with "invalid value"
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
+def plan_from_config(
+    path: str,
+    host_mem: int | None = None,
+    gpu_mem: int | None = None,
+    offload_inputs: bool | None = None,
+    overrides: dict[str, Any] | None = None,
+    measure: bool = False,
+    host_layout: str | None = None,
+    nvme_dir: str | None = None,
+    clipping: bool | None = None,
+    nvme_gbps: float = NVME_GBPS,
+) -> Plan:
+    """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state.
+    `offload_inputs`, `host_layout`, `nvme_dir`, `clipping` and model `overrides` add to (or replace) what
+    the config sets; the strategy's own defaults are host_layout "default" and no NVMe directory."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        cfg = yaml.safe_load(f)
+    model, data, trainer = cfg.get("model", {}), cfg.get("data", {}), cfg.get("trainer", {})
+    config = resolve_config(
+        model.get("model") or model["init_from"], {**(model.get("overrides") or {}), **(overrides or {})}
+    )
+    strategy = trainer.get("strategy", {})
+    init_args = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
+    slots = init_args.get("num_slots", "auto")  # the strategy's default
+    if offload_inputs is None:
+        offload_inputs = init_args.get("offload_inputs", "auto")  # the strategy's default
+    clipping = bool(trainer.get("gradient_clip_val")) if clipping is None else clipping  # 0 or null: off, as Lightning
+    return plan(
+        config,
+        seq_len=data.get("seq_len", 2048),
+        micro_batch=data.get("batch_size", 1),
+        precision=trainer.get("precision") or default_precision(),
+        accumulate=trainer.get("accumulate_grad_batches", 1),
+        num_slots=slots,
+        host_mem=host_mem,
+        gpu_mem=gpu_mem,
+        name=model.get("model") or model["init_from"],
+        offload_inputs=offload_inputs,
+        measure=measure,
+        host_layout=host_layout or init_args.get("host_layout", "default"),
+        nvme_dir=nvme_dir or init_args.get("nvme_dir"),
+        clipping=clipping,
+        nvme_gbps=nvme_gbps,
+    )
+
+
+def plan_command(argv: list[str]) -> Plan:
+    ap = plan_parser()
+    args = ap.parse_args(argv)
+    try:
+        result = _plan_of(args, ap)
+    except (ValueError, FileNotFoundError) as err:
+        user_error(str(err), ap.prog)
+    print(result.table(), flush=True)
+    if not result.fits:  # before the summary, so that it stays the last line in a terminal too
+        print("\n".join(f"megatrain plan: error: {p}" for p in result.problems()), file=sys.stderr, flush=True)
+    print(result.host_plan_line(), flush=True)
+    if not result.fits:
+        raise SystemExit(1)
+    return result
+
+
+def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
+    """The plan the parsed `megatrain plan` options ask for: of a config, or of a model."""
+    overrides = {} if args.token_chunk_size is None else {"token_chunk_size": args.token_chunk_size}
+    if args.config:
+        return plan_from_config(
+            args.config,
+            args.host_mem,
+            args.gpu_mem,
+            args.offload_inputs,
+            overrides,
+            args.measure,
+            args.host_layout,
+            args.nvme_dir,
+            args.clip,
+            args.nvme_gbps,
+        )
+    if not args.model:
+        ap.error("give --config FILE or --model NAME")
+    offload = "auto" if args.offload_inputs is None else args.offload_inputs
+    seq_len = MODEL_DEFAULTS["seq_len"] if args.seq_len is None else args.seq_len
+    micro_batch = MODEL_DEFAULTS["micro_batch"] if args.micro_batch is None else args.micro_batch
+    return plan(
+        resolve_config(args.model, overrides),
+        seq_len,
+        micro_batch,
+        args.precision,
+        args.accumulate,
+        args.num_slots,
+        args.host_mem,
+        args.gpu_mem,
+        name=args.model,
+        offload_inputs=offload,
+        measure=args.measure,
+        host_layout=args.host_layout or "auto",
+        nvme_dir=args.nvme_dir,
+        clipping=bool(args.clip),
+        nvme_gbps=args.nvme_gbps,
+    )
+
+
+# -- megatrain schedule ---------------------------------------------------------------------------
+SCHEDULE_EPILOG = """\
+A few bf16-mixed optimizer steps of the model run here on fake tensors (no GPU, no memory for the tensors)
+with the engine recording every copy, kernel, wait and host job; the recording is replayed
+on the device profile's rates and the last step is measured. Token tiles and input offload are the
+planner's choices for the profile's GPU memory. The table gives each lane's busy time and share of the step;
+the step's bound is its busiest resource, or the optimizer step's chain when that is longer.
+
+The last line printed is machine-readable:
+  schedule: model=NAME tokens_per_step=N clip=C step_s=X bound_s=Y ratio=X/Y bound=LANE mfu=Z
+
+examples:  megatrain schedule --model llama-3.1-8b --device h100-sxm --seq-len 4096
+           megatrain schedule --model llama-3.1-8b --device rtx4090 --seq-len 8192 --clip 1.0 --micro-batches 4"""
+
+
+def schedule_parser() -> argparse.ArgumentParser:
+    ap = OneLineParser(
+        prog="megatrain schedule",
+        description="Predict a megatrain training step on a GPU that is not here: its time, its bound and MFU.",
+        epilog=SCHEDULE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--model", required=True, help="preset (e.g. llama-3.1-8b), Hugging Face config.json or checkpoint directory"
+    )
+    ap.add_argument("--device", required=True, help=f"GPU profile: {', '.join(PROFILES)}")
+    ap.add_argument(
+        "--seq-len",
+        type=int,
+        default=MODEL_DEFAULTS["seq_len"],
+        help=f"tokens per micro-batch of one sequence (default {MODEL_DEFAULTS['seq_len']})",
+    )
+    ap.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step, as Trainer(accumulate_grad_batches) (default 1)",
+    )
+    ap.add_argument(
+        "--clip", type=float, help="global-norm gradient clipping, as Trainer(gradient_clip_val) (default: none)"
+    )
+    ap.add_argument(
+        "--num-slots",
+        type=_slots,
+        default="auto",
+        help="device weight slots, or auto (the strategy's default: grown after the first step from the "
+        "planner's free GPU memory for the profile)",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=3, help="optimizer steps recorded; the last is measured (default 3, at least 2)"
+    )
+    return ap
+
+
+def schedule_command(argv: list[str]) -> ModelledStep:
+    ap = schedule_parser()
+    args = ap.parse_args(argv)
+    try:  # every input checked before the recording, so that an error inside it is not taken for the user's
+        device = profile(args.device)
+        config = resolve_config(args.model)
+        check_options(args.seq_len, args.micro_batches, args.clip, args.num_slots, args.steps)
+    except (ValueError, FileNotFoundError) as err:
+        user_error(str(err), ap.prog)
+    step = modelled_step(
+        config, device, args.seq_len, args.micro_batches, args.clip, args.num_slots, args.steps, name=args.model
+    )
+    print("\n".join(step.report()), flush=True)
+    return step
+
+
+# -- megatrain convert ----------------------------------------------------------------------------
+def convert_parser() -> argparse.ArgumentParser:
+    ap = OneLineParser(
+        prog="megatrain convert",
+        description="Convert a sharded megatrain checkpoint (the default format of strategy='megatrain') to "
+        "Lightning's single file, which MyModule.load_from_checkpoint and ordinary strategies read, or to a "
+        "Hugging Face directory.",
+        epilog="examples:  megatrain convert runs/x/checkpoints/last.ckpt --to torch model.ckpt\n"
+        "           megatrain convert runs/x/checkpoints/last.ckpt --to hf hf_dir --dtype bf16",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("checkpoint", help="the sharded checkpoint: its commit marker file, e.g. .../checkpoints/last.ckpt")
+    ap.add_argument(
+        "--to",
+        required=True,
+        choices=("torch", "hf"),
+        help="torch: Lightning's single-file checkpoint (fp32 weights, trainer state, AdamW state); "
+        "hf: config.json + safetensors",
+    )
+    ap.add_argument("out", help="torch: the file to write; hf: the directory to write")
+    ap.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        help="--to hf only: the weights' dtype (default fp32, the masters as trained)",
+    )
+    return ap
+
+
+def convert_command(argv: list[str]) -> str:
+    from megatrain_lightning.convert import to_hf, to_lightning
+
+    ap = convert_parser()
+    args = ap.parse_args(argv)
+    if args.dtype is not None and args.to != "hf":
+        user_error(f"--dtype={args.dtype} applies to --to hf; --to torch keeps the fp32 masters as trained", ap.prog)
+    try:
+        if args.to == "torch":
+            line = to_lightning(args.checkpoint, args.out)
+        else:
+            line = to_hf(args.checkpoint, args.out, args.dtype)
+    except (mt_checkpoint.CheckpointError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as err:
+        user_error(str(err), ap.prog)
+    print(line)
+    return line
+
+
+# -- megatrain env --------------------------------------------------------------------------------
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _devices() -> list[str]:
+    if not torch.cuda.is_available():
+        return ["devices: none (no CUDA GPU visible; training runs on the CPU)"]
+    lines = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        lines.append(f"device {i}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
+    return lines
+
+
+def _memlock() -> str:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
+
+
+def env_lines() -> list[str]:
+    """What ``megatrain env`` prints: versions, devices, memory, CPU cores and the optimizer backend."""
+    from megatrain_lightning.engine.host import available_host_bytes
+    from megatrain_lightning.optim import kernels, native
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    versions = [f"{name} {_version(name)}" for name in ("torch", "lightning", "megatrain_lightning", "transformers")]
+    return [
+        f"python {platform.python_version()}, " + ", ".join(versions),
+        *_devices(),
+        f"host memory: {total / 2**30:.1f} GiB total, {available_host_bytes() / 2**30:.1f} GiB available",
+        f"pinned-memory limit (ulimit -l, RLIMIT_MEMLOCK): {_memlock()}",
+        f"CPU cores: {os.cpu_count()} (usable by this process: {len(os.sched_getaffinity(0))})",
+        f"optimizer backend: {kernels.backend()} (native kernel: {native.backend()})",
+    ]
