@@ -159,7 +159,7 @@ def test_host_check_counts_the_accumulator():
     available, _ = host_check_limits(model)
     Engine(
         model, EngineConfig(device="cpu", precision="bf16-true"), Probes(host_available_bytes=lambda: available)
-    ).release()  # 16 B/param fits
+    ).close()  # 16 B/param fits
     model = own_llama()
     with pytest.raises(
         HostMemoryError, match=r"20 bytes/param: .*fp32 gradient accumulator\).*accumulate_grad_batches=1"

@@ -603,8 +603,6 @@ class Engine:
         # They stay allocated (the masters as the model's parameters).
         pinned.unregister(self._pinnable(self.all_units(), self._rings()) + self.saved_inputs.buffers)
 
-    release = close  # (the name the strategies' teardown used first)
-
     def __enter__(self) -> Engine:
         return self
 

@@ -2,7 +2,7 @@
 
 With ``nvme_dir`` the 8 bytes/param of fp32 ``m`` and ``v`` leave host memory. Each unit gets one file
 (``m`` then ``v``, ``numel`` fp32 each) in a run directory made for this engine inside ``nvme_dir``
-(``megatrain-adam-moments-scratch-*``), removed by ``engine.release()`` (and at interpreter exit if
+(``megatrain-adam-moments-scratch-*``), removed by ``engine.close()`` (and at interpreter exit if
 release never ran). The files are scratch: a checkpoint holds everything a resume needs, and a resume
 writes the checkpoint's moments back into fresh files.
 
@@ -295,7 +295,7 @@ class NvmeTier:
 
     def _check(self, unit: Any) -> None:
         if self._closed:
-            raise RuntimeError("the NVMe tier was closed by engine.release(); its moments are gone")
+            raise RuntimeError("the NVMe tier was closed by engine.close(); its moments are gone")
         if self._failed is not None:
             raise NvmeTierError(f"IO on the Adam moments in {self.path} failed: {self._failed}") from self._failed
         if unit not in self._fds:

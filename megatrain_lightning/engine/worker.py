@@ -47,7 +47,7 @@ class HostWorker:
         future: Future = Future()
         with self._cv:
             if self._closing:
-                raise RuntimeError("the engine's host worker was shut down (engine.release())")
+                raise RuntimeError("the engine's host worker was shut down (engine.close())")
             self._queue.append(
                 (order, next(self._seq), future, fn, args, kwargs, tuple(a for a in after if a is not None))
             )

@@ -2,10 +2,10 @@
 
 One optimizer step under ``Trainer(strategy="megatrain")`` with automatic optimization and one micro-batch
 per step is ``HostAdamW.step(closure)``, where Lightning's closure runs the forward (under the precision's
-autocast), ``zero_grad``, then backward with ``backward_mode="step"``; the precision plugin's
-``clip_gradients`` (``engine.request_clip``) follows the closure, then ``engine.optimizer_step``. With
-``accumulate_grad_batches=k`` the first k - 1 micro-batches run the closure outside the step, with
-``backward_mode="accumulate"``, and only the first of the k calls ``zero_grad`` (Lightning's automatic
+autocast), ``zero_grad``, then backward inside ``engine.backward(clip=...)``; the precision plugin's
+``clip_gradients`` (``engine.clip_grad_norm_``) follows the closure, then ``engine.optimizer_step``. With
+``accumulate_grad_batches=k`` the first k - 1 micro-batches run the closure outside the step, their
+backward inside ``engine.backward(accumulate=True)``, and only the first of the k calls ``zero_grad`` (Lightning's automatic
 optimization loop). :func:`train_steps` makes the same calls in the same order.
 """
 
