@@ -6,8 +6,8 @@ Record (``record.py``, ``steps.py``). A few training steps of :class:`~megatrain
 fake tensors as in ``measure.py``, in the order the strategy calls the engine (forward under autocast,
 ``zero_grad``, backward, ``clip_grad_norm_`` when clipping, ``optimizer_step``), the engine built with the
 recorder's ``Probes`` (its streams and host worker). The recorder logs every decision the engine takes:
-each copy on the H2D or D2H stream and its bytes, each event (a marker at its place in its lane), each wait of a lane for an event, each host block on an
-event, a job or the device (or on a read of a device tensor, ``.cpu()``, ``.item()``: a wait for all
+each copy on the H2D or D2H stream and its bytes, each event (a marker at its place in its lane), each
+wait of a lane for an event, each host block on an event, a job or the device (or on a read of a device tensor, ``.cpu()``, ``.item()``: a wait for all
 compute issued before it); every op the issuing thread runs as a kernel (FLOPs from
 ``torch.utils.flop_counter``'s registry, the CUDA flash kernels' count for the CPU attention ops, bytes
 read and written, the block and phase it belongs to) or as host work when it touches a host buffer; and
