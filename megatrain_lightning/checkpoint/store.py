@@ -251,8 +251,9 @@ def read_index(url: str, storage_options: dict[str, Any] | None = None) -> tuple
     except FileNotFoundError:
         if not fs.isdir(f"{path}.d"):
             why = f"{shown(fs, path)}.d, the checkpoint's data directory, is missing"
-        elif not fs.isdir(vdir):
+        elif not fs.isdir(vdir):  # dated by the data that is there, not by the version named
             why = f"{shown(fs, path)}: its marker names version {marker['data']}, which {shown(fs, path)}.d lacks"
+            raise damaged(fs, None, why, path) from None
         else:
             why = f"the index {shown(fs, file)} is missing"
         raise damaged(fs, vdir, why) from None
@@ -299,7 +300,7 @@ def read_trainer_state(fs: Any, vdir: str, index: dict) -> dict:
     try:
         state = trust.load_restricted(raw)
     except trust.RefusedGlobal as err:
-        raise CheckpointError(trust.refusal(shown(fs, file), err.name)) from None
+        raise damaged(fs, vdir, trust.refusal(shown(fs, file), err.name)) from None
     except ValueError as err:
         raise damaged(fs, vdir, f"{shown(fs, file)} is {err}") from None
     if not isinstance(state, dict):
