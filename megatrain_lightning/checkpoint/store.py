@@ -20,6 +20,9 @@ plain ``MyModule.load_from_checkpoint(path)`` or an ordinary strategy's resume) 
 that the file is a sharded checkpoint, to be loaded with ``megatrain_lightning.load_from_checkpoint``
 or converted with ``megatrain convert``. The pickle never runs anything (the "module" it names
 cannot be imported). Markers that are bare JSON, as first written, are read all the same.
+
+Reading trusts nothing it has not checked (:mod:`~megatrain_lightning.checkpoint.verify` says what and
+how a failure reads; :mod:`~megatrain_lightning.checkpoint.trust` how ``trainer.pt`` is unpickled).
 """
 
 from __future__ import annotations
