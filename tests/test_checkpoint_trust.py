@@ -349,7 +349,7 @@ def test_every_damage_is_one_line_naming_the_file_and_the_intact_checkpoints(kin
     assert not (tmp_path / "out.ckpt").exists()
 
 
-@pytest.mark.parametrize("kind", ["shard byte flipped", "marker garbage"])
+@pytest.mark.parametrize("kind", ["shard byte flipped", "marker garbage", "marker missing"])
 def test_damage_through_trainer_fit_and_the_cli(kind, two, tmp_path, capsys):
     damage, says, names = DAMAGE[kind]
     damage(two)
