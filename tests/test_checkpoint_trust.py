@@ -486,3 +486,20 @@ def test_storage_options_carry_the_credentials_and_are_written_nowhere(s3_env, m
         assert OPTIONS_SECRET.encode() not in fs.cat_file(p)
     assert OPTIONS_SECRET not in caplog.text
     assert not [w for w in recwarn if OPTIONS_SECRET in str(w.message)]
+
+
+def test_what_counts_as_a_sharded_checkpoint(source, tmp_path):
+    """Ours even when its marker is cut short or lost beside its data; a trial resumes only from a marker."""
+    from ray_jobs.trial import resume_from
+
+    marker = copy_to(source, STEP2, tmp_path)
+    assert store.is_checkpoint(str(marker)) and resume_from(str(marker)) == str(marker)
+    shutil.rmtree(f"{marker}.d")
+    truncate(marker, 20)  # the start of the marker's frame, nothing else
+    assert store.is_checkpoint(str(marker))
+    lightning_file = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {}}, lightning_file)
+    assert not store.is_checkpoint(str(lightning_file))
+    lost = copy_to(source, STEP1, tmp_path)
+    lost.unlink()  # a first save that never committed: its data alone
+    assert store.is_checkpoint(str(lost)) and resume_from(str(lost)) is None
