@@ -123,19 +123,12 @@ def test_the_planted_pickle_runs_code_when_unpickled_plainly(tmp_path):
 
 
 # -- every way a checkpoint is opened -----------------------------------------------------------------------
-CLI_ARGS = [
-    "--data.path=builtin:python-docs",
-    "--data.seq_len=16",
-    "--data.batch_size=2",
-    "--trainer.max_steps=3",
-    "--trainer.accelerator=cpu",
-    "--trainer.logger=false",
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_checkpointing=false",
-    "--trainer.enable_model_summary=false",
-    "--trainer.num_sanity_val_steps=0",
-    "--trainer.limit_val_batches=1",
-]
+CLI_ARGS = (
+    "--data.path=builtin:python-docs --data.seq_len=16 --data.batch_size=2 --trainer.max_steps=3 "
+    "--trainer.accelerator=cpu --trainer.logger=false --trainer.enable_progress_bar=false "
+    "--trainer.enable_checkpointing=false --trainer.enable_model_summary=false --trainer.num_sanity_val_steps=0 "
+    "--trainer.limit_val_batches=1"
+).split()
 
 
 def raised(fn) -> str:
