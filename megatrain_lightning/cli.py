@@ -204,11 +204,14 @@ def _check_ckpt_path(path: str) -> None:
         user_error(
             f"ckpt_path={path!r} is a directory; give the checkpoint file in it, e.g. {path.rstrip('/')}/last.ckpt"
         )
+    if not local.is_file() and mt_checkpoint.is_checkpoint(str(local)):  # its data, without a marker
+        try:
+            mt_checkpoint.store.read_index(str(local))
+        except mt_checkpoint.CheckpointError as err:
+            user_error(f"ckpt_path={path!r}: {err}")
     if not local.is_file():
-        interrupted = Path(f"{local}.d").is_dir()
-        why = " (its data directory exists: the save was interrupted before it committed)" if interrupted else ""
         user_error(
-            f"ckpt_path={path!r} does not exist{why}; give a checkpoint file, e.g. "
+            f"ckpt_path={path!r} does not exist; give a checkpoint file, e.g. "
             "lightning_logs/version_0/checkpoints/last.ckpt, or 'last'"
         )
 
@@ -259,7 +262,10 @@ def run(argv: list[str] | None = None) -> Any:
         print("\n".join(lines))
         return lines
     _check_config_files(args)
-    return MegatrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+    try:
+        return MegatrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+    except mt_checkpoint.CheckpointError as err:  # a damaged or foreign --ckpt_path, found while restoring
+        user_error(str(err))
 
 
 def _check_config_files(args: list[str]) -> None:

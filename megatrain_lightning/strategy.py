@@ -7,6 +7,7 @@ backward whether more micro-batches follow, and read/write checkpoints from the 
 
 from __future__ import annotations
 
+import pickle
 import random
 import warnings
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
+from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.engine.config import (
     EngineConfig,
     check_checkpoint_format,
@@ -71,6 +73,10 @@ class MegatrainStrategy(SingleDeviceStrategy):
             :class:`~megatrain_lightning.engine.block_fn.CompiledBlock`): twice per run (without and with
             grad), more for other sequence lengths. Equal to eager training within round-off, not bit for bit.
             A block that cannot compile as one graph raises at its first call, naming its class.
+        storage_options: fsspec options (credentials, endpoint, ...) for this strategy's checkpoints: every
+            save (unless ``trainer.save_checkpoint(..., storage_options=...)`` gives its own), the
+            ``ckpt_path`` it resumes from and the old checkpoints it deletes. Passed to fsspec only: never
+            written into a checkpoint or a log. None: fsspec's defaults (e.g. the ``AWS_*`` variables).
     """
 
     strategy_name = "megatrain"
@@ -86,6 +92,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         host_threads: int | None = None,
         checkpoint_format: Literal["sharded", "torch"] = "sharded",
         compile_blocks: bool = False,
+        storage_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         check_flag("compile_blocks", compile_blocks)
@@ -103,6 +110,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         self.host_threads = host_threads  # None: resolved where the worker starts (cores - 1)
         self.checkpoint_format = checkpoint_format
         self.compile_blocks = compile_blocks
+        self.storage_options = storage_options
         self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
         self.engine: Engine | None = None
 
@@ -257,23 +265,45 @@ class MegatrainStrategy(SingleDeviceStrategy):
             groups = [
                 {k: v for k, v in g.items() if k != "params"} for g in checkpoint["optimizer_states"][0]["param_groups"]
             ]
-        mt_checkpoint.save(self.engine, str(filepath), state, optimizer=with_optimizer, param_groups=groups)
+        options = storage_options if storage_options is not None else self.storage_options
+        mt_checkpoint.save(
+            self.engine, str(filepath), state, optimizer=with_optimizer, param_groups=groups, storage_options=options
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if not mt_checkpoint.is_checkpoint(str(checkpoint_path)):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        state, index = mt_checkpoint.store.read_checkpoint(str(checkpoint_path))
-        state["megatrain_checkpoint"] = str(checkpoint_path)
+        """A sharded checkpoint: its trainer state, checksummed and read by the restricted unpickler whatever
+        `weights_only` says (:mod:`megatrain_lightning.checkpoint.trust`); a damaged one is explained, never
+        handed to Lightning. A single file (``checkpoint_format="torch"``): Lightning's loader, with
+        ``weights_only=True`` unless the caller says False (so that no stored object runs code)."""
+        path = str(checkpoint_path)
+        if not mt_checkpoint.is_checkpoint(path, self.storage_options):
+            return self._load_single_file(checkpoint_path, weights_only)
+        state, index = mt_checkpoint.store.read_checkpoint(path, self.storage_options)
+        state["megatrain_checkpoint"] = path
         state["state_dict"] = {}  # the weights stream from the shards in load_model_state_dict
         if index["optimizer"]:
             state["optimizer_states"] = [{"param_groups": index["param_groups"]}]
         return state
 
+    def _load_single_file(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
+        if weights_only is False:  # the user's explicit choice: they trust this file
+            return super().load_checkpoint(checkpoint_path, weights_only=False)
+        try:
+            with trust.allowed():
+                return super().load_checkpoint(checkpoint_path, weights_only=True)
+        except pickle.UnpicklingError as err:
+            name = trust.refused_global(err)
+            if name is None:
+                raise
+            raise mt_checkpoint.CheckpointError(
+                f"{trust.refusal(str(checkpoint_path), name, 'the checkpoint')}, or pass weights_only=False to trust the whole file"
+            ) from None
+
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if mt_checkpoint.is_checkpoint(str(filepath)):
-            mt_checkpoint.remove(str(filepath))
+        if mt_checkpoint.is_checkpoint(str(filepath), self.storage_options):
+            mt_checkpoint.remove(str(filepath), self.storage_options)
         else:
             super().remove_checkpoint(filepath)
 
@@ -283,7 +313,8 @@ class MegatrainStrategy(SingleDeviceStrategy):
             return super().load_model_state_dict(checkpoint, strict=strict)
         if "megatrain_checkpoint" in checkpoint:
             resuming = self.engine.has_optimizer and "optimizer_states" in checkpoint
-            mt_checkpoint.restore(self.engine, checkpoint["megatrain_checkpoint"], optimizer=resuming)
+            url = checkpoint["megatrain_checkpoint"]
+            mt_checkpoint.restore(self.engine, url, optimizer=resuming, storage_options=self.storage_options)
             return
         self.engine.load_master_state_dict(checkpoint["state_dict"], strict=strict)
 
