@@ -28,6 +28,7 @@ both times keeps the loss and the gradients bit for bit those of ordinary traini
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any, Protocol
@@ -45,6 +46,7 @@ class Streamer(Protocol):
     preserve_rng_state: bool
     grad_anchor: torch.Tensor
     saved_inputs: Any
+    input_chain: InputChain
 
     def forward_block(
         self, idx: int, state: CallState, hidden: torch.Tensor, input_requires_grad: bool, record: bool = True
@@ -236,7 +238,8 @@ class _BlockFunction(torch.autograd.Function):
             ctx.save_for_backward(hidden)
         ctx.set_materialize_grads(False)  # an unused side output sends None, not a tensor of zeros
         out, side = engine.forward_block(runner.idx, state, hidden, hidden.requires_grad)
-        return (out, *side)
+        # Each grad input again, as the link of its InputChain (its gradient from the later blocks comes back here).
+        return (out, *side, *(t.detach() for t in state.grad_inputs))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor | None, *grad_side: torch.Tensor | None):
@@ -272,12 +275,45 @@ class BlockRunner:
         _refuse_caches(self.idx, args, kwargs)
         originals = state.take_grad_inputs()
         state.offload = engine.offloads_call(self.idx, hidden)
-        out, *side = _BlockFunction.apply(self, state, engine.grad_anchor, hidden, *originals)
+        links = engine.input_chain.inputs(self.idx, originals)
+        out, *side = _BlockFunction.apply(self, state, engine.grad_anchor, hidden, *links)
+        if originals:
+            engine.input_chain.extend(self.idx, originals, side[-len(originals) :])
+            side = side[: -len(originals)]
         # An input the block returned unchanged is returned as the caller's tensor, with its graph.
-        passed = {id(s): o for s, o in zip([state.own_input, *state.grad_inputs], [hidden, *originals]) if s is not None}
+        passed = {
+            id(s): o for s, o in zip([state.own_input, *state.grad_inputs], [hidden, *originals]) if s is not None
+        }
         state.own_input = None
         state.extra = _replace(state.extra, state.extra_ids, side, passed)
         return state.rebuild(out)
+
+
+class InputChain:
+    """Tensor arguments that several blocks of one forward pass take (an encoder's output that every decoder
+    block attends to, a position bias the first block made) are chained: each block's node returns the
+    argument again, and the next block of the pass takes that as its input instead. In backward a block
+    then gets the gradient the later blocks sent the argument and adds its own uses to it, starting from
+    it, so the sum is formed in the order ordinary autograd forms it (the last block's uses first): bitwise
+    the same gradient reaches where the argument came from."""
+
+    def __init__(self) -> None:
+        self.links: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(argument) -> (it, block, link)
+
+    def inputs(self, idx: int, originals: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What block `idx` takes as its node's inputs for these arguments: the link an earlier block of this
+        pass returned, or the argument itself."""
+        # Links from an earlier pass (a block at or after this one made them) or to a freed argument go.
+        self.links = {k: v for k, v in self.links.items() if v[1] < idx and v[0]() is not None}
+        found = [self.links.get(id(t)) for t in originals]
+        return [link[2] if link is not None and link[0]() is t else t for t, link in zip(originals, found)]
+
+    def extend(self, idx: int, originals: list[torch.Tensor], links: list[torch.Tensor]) -> None:
+        for t, link in zip(originals, links):
+            self.links[id(t)] = (weakref.ref(t), idx, link)
+
+    def clear(self) -> None:
+        self.links.clear()
 
 
 class CompiledBlock:

@@ -84,7 +84,10 @@ class Mutations:
         a GPU a wait for the block's kernels, paid only by blocks that have buffers)."""
         modules = list(block.modules())
         buffers = {
-            (id(m), n): (m, n, b, b._version, b.clone()) for m in modules for n, b in m._buffers.items() if b is not None
+            (id(m), n): (m, n, b, b._version, b.clone())
+            for m in modules
+            for n, b in m._buffers.items()
+            if b is not None
         }
         scalars = [(m, {k: v for k, v in m.__dict__.items() if isinstance(v, SCALARS)}) for m in modules]
         found = cls(block)

@@ -47,7 +47,14 @@ from torch import nn
 
 from megatrain_lightning.device_memory import auto_slot_count, free_device_bytes, step_transient_bytes
 from megatrain_lightning.engine import pinned
-from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, compile_block_calls, select_side
+from megatrain_lightning.engine.block_fn import (
+    BlockRunner,
+    CallState,
+    InputChain,
+    SideOutputs,
+    compile_block_calls,
+    select_side,
+)
 from megatrain_lightning.engine.block_state import Mutations, flatten
 from megatrain_lightning.engine.config import EngineConfig, forward_context
 from megatrain_lightning.engine.discover import find_blocks
@@ -128,6 +135,7 @@ class Engine:
         slots = 2 if config.num_slots == "auto" else config.num_slots
         self.pool = SlotPool(self.streams, slots, max(u.numel for u in self.units), self.compute_dtype)
         self.grad_anchor = torch.empty(0, requires_grad=True)
+        self.input_chain = InputChain()
         # Steps run in the order the next forward needs them, among those whose gradient has landed
         # (engine/worker.py); with the NVMe tier in the order queued, the order its read-ahead plan names.
         worker = HostWorker(
@@ -414,6 +422,10 @@ class Engine:
         if not trained and not any(needs):
             return (None,) * len(needs)
         wanted = [t for t, need in zip(state.grad_inputs, needs[1:]) if need]  # leaves: grads taken, not kept
+        # The gradients the later blocks sent each grad input through its chain link (InputChain).
+        n_side = len(grads_out) - len(state.grad_inputs)
+        grads_out, seeds = grads_out[:n_side], grads_out[n_side:]
+        seeded = [(t, g) for t, g, need in zip(state.grad_inputs, seeds, needs[1:]) if need and g is not None]
 
         def recompute() -> tuple:
             x = hidden.detach().requires_grad_(needs[0])
@@ -423,13 +435,15 @@ class Engine:
                     out, _, extra = state.split(state.call(runner.inner, x))
                 side.add(extra)
                 side.restore_attrs()
+                # Made last, so autograd runs them first: a grad input's sum starts from the later blocks' part.
+                links = [(t.view_as(t), g) for t, g in seeded]
             if len(side.tensors) != state.recorded:
                 raise RuntimeError(
                     f"decoder block {idx} produced {len(side.tensors)} side tensors in its recompute but "
                     f"{state.recorded} in its forward: the block must run the same code both times"
                 )
             pairs = [(o, g) for o, g in zip([out, *(side.tensors[i] for i in state.side_index)], grads_out)]
-            pairs = [(o, g) for o, g in pairs if g is not None and o.requires_grad]
+            pairs = [(o, g) for o, g in pairs if g is not None and o.requires_grad] + links
             inputs = ([x] if needs[0] else []) + wanted + [unit.entries[i].param for i in trained]
             if not pairs:
                 return (None,) * len(inputs)
@@ -628,6 +642,7 @@ class Engine:
             self._buffers_to_host(idx)
         for config in self._caches_off:
             config.use_cache = True
+        self.input_chain.clear()
         for blk, runner in zip(self.blocks, self.runners):
             blk.__dict__.pop("forward", None)
             if runner.own is not None:
