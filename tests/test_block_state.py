@@ -53,13 +53,15 @@ class NormBlock(nn.Module):
 
 
 class CountingBlock(nn.Module):
-    """A counter buffer, an EMA buffer read by the output after its update, and a plain int attribute."""
+    """A counter buffer, an EMA buffer read by the output after its update, a buffer replaced by a new tensor
+    and a plain int attribute."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(WIDTH, WIDTH)
         self.register_buffer("count", torch.zeros((), dtype=torch.long))
         self.register_buffer("ema", torch.zeros(WIDTH))
+        self.register_buffer("seen", torch.zeros(()))
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,6 +70,7 @@ class CountingBlock(nn.Module):
             self.count += 1
             self.calls += 1
             self.ema.mul_(0.5).add_(0.5 * h.detach().mean((0, 1)))  # (a buffer updated in place)
+            self.seen = self.seen + h.detach().abs().mean()  # (a buffer replaced)
         return x + torch.tanh(h + self.ema) * (1 + 0.1 * self.calls) + 0.01 * self.count
 
 
@@ -116,6 +119,32 @@ def test_state_a_forward_updates_ends_each_step_as_in_ordinary_training(block):
     a.eval(), b.eval()
     with torch.no_grad():
         assert torch.equal(b(batches[0]), a(batches[0]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block", [NormBlock, CountingBlock])
+def test_buffers_a_forward_updates_on_the_gpu_reach_the_model(block):
+    """On a GPU a block runs on device copies of its host buffers: what its forward updates there is in
+    the model's state dict while training and in the model handed back by close()."""
+    torch.manual_seed(0)
+    model = StackLM(block)
+    engine = Engine(model, EngineConfig(device="cuda", precision="32-true"))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for ids in token_batches(2):
+        stack_loss(model, ids.cuda()).backward()
+        opt.step()
+        opt.zero_grad()
+    counter = "bn.num_batches_tracked" if block is NormBlock else "count"
+    stat = "bn.running_mean" if block is NormBlock else "seen"
+    state = model.state_dict()
+    assert [int(state[f"layers.{i}.{counter}"]) for i in range(3)] == [2, 2, 2]
+    assert all(state[f"layers.{i}.{stat}"].abs().sum() > 0 for i in range(3))
+    engine.close()
+    after = dict(model.named_buffers())
+    assert all(b.device.type == "cpu" for b in after.values())
+    for name, value in state.items():
+        if name in after:
+            assert torch.equal(after[name], value.cpu()), name
 
 
 class ListBlock(nn.Module):
