@@ -341,6 +341,32 @@ def test_encoder_output_and_position_bias_get_their_gradients_back():
     assert not torch.equal(mt.decoder[0].rel, start[0]) and not torch.equal(mt.encoder[0].lin.weight, start[1])
 
 
+class Holder:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class HolderBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, held: Holder) -> torch.Tensor:
+        return x + self.lin(x) * held.t
+
+
+def test_a_tensor_needing_grad_inside_an_opaque_object_is_refused_in_one_line():
+    """The engine cannot take such an object apart: its tensor would get no gradient, so the call is refused."""
+    model = StackLM(HolderBlock, layers=2)
+    Engine(model, EngineConfig(device="cpu", precision="32-true"))
+    scale = torch.ones(WIDTH, requires_grad=True)
+    with pytest.raises(TypeError, match=r"decoder block 0 got a Holder \(in argument 1\) holding a tensor") as e:
+        model.layers[0](torch.zeros(1, 2, WIDTH), Holder(scale))
+    assert "\n" not in str(e.value)
+    with torch.no_grad():  # without grad nothing is differentiated
+        assert model.layers[0](torch.zeros(1, 2, WIDTH), Holder(scale)).shape == (1, 2, WIDTH)
+
+
 def test_streamed_blocks_are_the_decoder_stack():
     assert find_blocks(EncDec())[0] == "decoder"
 

@@ -272,7 +272,7 @@ class BlockRunner:
             # Evaluation: stream the weights, keep no input and build no graph. A KV cache is fine here.
             out, _ = engine.forward_block(self.idx, state, hidden, hidden.requires_grad, record=False)
             return state.rebuild(out)
-        _refuse_caches(self.idx, args, kwargs)
+        _refuse_training_inputs(self.idx, args, kwargs)
         originals = state.take_grad_inputs()
         state.offload = engine.offloads_call(self.idx, hidden)
         links = engine.input_chain.inputs(self.idx, originals)
@@ -433,8 +433,20 @@ def is_cache(obj: Any) -> bool:
     return any(cls.__name__ == "Cache" or cls.__name__.endswith("Cache") for cls in type(obj).__mro__[:-1])
 
 
-def _refuse_caches(idx: int, args: tuple, kwargs: dict) -> None:
-    for name, value in [*(("argument", a) for a in args[1:]), *kwargs.items()]:
+def _refuse_training_inputs(idx: int, args: tuple, kwargs: dict) -> None:
+    """KV caches, and tensors that require grad inside objects the engine cannot take apart (their gradient
+    would be lost silently)."""
+    for name, value in [*((f"argument {i + 1}", a) for i, a in enumerate(args[1:])), *kwargs.items()]:
+        for leaf in flatten(value)[0]:
+            if isinstance(leaf, (torch.Tensor, nn.Module, type)) or not hasattr(leaf, "__dict__"):
+                continue
+            inside = [k for k, v in vars(leaf).items() if isinstance(v, torch.Tensor) and v.requires_grad]
+            if inside and not is_cache(leaf):
+                raise TypeError(
+                    f"strategy='megatrain': decoder block {idx} got a {type(leaf).__name__} (in {name}) holding a "
+                    f"tensor that requires grad ({inside[0]!r}), which would get no gradient: pass the tensor as an "
+                    "argument of its own, or in a tuple, list, dict or dataclass"
+                )
         if is_cache(value):
             raise RuntimeError(
                 f"strategy='megatrain': decoder block {idx} got a KV cache ({type(value).__name__}, as {name}) while "
