@@ -28,7 +28,6 @@ both times keeps the loss and the gradients bit for bit those of ordinary traini
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any, Protocol
@@ -36,7 +35,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from megatrain_lightning.engine.block_state import Mutations, flatten
+from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
 
 
 class Streamer(Protocol):
@@ -287,33 +286,6 @@ class BlockRunner:
         state.own_input = None
         state.extra = _replace(state.extra, state.extra_ids, side, passed)
         return state.rebuild(out)
-
-
-class InputChain:
-    """Tensor arguments that several blocks of one forward pass take (an encoder's output that every decoder
-    block attends to, a position bias the first block made) are chained: each block's node returns the
-    argument again, and the next block of the pass takes that as its input instead. In backward a block
-    then gets the gradient the later blocks sent the argument and adds its own uses to it, starting from
-    it, so the sum is formed in the order ordinary autograd forms it (the last block's uses first): bitwise
-    the same gradient reaches where the argument came from."""
-
-    def __init__(self) -> None:
-        self.links: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(argument) -> (it, block, link)
-
-    def inputs(self, idx: int, originals: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What block `idx` takes as its node's inputs for these arguments: the link an earlier block of this
-        pass returned, or the argument itself."""
-        # Links from an earlier pass (a block at or after this one made them) or to a freed argument go.
-        self.links = {k: v for k, v in self.links.items() if v[1] < idx and v[0]() is not None}
-        found = [self.links.get(id(t)) for t in originals]
-        return [link[2] if link is not None and link[0]() is t else t for t, link in zip(originals, found)]
-
-    def extend(self, idx: int, originals: list[torch.Tensor], links: list[torch.Tensor]) -> None:
-        for t, link in zip(originals, links):
-            self.links[id(t)] = (weakref.ref(t), idx, link)
-
-    def clear(self) -> None:
-        self.links.clear()
 
 
 class CompiledBlock:

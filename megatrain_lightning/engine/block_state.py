@@ -10,12 +10,16 @@ The recompute runs the forward a second time. :class:`Mutations` records, per fo
 changed and the values from before it; the recompute then starts from those values (it computes what the
 forward computed) and everything it changes is put back afterwards, so each update happens once, as in
 ordinary training.
+
+A tensor argument several blocks of a pass take is chained through their autograd nodes
+(:class:`InputChain`), so its gradient is summed in the order ordinary autograd sums it.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -166,3 +170,30 @@ def _put(where: dict, key: str, value: Any) -> None:
         where.pop(key, None)
     else:
         where[key] = value
+
+
+class InputChain:
+    """Tensor arguments that several blocks of one forward pass take (an encoder's output that every decoder
+    block attends to, a position bias the first block made) are chained: each block's node returns the
+    argument again, and the next block of the pass takes that as its input instead. In backward a block
+    then gets the gradient the later blocks sent the argument and adds its own uses to it, starting from
+    it, so the sum is formed in the order ordinary autograd forms it (the last block's uses first): bitwise
+    the same gradient reaches where the argument came from."""
+
+    def __init__(self) -> None:
+        self.links: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(argument) -> (it, block, link)
+
+    def inputs(self, idx: int, originals: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What block `idx` takes as its node's inputs for these arguments: the link an earlier block of this
+        pass returned, or the argument itself."""
+        # Links from an earlier pass (a block at or after this one made them) or to a freed argument go.
+        self.links = {k: v for k, v in self.links.items() if v[1] < idx and v[0]() is not None}
+        found = [self.links.get(id(t)) for t in originals]
+        return [link[2] if link is not None and link[0]() is t else t for t, link in zip(originals, found)]
+
+    def extend(self, idx: int, originals: list[torch.Tensor], links: list[torch.Tensor]) -> None:
+        for t, link in zip(originals, links):
+            self.links[id(t)] = (weakref.ref(t), idx, link)
+
+    def clear(self) -> None:
+        self.links.clear()

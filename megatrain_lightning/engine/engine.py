@@ -20,6 +20,7 @@ needs (it imports no Lightning):
      |  compute copy, gradient slab; the block's parameters stay registered as views of the master
      |- SlotPool (engine/streams.py): device slots blocks stream through; Uploader (engine/uploads.py)
      |- BlockRunner per block (engine/block_fn.py): the block's forward, recomputed in backward
+     |  (engine/block_state.py: what a block call takes, returns and changes)
      |- SavedInputs (engine/saved_inputs.py): block inputs kept for backward, on the device or the host
      |- HostSide (engine/host_steps.py): gradients to the host, accumulation, norms, Adam, the worker
      |- OuterParams (engine/outer.py): embedding, final norm, head: device copies rewritten after a step
@@ -28,7 +29,7 @@ One host worker thread (engine/worker.py) does all host-side arithmetic, a unit'
 submitted and steps in the order the next forward needs them. A unit's ``future`` is its last job;
 nothing reads or overwrites a unit's buffers before that future and the copy events it waits on.
 
-Why one file of about 600 lines: it is the public API (each call a few lines) and the per-block streaming
+Why one file of about 700 lines: it is the public API (each call a few lines) and the per-block streaming
 (forward_block, backward_block, the slot loads they issue), which share the slot pool and the open calls of
 each block; the parts with state of their own live in the files named above.
 """
@@ -47,15 +48,8 @@ from torch import nn
 
 from megatrain_lightning.device_memory import auto_slot_count, free_device_bytes, step_transient_bytes
 from megatrain_lightning.engine import pinned
-from megatrain_lightning.engine.block_fn import (
-    BlockRunner,
-    CallState,
-    InputChain,
-    SideOutputs,
-    compile_block_calls,
-    select_side,
-)
-from megatrain_lightning.engine.block_state import Mutations, flatten
+from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, compile_block_calls, select_side
+from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.config import EngineConfig, forward_context
 from megatrain_lightning.engine.discover import find_blocks
 from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
