@@ -20,6 +20,7 @@ needs (it imports no Lightning):
      |  compute copy, gradient slab; the block's parameters stay registered as views of the master
      |- SlotPool (engine/streams.py): device slots blocks stream through; Uploader (engine/uploads.py)
      |- BlockRunner per block (engine/block_fn.py): the block's forward, recomputed in backward
+     |  (engine/block_state.py: what a block call takes, returns and changes)
      |- SavedInputs (engine/saved_inputs.py): block inputs kept for backward, on the device or the host
      |- HostSide (engine/host_steps.py): gradients to the host, accumulation, norms, Adam, the worker
      |- OuterParams (engine/outer.py): embedding, final norm, head: device copies rewritten after a step
@@ -28,7 +29,7 @@ One host worker thread (engine/worker.py) does all host-side arithmetic, a unit'
 submitted and steps in the order the next forward needs them. A unit's ``future`` is its last job;
 nothing reads or overwrites a unit's buffers before that future and the copy events it waits on.
 
-Why one file of about 600 lines: it is the public API (each call a few lines) and the per-block streaming
+Why one file of about 700 lines: it is the public API (each call a few lines) and the per-block streaming
 (forward_block, backward_block, the slot loads they issue), which share the slot pool and the open calls of
 each block; the parts with state of their own live in the files named above.
 """
@@ -38,7 +39,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
 
@@ -48,6 +49,7 @@ from torch import nn
 from megatrain_lightning.device_memory import auto_slot_count, free_device_bytes, step_transient_bytes
 from megatrain_lightning.engine import pinned
 from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, compile_block_calls, select_side
+from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.config import EngineConfig, forward_context
 from megatrain_lightning.engine.discover import find_blocks
 from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
@@ -127,6 +129,7 @@ class Engine:
         slots = 2 if config.num_slots == "auto" else config.num_slots
         self.pool = SlotPool(self.streams, slots, max(u.numel for u in self.units), self.compute_dtype)
         self.grad_anchor = torch.empty(0, requires_grad=True)
+        self.input_chain = InputChain()
         # Steps run in the order the next forward needs them, among those whose gradient has landed
         # (engine/worker.py); with the NVMe tier in the order queued, the order its read-ahead plan names.
         worker = HostWorker(
@@ -165,8 +168,9 @@ class Engine:
             self.runners.append(BlockRunner(self, i, blk))
             blk.forward = self.runners[-1]
             # A block's parameters are views of its master, which the worker steps in the background after
-            # optimizer_step returns: state_dict() (of the model or the block) waits for the block's step.
-            self._state_hooks.append(blk.register_state_dict_pre_hook(lambda *_, unit=unit: unit.wait()))
+            # optimizer_step returns: state_dict() (of the model or the block) waits for the block's step, and
+            # reads the buffers the block's forward updated on their device copies.
+            self._state_hooks.append(blk.register_state_dict_pre_hook(partial(self._block_state_read, i)))
         self._refresh_block_buffers()
 
     def _check_host_memory(self, block_params, outer, available_bytes: Callable[[], int]) -> None:
@@ -207,10 +211,31 @@ class Engine:
             )
 
     def _refresh_block_buffers(self) -> None:
-        """Device copies of the blocks' buffers (bound in place of the host ones while a block runs)."""
+        """Device copies of the blocks' host buffers, per block a list of [module, name, host buffer, device
+        copy]: bound in place of the host ones while a block runs, so what its forward updates in place lands
+        on the copy (and a buffer the forward replaces becomes the copy); :meth:`_buffers_to_host` brings the
+        copies back."""
         self._block_buffers = [
-            [(b, b.to(self.device)) for b in blk.buffers() if b.device != self.device] for blk in self.blocks
+            [
+                [m, n, b, b.to(self.device)]
+                for m in blk.modules()
+                for n, b in m._buffers.items()
+                if b is not None and b.device != self.device
+            ]
+            for blk in self.blocks
         ]
+
+    def _buffers_to_host(self, idx: int) -> None:
+        """Write block `idx`'s device buffer copies into its host buffers (before they are read)."""
+        for _, _, host, dev in self._block_buffers[idx]:
+            if host.shape == dev.shape and host.dtype == dev.dtype:
+                host.copy_(dev)
+            else:
+                host.data = dev.detach().to(host.device)
+
+    def _block_state_read(self, idx: int, *_: Any) -> None:
+        self.units[idx].wait()
+        self._buffers_to_host(idx)
 
     def _outer_buffers_to(self, device: torch.device) -> None:
         in_blocks = {id(m) for b in self.blocks for m in b.modules()}
@@ -355,18 +380,20 @@ class Engine:
         side = SideOutputs(blk) if record else None
 
         def call() -> Any:
-            with side.recording() if side is not None else nullcontext():
+            if side is None:
+                return state.call(runner.inner, x)
+            # (inside the binding: a buffer's changes are seen on its device copy)
+            with side.recording(), Mutations.watch(blk) as state.changed:
                 return state.call(runner.inner, x)
 
         with torch.no_grad():
-            out, state.kind, state.extra = state.split(self._run(idx, +1, call))
+            out, state.unsplit, state.extra = state.split(self._run(idx, +1, call))
         if side is None:
             return out, []
+        state.own_input = x
         side.add(state.extra)
         state.recorded = len(side.tensors)
-        state.side_index = select_side(
-            side.tensors, out, [x, *torch.utils._pytree.tree_leaves((state.args, state.kwargs))]
-        )
+        state.side_index = select_side(side.tensors, out, [x, *flatten((state.args, state.kwargs))[0]])
         picked = [side.tensors[i] for i in state.side_index]
         state.extra_ids = {id(t): j for j, t in enumerate(picked)}
         self._forward_states[idx] = weakref.ref(state)
@@ -374,9 +401,10 @@ class Engine:
         return out, picked
 
     def backward_block(
-        self, idx: int, state: CallState, hidden: torch.Tensor, grads_out: list, need_input_grad: bool
-    ) -> torch.Tensor | None:
-        """Recompute block `idx` with grad; ship its parameters' gradients to the host, return the input's."""
+        self, idx: int, state: CallState, hidden: torch.Tensor, grads_out: list, needs: tuple[bool, ...]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Recompute block `idx` with grad; ship its parameters' gradients to the host, return the gradients
+        of its inputs (the hidden state, then the arguments that require grad) where `needs` asks for them."""
         unit, blk, runner = self.units[idx], self.blocks[idx], self.runners[idx]
         self._open_calls[idx].discard(state)
         more = bool(self._open_calls[idx])  # another call of this block is still to come back
@@ -385,33 +413,41 @@ class Engine:
         # Parameters the user froze get no gradient, exactly as in ordinary training (checked now: a
         # parameter may be frozen or unfrozen between steps).
         trained = [i for i, e in enumerate(unit.entries) if e.param.requires_grad]
-        if not trained and not need_input_grad:
-            return None
+        if not trained and not any(needs):
+            return (None,) * len(needs)
+        wanted = [t for t, need in zip(state.grad_inputs, needs[1:]) if need]  # leaves: grads taken, not kept
+        # The gradients the later blocks sent each grad input through its chain link (InputChain).
+        n_side = len(grads_out) - len(state.grad_inputs)
+        grads_out, seeds = grads_out[:n_side], grads_out[n_side:]
+        seeded = [(t, g) for t, g, need in zip(state.grad_inputs, seeds, needs[1:]) if need and g is not None]
 
         def recompute() -> tuple:
-            x = hidden.detach().requires_grad_(need_input_grad)
+            x = hidden.detach().requires_grad_(needs[0])
             side = SideOutputs(blk)
-            with torch.enable_grad(), state.replay():
+            with torch.enable_grad(), state.replay(), state.changed.replayed(idx):
                 with side.recording():
                     out, _, extra = state.split(state.call(runner.inner, x))
                 side.add(extra)
-            side.restore_attrs()
+                side.restore_attrs()
+                # Made last, so autograd runs them first: a grad input's sum starts from the later blocks' part.
+                links = [(t.view_as(t), g) for t, g in seeded]
             if len(side.tensors) != state.recorded:
                 raise RuntimeError(
                     f"decoder block {idx} produced {len(side.tensors)} side tensors in its recompute but "
                     f"{state.recorded} in its forward: the block must run the same code both times"
                 )
             pairs = [(o, g) for o, g in zip([out, *(side.tensors[i] for i in state.side_index)], grads_out)]
-            pairs = [(o, g) for o, g in pairs if g is not None and o.requires_grad]
-            inputs = ([x] if need_input_grad else []) + [unit.entries[i].param for i in trained]
+            pairs = [(o, g) for o, g in pairs if g is not None and o.requires_grad] + links
+            inputs = ([x] if needs[0] else []) + wanted + [unit.entries[i].param for i in trained]
             if not pairs:
                 return (None,) * len(inputs)
             outs, gouts = zip(*pairs)
             return torch.autograd.grad(outs, inputs, gouts, allow_unused=True)
 
-        grads = self._run(idx, -1, recompute)
+        grads = list(self._run(idx, -1, recompute))
+        grads_in = [grads.pop(0) if need else None for need in needs]
         by_entry: list[torch.Tensor | None] = [None] * len(unit.entries)
-        for i, g in zip(trained, grads[1:] if need_input_grad else grads):
+        for i, g in zip(trained, grads):
             by_entry[i] = g
         present = [g is not None for g in by_entry]
         if any(present):
@@ -419,7 +455,7 @@ class Engine:
             self.host.ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot, more=more)
         elif unit.held is not None and not more:
             self.host.land_held(unit, idx, this_pass=unit.held.task == graph_task())  # it was the last call
-        return grads[0] if need_input_grad else None
+        return tuple(grads_in)
 
     def _run(self, idx: int, direction: int, fn: Callable[[], Any]) -> Any:
         """Bind block `idx`'s weights from a slot, enqueue `fn`, then prefetch the next blocks (those whose
@@ -446,15 +482,20 @@ class Engine:
         """Point block `idx`'s parameters at the device weights in `flat` and its buffers at their device
         copies for the duration of a call; afterwards the parameters are views of the masters again."""
         unit = self.units[idx]
-        buffers = [(b, b.data, dev) for b, dev in self._block_buffers[idx]]
+        buffers = [(record, record[2].data) for record in self._block_buffers[idx]]
         unit.bind(flat)
-        for b, _, dev in buffers:
+        for (_, _, b, dev), _ in buffers:
             b.data = dev
         try:
             yield
         finally:
             unit.bind(unit.master)
-            for b, host, _ in buffers:
+            for record, host in buffers:
+                module, name, b, _ = record
+                now = module._buffers.get(name)
+                if now is not b and now is not None:  # the forward assigned a new tensor: the copy from now on
+                    record[3] = now.detach()
+                    module._buffers[name] = b
                 b.data = host
 
     def _load(self, idx: int, protect: set[int], wait: bool = True) -> int | None:
@@ -484,6 +525,8 @@ class Engine:
         """Load weights into the fp32 masters and refresh every compute copy."""
         self.flush()
         self.outer.bind_masters()
+        for idx in range(len(self.blocks)):
+            self._buffers_to_host(idx)  # a buffer the state dict leaves out keeps its value from training
         self.model.load_state_dict(state_dict, strict=strict)
         self.refresh_from_masters()
 
@@ -589,8 +632,11 @@ class Engine:
             self.tier.close()  # the moments are scratch: the run directory goes with them
         for handle in self._state_hooks:
             handle.remove()
+        for idx in range(len(self.blocks)):
+            self._buffers_to_host(idx)
         for config in self._caches_off:
             config.use_cache = True
+        self.input_chain.clear()
         for blk, runner in zip(self.blocks, self.runners):
             blk.__dict__.pop("forward", None)
             if runner.own is not None:
