@@ -30,8 +30,8 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 import torch
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 from torch import nn
 
 from megatrain_lightning.engine.engine import Engine
