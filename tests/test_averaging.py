@@ -4,6 +4,7 @@ and a resume from them are those of ordinary training, bit for bit (fp32 on the 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from torch import nn
 from megatrain_lightning import MegatrainStrategy
 from megatrain_lightning.convert import lightning_checkpoint
 from megatrain_lightning.engine.engine import Engine
+from megatrain_lightning.optim import kernels
+from tests.async_streams import install
 from tests.helpers import (
     CausalLM,
     hf_llama,
@@ -57,10 +60,12 @@ class OddSteps(WeightAveraging):
         return epoch_idx is not None or step_idx % 2 == 1
 
 
-def fit_with(strategy: str, callback: Callback, make=own_llama, loss=own_loss, **kwargs: Any) -> tuple[CausalLM, list]:
+def fit_with(
+    strategy: Any, callback: Callback, make=own_llama, loss=own_loss, layers: int = 2, **kwargs: Any
+) -> tuple[CausalLM, list]:
     """Two epochs of 3 steps, validating after each (and a sanity check first); the val losses seen."""
     ckpt_path = kwargs.pop("ckpt_path", None)
-    module, rec = CausalLM(make(2), loss_fn=loss), RecordVal()
+    module, rec = CausalLM(make(layers), loss_fn=loss), RecordVal()
     callbacks = [callback, rec, *kwargs.pop("callbacks", [])]
     kwargs.setdefault("num_sanity_val_steps", 1)
     t = trainer(strategy, max_epochs=2, callbacks=callbacks, **kwargs)
@@ -122,15 +127,22 @@ def test_ema_equals_ordinary_with_sharded_checkpoints_and_resume(tmp_path):
 
 
 def test_custom_weight_averaging_equals_ordinary(tmp_path, monkeypatch):
-    """Another avg_fn and schedule, a Hugging Face model, checkpoints in Lightning's format; the strategy
-    waits for the host steps only where the average is updated."""
+    """Another avg_fn and schedule, a Hugging Face model, checkpoints in Lightning's format. Host steps made
+    slow and copies run late: the average reads each block after its step, and the strategy waits for the
+    host steps only where the average is updated."""
+    install(monkeypatch, hold=1.0)  # a copy runs only once something waits for it
+    adam_step = kernels.adam_step_
+    monkeypatch.setattr(kernels, "adam_step_", lambda *a: time.sleep(0.01) or adam_step(*a))
     reads = []
     host_view = Engine.host_view
     monkeypatch.setattr(Engine, "host_view", lambda self, write=True: reads.append(write) or host_view(self, write))
     runs = {}
-    for name, strategy in (("auto", "auto"), ("megatrain", MegatrainStrategy(checkpoint_format="torch"))):
+    for name, strategy in (
+        ("auto", "auto"),
+        ("megatrain", MegatrainStrategy(checkpoint_format="torch", overlap_optimizer=False)),
+    ):
         cb, saver = OddSteps(), ModelCheckpoint(dirpath=tmp_path / name, save_top_k=-1)
-        module, vals = fit_with(strategy, cb, hf_llama, hf_loss, callbacks=[saver], enable_checkpointing=True)
+        module, vals = fit_with(strategy, cb, hf_llama, hf_loss, 4, callbacks=[saver], enable_checkpointing=True)
         runs[name] = (module, cb, vals)
     assert_runs_equal(runs["auto"], runs["megatrain"])
     for epoch in (0, 1):
