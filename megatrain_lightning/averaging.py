@@ -60,6 +60,8 @@ class AveragingViews:
         """Check and patch every averaging callback in `callbacks`; `engine()` is the strategy's engine now."""
         self._engine = engine
         self._patched: list[tuple[Any, str, Any]] = []  # (object, attribute, its own instance value or _ABSENT)
+        # WeightAveraging's on_load_checkpoint takes its average from the checkpoint's state dict.
+        self.reads_state_dict = any(isinstance(cb, WeightAveraging) for cb in callbacks)
         for cb in callbacks:
             if isinstance(cb, StochasticWeightAveraging):
                 check_swa(module)

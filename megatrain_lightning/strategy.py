@@ -279,7 +279,8 @@ class MegatrainStrategy(SingleDeviceStrategy):
         state, index = mt_checkpoint.store.read_checkpoint(str(checkpoint_path))
         state["megatrain_checkpoint"] = str(checkpoint_path)
         state["state_dict"] = {}  # the weights stream from the shards in load_model_state_dict
-        if AVERAGED_STATE in state:  # WeightAveraging's on_load_checkpoint reads its average from the state dict
+        if AVERAGED_STATE in state or (self._averaging is not None and self._averaging.reads_state_dict):
+            # WeightAveraging's on_load_checkpoint reads its average from the state dict (one copy, for a moment)
             state["state_dict"] = lightning_checkpoint(str(checkpoint_path), optimizer=False)["state_dict"]
         if index["optimizer"]:
             state["optimizer_states"] = [{"param_groups": index["param_groups"]}]

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import (
 from torch import nn
 
 from megatrain_lightning import MegatrainStrategy
-from megatrain_lightning.convert import lightning_checkpoint
+from megatrain_lightning.convert import lightning_checkpoint, to_lightning
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.optim import kernels
 from tests.async_streams import install
@@ -85,12 +85,12 @@ def assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
         assert torch.equal(a[name], b[name]), name
 
 
-def assert_runs_equal(ref: tuple, mt: tuple) -> None:
+def assert_runs_equal(ref: tuple, mt: tuple, validations: int = 3) -> None:
     """Final module weights, the averaged model and every validation loss."""
     (ref_module, ref_cb, ref_vals), (mt_module, mt_cb, mt_vals) = ref, mt
     assert_equal(params_of(mt_module.model), params_of(ref_module.model))
     assert_equal(averaged(mt_cb), averaged(ref_cb))
-    assert len(ref_vals) == 3 and mt_vals == ref_vals  # the sanity check, then after each epoch
+    assert len(ref_vals) == validations and mt_vals == ref_vals  # (by default a sanity check, then each epoch)
 
 
 def checkpoint_at(directory: Path, epoch: int, sharded: bool) -> dict[str, Any]:
@@ -187,3 +187,19 @@ def test_swa_refuses_batch_norm():
     with pytest.raises(ValueError, match="StochasticWeightAveraging on a model with BatchNorm") as err, quiet():
         t.fit(module, loader(TRAIN))
     assert "\n" not in str(err.value)
+
+
+def test_ema_resumes_from_a_sharded_checkpoint_saved_without_it(tmp_path):
+    """The average starts from the checkpoint's weights (WeightAveraging reads them from its state dict, which
+    a sharded checkpoint holds in its shards): as ordinary training resuming from the same checkpoint."""
+    module, saver = CausalLM(own_llama(2), loss_fn=own_loss), ModelCheckpoint(dirpath=tmp_path, filename="plain")
+    with quiet():
+        trainer("megatrain", callbacks=[saver], enable_checkpointing=True).fit(module, loader(TRAIN))
+    to_lightning(str(tmp_path / "plain.ckpt"), tmp_path / "plain-torch.ckpt")
+    runs = {}
+    for strategy, path in (("auto", "plain-torch.ckpt"), ("megatrain", "plain.ckpt")):
+        cb = EMAWeightAveraging(decay=0.5)
+        module, vals = fit_with(strategy, cb, ckpt_path=str(tmp_path / path))
+        runs[strategy] = (module, cb, vals)
+    # The sanity check validates with the average loaded (the first update then copies the weights over it).
+    assert_runs_equal(runs["auto"], runs["megatrain"], validations=2)
