@@ -59,6 +59,10 @@ class OddSteps(WeightAveraging):
     def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
         return epoch_idx is not None or step_idx % 2 == 1
 
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:  # a hook of its own that writes the weights
+        with torch.no_grad():
+            pl_module.model.lm_head.weight.mul_(0.5)
+
 
 def fit_with(
     strategy: Any, callback: Callback, make=own_llama, loss=own_loss, layers: int = 2, **kwargs: Any
@@ -127,7 +131,7 @@ def test_ema_equals_ordinary_with_sharded_checkpoints_and_resume(tmp_path):
 
 
 def test_custom_weight_averaging_equals_ordinary(tmp_path, monkeypatch):
-    """Another avg_fn and schedule, a Hugging Face model, checkpoints in Lightning's format. Host steps made
+    """Another avg_fn and schedule, a hook of its own, a Hugging Face model, checkpoints in Lightning's format. Host steps made
     slow and copies run late: the average reads each block after its step, and the strategy waits for the
     host steps only where the average is updated."""
     install(monkeypatch, hold=1.0)  # a copy runs only once something waits for it
