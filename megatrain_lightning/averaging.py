@@ -37,10 +37,10 @@ from torch import nn
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.host import HostUnit
 
-# Hooks that run between steps (never inside a forward, backward or optimizer step): a view may be taken there.
+# Hooks that run between steps while the engine exists (not inside a forward, backward or optimizer step, and
+# not on_fit_end, which comes after the strategy's teardown): a view may be taken there.
 EDGE_HOOKS = (
     "on_fit_start",
-    "on_fit_end",
     "on_train_start",
     "on_train_end",
     "on_train_epoch_start",

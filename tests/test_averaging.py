@@ -59,7 +59,8 @@ class OddSteps(WeightAveraging):
     def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
         return epoch_idx is not None or step_idx % 2 == 1
 
-    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:  # a hook of its own that writes the weights
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:  # a hook of its own that writes the weights
+        super().on_train_end(trainer, pl_module)
         with torch.no_grad():
             pl_module.model.lm_head.weight.mul_(0.5)
 
