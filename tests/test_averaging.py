@@ -170,17 +170,18 @@ def test_swa_equals_ordinary():
     assert int(runs["megatrain"][1].n_averaged) == 2
 
 
-def test_average_reads_fp32_masters_under_bf16_mixed():
-    """In bf16-mixed the average reads the fp32 masters, not the bf16 device copies of the embedding, head
-    and norm: averaging 'the latest weights' gives exactly the weights a run without the callback ends with."""
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_average_reads_fp32_masters_under_bf16(precision):
+    """In bf16 the average reads the fp32 masters, not the bf16 device copies of the embedding, head and
+    norm: averaging 'the latest weights' gives exactly the weights a run without the callback ends with."""
 
     class Latest(WeightAveraging):
         def __init__(self) -> None:
             super().__init__(avg_fn=lambda avg, p, n: p)
 
-    plain, _ = fit_with("megatrain", Callback(), precision="bf16-mixed")
+    plain, _ = fit_with("megatrain", Callback(), precision=precision)
     cb = Latest()
-    module, _ = fit_with("megatrain", cb, precision="bf16-mixed")
+    module, _ = fit_with("megatrain", cb, precision=precision)
     assert_equal(averaged(cb), params_of(plain))
     assert_equal(params_of(module.model), params_of(plain.model))
 
