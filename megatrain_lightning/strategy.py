@@ -22,7 +22,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
+from megatrain_lightning.averaging import AVERAGED_STATE, AveragingViews, replaced_weights
 from megatrain_lightning.checkpoint import trust
+from megatrain_lightning.convert import lightning_checkpoint
 from megatrain_lightning.engine.config import (
     EngineConfig,
     check_checkpoint_format,
@@ -113,6 +115,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         self.storage_options = storage_options
         self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
         self.engine: Engine | None = None
+        self._averaging: AveragingViews | None = None  # set up with the engine (averaging.py)
 
     # -- device and precision ----------------------------------------------------------------------
     @property
@@ -162,6 +165,8 @@ class MegatrainStrategy(SingleDeviceStrategy):
         if fitting:
             self.optimizers = [self.engine.optimizer(self._single_optimizer())]
         self.setup_precision_plugin()
+        # Weight averaging callbacks (EMA, SWA) read and write the module through the engine's host view.
+        self._averaging = AveragingViews(trainer.callbacks, self.lightning_module, lambda: self.engine)
 
     def engine_config(self, trainer: Any, precision: str, fitting: bool) -> EngineConfig:
         """The engine's options: this strategy's, with what the Trainer says of the run."""
@@ -204,6 +209,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         """Hand back an ordinary fp32 host model (its parameters are the trained masters)."""
+        if self._averaging is not None:
+            self._averaging.restore()
+            self._averaging = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -266,8 +274,17 @@ class MegatrainStrategy(SingleDeviceStrategy):
                 {k: v for k, v in g.items() if k != "params"} for g in checkpoint["optimizer_states"][0]["param_groups"]
             ]
         options = storage_options if storage_options is not None else self.storage_options
+        # A weight average a callback put in the state dict goes to the shards as the weights (as it goes to
+        # Lightning's file); the masters it replaced are in the state too, as the callback left them.
+        weights = replaced_weights(self.engine, checkpoint.get("state_dict", {}))
         mt_checkpoint.save(
-            self.engine, str(filepath), state, optimizer=with_optimizer, param_groups=groups, storage_options=options
+            self.engine,
+            str(filepath),
+            state,
+            optimizer=with_optimizer,
+            param_groups=groups,
+            storage_options=options,
+            weights=weights,
         )
 
     @override
@@ -282,6 +299,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
         state, index = mt_checkpoint.store.read_checkpoint(path, self.storage_options)
         state["megatrain_checkpoint"] = path
         state["state_dict"] = {}  # the weights stream from the shards in load_model_state_dict
+        if AVERAGED_STATE in state or (self._averaging is not None and self._averaging.reads_state_dict):
+            # WeightAveraging's on_load_checkpoint reads its average from the state dict (one copy, for a moment)
+            state["state_dict"] = lightning_checkpoint(path, optimizer=False, storage_options=self.storage_options)["state_dict"]
         if index["optimizer"]:
             state["optimizer_states"] = [{"param_groups": index["param_groups"]}]
         return state

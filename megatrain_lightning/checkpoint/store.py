@@ -70,9 +70,12 @@ def save(
     param_groups: list[dict] | None = None,
     after_unit: Callable[[int], None] | None = None,
     storage_options: dict[str, Any] | None = None,
+    weights: Callable[[Any], torch.Tensor] | None = None,
 ) -> None:
     """Write the engine's host state (masters, and Adam state when `optimizer`) and `trainer_state`;
-    `storage_options` go to fsspec (credentials, endpoint) and are written nowhere."""
+    `storage_options` go to fsspec (credentials, endpoint) and are written nowhere. `weights(unit)`: the flat
+    fp32 weights to write in place of a unit's master (a weight average that a callback put in the
+    checkpoint's state dict); the Adam state stays the master's."""
     fs, path = _filesystem(url, storage_options)
     if fs.isdir(path):
         raise CheckpointError(f"{url} is a directory; a checkpoint path names a file (its data goes to {url}.d/)")
@@ -88,7 +91,8 @@ def save(
     units = []
     for i, unit in enumerate(engine.all_units()):
         with_adam = optimizer and unit.has_moments
-        tensors = [("master", unit.master)] + (list(_moments(unit, write=False).items()) if with_adam else [])
+        master = unit.master if weights is None else weights(unit)
+        tensors = [("master", master)] + (list(_moments(unit, write=False).items()) if with_adam else [])
         info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
         units.append(_unit_record(engine, unit, i, info, with_adam))
         if after_unit is not None:

@@ -151,6 +151,7 @@ class Engine:
         self._outer_buffers_to(self.device)
         self.outer = OuterParams(outer_units, self.device, self.streams, self.uploads, self.host)
         self.optimizer_steps = 0
+        self._host_views = self._host_view_writes = 0  # host_view(): depth, and how many of them write
         self._optimizer: HostAdamW | None = None  # the one engine.optimizer() returned (its groups go in save())
         if config.compile_blocks:
             compile_block_calls(self.blocks, self.runners)
@@ -514,21 +515,39 @@ class Engine:
     # -- state ---------------------------------------------------------------------------------------
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict with every parameter as its fp32 host master (views, no copies)."""
-        self.flush()
-        self.outer.bind_masters()
-        try:
+        with self.host_view(write=False):
             return self.model.state_dict()
+
+    @contextmanager
+    def host_view(self, write: bool = True) -> Iterator[None]:
+        """Inside, the model's parameters are what ordinary training shows between steps: every one its fp32
+        host master, every host step done (an outer parameter is otherwise a view of its device copy in the
+        compute dtype, and a block's master may still be being stepped). With `write`, what was written into
+        them is the training state from then on: the compute copies, the device copies and the slots are
+        rewritten from the masters on the way out. Re-entrant: only the outermost view binds and refreshes."""
+        self._host_views += 1
+        self._host_view_writes += int(write)
+        if self._host_views == 1:
+            self.flush()
+            self.outer.bind_masters()
+            if write:  # a buffer the writer leaves alone keeps its value from training (refresh re-copies them)
+                for idx in range(len(self.blocks)):
+                    self._buffers_to_host(idx)
+        try:
+            yield
         finally:
-            self.outer.bind_device()
+            self._host_views -= 1
+            if self._host_views == 0:
+                writes, self._host_view_writes = self._host_view_writes, 0
+                if writes:
+                    self.refresh_from_masters()  # (binds the outer parameters to their device copies again)
+                else:
+                    self.outer.bind_device()
 
     def load_master_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load weights into the fp32 masters and refresh every compute copy."""
-        self.flush()
-        self.outer.bind_masters()
-        for idx in range(len(self.blocks)):
-            self._buffers_to_host(idx)  # a buffer the state dict leaves out keeps its value from training
-        self.model.load_state_dict(state_dict, strict=strict)
-        self.refresh_from_masters()
+        with self.host_view(write=True):
+            self.model.load_state_dict(state_dict, strict=strict)
 
     def state_dict(self, optimizer: HostAdamW | None = None) -> dict[str, Any]:
         """``{"model": fp32 masters, "optimizer": torch.optim's layout}`` (the latter with `optimizer`): the
