@@ -301,7 +301,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
         state["state_dict"] = {}  # the weights stream from the shards in load_model_state_dict
         if AVERAGED_STATE in state or (self._averaging is not None and self._averaging.reads_state_dict):
             # WeightAveraging's on_load_checkpoint reads its average from the state dict (one copy, for a moment)
-            state["state_dict"] = lightning_checkpoint(path, optimizer=False, storage_options=self.storage_options)["state_dict"]
+            state["state_dict"] = lightning_checkpoint(path, optimizer=False, storage_options=self.storage_options)[
+                "state_dict"
+            ]
         if index["optimizer"]:
             state["optimizer_states"] = [{"param_groups": index["param_groups"]}]
         return state
