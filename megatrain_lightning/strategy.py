@@ -7,17 +7,20 @@ backward whether more micro-batches follow, and read/write checkpoints from the 
 
 from __future__ import annotations
 
+import logging
 import random
 import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
@@ -33,6 +36,8 @@ from megatrain_lightning.engine.config import (
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.precision import MegatrainPrecision
+
+log = logging.getLogger("megatrain_lightning")
 
 
 class MegatrainStrategy(SingleDeviceStrategy):
@@ -105,6 +110,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         self.compile_blocks = compile_blocks
         self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
         self.engine: Engine | None = None
+        self.grad_hooks: list[str] = []  # overridden hooks that see gradients (set at setup): see gradient_hooks
 
     # -- device and precision ----------------------------------------------------------------------
     @property
@@ -142,14 +148,23 @@ class MegatrainStrategy(SingleDeviceStrategy):
             )
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self.grad_hooks = gradient_hooks(trainer) if fitting else []
         if fitting:
-            self._check_clipping(trainer)
             self.setup_optimizers(trainer)
         plugin = self.precision_plugin
         plugin.device_type = self.root_device.type
         if self.engine is None:
             self.engine = Engine(self.lightning_module, self.engine_config(trainer, plugin.precision, fitting))
         plugin.engine = self.engine
+        plugin.gradients_visible = bool(self.grad_hooks)
+        if self.grad_hooks:
+            log.info(
+                "%s read or edit gradients: every optimizer step lands all gradients in an fp32 host buffer that "
+                "`.grad` views during those hooks (4 bytes/param, %.2f GiB) and the host optimizer steps after "
+                "backward instead of overlapping it",
+                ", ".join(self.grad_hooks),
+                4 * self.engine.num_parameters() / 2**30,
+            )
         self.precision_plugin = plugin
         if fitting:
             self.optimizers = [self.engine.optimizer(self._single_optimizer())]
@@ -158,6 +173,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
     def engine_config(self, trainer: Any, precision: str, fitting: bool) -> EngineConfig:
         """The engine's options: this strategy's, with what the Trainer says of the run."""
         clipping = bool(fitting and trainer.gradient_clip_val)
+        visible = bool(fitting and self.grad_hooks)
         return EngineConfig(
             device=self.root_device,
             precision=precision,
@@ -169,16 +185,10 @@ class MegatrainStrategy(SingleDeviceStrategy):
             host_threads=self.host_threads,
             compile_blocks=self.compile_blocks,
             training=fitting,
-            accumulating=fitting and _accumulates(trainer),  # the fp32 accumulator counts too
+            # The fp32 accumulator counts too; gradients visible to hooks live in it.
+            accumulating=fitting and (_accumulates(trainer) or visible),
             clipping=clipping,
         )
-
-    def _check_clipping(self, trainer: Any) -> None:
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
-            raise ValueError(
-                f"gradient_clip_algorithm='value' (gradient_clip_val={trainer.gradient_clip_val}) is not supported "
-                "by strategy='megatrain'; use gradient_clip_algorithm='norm'"
-            )
 
     def _single_optimizer(self) -> torch.optim.Optimizer:
         if len(self.optimizers) != 1:
@@ -212,7 +222,10 @@ class MegatrainStrategy(SingleDeviceStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         trainer = module.trainer
         accumulate = trainer.fit_loop._should_accumulate()
-        with self.engine.backward(accumulate=accumulate, clip=bool(trainer.gradient_clip_val)):
+        clip = bool(trainer.gradient_clip_val) and (
+            "value" if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE else "norm"
+        )
+        with self.engine.backward(accumulate=accumulate, clip=clip, visible=bool(self.grad_hooks)):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -305,6 +318,25 @@ class MegatrainStrategy(SingleDeviceStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
             )
+
+
+GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def gradient_hooks(trainer: Any) -> list[str]:
+    """The hooks between backward and the optimizer step that the LightningModule or a callback overrides,
+    as ``Class.hook``: they may read or edit ``.grad``, so the strategy shows them every gradient there.
+
+    A hook counts as overridden when its class defines it anew or the instance holds its own (Lightning's
+    ``LambdaCallback`` sets the hooks it is given on the instance). Lightning's own callbacks override
+    neither hook."""
+    owners = [(trainer.lightning_module, LightningModule), *((cb, Callback) for cb in trainer.callbacks)]
+    return [
+        f"{type(owner).__name__}.{hook}"
+        for owner, base in owners
+        for hook in GRAD_HOOKS
+        if hook in vars(owner) or getattr(type(owner), hook) is not getattr(base, hook)
+    ]
 
 
 def _accumulates(trainer: Any) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -95,11 +96,15 @@ class HostSide:
         self.ring_shape = ring_shape
         self.mode: str | None = None  # None | "accumulate" | "step": the engine's backward context
         self.want_norms = False
+        # Every gradient of the step lands and waits for it (no step during backward): hooks read or edit the
+        # gradients before the step (`engine.gradients_visible`), or the step clamps them (clip by value).
+        self.hold = False
         self.hyper: Callable[[], list[AdamHyper]] | None = None  # the attached optimizer's groups, now
         self.param_order: list[int] = []  # ids of the optimizer's parameters in group order
         self._pending: set[HostUnit] = set()  # units with gradients not yet stepped
         self._eager: set[HostUnit] = set()  # units stepped during this backward already
         self._clip: float | None = None  # global-norm clipping requested for the next step
+        self._clip_value: float | None = None  # per-element clamp requested for the next step
 
     def all_units(self) -> list[HostUnit]:
         # Outer units first: the embedding is the first thing the next forward needs.
@@ -309,7 +314,13 @@ class HostSide:
 
     def _eager_ok(self) -> bool:
         """Step a unit the moment its last gradient lands: the optimizer overlaps the rest of backward."""
-        return self.mode == "step" and self.overlap_optimizer and not self.want_norms and self.hyper is not None
+        return (
+            self.mode == "step"
+            and self.overlap_optimizer
+            and not self.want_norms
+            and not self.hold
+            and self.hyper is not None
+        )
 
     def _land(
         self,
@@ -352,16 +363,58 @@ class HostSide:
     def _grad_of(self, unit: HostUnit) -> torch.Tensor:
         return unit.acc if unit.grad_state is GradState.ACC else unit.slab
 
+    # -- gradients shown to hooks (engine.gradients_visible) --------------------------------------
+    def expose(self) -> None:
+        """Before hooks read the gradients: every gradient landed, in the fp32 accumulator `.grad` will view."""
+        for unit in self.all_units():
+            if unit.held is not None:  # a call of its block has not come back: the sum of those that did
+                self.land_held(unit, self.block_index.get(id(unit)), this_pass=False)
+        self.flush()
+        for unit in self.all_units():
+            if unit.grad_state is GradState.SLAB:
+                self._promote(unit)
+
+    def take_back(self, unit: HostUnit, grads: list[torch.Tensor | None]) -> None:
+        """After the hooks: `grads` (per parameter, what its `.grad` holds now) is the unit's gradient. One edited
+        in place is already in the accumulator; an assigned one is copied there; None drops the parameter's
+        gradient (not stepped, and a later micro-batch starts afresh, as after ``p.grad = None``)."""
+        if unit.grad_state is GradState.EMPTY and any(g is not None for g in grads):
+            if unit.acc is None:
+                unit.acc = host_empty(unit.numel, torch.float32, pin=False)
+            unit.acc.zero_()  # (an earlier step's values must not count for the parameters given none)
+            unit.grad_state = GradState.ACC
+        for i, (e, g) in enumerate(zip(unit.entries, grads)):
+            view = None if unit.acc is None else unit.acc[e.offset : e.offset + e.numel].view(e.shape)
+            if g is None and view is not None:
+                view.zero_()
+            elif g is not None and not (g.data_ptr() == view.data_ptr() and g.stride() == view.stride()):
+                view.copy_(g)
+            unit.has_grad[i] = g is not None
+        unit.norms = unit.device_norms = None  # taken again at the step, from what the hooks left
+        if unit.grad_state is not GradState.EMPTY:
+            self._pending.add(unit)
+
     # -- optimizer step ---------------------------------------------------------------------
     def clip_to(self, max_norm: float) -> None:
         """Clip the global gradient norm to `max_norm` in the next optimizer step (exactly, over all units)."""
+        self._check_clip(f"gradient clipping to {max_norm}", self._clip_value)
+        self._clip = float(max_norm)
+
+    def clip_value_to(self, clip_value: float) -> None:
+        """Clamp every gradient element to [-clip_value, clip_value] in the next optimizer step, as
+        ``torch.nn.utils.clip_grad_value_`` (on the host, on the step's gradient: the sum of its micro-batches)."""
+        self._check_clip(f"gradient clipping by value to {clip_value}", self._clip)
+        self._clip_value = float(clip_value)
+
+    def _check_clip(self, what: str, other: float | None) -> None:
         if self._eager:
             raise RuntimeError(
-                f"gradient clipping to {max_norm} was requested after the optimizer already stepped during backward. "
+                f"{what} was requested after the optimizer already stepped during backward. "
                 "Say so before backward: Trainer(gradient_clip_val=...), or engine.backward(clip=True) around a "
                 "plain loop's last backward; or pass overlap_optimizer=False."
             )
-        self._clip = float(max_norm)
+        if other is not None:
+            raise RuntimeError(f"{what} was requested for a step already clipped the other way; clip one way per step")
 
     def step(self) -> set[HostUnit]:
         """Queue the optimizer step of every unit holding gradients (blocks in the next forward's order);
@@ -369,6 +422,7 @@ class HostSide:
         if self.hyper is None:
             raise RuntimeError("no optimizer is attached to the engine: call engine.optimizer(torch.optim.AdamW(...))")
         clip_val, self._clip = self._clip, None
+        clamp, self._clip_value = self._clip_value, None
         for unit in self.all_units():
             if unit.held is not None:  # a call of its block never came back: the sum of those that did
                 self.land_held(unit, self.block_index.get(id(unit)), this_pass=False)
@@ -378,7 +432,8 @@ class HostSide:
             self._read_ahead(todo)  # the moments come in while the clipping norm is being computed
         scale = self._clip_scale(todo, clip_val) if clip_val else 1.0
         for unit in todo:
-            self.submit(unit, lambda unit=unit: self._step_unit(unit, hyper, scale), self.step_rank(unit))
+            job = partial(self._clamp_and_step, unit, hyper, scale, clamp)
+            self.submit(unit, job, self.step_rank(unit))
             if id(unit) in self.block_index:
                 self.invalidate(self.block_index[id(unit)])
         stepped = set(todo) | self._eager
@@ -402,6 +457,11 @@ class HostSide:
         if self.tier is not None and self._eager_ok():
             later = [u for u in self.outer if u not in self._eager]
             self._read_ahead(self.blocks[::-1] + later + [u for u in self.outer if u in self._eager])
+
+    def _clamp_and_step(self, unit: HostUnit, hyper: list[AdamHyper], scale: float, clamp: float | None) -> None:
+        if clamp is not None:
+            self._grad_of(unit).clamp_(-clamp, clamp)
+        self._step_unit(unit, hyper, scale)
 
     def _clip_scale(self, todo: list[HostUnit], clip_val: float) -> float:
         by_param: dict[int, torch.Tensor] = {}

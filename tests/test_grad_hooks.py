@@ -1,0 +1,113 @@
+"""Hooks that read or edit gradients, clipping by value, and hyper-parameters on resume: strategy='megatrain'
+trains exactly as ordinary training (``strategy="auto"`` with torch.optim.AdamW), bit for bit in fp32 with the
+torch-op optimizer backend."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.utilities import grad_norm
+
+from megatrain_lightning.strategy import gradient_hooks
+from tests.helpers import CausalLM, assert_same, fit, hf_llama, params_of, token_batches, twin
+
+pytestmark = pytest.mark.usefixtures("torch_adam")
+
+
+class EditsGradients(CausalLM):
+    """Edits gradients in every way a hook can (in place, by assignment, dropping one) and logs their norms."""
+
+    def on_after_backward(self) -> None:
+        blocks = self.model.model.layers
+        blocks[1].mlp.up_proj.weight.grad.zero_()  # in place, a streamed block
+        emb = self.model.model.embed_tokens.weight  # an outer parameter, by assignment
+        emb.grad = emb.grad.clamp(-1e-3, 1e-3)
+        blocks[0].input_layernorm.weight.grad = None  # dropped: not stepped (unless a later micro-batch adds one)
+        for p in blocks[2].parameters():
+            p.grad.mul_(torch.linspace(0.0, 2.0, p.numel()).view(p.shape))
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
+class GradNorms(L.Callback):
+    """The logged gradient norms after each optimizer step."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        logged = {k: v.clone() for k, v in trainer.callback_metrics.items() if k.startswith("grad_2.0_norm")}
+        if logged:  # (none before the first step)
+            self.by_step[trainer.global_step] = logged
+
+
+def run_both(module_cls, batches, module_kwargs=None, **trainer_kwargs):
+    a, b = twin(hf_llama)
+    ref, mt = module_cls(a, **(module_kwargs or {})), module_cls(b, **(module_kwargs or {}))
+    logged = GradNorms(), GradNorms()
+    fit(ref, batches, strategy="auto", callbacks=[logged[0]], **trainer_kwargs)
+    fit(mt, batches, strategy="megatrain", callbacks=[logged[1]], **trainer_kwargs)
+    return ref, mt, logged
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(accumulate_grad_batches=2, gradient_clip_val=0.05),
+        dict(accumulate_grad_batches=2, gradient_clip_val=1e-3, gradient_clip_algorithm="value"),
+    ],
+    ids=["plain", "accumulate-clip-norm", "accumulate-clip-value"],
+)
+def test_hooks_edit_and_read_gradients_as_in_ordinary_training(kwargs, caplog):
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning"):
+        ref, mt, (logged_ref, logged_mt) = run_both(EditsGradients, token_batches(4), **kwargs)
+    assert_same(ref, mt)
+    assert len(logged_ref.by_step) == 4 // kwargs.get("accumulate_grad_batches", 1)
+    assert logged_mt.by_step.keys() == logged_ref.by_step.keys()
+    for step, norms in logged_ref.by_step.items():
+        assert "grad_2.0_norm_total" in norms and len(norms) > 20
+        assert logged_mt.by_step[step].keys() == norms.keys(), step
+        assert all(torch.equal(logged_mt.by_step[step][k], v) for k, v in norms.items()), step
+    notes = [r.getMessage() for r in caplog.records if "read or edit gradients" in r.getMessage()]
+    assert len(notes) == 1 and "EditsGradients.on_after_backward, EditsGradients.on_before_optimizer_step" in notes[0]
+    assert "4 bytes/param" in notes[0]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_clipping_by_value_equals_ordinary_training(accumulate):
+    ref, mt, _ = run_both(
+        CausalLM,
+        token_batches(4),
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=2e-3,
+        gradient_clip_algorithm="value",
+    )
+    assert_same(ref, mt)
+    unclipped = CausalLM(hf_llama())
+    fit(unclipped, token_batches(4), strategy="auto", accumulate_grad_batches=accumulate)
+    assert not torch.equal(params_of(unclipped.model)["lm_head.weight"], params_of(mt.model)["lm_head.weight"])
+
+
+def test_only_overriding_hooks_make_gradients_visible():
+    class Module(CausalLM):
+        pass
+
+    class Reads(L.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+            pass
+
+    class Fake:
+        lightning_module = Module(hf_llama(layers=1))
+        callbacks = [LearningRateMonitor(), ModelCheckpoint(), L.Callback(), LambdaCallback(on_train_start=print)]
+
+    assert gradient_hooks(Fake) == []
+    Fake.callbacks += [Reads(), LambdaCallback(on_after_backward=print)]
+    assert gradient_hooks(Fake) == ["Reads.on_before_optimizer_step", "LambdaCallback.on_after_backward"]
+    Fake.lightning_module = EditsGradients(hf_llama(layers=1))
+    assert gradient_hooks(Fake)[:2] == ["EditsGradients.on_after_backward", "EditsGradients.on_before_optimizer_step"]
