@@ -244,9 +244,10 @@ class MegatrainStrategy(SingleDeviceStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """For a sharded checkpoint only the param groups: the moments go to the checkpoint's own shards, and
         gathering them here as well would hold every moment in host memory at once (read back from the
-        NVMe tier, too)."""
+        NVMe tier, too). Once the engine is released a save writes Lightning's single file: the moments go
+        here then."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps it
-        if self.checkpoint_format == "sharded" and isinstance(inner, HostAdamW):
+        if self.checkpoint_format == "sharded" and self.engine is not None and isinstance(inner, HostAdamW):
             return inner.state_dict(with_moments=False)
         return super().optimizer_state(optimizer)
 
@@ -270,6 +271,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             groups = [
                 {k: v for k, v in g.items() if k != "params"} for g in checkpoint["optimizer_states"][0]["param_groups"]
             ]
+            state["megatrain_param_groups"] = groups  # as they are (the index's JSON turns betas into a list)
         mt_checkpoint.save(self.engine, str(filepath), state, optimizer=with_optimizer, param_groups=groups)
 
     @override
@@ -279,8 +281,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
         state, index = mt_checkpoint.store.read_checkpoint(str(checkpoint_path))
         state["megatrain_checkpoint"] = str(checkpoint_path)
         state["state_dict"] = {}  # the weights stream from the shards in load_model_state_dict
+        groups = state.pop("megatrain_param_groups", None) or index["param_groups"]
         if index["optimizer"]:
-            state["optimizer_states"] = [{"param_groups": index["param_groups"]}]
+            state["optimizer_states"] = [{"param_groups": groups}]
         return state
 
     @override
@@ -302,12 +305,13 @@ class MegatrainStrategy(SingleDeviceStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Sharded: the Adam state already streamed in with the weights; restore group settings and RNG."""
+        """Sharded: the Adam state already streamed in with the weights; restore group settings (as
+        ``torch.optim.Optimizer.load_state_dict`` does: the checkpoint's win) and RNG."""
         if "megatrain_checkpoint" not in checkpoint:
             return super().load_optimizer_state_dict(checkpoint)
         for opt in self.optimizers:
-            for group, saved in zip(opt.param_groups, checkpoint["optimizer_states"][0]["param_groups"]):
-                group.update(saved)
+            inner = getattr(opt, "_optimizer", opt)  # LightningOptimizer wraps it
+            inner.restore_groups(checkpoint["optimizer_states"][0]["param_groups"])
         if "megatrain_rng" in checkpoint:
             _set_rng_state(checkpoint["megatrain_rng"])
 

@@ -4,6 +4,7 @@ torch-op optimizer backend."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import lightning.pytorch as L
@@ -12,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.utilities import grad_norm
 
+from megatrain_lightning.checkpoint import ModelCheckpoint as MegatrainCheckpoint
 from megatrain_lightning.strategy import gradient_hooks
 from tests.helpers import CausalLM, assert_same, fit, hf_llama, params_of, token_batches, twin
 
@@ -111,3 +113,48 @@ def test_only_overriding_hooks_make_gradients_visible():
     assert gradient_hooks(Fake) == ["Reads.on_before_optimizer_step", "LambdaCallback.on_after_backward"]
     Fake.lightning_module = EditsGradients(hf_llama(layers=1))
     assert gradient_hooks(Fake)[:2] == ["EditsGradients.on_after_backward", "EditsGradients.on_before_optimizer_step"]
+
+
+class Resumed(CausalLM):
+    """Records the hyper-parameters each optimizer step runs with."""
+
+    def __init__(self, *args, betas=(0.9, 0.95), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.betas, self.seen = betas, []
+
+    def configure_optimizers(self):
+        config = super().configure_optimizers()
+        opt = config["optimizer"] if isinstance(config, dict) else config
+        for group in opt.param_groups:
+            group["betas"] = self.betas
+        return config
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        groups = self.trainer.optimizers[0].param_groups
+        self.seen.append([{k: v for k, v in g.items() if k != "params"} for g in groups])
+
+
+@pytest.mark.parametrize("schedule", [None, 8], ids=["constant", "scheduled"])
+def test_changed_hyper_parameters_on_resume_as_in_ordinary_training(tmp_path, schedule):
+    """configure_optimizers asks for other lr, weight_decay and betas on resume: what ordinary training does
+    (the checkpoint's param groups and scheduler state win) is what the strategy does, from its sharded
+    checkpoint and from Lightning's single file that ``trainer.save_checkpoint`` writes after fit."""
+    batches = token_batches(2)
+    first, again = dict(lr=1e-2, weight_decay=0.1), dict(lr=3e-3, weight_decay=0.0, betas=(0.8, 0.9))
+    runs = {}
+    for strategy, after_fit in (("auto", False), ("megatrain", False), ("megatrain", True)):
+        model, path = hf_llama(), tmp_path / f"{strategy}-{after_fit}" / "last.ckpt"
+        saves = MegatrainCheckpoint(dirpath=str(path.parent), save_last=True)
+        start = Resumed(model, schedule=schedule, **first)
+        t = fit(start, batches, strategy=strategy, callbacks=[saves], enable_checkpointing=True)
+        if after_fit:  # (the strategy's buffers are released: this writes Lightning's single file)
+            path = tmp_path / "after-fit.ckpt"
+            t.save_checkpoint(path)
+        resumed = Resumed(copy.deepcopy(model), schedule=schedule, **again)
+        fit(resumed, batches, strategy=strategy, max_epochs=2, ckpt_path=str(path))
+        runs[strategy, after_fit] = resumed
+    ref = runs["auto", False]
+    assert ref.seen[0][0]["lr"] != again["lr"] and len(ref.seen) == 2  # the checkpoint's values won
+    for mt in runs["megatrain", False], runs["megatrain", True]:
+        assert mt.seen == ref.seen  # every setting, with its type (betas a tuple)
+        assert_same(ref, mt)
