@@ -43,6 +43,16 @@ log = logging.getLogger("megatrain_lightning")
 class MegatrainStrategy(SingleDeviceStrategy):
     """Train on one device with parameters, fp32 masters and Adam state in host memory.
 
+    Gradients leave each parameter for the host as backward produces them, so they do not sit in ``.grad``.
+    Hooks that read or edit them: when the LightningModule or a callback overrides ``on_after_backward`` or
+    ``on_before_optimizer_step`` (:func:`gradient_hooks`), every step lands all gradients in an fp32 host
+    buffer (4 bytes/param, logged at setup) and waits for them; during those hooks each parameter is a view
+    of its fp32 master and ``.grad`` a view of its gradient, and what the hooks leave there is what the
+    step uses, as in ordinary training (no overlap of the optimizer with backward then). Clipping
+    (``gradient_clip_val``) by norm or by value is exact, applied to the step's gradient on the host.
+    On resume the optimizer's settings come from the checkpoint, as ``torch.optim.Optimizer.load_state_dict``
+    leaves them in ordinary training.
+
     Args:
         device: the compute device; by default the Trainer's device (the GPU when there is one).
         num_slots: device weight slots blocks stream through (>= 2: one computing, one loading). ``"auto"``
@@ -51,7 +61,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             More slots keep more blocks resident from a forward to its backward and across the micro-batches
             of an accumulation, so fewer uploads; with one per block the backward uploads nothing.
         overlap_optimizer: step each block on the host as soon as its gradient lands, while backward goes
-            on (only when nothing needs the whole gradient first, i.e. no clipping).
+            on (only when nothing needs the whole gradient first: no clipping, no hook reading gradients).
         offload_inputs: where each block's input, saved for its backward, waits. ``True``: in pinned host
             memory (copied back one block ahead in backward), so device memory no longer grows with depth,
             at the cost of one more transfer of the hidden states each way (long context). ``False``: on the

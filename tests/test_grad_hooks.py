@@ -13,9 +13,10 @@ import torch
 from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.utilities import grad_norm
 
+from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.checkpoint import ModelCheckpoint as MegatrainCheckpoint
 from megatrain_lightning.strategy import gradient_hooks
-from tests.helpers import CausalLM, assert_same, fit, hf_llama, params_of, token_batches, twin
+from tests.helpers import CausalLM, assert_same, fit, hf_llama, own_llama, own_loss, params_of, token_batches, twin
 
 pytestmark = pytest.mark.usefixtures("torch_adam")
 
@@ -34,6 +35,7 @@ class EditsGradients(CausalLM):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         self.log_dict(grad_norm(self, norm_type=2))
+        optimizer.param_groups[0]["lr"] = 1e-2 / (1 + self.trainer.global_step)  # for this very step
 
 
 class GradNorms(L.Callback):
@@ -113,6 +115,38 @@ def test_only_overriding_hooks_make_gradients_visible():
     assert gradient_hooks(Fake) == ["Reads.on_before_optimizer_step", "LambdaCallback.on_after_backward"]
     Fake.lightning_module = EditsGradients(hf_llama(layers=1))
     assert gradient_hooks(Fake)[:2] == ["EditsGradients.on_after_backward", "EditsGradients.on_before_optimizer_step"]
+
+
+def edit(model: torch.nn.Module) -> None:
+    """In place in a block, by assignment on the head, dropping the final norm's."""
+    for p in model.model.layers[0].parameters():
+        p.grad.mul_(0.5)
+    model.lm_head.weight.grad = model.lm_head.weight.grad.sign() * 1e-3
+    model.model.norm.weight.grad = None
+
+
+def test_plain_loop_reads_and_edits_gradients():
+    """The engine's own calls, as a plain loop uses them: accumulation 2, an edit after every backward."""
+    ref, model = twin(lambda: own_llama(layers=2))
+    batches = token_batches(4, seq=16)
+    adamw = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    engine = Engine(model, EngineConfig(precision="32-true"))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    for i, batch in enumerate(batches):
+        own_loss(ref, batch).backward()
+        edit(ref)
+        with engine.backward(accumulate=i % 2 == 0, visible=True):
+            own_loss(model, batch).backward()
+        with engine.gradients_visible():
+            edit(model)
+        if i % 2:
+            adamw.step()
+            adamw.zero_grad()
+            opt.step()
+            opt.zero_grad()
+    engine.close()
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
 
 
 class Resumed(CausalLM):

@@ -28,7 +28,7 @@ One host worker thread (engine/worker.py) does all host-side arithmetic, a unit'
 submitted and steps in the order the next forward needs them. A unit's ``future`` is its last job;
 nothing reads or overwrites a unit's buffers before that future and the copy events it waits on.
 
-Why one file of about 600 lines: it is the public API (each call a few lines) and the per-block streaming
+Why one file of about 700 lines: it is the public API (each call a few lines) and the per-block streaming
 (forward_block, backward_block, the slot loads they issue), which share the slot pool and the open calls of
 each block; the parts with state of their own live in the files named above.
 """

@@ -18,8 +18,11 @@ A block called more than once before one backward (two forwards in one loss) has
 summed first (:class:`Held`): the first waits in the slab while another call is still to come back, the
 others come down through a ring and are added to it, and the last call lands the sum as one gradient.
 
-Why one file of about 500 lines: every path a gradient takes to the host (whole, in pieces, held for a
-second call, accumulated, stepped at once or at the step) moves the unit's grad state, which this object
+Hooks that read or edit gradients (``engine.gradients_visible``) get them after :meth:`HostSide.expose` has
+landed every one into the fp32 accumulator; :meth:`HostSide.take_back` folds what they left into it.
+
+Why one file of about 580 lines: every path a gradient takes to the host (whole, in pieces, held for a
+second call, accumulated, shown to hooks, stepped at once or at the step) moves the unit's grad state, which this object
 keeps consistent; split, that state machine would be spread over several files.
 """
 
