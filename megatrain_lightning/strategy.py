@@ -49,7 +49,8 @@ class MegatrainStrategy(SingleDeviceStrategy):
     buffer (4 bytes/param, logged at setup) and waits for them; during those hooks each parameter is a view
     of its fp32 master and ``.grad`` a view of its gradient, and what the hooks leave there is what the
     step uses, as in ordinary training (no overlap of the optimizer with backward then). Clipping
-    (``gradient_clip_val``) by norm or by value is exact, applied to the step's gradient on the host.
+    (``gradient_clip_val``) by norm or by value is exact; by value, the optimizer still overlaps backward
+    (each gradient clamped as it lands) unless ``configure_gradient_clipping`` is overridden.
     On resume the optimizer's settings come from the checkpoint, as ``torch.optim.Optimizer.load_state_dict``
     leaves them in ordinary training.
 
@@ -235,6 +236,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
         clip = bool(trainer.gradient_clip_val) and (
             "value" if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE else "norm"
         )
+        if clip == "value" and not _overrides(module, LightningModule, "configure_gradient_clipping"):
+            # The clip Lightning will ask for after backward, said now: units still step as they land.
+            self.engine.clip_grad_value_(float(trainer.gradient_clip_val))
         with self.engine.backward(accumulate=accumulate, clip=clip, visible=bool(self.grad_hooks)):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
@@ -349,8 +353,12 @@ def gradient_hooks(trainer: Any) -> list[str]:
         f"{type(owner).__name__}.{hook}"
         for owner, base in owners
         for hook in GRAD_HOOKS
-        if hook in vars(owner) or getattr(type(owner), hook) is not getattr(base, hook)
+        if _overrides(owner, base, hook)
     ]
+
+
+def _overrides(owner: Any, base: type, hook: str) -> bool:
+    return hook in vars(owner) or getattr(type(owner), hook) is not getattr(base, hook)
 
 
 def _accumulates(trainer: Any) -> bool:

@@ -149,6 +149,35 @@ def test_plain_loop_reads_and_edits_gradients():
         assert torch.equal(p, q), name
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_clipping_by_value_said_before_backward_keeps_the_overlap(accumulate):
+    """A plain loop names the clip before the last backward: the units step as their gradients land (clamped
+    on the device, or a sum of micro-batches on the host), still equal to torch's clip_grad_value_."""
+    ref, model = twin(lambda: own_llama(layers=2))
+    adamw = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    engine = Engine(model, EngineConfig(precision="32-true"))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    for step in range(2):
+        for micro, batch in enumerate(token_batches(accumulate, seq=16, seed=step)):
+            own_loss(ref, batch).backward()
+            last = micro == accumulate - 1
+            if last:
+                engine.clip_grad_value_(2e-3)
+            with engine.backward(accumulate=not last, clip="value"):
+                own_loss(model, batch).backward()
+        engine.flush()
+        assert all(s == [step + 1] * len(s) for s in (u.steps for u in engine.all_units())), "stepped in backward"
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 2e-3)
+        adamw.step()
+        adamw.zero_grad()
+        engine.clip_grad_value_(2e-3)  # (what Lightning says after backward: nothing more to do)
+        opt.step()
+        opt.zero_grad()
+    engine.close()
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+
+
 class Resumed(CausalLM):
     """Records the hyper-parameters each optimizer step runs with."""
 

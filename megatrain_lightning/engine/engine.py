@@ -261,7 +261,8 @@ class Engine:
         summed in fp32 on the host. Otherwise the backward completes the step's gradient: with
         ``overlap_optimizer`` each unit is stepped on the host as soon as its gradient lands, while the
         backward goes on, unless ``clip=True`` says :meth:`clip_grad_norm_` comes first (the norms are then
-        taken on the device as the gradients go down; ``clip="value"``: :meth:`clip_grad_value_` comes first).
+        taken on the device as the gradients go down; ``clip="value"``: :meth:`clip_grad_value_` comes first:
+        called before this backward, the units still step as they land, clamped first; otherwise they wait).
         ``visible=True``: :meth:`gradients_visible` shows the gradients to hooks before the step, so every
         gradient lands and waits for it (and clipping norms are taken at the step, from what the hooks left).
         A backward outside this context (nothing known of what follows, e.g. Lightning's manual
@@ -270,7 +271,7 @@ class Engine:
         before = host.mode, host.want_norms, host.hold
         host.mode = "accumulate" if accumulate else "step"
         host.want_norms = clip in (True, "norm") and not visible
-        host.hold = visible or clip == "value"
+        host.hold = visible or (clip == "value" and not host.clamp_known)
         try:
             yield
         finally:
@@ -283,7 +284,10 @@ class Engine:
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to [-clip_value, clip_value] in the next optimizer step, exactly as
-        ``torch.nn.utils.clip_grad_value_`` (on the host, on the step's summed gradient)."""
+        ``torch.nn.utils.clip_grad_value_`` on the step's (summed) gradient. Called before the step's last
+        backward, with ``backward(clip="value")``, the optimizer still overlaps that backward (the clamp is
+        done on the device, or by the landing job for a sum); called again after it with the same value, it
+        does nothing more."""
         self.host.clip_value_to(clip_value)
 
     @contextmanager

@@ -176,18 +176,25 @@ class HostSide:
         # Lean layout: a gradient the landing job consumes at once (into the accumulator, or by the step
         # itself) goes through the gradient ring; one that waits for the optimizer step needs its own slab.
         to_acc = accumulate or unit.grad_state is GradState.ACC
-        self._before_download(flat)
         hyper = self.hyper() if eager else None
+        # Clipping by value said before backward, and this unit steps as it lands: the whole step's gradient
+        # is clamped on the device before it goes down; a sum of micro-batches by the landing job.
+        clamp = self._clip_value if eager else None
+        if clamp is not None and not to_acc:
+            flat.clamp_(-clamp, clamp)
+            clamp = None
+        self._before_download(flat)
         want_norm = self.want_norms and not accumulate and unit.device_norms is None
         if self.grad_ring is not None and (to_acc or eager):
-            done = self._ship_pieces(unit, flat, present, to_acc, want_norm, hyper)
+            done = self._ship_pieces(unit, flat, present, to_acc, want_norm, hyper, clamp)
         else:
             slab = unit.ensure_slab()
             self.streams.copy(self.streams.d2h, slab, flat)
             done = self.streams.event(self.streams.d2h)
             # A step waits its turn (engine/worker.py): the next forward's order, once its copy has landed.
             rank = self.step_rank(unit) if hyper is not None else 0
-            self.submit(unit, lambda: self._land(unit, done, present, accumulate, want_norm, hyper), rank, done)
+            job = partial(self._land, unit, done, present, accumulate, want_norm, hyper, clamp)
+            self.submit(unit, job, rank, done)
         self._shipped(unit, eager, block_idx)
         return done
 
@@ -250,7 +257,8 @@ class HostSide:
         hyper = self.hyper() if eager else None
         want_norm = self.want_norms and not held.accumulate
         rank = self.step_rank(unit) if hyper is not None else 0
-        self.submit(unit, lambda: self._land(unit, None, held.present, held.accumulate, want_norm, hyper), rank)
+        clamp = self._clip_value if eager else None
+        self.submit(unit, partial(self._land, unit, None, held.present, held.accumulate, want_norm, hyper, clamp), rank)
         self._shipped(unit, eager, block_idx)
 
     def _ship_pieces(
@@ -261,16 +269,17 @@ class HostSide:
         to_acc: bool,
         want_norm: bool,
         hyper: list[AdamHyper] | None,
+        clamp: float | None = None,
     ) -> object:
         """Lean layout: download `flat` piece by piece into the gradient ring, each piece landed (and, when
-        `hyper`, stepped) by its own host job; returns the event of the last copy. A ring buffer is taken
+        `hyper`, clamped to `clamp` and stepped) by its own host job; returns the event of the last copy. A ring buffer is taken
         again only after the job that consumed it, so the host holds the ring's pieces, no slab."""
         first = unit.grad_state is GradState.EMPTY  # (stable: the unit's earlier jobs are done)
         for lo, hi in pieces(unit.numel, self.piece):
             i, buf = self.grad_ring.take(hi - lo)
             self.streams.copy(self.streams.d2h, buf, flat[lo:hi])
             done = self.streams.event(self.streams.d2h)
-            job = (unit, done, present, buf, lo, hi, to_acc, first, want_norm, hyper)
+            job = (unit, done, present, buf, lo, hi, to_acc, first, want_norm, hyper, clamp)
             self.submit(unit, lambda job=job: self._land_piece(*job), 0, done)
             self.grad_ring.hold(i, unit.future)  # free once the landing job has consumed it
         return done
@@ -287,9 +296,11 @@ class HostSide:
         first: bool,
         want_norm: bool,
         hyper: list[AdamHyper] | None,
+        clamp: float | None = None,
     ) -> None:
         """Land elements lo..hi of a gradient from a ring buffer: add them into the fp32 accumulator, and/or
-        step them (`hyper`); the piece that ends the unit finishes its bookkeeping."""
+        step them (`hyper`, after clamping them to `clamp`); the piece that ends the unit finishes its
+        bookkeeping."""
         t0 = time.perf_counter()
         done.synchronize()  # never read pinned memory before its copy has finished
         if lo == 0:  # the step's runs depend on which parameters got a gradient
@@ -304,7 +315,10 @@ class HostSide:
             unit.norms = self._norms(unit) if want_norm else None
         self.stats["host_land_seconds"] += time.perf_counter() - t0
         if hyper is not None:
-            self._step_unit(unit, hyper, 1.0, lo, hi, unit.acc[lo:hi] if to_acc else buf, last)
+            grad = unit.acc[lo:hi] if to_acc else buf
+            if clamp is not None:
+                grad.clamp_(-clamp, clamp)
+            self._step_unit(unit, hyper, 1.0, lo, hi, grad, last)
 
     def _device_norms(self, unit: HostUnit, flat: torch.Tensor, present: list[bool], single: bool) -> None:
         """With clipping, a gradient that is the whole of its unit's gradient for this step (one micro-batch,
@@ -333,6 +347,7 @@ class HostSide:
         accumulate: bool,
         want_norm: bool,
         hyper: list[AdamHyper] | None,
+        clamp: float | None = None,
     ) -> None:
         t0 = time.perf_counter()
         if done is not None:  # (a held sum: its copies were waited for by the jobs that added them)
@@ -351,6 +366,8 @@ class HostSide:
         unit.norms = self._norms(unit) if want_norm else None
         self.stats["host_land_seconds"] += time.perf_counter() - t0
         if hyper is not None:
+            if clamp is not None:
+                self._grad_of(unit).clamp_(-clamp, clamp)
             self._step_unit(unit, hyper, 1.0)
 
     def _promote(self, unit: HostUnit) -> None:
@@ -405,9 +422,18 @@ class HostSide:
 
     def clip_value_to(self, clip_value: float) -> None:
         """Clamp every gradient element to [-clip_value, clip_value] in the next optimizer step, as
-        ``torch.nn.utils.clip_grad_value_`` (on the host, on the step's gradient: the sum of its micro-batches)."""
+        ``torch.nn.utils.clip_grad_value_`` on the step's gradient (the sum of its micro-batches). Said before
+        the step's last backward, units stepped as they land are clamped first (on the device when the
+        gradient is one micro-batch's); the others are clamped on the host in the step."""
+        if self._eager and self._clip_value == float(clip_value):
+            return  # (said before backward too: the units already stepped were clamped)
         self._check_clip(f"gradient clipping by value to {clip_value}", self._clip)
         self._clip_value = float(clip_value)
+
+    @property
+    def clamp_known(self) -> bool:
+        """Whether clipping by value was said for the next step (its units may then step as they land)."""
+        return self._clip_value is not None
 
     def _check_clip(self, what: str, other: float | None) -> None:
         if self._eager:
