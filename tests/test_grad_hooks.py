@@ -10,13 +10,25 @@ import logging
 import lightning.pytorch as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor
 from lightning.pytorch.utilities import grad_norm
 
 from megatrain_lightning import Engine, EngineConfig
+from megatrain_lightning.callbacks import ExportAndSample, MegatrainMonitor
 from megatrain_lightning.checkpoint import ModelCheckpoint as MegatrainCheckpoint
 from megatrain_lightning.strategy import gradient_hooks
-from tests.helpers import CausalLM, assert_same, fit, hf_llama, own_llama, own_loss, params_of, token_batches, twin
+from tests.helpers import (
+    CausalLM,
+    assert_same,
+    fit,
+    hf_llama,
+    own_llama,
+    own_loss,
+    params_of,
+    token_batches,
+    trainer,
+    twin,
+)
 
 pytestmark = pytest.mark.usefixtures("torch_adam")
 
@@ -99,22 +111,21 @@ def test_clipping_by_value_equals_ordinary_training(accumulate):
 
 
 def test_only_overriding_hooks_make_gradients_visible():
-    class Module(CausalLM):
-        pass
+    """Lightning's own callbacks (the Trainer's defaults and the usual ones) and this project's do not count."""
 
     class Reads(L.Callback):
         def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
             pass
 
-    class Fake:
-        lightning_module = Module(hf_llama(layers=1))
-        callbacks = [LearningRateMonitor(), ModelCheckpoint(), L.Callback(), LambdaCallback(on_train_start=print)]
-
-    assert gradient_hooks(Fake) == []
-    Fake.callbacks += [Reads(), LambdaCallback(on_after_backward=print)]
-    assert gradient_hooks(Fake) == ["Reads.on_before_optimizer_step", "LambdaCallback.on_after_backward"]
-    Fake.lightning_module = EditsGradients(hf_llama(layers=1))
-    assert gradient_hooks(Fake)[:2] == ["EditsGradients.on_after_backward", "EditsGradients.on_before_optimizer_step"]
+    usual = [LearningRateMonitor(), LambdaCallback(on_train_start=print), MegatrainMonitor(), ExportAndSample()]
+    t = trainer(callbacks=usual, enable_progress_bar=True, enable_model_summary=True, enable_checkpointing=True)
+    t.strategy.connect(CausalLM(hf_llama(layers=1)))  # (fit connects the module this way)
+    assert len(t.callbacks) >= 7
+    assert gradient_hooks(t) == []
+    t.callbacks += [Reads(), LambdaCallback(on_after_backward=print)]
+    assert gradient_hooks(t) == ["Reads.on_before_optimizer_step", "LambdaCallback.on_after_backward"]
+    t.strategy.connect(EditsGradients(hf_llama(layers=1)))
+    assert gradient_hooks(t)[:2] == ["EditsGradients.on_after_backward", "EditsGradients.on_before_optimizer_step"]
 
 
 def edit(model: torch.nn.Module) -> None:
