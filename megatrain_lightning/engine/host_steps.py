@@ -22,8 +22,8 @@ Hooks that read or edit gradients (``engine.gradients_visible``) get them after 
 landed every one into the fp32 accumulator; :meth:`HostSide.take_back` folds what they left into it.
 
 Why one file of about 580 lines: every path a gradient takes to the host (whole, in pieces, held for a
-second call, accumulated, shown to hooks, stepped at once or at the step) moves the unit's grad state, which this object
-keeps consistent; split, that state machine would be spread over several files.
+second call, accumulated, shown to hooks, stepped at once or at the step) moves the unit's grad state,
+which this object keeps consistent; split, that state machine would be spread over several files.
 """
 
 from __future__ import annotations
@@ -272,8 +272,9 @@ class HostSide:
         clamp: float | None = None,
     ) -> object:
         """Lean layout: download `flat` piece by piece into the gradient ring, each piece landed (and, when
-        `hyper`, clamped to `clamp` and stepped) by its own host job; returns the event of the last copy. A ring buffer is taken
-        again only after the job that consumed it, so the host holds the ring's pieces, no slab."""
+        `hyper`, clamped to `clamp` and stepped) by its own host job; returns the event of the last copy. A
+        ring buffer is taken again only after the job that consumed it, so the host holds the ring's pieces,
+        no slab."""
         first = unit.grad_state is GradState.EMPTY  # (stable: the unit's earlier jobs are done)
         for lo, hi in pieces(unit.numel, self.piece):
             i, buf = self.grad_ring.take(hi - lo)
