@@ -48,6 +48,9 @@ class EditsGradients(CausalLM):
     def on_before_optimizer_step(self, optimizer) -> None:
         self.log_dict(grad_norm(self, norm_type=2))
         optimizer.param_groups[0]["lr"] = 1e-2 / (1 + self.trainer.global_step)  # for this very step
+        with torch.no_grad():  # weights too, a block's and an outer one (the step then updates them)
+            self.model.model.layers[1].self_attn.q_proj.weight.clamp_(-0.03, 0.03)
+            self.model.lm_head.weight.clamp_(-0.03, 0.03)
 
 
 class GradNorms(L.Callback):
