@@ -246,8 +246,9 @@ def _assemble(
         buffers.pop(alias, None)
         state_dict[alias] = state_dict[name]
     checkpoint["state_dict"] = {**state_dict, **buffers}
+    exact_groups = checkpoint.pop("megatrain_param_groups", None)  # the settings as saved (the index's are JSON)
     if with_adam:
-        checkpoint["optimizer_states"] = [_adamw_state(order, groups, index["param_groups"], adam)]
+        checkpoint["optimizer_states"] = [_adamw_state(order, groups, exact_groups or index["param_groups"], adam)]
     else:
         checkpoint.pop("optimizer_states", None)
     return checkpoint, index

@@ -7,6 +7,7 @@ backward whether more micro-batches follow, and read/write checkpoints from the 
 
 from __future__ import annotations
 
+import logging
 import pickle
 import random
 import warnings
@@ -14,11 +15,13 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
@@ -38,9 +41,22 @@ from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.precision import MegatrainPrecision
 
+log = logging.getLogger("megatrain_lightning")
+
 
 class MegatrainStrategy(SingleDeviceStrategy):
     """Train on one device with parameters, fp32 masters and Adam state in host memory.
+
+    Gradients leave each parameter for the host as backward produces them, so they do not sit in ``.grad``.
+    Hooks that read or edit them: when the LightningModule or a callback overrides ``on_after_backward`` or
+    ``on_before_optimizer_step`` (:func:`gradient_hooks`), every step lands all gradients in an fp32 host
+    buffer (4 bytes/param, logged at setup) and waits for them; during those hooks each parameter is a view
+    of its fp32 master and ``.grad`` a view of its gradient, and what the hooks leave there is what the
+    step uses, as in ordinary training (no overlap of the optimizer with backward then). Clipping
+    (``gradient_clip_val``) by norm or by value is exact; by value, the optimizer still overlaps backward
+    (each gradient clamped as it lands) unless ``configure_gradient_clipping`` is overridden.
+    On resume the optimizer's settings come from the checkpoint, as ``torch.optim.Optimizer.load_state_dict``
+    leaves them in ordinary training.
 
     Args:
         device: the compute device; by default the Trainer's device (the GPU when there is one).
@@ -50,7 +66,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             More slots keep more blocks resident from a forward to its backward and across the micro-batches
             of an accumulation, so fewer uploads; with one per block the backward uploads nothing.
         overlap_optimizer: step each block on the host as soon as its gradient lands, while backward goes
-            on (only when nothing needs the whole gradient first, i.e. no clipping).
+            on (only when nothing needs the whole gradient first: no clipping, no hook reading gradients).
         offload_inputs: where each block's input, saved for its backward, waits. ``True``: in pinned host
             memory (copied back one block ahead in backward), so device memory no longer grows with depth,
             at the cost of one more transfer of the hidden states each way (long context). ``False``: on the
@@ -116,6 +132,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
         self.engine: Engine | None = None
         self._averaging: AveragingViews | None = None  # set up with the engine (averaging.py)
+        self.grad_hooks: list[str] = []  # overridden hooks that see gradients (set at setup): see gradient_hooks
 
     # -- device and precision ----------------------------------------------------------------------
     @property
@@ -153,14 +170,23 @@ class MegatrainStrategy(SingleDeviceStrategy):
             )
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self.grad_hooks = gradient_hooks(trainer) if fitting else []
         if fitting:
-            self._check_clipping(trainer)
             self.setup_optimizers(trainer)
         plugin = self.precision_plugin
         plugin.device_type = self.root_device.type
         if self.engine is None:
             self.engine = Engine(self.lightning_module, self.engine_config(trainer, plugin.precision, fitting))
         plugin.engine = self.engine
+        plugin.gradients_visible = bool(self.grad_hooks)
+        if self.grad_hooks:
+            log.info(
+                "%s read or edit gradients: every optimizer step lands all gradients in an fp32 host buffer that "
+                "`.grad` views during those hooks (4 bytes/param, %.2f GiB) and the host optimizer steps after "
+                "backward instead of overlapping it",
+                ", ".join(self.grad_hooks),
+                4 * self.engine.num_parameters() / 2**30,
+            )
         self.precision_plugin = plugin
         if fitting:
             self.optimizers = [self.engine.optimizer(self._single_optimizer())]
@@ -171,6 +197,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
     def engine_config(self, trainer: Any, precision: str, fitting: bool) -> EngineConfig:
         """The engine's options: this strategy's, with what the Trainer says of the run."""
         clipping = bool(fitting and trainer.gradient_clip_val)
+        visible = bool(fitting and self.grad_hooks)
         return EngineConfig(
             device=self.root_device,
             precision=precision,
@@ -182,16 +209,10 @@ class MegatrainStrategy(SingleDeviceStrategy):
             host_threads=self.host_threads,
             compile_blocks=self.compile_blocks,
             training=fitting,
-            accumulating=fitting and _accumulates(trainer),  # the fp32 accumulator counts too
+            # The fp32 accumulator counts too; gradients visible to hooks live in it.
+            accumulating=fitting and (_accumulates(trainer) or visible),
             clipping=clipping,
         )
-
-    def _check_clipping(self, trainer: Any) -> None:
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
-            raise ValueError(
-                f"gradient_clip_algorithm='value' (gradient_clip_val={trainer.gradient_clip_val}) is not supported "
-                "by strategy='megatrain'; use gradient_clip_algorithm='norm'"
-            )
 
     def _single_optimizer(self) -> torch.optim.Optimizer:
         if len(self.optimizers) != 1:
@@ -228,7 +249,13 @@ class MegatrainStrategy(SingleDeviceStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         trainer = module.trainer
         accumulate = trainer.fit_loop._should_accumulate()
-        with self.engine.backward(accumulate=accumulate, clip=bool(trainer.gradient_clip_val)):
+        clip = bool(trainer.gradient_clip_val) and (
+            "value" if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE else "norm"
+        )
+        if clip == "value" and not _overrides(module, LightningModule, "configure_gradient_clipping"):
+            # The clip Lightning will ask for after backward, said now: units still step as they land.
+            self.engine.clip_grad_value_(float(trainer.gradient_clip_val))
+        with self.engine.backward(accumulate=accumulate, clip=clip, visible=bool(self.grad_hooks)):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -247,9 +274,10 @@ class MegatrainStrategy(SingleDeviceStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """For a sharded checkpoint only the param groups: the moments go to the checkpoint's own shards, and
         gathering them here as well would hold every moment in host memory at once (read back from the
-        NVMe tier, too)."""
+        NVMe tier, too). Once the engine is released a save writes Lightning's single file: the moments go
+        here then."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps it
-        if self.checkpoint_format == "sharded" and isinstance(inner, HostAdamW):
+        if self.checkpoint_format == "sharded" and self.engine is not None and isinstance(inner, HostAdamW):
             return inner.state_dict(with_moments=False)
         return super().optimizer_state(optimizer)
 
@@ -273,6 +301,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             groups = [
                 {k: v for k, v in g.items() if k != "params"} for g in checkpoint["optimizer_states"][0]["param_groups"]
             ]
+            state["megatrain_param_groups"] = groups  # as they are (the index's JSON turns betas into a list)
         options = storage_options if storage_options is not None else self.storage_options
         # A weight average a callback put in the state dict goes to the shards as the weights (as it goes to
         # Lightning's file); the masters it replaced are in the state too, as the callback left them.
@@ -304,8 +333,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
             state["state_dict"] = lightning_checkpoint(path, optimizer=False, storage_options=self.storage_options)[
                 "state_dict"
             ]
+        groups = state.pop("megatrain_param_groups", None) or index["param_groups"]
         if index["optimizer"]:
-            state["optimizer_states"] = [{"param_groups": index["param_groups"]}]
+            state["optimizer_states"] = [{"param_groups": groups}]
         return state
 
     def _load_single_file(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
@@ -342,12 +372,13 @@ class MegatrainStrategy(SingleDeviceStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Sharded: the Adam state already streamed in with the weights; restore group settings and RNG."""
+        """Sharded: the Adam state already streamed in with the weights; restore group settings (as
+        ``torch.optim.Optimizer.load_state_dict`` does: the checkpoint's win) and RNG."""
         if "megatrain_checkpoint" not in checkpoint:
             return super().load_optimizer_state_dict(checkpoint)
         for opt in self.optimizers:
-            for group, saved in zip(opt.param_groups, checkpoint["optimizer_states"][0]["param_groups"]):
-                group.update(saved)
+            inner = getattr(opt, "_optimizer", opt)  # LightningOptimizer wraps it
+            inner.restore_groups(checkpoint["optimizer_states"][0]["param_groups"])
         if "megatrain_rng" in checkpoint:
             _set_rng_state(checkpoint["megatrain_rng"])
 
@@ -358,6 +389,29 @@ class MegatrainStrategy(SingleDeviceStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
             )
+
+
+GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def gradient_hooks(trainer: Any) -> list[str]:
+    """The hooks between backward and the optimizer step that the LightningModule or a callback overrides,
+    as ``Class.hook``: they may read or edit ``.grad``, so the strategy shows them every gradient there.
+
+    A hook counts as overridden when its class defines it anew or the instance holds its own (Lightning's
+    ``LambdaCallback`` sets the hooks it is given on the instance). Lightning's own callbacks override
+    neither hook."""
+    owners = [(trainer.lightning_module, LightningModule), *((cb, Callback) for cb in trainer.callbacks)]
+    return [
+        f"{type(owner).__name__}.{hook}"
+        for owner, base in owners
+        for hook in GRAD_HOOKS
+        if _overrides(owner, base, hook)
+    ]
+
+
+def _overrides(owner: Any, base: type, hook: str) -> bool:
+    return hook in vars(owner) or getattr(type(owner), hook) is not getattr(base, hook)
 
 
 def _accumulates(trainer: Any) -> bool:

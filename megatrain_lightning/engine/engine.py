@@ -6,7 +6,7 @@
         loss = model(batch)
     with engine.backward(accumulate=False, clip=True):            # what this backward is for
         loss.backward()
-    engine.clip_grad_norm_(1.0)
+    engine.clip_grad_norm_(1.0)                                    # or clip_grad_value_(0.5)
     opt.step(); opt.zero_grad()
     engine.save("s3://bucket/run/step-100")                        # engine.load(url) resumes
     engine.close()                                                 # an ordinary fp32 host model again
@@ -41,7 +41,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -278,27 +278,68 @@ class Engine:
         return forward_context(self.config.precision, self.device.type)
 
     @contextmanager
-    def backward(self, accumulate: bool = False, clip: bool = False) -> Iterator[None]:
+    def backward(
+        self, accumulate: bool = False, clip: bool | Literal["norm", "value"] = False, visible: bool = False
+    ) -> Iterator[None]:
         """What the backward passes run inside are for.
 
         ``accumulate=True``: more micro-batches follow before the optimizer step, so their gradients are
         summed in fp32 on the host. Otherwise the backward completes the step's gradient: with
         ``overlap_optimizer`` each unit is stepped on the host as soon as its gradient lands, while the
         backward goes on, unless ``clip=True`` says :meth:`clip_grad_norm_` comes first (the norms are then
-        taken on the device as the gradients go down). A backward outside this context (nothing known of
-        what follows, e.g. Lightning's manual optimization) lands its gradients to wait for the step."""
+        taken on the device as the gradients go down; ``clip="value"``: :meth:`clip_grad_value_` comes first:
+        called before this backward, the units still step as they land, clamped first; otherwise they wait).
+        ``visible=True``: :meth:`gradients_visible` shows the gradients to hooks before the step, so every
+        gradient lands and waits for it (and clipping norms are taken at the step, from what the hooks left).
+        A backward outside this context (nothing known of what follows, e.g. Lightning's manual
+        optimization) lands its gradients to wait for the step."""
         host = self.host
-        before = host.mode, host.want_norms
-        host.mode, host.want_norms = ("accumulate" if accumulate else "step"), bool(clip)
+        before = host.mode, host.want_norms, host.hold
+        host.mode = "accumulate" if accumulate else "step"
+        host.want_norms = clip in (True, "norm") and not visible
+        host.hold = visible or (clip == "value" and not host.clamp_known)
         try:
             yield
         finally:
-            host.mode, host.want_norms = before
+            host.mode, host.want_norms, host.hold = before
 
     def clip_grad_norm_(self, max_norm: float) -> None:
         """Clip the global gradient norm to `max_norm` in the next optimizer step, exactly as
         ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (gradients never sit in ``.grad``)."""
         self.host.clip_to(max_norm)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to [-clip_value, clip_value] in the next optimizer step, exactly as
+        ``torch.nn.utils.clip_grad_value_`` on the step's (summed) gradient. Called before the step's last
+        backward, with ``backward(clip="value")``, the optimizer still overlaps that backward (the clamp is
+        done on the device, or by the landing job for a sum); called again after it with the same value, it
+        does nothing more."""
+        self.host.clip_value_to(clip_value)
+
+    @contextmanager
+    def gradients_visible(self) -> Iterator[None]:
+        """Show every parameter's gradient in ``.grad`` for the duration (hooks between backward and the step).
+
+        Every gradient lands first; ``.grad`` is then an fp32 host view of the landed gradient (the fp32
+        accumulator, 4 bytes/param) and each parameter a view of its fp32 master, so devices and shapes
+        agree. What the caller leaves in ``.grad`` (edited in place, assigned, or set to None) is the
+        gradient the next step (and a later micro-batch's sum) uses; afterwards ``.grad`` is None again and
+        the outer parameters are their device copies."""
+        self.host.expose()
+        self.outer.bind_masters()
+        units = self.all_units()
+        for unit in units:
+            views = unit.views(unit.acc) if unit.acc is not None else {}
+            for e, has in zip(unit.entries, unit.has_grad):
+                e.param.grad = views[e.name] if has else None
+        try:
+            yield
+        finally:
+            for unit in units:
+                self.host.take_back(unit, [e.param.grad for e in unit.entries])
+                for e in unit.entries:
+                    e.param.grad = None
+            self.outer.bind_device()
 
     def optimizer_step(self) -> None:
         """Step every unit holding gradients; blocks step in the background in forward order."""
