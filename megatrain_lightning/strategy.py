@@ -7,9 +7,10 @@ backward whether more micro-batches follow, and read/write checkpoints from the 
 
 from __future__ import annotations
 
+import logging
 import random
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -23,6 +24,7 @@ from typing_extensions import override
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.engine.config import (
     EngineConfig,
+    check_blocks,
     check_checkpoint_format,
     check_flag,
     check_host_layout,
@@ -33,6 +35,8 @@ from megatrain_lightning.engine.config import (
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.precision import MegatrainPrecision
+
+log = logging.getLogger("megatrain_lightning")
 
 
 class MegatrainStrategy(SingleDeviceStrategy):
@@ -71,6 +75,10 @@ class MegatrainStrategy(SingleDeviceStrategy):
             :class:`~megatrain_lightning.engine.block_fn.CompiledBlock`): twice per run (without and with
             grad), more for other sequence lengths. Equal to eager training within round-off, not bit for bit.
             A block that cannot compile as one graph raises at its first call, naming its class.
+        blocks: the ``nn.ModuleList`` of blocks to stream: its dotted name (``"model.layers"``) or a callable
+            model -> ModuleList. Default: the list holding the most parameters, if it holds at least half of
+            them and no other list comes close (otherwise setup refuses and names the lists it found; see
+            "How blocks are found" in the user guide). Setup logs the list, its length and its share.
     """
 
     strategy_name = "megatrain"
@@ -86,9 +94,11 @@ class MegatrainStrategy(SingleDeviceStrategy):
         host_threads: int | None = None,
         checkpoint_format: Literal["sharded", "torch"] = "sharded",
         compile_blocks: bool = False,
+        blocks: str | Callable[[torch.nn.Module], torch.nn.ModuleList] | None = None,
         **kwargs: Any,
     ) -> None:
         check_flag("compile_blocks", compile_blocks)
+        check_blocks(blocks)
         check_checkpoint_format(checkpoint_format)
         check_num_slots(num_slots)
         check_offload_inputs(offload_inputs)
@@ -103,6 +113,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         self.host_threads = host_threads  # None: resolved where the worker starts (cores - 1)
         self.checkpoint_format = checkpoint_format
         self.compile_blocks = compile_blocks
+        self.blocks = blocks
         self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
         self.engine: Engine | None = None
 
@@ -149,6 +160,8 @@ class MegatrainStrategy(SingleDeviceStrategy):
         plugin.device_type = self.root_device.type
         if self.engine is None:
             self.engine = Engine(self.lightning_module, self.engine_config(trainer, plugin.precision, fitting))
+            e = self.engine
+            log.info(f"streaming {e.blocks_name}: {len(e.blocks)} blocks, {e.blocks_share:.0%} of the parameters")
         plugin.engine = self.engine
         self.precision_plugin = plugin
         if fitting:
@@ -168,6 +181,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             nvme_dir=self.nvme_dir,
             host_threads=self.host_threads,
             compile_blocks=self.compile_blocks,
+            blocks=self.blocks,
             training=fitting,
             accumulating=fitting and _accumulates(trainer),  # the fp32 accumulator counts too
             clipping=clipping,
