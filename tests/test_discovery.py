@@ -45,7 +45,7 @@ def jamba() -> nn.Module:
 def bamba() -> nn.Module:
     # One class whose blocks are mamba or attention by configuration: two sizes.
     return hf_model(
-        "Bamba", num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, **MAMBA
+        "Bamba", num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, **MAMBA
     )
 
 
