@@ -15,7 +15,18 @@ from torch import nn
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.engine.discover import find_blocks
-from tests.helpers import DROPOUT, CausalLM, UserEncoderLM, Zoo, _seeded, hf_llama, hf_model, token_batches, user_loss
+from tests.helpers import (
+    DROPOUT,
+    VOCAB,
+    CausalLM,
+    UserEncoderLM,
+    Zoo,
+    _seeded,
+    hf_llama,
+    hf_model,
+    token_batches,
+    user_loss,
+)
 from tests.helpers import trainer as make_trainer
 from tests.test_zoo import ACCUMULATE, FAMILY_STEPS, TRAIN_KWARGS, assert_bitwise, run_pair, seeded_fit
 from tests.zoo_families import IDS
@@ -205,6 +216,27 @@ def test_bad_blocks_option_names_it_and_the_candidates(pick, expected):
 
 
 @pytest.mark.parametrize("bad", [3, "", nn.ModuleList])
-def test_blocks_option_of_the_wrong_type_is_refused(bad):
-    with pytest.raises(ValueError, match=r"^blocks=.*: give the dotted name of the model's nn.ModuleList"):
-        MegatrainStrategy(blocks=bad)
+@pytest.mark.parametrize("build", [MegatrainStrategy, EngineConfig])
+def test_blocks_option_of_the_wrong_type_is_refused(build, bad):
+    with pytest.raises(ValueError, match=r"^blocks=.*: give the dotted name of the model's nn.ModuleList") as err:
+        build(blocks=bad)
+    assert "\n" not in str(err.value)
+
+
+class OneMoELayer(nn.Module):
+    """No list of layers, but a list of experts inside the one layer: not the blocks to stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)  # 3104 parameters
+        self.layer = nn.Module()
+        self.layer.experts = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))  # 2 x 1056
+        self.head = nn.Linear(32, VOCAB)  # 3201
+
+
+def test_a_list_nested_in_a_layer_is_not_streamed():
+    with pytest.raises(ValueError) as err:
+        Engine(OneMoELayer(), EngineConfig(device="cpu", precision="32-true"))
+    assert "holds less than 50% of its parameters (found: layer.experts (2 blocks, 25% of the parameters))" in str(
+        err.value
+    )
