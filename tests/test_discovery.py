@@ -240,3 +240,15 @@ def test_a_list_nested_in_a_layer_is_not_streamed():
     assert "holds less than 50% of its parameters (found: layer.experts (2 blocks, 25% of the parameters))" in str(
         err.value
     )
+
+
+def _aliased() -> nn.Module:
+    model = hf_llama(layers=3)
+    model.first_layer = model.model.layers[0]  # the same block under a second name, never called there
+    return model
+
+
+def test_a_block_kept_under_a_second_name_trains_like_ordinary_training():
+    """Sharing is judged by module, not by name: a block the model also holds elsewhere is one block."""
+    ref, mt, _ = run_pair(Zoo(_aliased), token_batches(2 * ACCUMULATE), steps=2, **TRAIN_KWARGS)
+    assert_bitwise(ref, mt)

@@ -14,7 +14,7 @@ twice and stepped twice with part of its gradient each time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from torch import nn
@@ -127,25 +127,31 @@ def check_sharing(model: nn.Module, name: str, blocks: nn.ModuleList) -> None:
                 "strategy='megatrain' keeps one host copy per position and does not train a shared block. Build "
                 "one module per position (e.g. copy.deepcopy), or train this model with an ordinary strategy."
             )
-    owner: dict[int, tuple[str, str]] = {}  # parameter id -> (owner: a block index or "outside", a name)
-    for pname, p in model.named_parameters(remove_duplicate=False):
-        here = _owner(pname, name)
-        seen = owner.setdefault(id(p), (here, pname))
-        if seen[0] != here:
-            where = "two blocks" if "outside" not in (here, seen[0]) else "a block and the rest of the model"
+    owner: dict[int, tuple[str, str]] = {}  # parameter id -> (a block index or "outside", its name)
+    for where, pname, p in _params_by_owner(model, name, blocks):
+        seen = owner.setdefault(id(p), (where, pname))
+        if seen[0] != where:
+            between = "two blocks" if "outside" not in (where, seen[0]) else "a block and the rest of the model"
             raise ValueError(
-                f"{seen[1]} and {pname} are one parameter shared by {where}: strategy='megatrain' keeps each "
+                f"{seen[1]} and {pname} are one parameter shared by {between}: strategy='megatrain' keeps each "
                 f"block's parameters in its own host buffer and would step a shared one twice, with part of its "
                 "gradient each time. Untie them (give each its own nn.Parameter), or train this model with an "
                 "ordinary strategy."
             )
 
 
-def _owner(pname: str, blocks_name: str) -> str:
-    prefix = f"{blocks_name}." if blocks_name else ""
-    if not pname.startswith(prefix):
-        return "outside"
-    return pname[len(prefix) :].split(".", 1)[0]
+def _params_by_owner(model: nn.Module, name: str, blocks: nn.ModuleList) -> Iterator[tuple[str, str, nn.Parameter]]:
+    """(block index or "outside", name, parameter) for every parameter of every block, then for those that
+    modules outside every block hold themselves. By module, not by name: a block the model also keeps under
+    another attribute is still that block (calling it there runs its streamed forward)."""
+    inside = {id(m) for blk in blocks for m in blk.modules()}
+    for i, blk in enumerate(blocks):
+        for pname, p in blk.named_parameters(remove_duplicate=False):
+            yield str(i), f"{name}.{i}.{pname}", p
+    for mname, module in model.named_modules(remove_duplicate=False):
+        if id(module) not in inside:
+            for pname, p in module.named_parameters(recurse=False):
+                yield "outside", f"{mname}.{pname}" if mname else pname, p
 
 
 def _nested(a: str, b: str) -> bool:
