@@ -252,3 +252,17 @@ def test_a_block_kept_under_a_second_name_trains_like_ordinary_training():
     """Sharing is judged by module, not by name: a block the model also holds elsewhere is one block."""
     ref, mt, _ = run_pair(Zoo(_aliased), token_batches(2 * ACCUMULATE), steps=2, **TRAIN_KWARGS)
     assert_bitwise(ref, mt)
+
+
+def test_fabric_strategy_streams_the_named_list():
+    from lightning.fabric import Fabric
+
+    from megatrain_lightning.fabric import MegatrainFabricStrategy
+
+    strategy = MegatrainFabricStrategy(blocks="more")
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true", strategy=strategy)
+    fabric.launch()  # (the megatrain strategy is not a SingleDeviceStrategy: Fabric requires it)
+    model = _seeded(TwoStacksLM)
+    fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    assert strategy.engine.blocks is model.more
+    strategy.teardown()
