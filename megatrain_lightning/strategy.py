@@ -11,7 +11,7 @@ import logging
 import pickle
 import random
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -30,6 +30,7 @@ from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.convert import lightning_checkpoint
 from megatrain_lightning.engine.config import (
     EngineConfig,
+    check_blocks,
     check_checkpoint_format,
     check_flag,
     check_host_layout,
@@ -95,6 +96,10 @@ class MegatrainStrategy(SingleDeviceStrategy):
             save (unless ``trainer.save_checkpoint(..., storage_options=...)`` gives its own), the
             ``ckpt_path`` it resumes from and the old checkpoints it deletes. Passed to fsspec only: never
             written into a checkpoint or a log. None: fsspec's defaults (e.g. the ``AWS_*`` variables).
+        blocks: the ``nn.ModuleList`` of blocks to stream: its dotted name (``"model.layers"``) or a callable
+            model -> ModuleList. Default: the list holding the most parameters, if it holds at least half of
+            them and no other list comes close (otherwise setup refuses and names the lists it found; see
+            "How blocks are found" in the user guide). Setup logs the list, its length and its share.
     """
 
     strategy_name = "megatrain"
@@ -111,9 +116,11 @@ class MegatrainStrategy(SingleDeviceStrategy):
         checkpoint_format: Literal["sharded", "torch"] = "sharded",
         compile_blocks: bool = False,
         storage_options: dict[str, Any] | None = None,
+        blocks: str | Callable[[torch.nn.Module], torch.nn.ModuleList] | None = None,
         **kwargs: Any,
     ) -> None:
         check_flag("compile_blocks", compile_blocks)
+        check_blocks(blocks)
         check_checkpoint_format(checkpoint_format)
         check_num_slots(num_slots)
         check_offload_inputs(offload_inputs)
@@ -129,6 +136,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         self.checkpoint_format = checkpoint_format
         self.compile_blocks = compile_blocks
         self.storage_options = storage_options
+        self.blocks = blocks
         self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
         self.engine: Engine | None = None
         self._averaging: AveragingViews | None = None  # set up with the engine (averaging.py)
@@ -177,6 +185,8 @@ class MegatrainStrategy(SingleDeviceStrategy):
         plugin.device_type = self.root_device.type
         if self.engine is None:
             self.engine = Engine(self.lightning_module, self.engine_config(trainer, plugin.precision, fitting))
+            e = self.engine
+            log.info(f"streaming {e.blocks_name}: {len(e.blocks)} blocks, {e.blocks_share:.0%} of the parameters")
         plugin.engine = self.engine
         plugin.gradients_visible = bool(self.grad_hooks)
         if self.grad_hooks:
@@ -208,6 +218,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             nvme_dir=self.nvme_dir,
             host_threads=self.host_threads,
             compile_blocks=self.compile_blocks,
+            blocks=self.blocks,
             training=fitting,
             # The fp32 accumulator counts too; gradients visible to hooks live in it.
             accumulating=fitting and (_accumulates(trainer) or visible),

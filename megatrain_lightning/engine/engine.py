@@ -82,7 +82,8 @@ class Engine:
         self.preserve_rng_state = config.preserve_rng_state
         self.stats = _new_stats()
         self.host_threads = resolve_host_threads(config.host_threads)
-        self.blocks_name, self.blocks = find_blocks(model)
+        found = find_blocks(model, config.blocks)  # refuses lists it would train wrongly (shared weights)
+        self.blocks_name, self.blocks, self.blocks_share = found.name, found.blocks, found.share
         pin = self.device.type == "cuda" if config.pin_memory is None else config.pin_memory
         block_params = [list(b.named_parameters()) for b in self.blocks]
         in_blocks = {id(p) for params in block_params for _, p in params}
