@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -40,6 +39,7 @@ from megatrain_lightning.commands import (
     default_precision,
     env_lines,
     plan_command,
+    read_config,
     schedule_command,
     user_error,
 )
@@ -373,37 +373,19 @@ def run(argv: list[str] | None = None) -> Any:
 
 
 def _check_config_files(args: list[str]) -> None:
-    """A missing --config file gets one line naming it and the ready configs, not the full usage."""
+    """A --config file that is missing or unreadable gets one line naming it (and the ready configs), not
+    the full usage or jsonargparse's traceback."""
     for path in _config_args(args):
-        file = Path(path).expanduser()
-        if not file.is_file():
+        try:
+            read_config(path)
+        except FileNotFoundError as err:
             ready = sorted(str(p) for p in Path("configs").glob("*.yaml"))
             hint = "the ready configs are in the repository's configs/"
             if ready:
                 hint = f"ready configs here: {', '.join(ready)}"
-            what = "is a directory, not a YAML file" if file.is_dir() else "does not exist"
-            user_error(f"config file {path!r} {what}; {hint}")
-        _check_config_text(path, file.read_bytes())
-
-
-def _check_config_text(path: str, data: bytes) -> None:
-    """A config file must be UTF-8 YAML holding a mapping (jsonargparse would trace or quote it whole)."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data[: err.start].count(b"\n") + 1
-        user_error(f"config file {path!r} is not UTF-8 (byte {data[err.start]:#04x} on line {line}); save it as UTF-8")
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        user_error(f"config file {path!r} is not valid YAML{at}: {getattr(err, 'problem', None) or err}")
-    if loaded is not None and not isinstance(loaded, dict):
-        user_error(
-            f"config file {path!r} holds a {type(loaded).__name__}, not a mapping of options; start from "
-            "`megatrain fit --print_config`"
-        )
+            user_error(f"{err}; {hint}")
+        except ValueError as err:
+            user_error(str(err))
 
 
 def _config_args(args: list[str]) -> list[str]:

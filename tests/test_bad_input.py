@@ -70,6 +70,7 @@ def d(tmp_path_factory) -> Path:
     (d / "a_file").write_text("x")
     (d / "latin1.yaml").write_bytes("model:\n  model: tiny  # café\n".encode("latin-1"))
     (d / "broken.yaml").write_text("trainer:\n  max_steps: [1\nmodel: 3\n")
+    (d / "no_model.yaml").write_text("data: {seq_len: 64}\n")
     (d / "base.yaml").write_text(yaml.safe_dump(BASE).replace("{d}", str(d)))
     return d
 
@@ -157,6 +158,11 @@ CASES = [
     # the other commands
     ("plan-seq-len-0", ["RAW", "plan", "--model", "tiny", "--seq-len", "0"], r"seq_len=0 must be an integer >= 1"),
     ("plan-size", ["RAW", "plan", "--model", "tiny", "--host-mem", "lots"], r"'lots'"),
+    ("plan-accumulate-0", ["RAW", "plan", "--model", "tiny", "--accumulate", "0"], r"accumulate=0 must be an integer"),
+    ("plan-config-not-utf8", ["RAW", "plan", "--config", "{d}/latin1.yaml"], r"latin1.yaml' is not UTF-8"),
+    ("plan-config-a-directory", ["RAW", "plan", "--config", "{d}/no_data"], r"no_data' is a directory"),
+    ("plan-config-a-text", ["RAW", "plan", "--config", "{d}/text.txt"], r"text.txt' holds a str"),
+    ("plan-config-no-model", ["RAW", "plan", "--config", "{d}/no_model.yaml"], r"no_model.yaml' names no model"),
     ("schedule-device", ["RAW", "schedule", "--model", "tiny", "--device", "tpu9"], r"tpu9"),
     ("convert-missing", ["RAW", "convert", "{d}/nope.ckpt", "--to", "torch", "{d}/out.ckpt"], r"nope.ckpt"),
 ]
