@@ -56,7 +56,10 @@ def check_trainer_args(
             "strategy='megatrain'; use gradient_clip_algorithm='norm' (the default)"
         )
     interval = val_check_interval
-    if interval is not None and not (isinstance(interval, (int, float)) and interval > 0):
+    fraction = isinstance(interval, float)  # Lightning reads a float as a share of the epoch
+    if interval is not None and not (
+        isinstance(interval, (int, float)) and interval > 0 and not (fraction and interval > 1)
+    ):
         raise ValueError(
             f"trainer val_check_interval={interval!r} must be above 0: an integer number of batches, or a "
             "fraction of an epoch in (0, 1]"

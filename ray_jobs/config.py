@@ -25,6 +25,9 @@ choice values, wherever the argument's type reads it as one).
 
 Where the file is looked up: see :func:`resolve`. Everything is checked here, in the driver, before
 anything runs on the cluster; an error is one line naming the file, the key and the fix.
+
+Why one file of about 500 lines: it is the sweep file's whole schema, each key with its check and its
+one-line error, and the record compared on resubmission; a reader looking up a key finds it here.
 """
 
 from __future__ import annotations

@@ -93,6 +93,7 @@ CASES = [
         r"gradient_clip_algorithm='value' .*use gradient_clip_algorithm='norm'",
     ),
     ("val-interval-0", ["--trainer.val_check_interval=0"], r"val_check_interval=0 must be above 0"),
+    ("val-interval-1.5", ["--trainer.val_check_interval=1.5"], r"val_check_interval=1.5 must be .* in \(0, 1\]"),
     ("max-steps-negative", ["--trainer.max_steps=-5"], r"`max_steps` must be .* You passed in -5"),
     ("max-epochs-negative", ["--trainer.max_epochs=-3"], r"`max_epochs` must be .* You passed in -3"),
     ("devices-0", ["--trainer.devices=0"], r"Trainer\(devices='0'\)"),
