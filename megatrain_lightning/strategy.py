@@ -45,6 +45,37 @@ from megatrain_lightning.precision import MegatrainPrecision
 log = logging.getLogger("megatrain_lightning")
 
 
+def check_trainer_args(
+    accumulate_grad_batches: Any = 1,
+    gradient_clip_val: Any = None,
+    gradient_clip_algorithm: Any = None,
+    val_check_interval: Any = None,
+) -> None:
+    """Trainer options that Lightning accepts and then fails on (accumulate_grad_batches=0 divides by zero
+    at the first batch) or silently misreads (a negative clip), refused naming the valid range; the megatrain
+    command and the sweep driver check them before anything is built."""
+    acc = accumulate_grad_batches
+    if not isinstance(acc, int) or isinstance(acc, bool) or acc < 1:
+        raise ValueError(f"trainer accumulate_grad_batches={acc!r} must be an integer >= 1 (1: no accumulation)")
+    clip = gradient_clip_val
+    if clip is not None and not (isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0):
+        raise ValueError(f"trainer gradient_clip_val={clip!r} must be a number >= 0 (0 or null: no clipping)")
+    if clip and gradient_clip_algorithm == "value":
+        raise ValueError(
+            f"trainer gradient_clip_algorithm='value' (gradient_clip_val={clip}) is not supported by "
+            "strategy='megatrain'; use gradient_clip_algorithm='norm' (the default)"
+        )
+    interval = val_check_interval
+    fraction = isinstance(interval, float)  # Lightning reads a float as a share of the epoch
+    if interval is not None and not (
+        isinstance(interval, (int, float)) and interval > 0 and not (fraction and interval > 1)
+    ):
+        raise ValueError(
+            f"trainer val_check_interval={interval!r} must be above 0: an integer number of batches, or a "
+            "fraction of an epoch in (0, 1]"
+        )
+
+
 class MegatrainStrategy(SingleDeviceStrategy):
     """Train on one device with parameters, fp32 masters and Adam state in host memory.
 

@@ -52,7 +52,13 @@ from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutp
 from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.config import EngineConfig, forward_context
 from megatrain_lightning.engine.discover import find_blocks
-from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
+from megatrain_lightning.engine.host import (
+    HostMemoryError,
+    HostUnit,
+    available_host_bytes,
+    host_bytes_by_kind,
+    host_bytes_per_param,
+)
 from megatrain_lightning.engine.host_steps import HostSide, graph_task
 from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
 from megatrain_lightning.engine.optimizer import HostAdamW
@@ -66,10 +72,6 @@ from megatrain_lightning.engine.worker import HostWorker
 from megatrain_lightning.optim.threads import configure_host_threads, resolve_host_threads
 
 log = logging.getLogger("megatrain_lightning")
-
-
-class HostMemoryError(MemoryError):
-    """The model's host-resident training state does not fit in this machine's memory."""
 
 
 class Engine:
@@ -90,7 +92,8 @@ class Engine:
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
         largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
         self.piece = config.piece or piece_numel(max(largest_block, *(p.numel() for _, p in outer)))
-        self._check_host_memory(block_params, outer, probes.host_available_bytes or available_host_bytes)
+        self._host_available = probes.host_available_bytes or available_host_bytes
+        self._host_need = self._check_host_memory(block_params, outer, self._host_available)
         # Checked (directory, free space) before the model is taken apart; the moments need it only to train.
         training = config.training
         self.tier = (
@@ -100,7 +103,9 @@ class Engine:
         free = probes.device_free_bytes or partial(free_device_bytes, self.device)
         self._transient = probes.step_transient_bytes or partial(step_transient_bytes, self.device)
         self._free_device_bytes = free
-        self.saved_inputs = SavedInputs(self.streams, self.device, pin, self.stats, config.offload_inputs, free)
+        self.saved_inputs = SavedInputs(
+            self.streams, self.device, pin, self.stats, config.offload_inputs, free, self._host_room
+        )
         self._caches_off = _disable_kv_caches(model) if training else []
         staging, grads = ring_counts(largest_block, self.piece)
         lean = config.host_layout == "lean"
@@ -175,7 +180,8 @@ class Engine:
             self._state_hooks.append(blk.register_state_dict_pre_hook(partial(self._block_state_read, i)))
         self._refresh_block_buffers()
 
-    def _check_host_memory(self, block_params, outer, available_bytes: Callable[[], int]) -> None:
+    def _check_host_memory(self, block_params, outer, available_bytes: Callable[[], int]) -> int:
+        """Refuse a model whose training state does not fit the host; returns the bytes it counted."""
         c = self.config
         numel = _numel(block_params, outer)
         layout, elt = c.host_layout, torch.tensor([], dtype=self.compute_dtype).element_size()
@@ -211,6 +217,14 @@ class Engine:
                 )
                 + ", or check the size first with the memory planner."
             )
+        return need
+
+    def _host_room(self) -> int:
+        """Host memory left for new buffers (the offloaded inputs'): what the OS can still hand out, less what
+        the check at construction counted but the engine has not allocated yet (the gradient slabs come with
+        the first backward, the Adam moments with the optimizer)."""
+        pending = self._host_need - sum(self.host_bytes().values())
+        return self._host_available() - max(0, pending)
 
     def _refresh_block_buffers(self) -> None:
         """Device copies of the blocks' host buffers, per block a list of [module, name, host buffer, device
