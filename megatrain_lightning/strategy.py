@@ -60,10 +60,9 @@ def check_trainer_args(
     clip = gradient_clip_val
     if clip is not None and not (isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0):
         raise ValueError(f"trainer gradient_clip_val={clip!r} must be a number >= 0 (0 or null: no clipping)")
-    if clip and gradient_clip_algorithm == "value":
+    if gradient_clip_algorithm is not None and str(gradient_clip_algorithm) not in ("norm", "value"):
         raise ValueError(
-            f"trainer gradient_clip_algorithm='value' (gradient_clip_val={clip}) is not supported by "
-            "strategy='megatrain'; use gradient_clip_algorithm='norm' (the default)"
+            f"trainer gradient_clip_algorithm={str(gradient_clip_algorithm)!r} must be 'norm' (the default) or 'value'"
         )
     interval = val_check_interval
     fraction = isinstance(interval, float)  # Lightning reads a float as a share of the epoch

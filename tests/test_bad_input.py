@@ -88,9 +88,9 @@ CASES = [
     ("accumulate-word", ["--trainer.accumulate_grad_batches=two"], r"--trainer.accumulate_grad_batches=two: Expect"),
     ("clip-negative", ["--trainer.gradient_clip_val=-1"], r"gradient_clip_val=-1 must be a number >= 0"),
     (
-        "clip-by-value",
-        ["--trainer.gradient_clip_val=1", "--trainer.gradient_clip_algorithm=value"],
-        r"gradient_clip_algorithm='value' .*use gradient_clip_algorithm='norm'",
+        "clip-algorithm",
+        ["--trainer.gradient_clip_val=1", "--trainer.gradient_clip_algorithm=sign"],
+        r"gradient_clip_algorithm='sign' must be 'norm' \(the default\) or 'value'",
     ),
     ("val-interval-0", ["--trainer.val_check_interval=0"], r"val_check_interval=0 must be above 0"),
     ("val-interval-1.5", ["--trainer.val_check_interval=1.5"], r"val_check_interval=1.5 must be .* in \(0, 1\]"),
