@@ -38,6 +38,7 @@ from megatrain_lightning.engine.config import (
     check_num_slots,
     check_offload_inputs,
 )
+from megatrain_lightning.engine.discover import unstreamed
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.precision import MegatrainPrecision
@@ -216,7 +217,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
         if self.engine is None:
             self.engine = Engine(self.lightning_module, self.engine_config(trainer, plugin.precision, fitting))
             e = self.engine
-            log.info(f"streaming {e.blocks_name}: {len(e.blocks)} blocks, {e.blocks_share:.0%} of the parameters")
+            others = "; ".join(c.describe() for c in unstreamed(e.model, e.found_blocks))
+            also = f"; not streamed, trained as ordinary modules on the device: {others}" if others else ""
+            log.info(f"streaming {e.blocks_name}: {len(e.blocks)} blocks, {e.blocks_share:.0%} of the parameters{also}")
         plugin.engine = self.engine
         plugin.gradients_visible = bool(self.grad_hooks)
         if self.grad_hooks:

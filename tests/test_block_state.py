@@ -368,7 +368,7 @@ def test_a_tensor_needing_grad_inside_an_opaque_object_is_refused_in_one_line():
 
 
 def test_streamed_blocks_are_the_decoder_stack():
-    assert find_blocks(EncDec())[0] == "decoder"
+    assert find_blocks(EncDec()).name == "decoder"
 
 
 # -- Hugging Face encoder-decoders ------------------------------------------------------------------------
@@ -403,7 +403,7 @@ def seq2seq_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def test_hugging_face_encoder_decoders_train_exactly(build, stack):
     """Dropout on: the recompute replays the forward's RNG state."""
     a, b = two_models(build)
-    assert find_blocks(b)[0] == stack
+    assert find_blocks(b).name == stack
     ref, mt = CausalLM(a, loss_fn=seq2seq_loss), CausalLM(b, loss_fn=seq2seq_loss)
     batches = token_batches(3, seq=8)
     torch.manual_seed(1)

@@ -3,8 +3,10 @@
 The rule (docs/user-guide.md, "How blocks are found"): the blocks are the ``nn.ModuleList`` of at least 2
 modules that holds the most parameters, whatever the classes and sizes of its modules (a hybrid model
 mixes attention and state-space layers in one list; host units and device slots size to the largest
-block). It must hold at least :data:`MIN_SHARE` of the model's parameters, and no list outside it may
-come close (:data:`CLOSE`): otherwise the choice is the user's, ``blocks=`` a dotted name or a callable.
+block). It must hold at least :data:`MIN_SHARE` of the model's parameters, and no list outside it may be
+about as large (:data:`CLOSE`): otherwise the choice is the user's, ``blocks=`` a dotted name or a
+callable. One stack is streamed; another large list (an encoder-decoder's encoder) trains as ordinary
+modules on the device, exactly, and the strategy's setup line names it (:func:`unstreamed`).
 
 Whatever picked the list, :func:`check_sharing` refuses a list in which one module sits at several
 positions, or a parameter is shared between two blocks or between a block and the rest of the model:
@@ -19,15 +21,17 @@ from dataclasses import dataclass
 
 from torch import nn
 
-# Everything outside the blocks stays on the device for the whole run (embedding, head, norms, and any
-# other stack), so a list holding less than half the parameters saves less device memory than it leaves
-# there: streaming it is almost surely not what the user meant (a list nested inside a shared layer, or
-# one of two stacks of an encoder-decoder). Decoder-only models put most of their parameters in their
-# layer list (Llama 3.1 8B: 87%; the tiny test models, with their relatively large embeddings, 70-94%).
-MIN_SHARE = 0.5
-# A list outside the best one holding at least this fraction of the best one's parameters is a real
-# alternative (the other stack of an encoder-decoder): the engine does not guess between them.
-CLOSE = 0.5
+# A list holding less than this share of the parameters is not the model's body: a list nested inside a
+# layer (adapters, the experts of a one-layer MoE) holds a few percent. Streaming it would save little and is
+# almost surely not what the user meant. Real decoders put most of their parameters in their layer list
+# (Llama 3.1 8B: 87%); tiny test models, whose embeddings and heads are relatively large, hold 30-94%.
+MIN_SHARE = 0.2
+# A list outside the best one holding at least this fraction of the best one's parameters is as good a
+# choice: the engine does not guess between them. An encoder-decoder's decoder holds about 1.3-1.5x its
+# encoder's parameters (cross-attention), so the decoder is chosen there and the encoder named as unstreamed.
+CLOSE = 0.9
+# Lists outside the streamed one holding at least this share are named in the strategy's setup line.
+NAMED = 0.1
 
 
 @dataclass(frozen=True)
@@ -82,13 +86,19 @@ def _pick(model: nn.Module, found: list[Candidate]) -> Candidate:
     if best.share < MIN_SHARE:
         why = f"the largest module list of {kind} holds less than {MIN_SHARE:.0%} of its parameters"
     elif rivals:
-        why = f"two module lists of {kind} are close in size"
+        why = f"two module lists of {kind} are about the same size"
     else:
         return best
     raise ValueError(
         f"strategy='megatrain' will not guess which blocks to stream: {why} (found: {listed}). Name the list "
         "with blocks='<dotted name>' (or a callable model -> nn.ModuleList), or train with an ordinary strategy."
     )
+
+
+def unstreamed(model: nn.Module, best: Candidate) -> list[Candidate]:
+    """The lists outside `best` holding at least :data:`NAMED` of the parameters (another stack, trained as
+    ordinary modules on the device): what the setup line names beside the streamed list."""
+    return [c for c in candidates(model) if c.share >= NAMED and not _nested(c.name, best.name)]
 
 
 def _by_name(model: nn.Module, name: str, found: list[Candidate]) -> Candidate:

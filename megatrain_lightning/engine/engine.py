@@ -86,6 +86,7 @@ class Engine:
         self.host_threads = resolve_host_threads(config.host_threads)
         found = find_blocks(model, config.blocks)  # refuses lists it would train wrongly (shared weights)
         self.blocks_name, self.blocks, self.blocks_share = found.name, found.blocks, found.share
+        self.found_blocks = found  # (discover.Candidate: what setup logs)
         pin = self.device.type == "cuda" if config.pin_memory is None else config.pin_memory
         block_params = [list(b.named_parameters()) for b in self.blocks]
         in_blocks = {id(p) for params in block_params for _, p in params}
