@@ -19,6 +19,7 @@ Every shard is checked against its checksum on the way.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -78,7 +79,8 @@ def load_from_checkpoint(
         )
     url = str(checkpoint_path)
     with_weights = issubclass(cls, L.LightningModule)
-    checkpoint, index = _assemble(url, weights=with_weights, optimizer=False, weights_only=weights_only)
+    read = functools.partial(_assemble, url, weights=with_weights, optimizer=False, weights_only=weights_only)
+    checkpoint, index = store.reread_if_replaced(url, read)  # again on a newer save that replaced it meanwhile
     if with_weights:
         _skip_init_from(cls, checkpoint, index, kwargs)
     buffer = io.BytesIO()
@@ -99,7 +101,8 @@ def lightning_checkpoint(url: str, *, optimizer: bool = True, weights_only: bool
     """The sharded checkpoint at `url` as Lightning's checkpoint dict: the trainer state, ``state_dict``
     (fp32 masters and buffers, tied parameters under each of their names) and, when `optimizer` and the
     checkpoint holds Adam state, ``optimizer_states`` in ``torch.optim.AdamW.state_dict()``'s layout."""
-    return _assemble(_sharded(url), weights=True, optimizer=optimizer, weights_only=weights_only)[0]
+    read = functools.partial(_assemble, _sharded(url), weights=True, optimizer=optimizer, weights_only=weights_only)
+    return store.reread_if_replaced(str(url), read)[0]  # again on a newer save that replaced it meanwhile
 
 
 def to_lightning(url: str, out: str | os.PathLike) -> str:

@@ -265,6 +265,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         state, index = mt_checkpoint.store.read_checkpoint(str(checkpoint_path))
         state["megatrain_checkpoint"] = str(checkpoint_path)
+        state["megatrain_index"] = index  # the weights must come from the version this state came from
         state["state_dict"] = {}  # the weights stream from the shards in load_model_state_dict
         if index["optimizer"]:
             state["optimizer_states"] = [{"param_groups": index["param_groups"]}]
@@ -283,7 +284,8 @@ class MegatrainStrategy(SingleDeviceStrategy):
             return super().load_model_state_dict(checkpoint, strict=strict)
         if "megatrain_checkpoint" in checkpoint:
             resuming = self.engine.has_optimizer and "optimizer_states" in checkpoint
-            mt_checkpoint.restore(self.engine, checkpoint["megatrain_checkpoint"], optimizer=resuming)
+            url, pinned = checkpoint["megatrain_checkpoint"], checkpoint.get("megatrain_index")
+            mt_checkpoint.restore(self.engine, url, optimizer=resuming, pinned=pinned)
             return
         self.engine.load_master_state_dict(checkpoint["state_dict"], strict=strict)
 

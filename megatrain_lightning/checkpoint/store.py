@@ -24,27 +24,29 @@ cannot be imported). Markers that are bare JSON, as first written, are read all 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import io
 import json
 import os
 import struct
-import time
 import uuid
 import warnings
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from megatrain_lightning.checkpoint import stream
+from megatrain_lightning.checkpoint import stream, versions
 from megatrain_lightning.checkpoint.hf import describe_export
 from megatrain_lightning.checkpoint.stream import EngineView
 
 FORMAT = "megatrain-checkpoint"
 VERSION = 1
+T = TypeVar("T")
 
 
 class CheckpointError(ValueError):
@@ -75,11 +77,33 @@ def save(
     fs, path = fsspec.core.url_to_fs(url)
     if fs.isdir(path):
         raise CheckpointError(f"{url} is a directory; a checkpoint path names a file (its data goes to {url}.d/)")
-    previous = _pointer(fs, path, url) if fs.exists(path) else None
-    _remove_stale_versions(fs, path, keep=previous["data"] if previous else None)
-    version = f"v{time.time_ns():x}-{uuid.uuid4().hex[:8]}"
-    vdir = f"{path}.d/{version}"
-    fs.makedirs(f"{vdir}/units", exist_ok=True)
+    versions.remove_unused(fs, path, keep=lambda: _named(fs, path, url))  # all but the current checkpoint
+    lease = versions.Lease(fs, path, url)
+    try:
+        index_bytes = _write_version(engine, fs, lease, trainer_state, optimizer, param_groups, after_unit)
+        replaced = _named(fs, path, url)
+        marker = {"format": FORMAT, "version": VERSION, "data": lease.version, "index_crc32": zlib.crc32(index_bytes)}
+        _commit(fs, path, {**marker, "previous": min(replaced, default=None)})
+    except BaseException:
+        if lease.version not in _named(fs, path, url):  # (a commit whose reply was lost stands)
+            lease.release()
+        raise
+    lease.committed()
+    # The checkpoint just replaced stays, for readers that read the marker before this commit.
+    versions.remove_unused(fs, path, keep=lambda: _named(fs, path, url, previous=True))
+
+
+def _write_version(
+    engine: EngineView,
+    fs: Any,
+    lease: versions.Lease,
+    trainer_state: dict,
+    optimizer: bool,
+    param_groups: list[dict] | None,
+    after_unit: Callable[[int], None] | None,
+) -> bytes:
+    """Write the version directory: unit shards, buffers, trainer state, then the index (returned)."""
+    vdir = lease.vdir
     engine.flush()
     if optimizer and engine.tier is not None:  # the moments are read ahead while earlier units are written
         held = [u for u in engine.all_units() if u.has_moments]
@@ -90,6 +114,7 @@ def save(
         tensors = [("master", unit.master)] + (list(_moments(unit, write=False).items()) if with_adam else [])
         info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
         units.append(_unit_record(engine, unit, i, info, with_adam))
+        lease.beat()
         if after_unit is not None:
             after_unit(i)
     aliases = _aliases(engine)
@@ -97,10 +122,11 @@ def save(
     buf_info = stream.write(fs, f"{vdir}/buffers.safetensors", sorted(buffers.items()))
     raw = io.BytesIO()
     torch.save(trainer_state, raw)
-    fs.pipe_file(f"{vdir}/trainer.pt", raw.getvalue())
+    versions.write_bytes(fs, f"{vdir}/trainer.pt", raw.getvalue())
     index = {
         "format": FORMAT,
         "version": VERSION,
+        "data": lease.version,
         "units": units,
         "buffers": buf_info,
         "param_groups": param_groups,
@@ -110,10 +136,10 @@ def save(
         "export": _export(engine),
     }
     index_bytes = json.dumps(index, indent=1).encode()
-    fs.pipe_file(f"{vdir}/index.json", index_bytes)
-    _commit(fs, path, {"format": FORMAT, "version": VERSION, "data": version, "index_crc32": zlib.crc32(index_bytes)})
-    if previous and previous["data"] != version:
-        fs.rm(f"{path}.d/{previous['data']}", recursive=True)
+    versions.write_bytes(fs, f"{vdir}/index.json", index_bytes)
+    versions.sync_dirs(fs, [f"{vdir}/units", vdir])
+    lease.beat()  # last: a lease lost meanwhile stops the commit
+    return index_bytes
 
 
 def _moments(unit: Any, write: bool) -> dict[str, Any]:
@@ -205,44 +231,107 @@ def _commit(fs: Any, path: str, marker: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic on POSIX: readers see the old marker or the new one
+        versions.sync_dirs(fs, [os.path.dirname(path) or "."])  # ... and after a power loss, the new one
     else:
         fs.pipe_file(path, data)  # one object write: atomic on object stores
 
 
-def _remove_stale_versions(fs: Any, path: str, keep: str | None) -> None:
-    root = f"{path}.d"
-    if not fs.isdir(root):
-        return
-    for entry in fs.ls(root, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name == keep:
-            continue
-        # Some stores (SeaweedFS) keep an emptied prefix as a directory entry, and even list it as an
-        # object of its own: only files inside it mean a partial save.
-        if [f for f in fs.find(entry) if f.rstrip("/") != entry.rstrip("/")]:
-            warnings.warn(f"removing {root}/{name}: data of an interrupted save, never committed", stacklevel=3)
-            fs.rm(entry, recursive=True)
-        else:
-            _rm_empty(fs, entry)
-
-
-def _rm_empty(fs: Any, entry: str) -> None:
+def _named(fs: Any, path: str, url: str, previous: bool = False) -> set[str]:
+    """The version the commit marker at `path` names (none without a marker), and with `previous` the one it
+    replaced. (Read with a GET, not `exists`: object store listings are cached per filesystem object.)"""
     try:
-        fs.rm(entry, recursive=True)
-    except FileNotFoundError:  # object stores: the prefix vanished with its last object
-        pass
+        raw = fs.cat_file(path)
+    except FileNotFoundError:
+        return set()
+    try:
+        marker = parse_marker(raw)
+    except (ValueError, UnicodeDecodeError, struct.error):
+        raise CheckpointError(f"{url} is not a {FORMAT} commit marker; save to another path") from None
+    return {v for v in (marker.get("data"), marker.get("previous") if previous else None) if v}
 
 
 def remove(url: str) -> None:
-    """Delete a checkpoint: the marker first (so it stops existing), then its data."""
+    """Delete a checkpoint: the marker first (so it stops existing), then its data, but not a version that a
+    save to the same name is writing now."""
     fs, path = fsspec.core.url_to_fs(url)
-    if fs.exists(path):
+    try:
         fs.rm(path)
-    if fs.isdir(f"{path}.d"):
-        fs.rm(f"{path}.d", recursive=True)
+    except FileNotFoundError:
+        pass
+    versions.remove_unused(fs, path, keep=set, warn=False)
+    versions.drop_if_empty(fs, f"{path}.d")
 
 
 # -- reading ----------------------------------------------------------------------------------------
+READ_ATTEMPTS = 5
+"""How many times a read starts over on a newer checkpoint when saves keep replacing the one it reads."""
+
+
+def reread_if_replaced(url: str, read: Callable[[], T]) -> T:
+    """``read()`` (a read of the checkpoint at `url`), run again when it fails because a save replaced the
+    checkpoint meanwhile and its data went (see versions.py): the marker changed between the start of the
+    read and the failure. A failure under an unchanged marker is the checkpoint's own, raised as it is."""
+    fs, path = fsspec.core.url_to_fs(url)
+    for _ in range(READ_ATTEMPTS):
+        seen = _marker_raw(fs, path)
+        try:
+            return read()
+        except (CheckpointError, stream.ShardError, OSError):
+            if _marker_raw(fs, path) == seen:
+                raise
+    raise CheckpointError(
+        f"{url} was replaced by newer saves {READ_ATTEMPTS} times while being read; read it again, or "
+        "between saves (or raise megatrain_lightning.checkpoint.store.READ_ATTEMPTS)"
+    )
+
+
+def _rereading(read: Callable[..., T]) -> Callable[..., T]:
+    """`read(..., url, ..., pinned=None)` under :func:`reread_if_replaced`. With `pinned` (an index already
+    read, whose version the read must use: the trainer state came from it) nothing is re-read; if that
+    version went meanwhile, the error says so."""
+    signature = inspect.signature(read)
+
+    @functools.wraps(read)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        bound = signature.bind(*args, **kwargs).arguments
+        url, pinned = bound["url"], bound.get("pinned")
+        if pinned is None:
+            return reread_if_replaced(url, lambda: read(*args, **kwargs))
+        try:
+            return read(*args, **kwargs)
+        except (CheckpointError, stream.ShardError, OSError):
+            fs, path = fsspec.core.url_to_fs(url)
+            if pinned.get("data") in _named(fs, path, url, previous=True):
+                raise
+            raise CheckpointError(
+                f"{url} was replaced twice by newer saves while being resumed from, and the data of the "
+                f"version read ({pinned.get('data')}) is gone; resume again"
+            ) from None
+
+    return wrapper
+
+
+def _marker_raw(fs: Any, path: str) -> bytes | None:
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+
+
+def _pinned_version(url: str, pinned: dict) -> tuple[Any, str, dict]:
+    """(filesystem, version directory, index) of the version `pinned`, an index read before, came from."""
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, f"{path}.d/{pinned['data']}", pinned
+
+
+def _raise_if_replaced(fs: Any, vdir: str, url: str) -> None:
+    """A file of `vdir` is missing: if the marker no longer names `vdir`, a save replaced the checkpoint
+    while it was being read (not damage)."""
+    path, version = vdir.rsplit(".d/", 1)
+    if version not in _named(fs, path, url):
+        raise CheckpointError(f"{url} was replaced by a newer save while being read ({vdir} is gone); read it again")
+
+
 def is_checkpoint(url: str) -> bool:
     """Whether `url` is a commit marker of this format (a Lightning .ckpt file is not)."""
     fs, path = fsspec.core.url_to_fs(url)
@@ -255,6 +344,7 @@ def is_checkpoint(url: str) -> bool:
     return head.lstrip().startswith(b"{") and FORMAT.encode() in head
 
 
+@_rereading
 def read_index(url: str) -> tuple[Any, str, dict]:
     """(filesystem, version directory, index) of the committed checkpoint at `url`."""
     fs, path = fsspec.core.url_to_fs(url)
@@ -278,6 +368,7 @@ def load_trainer_state(url: str) -> dict:
     return read_checkpoint(url)[0]
 
 
+@_rereading
 def read_checkpoint(url: str) -> tuple[dict, dict]:
     """(Lightning trainer state, index) of the committed checkpoint at `url`, the marker read once."""
     fs, vdir, index = read_index(url)
@@ -285,9 +376,11 @@ def read_checkpoint(url: str) -> tuple[dict, dict]:
         return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False), index
 
 
-def restore(engine: EngineView, url: str, *, optimizer: bool) -> dict:
-    """Stream masters (and Adam state when `optimizer`) into the engine's host buffers; returns the index."""
-    fs, vdir, index = read_index(url)
+@_rereading
+def restore(engine: EngineView, url: str, *, optimizer: bool, pinned: dict | None = None) -> dict:
+    """Stream masters (and Adam state when `optimizer`) into the engine's host buffers; returns the index.
+    `pinned`: the index read with the trainer state (read_checkpoint), whose version to restore."""
+    fs, vdir, index = read_index(url) if pinned is None or "data" not in pinned else _pinned_version(url, pinned)
     _check_layout(engine, index, url)
     if optimizer and not index["optimizer"]:
         raise CheckpointError(f"{url} holds weights only (save_weights_only=True); it cannot resume training")
@@ -315,6 +408,7 @@ def read_unit(fs: Any, vdir: str, rec: dict, url: str, *, adam: bool = False) ->
     try:
         stream.read_into(fs, f"{vdir}/{rec['file']}", targets, rec)
     except (stream.ShardError, FileNotFoundError) as err:
+        _raise_if_replaced(fs, vdir, url)
         raise CheckpointError(f"{url}: {err}; use an earlier checkpoint") from None
     return targets
 
@@ -324,6 +418,7 @@ def read_buffers(fs: Any, vdir: str, index: dict, url: str) -> dict[str, torch.T
     try:
         return stream.read_tensors(fs, f"{vdir}/buffers.safetensors", index["buffers"])
     except (stream.ShardError, FileNotFoundError) as err:
+        _raise_if_replaced(fs, vdir, url)
         raise CheckpointError(f"{url}: {err}; use an earlier checkpoint") from None
 
 
