@@ -8,12 +8,28 @@ A checkpoint named ``<url>`` (for example ``s3://bucket/run/last.ckpt``) is::
     <url>.d/<version>/units/NNNNN.safetensors   one shard per unit: fp32 master, exp_avg, exp_avg_sq
     <url>.d/<version>/buffers.safetensors       the model's persistent buffers
     <url>.d/<version>/trainer.pt                Lightning's trainer state (loops, schedulers, callbacks)
+    <url>.d/<version>/lease.json                the lease of the save writing it (versions.py)
 
 Each save writes a new version directory from the host buffers (never a second copy of the model),
-then replaces the marker in one write (``os.replace`` locally, a single PUT on object stores), then
-deletes the previous version. A save that dies midway leaves the old marker and so the old checkpoint
-in force; its half-written version is deleted, with a warning, by the next save to that name. The
-marker being a file also lets Lightning find, date and delete checkpoints as it does its own.
+then replaces the marker in one write (``os.replace`` locally, a single PUT on object stores). A save that
+dies midway leaves the old marker and so the old checkpoint in force. The marker being a file also lets
+Lightning find, date and delete checkpoints as it does its own.
+
+Several writers and readers may share one checkpoint (two runs given the same path, a resume or a
+conversion during a save). versions.py decides what a save deletes: only versions proven abandoned
+(their writer's lease lapsed, or its process is gone) or older than the checkpoint the marker replaced,
+which stays, for readers that read the marker just before a commit, until the next save begins. A read
+that outlives even that finds its version gone: the readers here (:func:`read_index`,
+:func:`read_checkpoint`, :func:`restore`) then re-read the marker and, when it moved on, start over on the
+new checkpoint; a file missing under an unchanged marker is damage, reported as such. A resume restores
+the weights of the version its trainer state came from (`pinned`), not whatever the marker names by then.
+
+Durability. On a local filesystem every file of the version (shards, buffers, trainer.pt, index) is
+fsynced, and the directories holding new entries, before the marker's temporary file is fsynced and
+renamed over the marker; the marker's directory is fsynced last, so after a power loss the marker names
+a version that is on disk whole (or the old marker stands). Object stores need no fsync: an object is
+durable once its PUT returns, a single PUT is atomic, and S3 (like GCS and Azure Blob) is strongly
+consistent read-after-write, so a reader that sees the new marker sees every object written before it.
 
 The marker's JSON is framed as a tiny pickle whose only global is a sentence: ``torch.load`` (and so a
 plain ``MyModule.load_from_checkpoint(path)`` or an ordinary strategy's resume) stops on it and prints
@@ -337,8 +353,11 @@ def is_checkpoint(url: str) -> bool:
     fs, path = fsspec.core.url_to_fs(url)
     if not fs.isfile(path):
         return False
-    with fs.open(path, "rb") as f:
-        head = f.read(4096)
+    try:
+        with fs.open(path, "rb") as f:
+            head = f.read(4096)
+    except FileNotFoundError:  # removed meanwhile (by another process sharing the directory)
+        return False
     if head.startswith(_PICKLE_HEAD):
         return _TAG.encode() in head[:200] and FORMAT.encode() in head
     return head.lstrip().startswith(b"{") and FORMAT.encode() in head
