@@ -311,7 +311,7 @@ def _rereading(read: Callable[..., T]) -> Callable[..., T]:
     def wrapper(*args: Any, **kwargs: Any) -> T:
         bound = signature.bind(*args, **kwargs).arguments
         url, pinned = bound["url"], bound.get("pinned")
-        if pinned is None:
+        if pinned is None or "data" not in pinned:  # (indexes written before they named their version)
             return reread_if_replaced(url, lambda: read(*args, **kwargs))
         try:
             return read(*args, **kwargs)
@@ -399,7 +399,7 @@ def read_checkpoint(url: str) -> tuple[dict, dict]:
 def restore(engine: EngineView, url: str, *, optimizer: bool, pinned: dict | None = None) -> dict:
     """Stream masters (and Adam state when `optimizer`) into the engine's host buffers; returns the index.
     `pinned`: the index read with the trainer state (read_checkpoint), whose version to restore."""
-    fs, vdir, index = read_index(url) if pinned is None or "data" not in pinned else _pinned_version(url, pinned)
+    fs, vdir, index = _pinned_version(url, pinned) if pinned and "data" in pinned else read_index(url)
     _check_layout(engine, index, url)
     if optimizer and not index["optimizer"]:
         raise CheckpointError(f"{url} holds weights only (save_weights_only=True); it cannot resume training")
