@@ -198,7 +198,7 @@ def test_two_writers_and_a_reader_on_one_checkpoint(kind, tmp_path, request):
 
     def write(tag: int) -> None:
         try:
-            for i in range(6):
+            for i in range(4):
                 save(writers[tag], url, {"by": tag, "i": i})
                 time.sleep(0.01)
         except BaseException as err:
@@ -227,7 +227,7 @@ def test_two_writers_and_a_reader_on_one_checkpoint(kind, tmp_path, request):
     assert errors == [] and all(reads), (errors, reads)
     state, index = store.read_checkpoint(url)
     restore(reader, url, optimizer=True)  # every shard checksummed
-    assert state["i"] == 5 and same_state(reader, writers[state["by"]])
+    assert state["i"] == 3 and same_state(reader, writers[state["by"]])
 
 
 WRITER = textwrap.dedent(
@@ -245,7 +245,7 @@ WRITER = textwrap.dedent(
         time.sleep(0.01)
     for url in sys.argv[2:]:
         cb = ModelCheckpoint(dirpath=url, save_last=True, every_n_train_steps=1, save_top_k=1)
-        fit(CausalLM(own_llama(2), own_loss), token_batches(4), enable_checkpointing=True, callbacks=[cb])
+        fit(CausalLM(own_llama(2), own_loss), token_batches(3), enable_checkpointing=True, callbacks=[cb])
     """
 )
 
@@ -268,7 +268,7 @@ def test_two_trainers_checkpointing_to_one_directory(tmp_path, request):
     for url in urls:
         state, index = store.read_checkpoint(f"{url}/last.ckpt")
         fs, vdir, index = store.read_index(f"{url}/last.ckpt")
-        assert state["global_step"] == 4 and len(index["units"]) == 5  # embeddings, 2 blocks, norm, head
+        assert state["global_step"] == 3 and len(index["units"]) == 5  # embeddings, 2 blocks, norm, head
         for rec in index["units"]:  # complete: every shard there and checksummed
             store.read_unit(fs, vdir, rec, url, adam=True)
         store.read_buffers(fs, vdir, index, url)
