@@ -209,7 +209,7 @@ def write_bytes(fs: Any, path: str, data: bytes) -> None:
 
 def sync_dirs(fs: Any, dirs: list[str]) -> None:
     """fsync directories, so that the entries created in them survive a power loss (local filesystems)."""
-    if not isinstance(fs, LocalFileSystem):
+    if not isinstance(fs, LocalFileSystem) or os.name == "nt":  # (Windows cannot open a directory to sync it)
         return
     for d in dirs:
         fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
