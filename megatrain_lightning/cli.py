@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -38,11 +39,24 @@ from megatrain_lightning.commands import (
     default_precision,
     env_lines,
     plan_command,
+    read_config,
     schedule_command,
     user_error,
 )
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.module import CausalLMModule, check_init_from, resolve_config
+from megatrain_lightning.engine.config import (
+    check_checkpoint_format,
+    check_flag,
+    check_host_layout,
+    check_host_threads,
+    check_num_slots,
+    check_offload_inputs,
+    check_precision,
+)
+from megatrain_lightning.engine.host import HostMemoryError
+from megatrain_lightning.engine.nvme import NvmeTierError
+from megatrain_lightning.module import CausalLMModule, check_init_from, check_optimizer_args, resolve_config
+from megatrain_lightning.strategy import check_trainer_args
 
 USAGE = """usage: megatrain {fit,validate,test,predict,plan,schedule,convert,env} ...
 
@@ -69,6 +83,12 @@ def one_line(message: str, prog: str = "megatrain fit") -> str:
     if not found:
         return f"{' '.join(message.split())} (`{prog} --help` lists the options)"
     key, detail = found.groups()
+    nested = re.findall(r'Parser key "([^"]+)":\s*(.*?)\s*(?:Got|Given) value:\s*(.+)', detail, re.S)
+    if nested:  # a class's own argument (e.g. --trainer.strategy.init_args.host_layout): name it, not the union
+        inner, why, value = nested[-1]
+        types = re.search(r"Subtypes: ([^\n]*)", why)
+        why = why.strip().splitlines()[0].strip().rstrip(".") + (f" {types.group(1)}" if types else "")
+        return f"--{key}.init_args.{inner}={value.splitlines()[0].strip()}: {why}"
     given = re.search(r"(?:Given|Got) value:\s*(.+)", detail)
     value = f"={given.group(1).strip()}" if given else ""
     hint = _OPTION_HINTS.get(key.split(".", 1)[1] if key.split(".", 1)[0] in _SUBCOMMANDS else key)
@@ -109,6 +129,7 @@ class MegatrainCLI(LightningCLI):
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
         given = sys.argv[1:] if args is None else args
         self._help_prog = f"megatrain {next((a for a in given if a in _SUBCOMMANDS), 'fit')}"
+        self._subcommand = given[0] if given and given[0] in _SUBCOMMANDS else None
         super().__init__(
             CausalLMModule,
             TextDataModule,
@@ -119,6 +140,12 @@ class MegatrainCLI(LightningCLI):
             args=args,
             **kwargs,
         )
+
+    def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
+        """Only the subcommand asked for, when the arguments open with one: each subcommand's parser takes a
+        few hundred milliseconds to build, and a run needs one (`megatrain fit --help` lists fit's options)."""
+        every = LightningCLI.subcommands()
+        return {self._subcommand: every[self._subcommand]} if self._subcommand in every else every
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         parser = super().init_parser(**kwargs)
@@ -154,21 +181,51 @@ class MegatrainCLI(LightningCLI):
         if hparams:
             self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
 
+    def _set_seed(self) -> None:
+        """Seeded after the checks of before_instantiate_classes (seeding logs a line: bad input gets one)."""
+
     def before_instantiate_classes(self) -> None:
         """Fill in the precision default and check model and data names before anything heavy is built."""
+        self._check_options()
+        super()._set_seed()
+
+    def _check_options(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         _refuse_optimizer_options(config)
         if config.trainer.precision is None:
             config.trainer.precision = default_precision()
         name = config.model.model or config.model.init_from
         try:
+            _check_trainer(config.trainer)
+            _check_strategy(config.trainer.strategy)
+            hp = config.model
+            check_optimizer_args(hp.lr, hp.weight_decay, hp.betas, hp.warmup_steps, hp.max_steps)
             if isinstance(name, str):  # a full LlamaConfig mapping is checked by LlamaConfig itself
                 model = resolve_config(name, config.model.overrides)
                 if config.model.init_from is not None:
                     check_init_from(model, config.model.init_from)
+                _check_seq_len(config.data.seq_len, model.max_position_embeddings)
             TextDataModule(**vars(config.data))  # checks paths and formats; reads no data yet
         except (ValueError, FileNotFoundError, ImportError) as err:  # the user's input: report, don't trace
             user_error(str(err))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """Read the data before the Trainer is built (an empty or unreadable file, or fewer windows than a
+        batch, is the user's input: one line; setup keeps what it read, so the Trainer's call reads nothing)."""
+        if isinstance(self.datamodule, TextDataModule):
+            try:
+                self.datamodule.setup(self.subcommand)
+            except (ValueError, OSError) as err:
+                user_error(" ".join(str(err).split()))
+        return super().instantiate_trainer(**kwargs)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """The engine's refusals of the host memory and the NVMe directory, which come before it allocates,
+        are the user's to fix: one line too."""
+        try:
+            super()._run_subcommand(subcommand)
+        except (HostMemoryError, NvmeTierError) as err:
+            user_error(" ".join(str(err).split()))
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
         """Lightning's default progress bar is the rich one when `rich` is installed: use ours instead,
@@ -181,7 +238,10 @@ class MegatrainCLI(LightningCLI):
             and not any(isinstance(c, ProgressBar) for c in [*given, *callbacks])
         ):
             callbacks = [*callbacks, MegatrainProgressBar()]
-        return super()._instantiate_trainer(config, callbacks)
+        try:
+            return super()._instantiate_trainer(config, callbacks)
+        except MisconfigurationException as err:  # Lightning's own checks of the Trainer's arguments
+            user_error(f"{' '.join(str(err).split())} (`{self._help_prog} --help` lists the options)")
 
     def before_fit(self) -> None:
         vocab = self.datamodule.vocab_size
@@ -190,6 +250,56 @@ class MegatrainCLI(LightningCLI):
                 f"the data's tokenizer has {vocab} token ids but the model's vocab_size is "
                 f"{self.model.config.vocab_size}; use the model's own tokenizer or set --model.overrides.vocab_size"
             )
+
+
+def _check_trainer(trainer: Any) -> None:
+    """The Trainer options Lightning would accept and then fail on or misread (strategy.py), and the precision."""
+    check_trainer_args(
+        trainer.accumulate_grad_batches,
+        trainer.gradient_clip_val,
+        trainer.gradient_clip_algorithm,
+        trainer.val_check_interval,
+    )
+    precision = {"32": "32-true", "bf16": "bf16-mixed"}.get(str(trainer.precision), str(trainer.precision))
+    try:
+        check_precision(precision)
+    except ValueError:
+        raise ValueError(f"--trainer.precision={trainer.precision}: {_OPTION_HINTS['trainer.precision']}") from None
+
+
+def _check_strategy(strategy: Any) -> None:
+    """MegatrainStrategy options given as ``--trainer.strategy.init_args.*``: the strategy's own checks, here
+    (jsonargparse would print every type it tried), and the NVMe directory, before the model is built."""
+    if not str(getattr(strategy, "class_path", "")).endswith("MegatrainStrategy"):
+        return
+    args = vars(strategy.get("init_args") or {})
+    checks = {
+        "num_slots": check_num_slots,
+        "offload_inputs": check_offload_inputs,
+        "host_layout": check_host_layout,
+        "host_threads": check_host_threads,
+        "checkpoint_format": check_checkpoint_format,
+        "compile_blocks": lambda v: check_flag("compile_blocks", v),
+        "overlap_optimizer": lambda v: check_flag("overlap_optimizer", v),
+    }
+    for key, check in checks.items():
+        if key in args:
+            check(args[key])
+    nvme_dir = args.get("nvme_dir")
+    if nvme_dir is not None and not Path(nvme_dir).is_dir():
+        what = "is not a directory" if Path(nvme_dir).exists() else "does not exist"
+        raise ValueError(
+            f"nvme_dir={nvme_dir!r} {what}; create it on a local drive (mkdir -p {nvme_dir}), or leave nvme_dir "
+            "unset to keep the Adam moments in host memory"
+        )
+
+
+def _check_seq_len(seq_len: int, max_positions: int) -> None:
+    if seq_len > max_positions:
+        raise ValueError(
+            f"--data.seq_len={seq_len} is above the model's max_position_embeddings={max_positions}: give a "
+            f"seq_len from 1 to {max_positions}, or raise --model.overrides.max_position_embeddings"
+        )
 
 
 _CKPT_KEYWORDS = ("last", "best", "hpc")
@@ -204,11 +314,14 @@ def _check_ckpt_path(path: str) -> None:
         user_error(
             f"ckpt_path={path!r} is a directory; give the checkpoint file in it, e.g. {path.rstrip('/')}/last.ckpt"
         )
+    if not local.is_file() and mt_checkpoint.is_checkpoint(str(local)):  # its data, without a marker
+        try:
+            mt_checkpoint.store.read_index(str(local))
+        except mt_checkpoint.CheckpointError as err:
+            user_error(f"ckpt_path={path!r}: {err}")
     if not local.is_file():
-        interrupted = Path(f"{local}.d").is_dir()
-        why = " (its data directory exists: the save was interrupted before it committed)" if interrupted else ""
         user_error(
-            f"ckpt_path={path!r} does not exist{why}; give a checkpoint file, e.g. "
+            f"ckpt_path={path!r} does not exist; give a checkpoint file, e.g. "
             "lightning_logs/version_0/checkpoints/last.ckpt, or 'last'"
         )
 
@@ -259,18 +372,26 @@ def run(argv: list[str] | None = None) -> Any:
         print("\n".join(lines))
         return lines
     _check_config_files(args)
-    return MegatrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+    try:
+        return MegatrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+    except mt_checkpoint.CheckpointError as err:  # a damaged or foreign --ckpt_path, found while restoring
+        user_error(str(err))
 
 
 def _check_config_files(args: list[str]) -> None:
-    """A missing --config file gets one line naming it and the ready configs, not the full usage."""
+    """A --config file that is missing or unreadable gets one line naming it (and the ready configs), not
+    the full usage or jsonargparse's traceback."""
     for path in _config_args(args):
-        if not Path(path).expanduser().is_file():
+        try:
+            read_config(path)
+        except FileNotFoundError as err:
             ready = sorted(str(p) for p in Path("configs").glob("*.yaml"))
             hint = "the ready configs are in the repository's configs/"
             if ready:
                 hint = f"ready configs here: {', '.join(ready)}"
-            user_error(f"config file {path!r} does not exist; {hint}")
+            user_error(f"{err}; {hint}")
+        except ValueError as err:
+            user_error(str(err))
 
 
 def _config_args(args: list[str]) -> list[str]:

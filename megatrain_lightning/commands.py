@@ -13,6 +13,7 @@ import resource
 import sys
 from collections.abc import Callable
 from importlib import metadata
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -36,6 +37,39 @@ def user_error(message: str, prog: str = "megatrain") -> NoReturn:
     """The user's input is wrong: one line naming the value and the fix, exit status 2 (as argparse)."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """A ``megatrain fit`` YAML config file as a mapping; a ValueError naming the file when it is missing, a
+    directory, not UTF-8, not YAML, or not a mapping of options (jsonargparse would trace or quote it whole)."""
+    import yaml
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        what = "is a directory, not a YAML file" if file.is_dir() else "does not exist"
+        raise FileNotFoundError(f"config file {path!r} {what}")
+    data = file.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"config file {path!r} is not UTF-8 (byte {data[err.start]:#04x} on line {line}); save it as UTF-8"
+        ) from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(
+            f"config file {path!r} is not valid YAML{at}: {getattr(err, 'problem', None) or err}"
+        ) from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ValueError(
+            f"config file {path!r} holds a {type(loaded).__name__}, not a mapping of options; start from "
+            "`megatrain fit --print_config`"
+        )
+    return loaded or {}
 
 
 # One-line advice for options whose validation message would be a list of type names.
@@ -182,11 +216,10 @@ def plan_from_config(
     """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state.
     `offload_inputs`, `host_layout`, `nvme_dir`, `clipping` and model `overrides` add to (or replace) what
     the config sets; the strategy's own defaults are host_layout "default" and no NVMe directory."""
-    import yaml
-
-    with open(path, encoding="utf-8") as f:
-        cfg = yaml.safe_load(f)
-    model, data, trainer = cfg.get("model", {}), cfg.get("data", {}), cfg.get("trainer", {})
+    cfg = read_config(path)
+    model, data, trainer = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("trainer") or {}
+    if not model.get("model") and not model.get("init_from"):
+        raise ValueError(f"config file {path!r} names no model: set model.model (a preset or config.json) or init_from")
     config = resolve_config(
         model.get("model") or model["init_from"], {**(model.get("overrides") or {}), **(overrides or {})}
     )

@@ -14,7 +14,9 @@ cannot either. Here:
 - :func:`to_hf` writes a Hugging Face directory (config.json + safetensors) of this project's Llama or
   of a ``transformers`` model, streamed one shard at a time.
 
-Every shard is checked against its checksum on the way.
+Every file is checked against its checksum on the way, and nothing read is unpickled by an unrestricted
+unpickler (:mod:`megatrain_lightning.checkpoint.trust`). ``storage_options`` (credentials, endpoint) go to
+fsspec for the checkpoint, and for the file written; they are written nowhere.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import lightning.pytorch as L
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from megatrain_lightning.checkpoint import store
+from megatrain_lightning.checkpoint import store, trust
 from megatrain_lightning.checkpoint.store import CheckpointError
 
 T = TypeVar("T", L.LightningModule, L.LightningDataModule)
@@ -49,6 +51,7 @@ def load_from_checkpoint(
     hparams_file: str | os.PathLike | None = None,
     strict: bool | None = None,
     weights_only: bool | None = None,
+    storage_options: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> T:
     """``cls.load_from_checkpoint(checkpoint_path, ...)`` that also reads sharded checkpoints, in any process
@@ -57,8 +60,12 @@ def load_from_checkpoint(
     The arguments are Lightning's: hyper-parameters come from the checkpoint and ``kwargs`` override them,
     ``on_load_checkpoint`` is called, ``strict`` checks the keys; the module is returned as Lightning
     returns it (on the CPU unless `map_location` says otherwise, in training mode: call ``.eval()`` for
-    inference). The weights are the fp32 masters, exactly as trained. `weights_only` also applies to the
-    trainer state the checkpoint keeps next to its shards.
+    inference). The weights are the fp32 masters, exactly as trained.
+
+    `weights_only` is passed to Lightning for a single-file checkpoint. A sharded checkpoint's trainer state is
+    always checksummed and read by torch's restricted unpickler, even with ``weights_only=False``: allow a class
+    its hyper-parameters need with ``torch.serialization.add_safe_globals`` (the error names it).
+    `storage_options` go to fsspec to read a sharded checkpoint (e.g. S3 credentials).
 
     A :class:`~megatrain_lightning.module.CausalLMModule` fine-tuned with ``init_from`` is built without
     reading ``init_from`` again (the checkpoint holds every weight, and the directory may be gone).
@@ -68,7 +75,10 @@ def load_from_checkpoint(
     """
     if not (isinstance(cls, type) and issubclass(cls, (L.LightningModule, L.LightningDataModule))):
         raise TypeError(f"load_from_checkpoint(cls, path): cls must be a LightningModule class, got {cls!r}")
-    if not isinstance(checkpoint_path, (str, os.PathLike)) or not store.is_checkpoint(str(checkpoint_path)):
+    sharded = isinstance(checkpoint_path, (str, os.PathLike)) and store.is_checkpoint(
+        str(checkpoint_path), storage_options
+    )
+    if not sharded:
         return cls.load_from_checkpoint(
             checkpoint_path,
             map_location=map_location,
@@ -79,39 +89,44 @@ def load_from_checkpoint(
         )
     url = str(checkpoint_path)
     with_weights = issubclass(cls, L.LightningModule)
-    read = functools.partial(_assemble, url, weights=with_weights, optimizer=False, weights_only=weights_only)
-    checkpoint, index = store.reread_if_replaced(url, read)  # again on a newer save that replaced it meanwhile
+    read = functools.partial(_assemble, url, weights=with_weights, optimizer=False, storage_options=storage_options)
+    checkpoint, index = store.reread_if_replaced(url, read, storage_options)  # again if a newer save replaced it
     if with_weights:
         _skip_init_from(cls, checkpoint, index, kwargs)
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     del checkpoint
     buffer.seek(0)
-    return cls.load_from_checkpoint(
-        buffer,
-        map_location=map_location,
-        hparams_file=hparams_file,
-        strict=strict,
-        weights_only=weights_only,
-        **kwargs,
-    )
+    with trust.allowed():  # the bytes just made from what the restricted unpickler read: the same classes
+        return cls.load_from_checkpoint(
+            buffer,
+            map_location=map_location,
+            hparams_file=hparams_file,
+            strict=strict,
+            weights_only=weights_only,
+            **kwargs,
+        )
 
 
-def lightning_checkpoint(url: str, *, optimizer: bool = True, weights_only: bool | None = False) -> dict[str, Any]:
+def lightning_checkpoint(
+    url: str, *, optimizer: bool = True, storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The sharded checkpoint at `url` as Lightning's checkpoint dict: the trainer state, ``state_dict``
     (fp32 masters and buffers, tied parameters under each of their names) and, when `optimizer` and the
     checkpoint holds Adam state, ``optimizer_states`` in ``torch.optim.AdamW.state_dict()``'s layout."""
-    read = functools.partial(_assemble, _sharded(url), weights=True, optimizer=optimizer, weights_only=weights_only)
-    return store.reread_if_replaced(str(url), read)[0]  # again on a newer save that replaced it meanwhile
+    url = _sharded(url, storage_options)
+    read = functools.partial(_assemble, url, weights=True, optimizer=optimizer, storage_options=storage_options)
+    return store.reread_if_replaced(str(url), read, storage_options)[0]  # again if a newer save replaced it
 
 
-def to_lightning(url: str, out: str | os.PathLike) -> str:
+def to_lightning(url: str, out: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> str:
     """Write the sharded checkpoint at `url` as Lightning's single-file checkpoint `out` (local path or
-    fsspec URL); returns a one-line summary. `out` appears complete or not at all."""
-    url, out = _sharded(url), str(out)
-    _check_target(url, out)
-    checkpoint = lightning_checkpoint(url, optimizer=True)
-    fs, path = fsspec.core.url_to_fs(out)
+    fsspec URL; `storage_options` serve both); returns a one-line summary. `out` appears complete or not
+    at all."""
+    url, out = _sharded(url, storage_options), str(out)
+    _check_target(url, out, storage_options)
+    checkpoint = lightning_checkpoint(url, optimizer=True, storage_options=storage_options)
+    fs, path = fsspec.core.url_to_fs(out, **(storage_options or {}))
     if isinstance(fs, LocalFileSystem):
         fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
@@ -132,20 +147,24 @@ def to_lightning(url: str, out: str | os.PathLike) -> str:
 
 
 def to_hf(
-    url: str, out: str | os.PathLike, dtype: str | torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30
+    url: str,
+    out: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    storage_options: dict[str, Any] | None = None,
 ) -> str:
     """Write the model of the sharded checkpoint at `url` as a Hugging Face directory `out` (local; config.json
     + safetensors), one shard in memory at a time; `dtype` None keeps the fp32 masters, "bf16" casts."""
     from megatrain_lightning.models import LlamaConfig, save_hf_checkpoint
 
-    url = _sharded(url)
+    url = _sharded(url, storage_options)
     if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"{out} exists and is not a directory; the Hugging Face format is a directory")
     if isinstance(dtype, str):
         if dtype not in HF_EXPORT_DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(HF_EXPORT_DTYPES)}")
         dtype = HF_EXPORT_DTYPES[dtype]
-    fs, vdir, index = store.read_index(url)
+    fs, vdir, index = store.read_index(url, storage_options)
     export = index.get("export") or _export_from_hparams(fs, vdir, index, url)
     if export is None or export.get("config") is None:
         raise CheckpointError(
@@ -162,11 +181,11 @@ def to_hf(
 
     def named() -> Any:
         for rec in index["units"]:
-            master = store.read_unit(fs, vdir, rec, url)["master"]
+            master = store.read_unit(fs, vdir, rec)["master"]
             for p in rec["params"]:
                 if p["name"].startswith(prefix):
                     yield p["name"][len(prefix) :], _view(master, p)
-        for name, t in store.read_buffers(fs, vdir, index, url).items():
+        for name, t in store.read_buffers(fs, vdir, index).items():
             if name.startswith(prefix) and name not in aliases:
                 yield name[len(prefix) :], t
 
@@ -176,27 +195,28 @@ def to_hf(
 
 
 # -- assembling Lightning's checkpoint ---------------------------------------------------------------
-def _sharded(url: str) -> str:
-    """`url` if it is a sharded checkpoint; otherwise a CheckpointError saying what it is instead."""
+def _sharded(url: str, storage_options: dict[str, Any] | None = None) -> str:
+    """`url` if it is a sharded checkpoint, intact or not (its readers explain any damage); otherwise a
+    CheckpointError saying what it is instead."""
     url = str(url)
-    fs, path = fsspec.core.url_to_fs(url)
+    if store.is_checkpoint(url, storage_options):
+        return url
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     if fs.isdir(path):
         raise CheckpointError(f"{url} is a directory; give the checkpoint's file (e.g. .../checkpoints/last.ckpt)")
     if not fs.exists(path):
-        hint = f" ({url}.d exists: its save was interrupted before the commit)" if fs.isdir(f"{path}.d") else ""
-        raise CheckpointError(f"no checkpoint at {url}{hint}")
-    if not store.is_checkpoint(url):
-        raise CheckpointError(
-            f"{url} is not a sharded megatrain checkpoint (it has no commit marker); a Lightning single-file "
-            "checkpoint needs no conversion: it loads with MyModule.load_from_checkpoint or a Trainer's ckpt_path"
-        )
-    return url
+        raise CheckpointError(f"no checkpoint at {url}")
+    raise CheckpointError(
+        f"{url} is not a sharded megatrain checkpoint (it has no commit marker); a Lightning single-file "
+        "checkpoint needs no conversion: it loads with MyModule.load_from_checkpoint or a Trainer's ckpt_path"
+    )
 
 
-def _assemble(url: str, *, weights: bool, optimizer: bool, weights_only: bool | None) -> tuple[dict, dict]:
-    fs, vdir, index = store.read_index(url)
-    with fs.open(f"{vdir}/trainer.pt", "rb") as f:
-        checkpoint = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=weights_only)
+def _assemble(
+    url: str, *, weights: bool, optimizer: bool, storage_options: dict[str, Any] | None = None
+) -> tuple[dict, dict]:
+    fs, vdir, index = store.read_index(url, storage_options)
+    checkpoint = store.read_trainer_state(fs, vdir, index)
     if not weights:
         return checkpoint, index
     order = index.get("param_order")
@@ -213,7 +233,7 @@ def _assemble(url: str, *, weights: bool, optimizer: bool, weights_only: bool | 
     adam: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
     groups: dict[str, int | None] = {}
     for rec in index["units"]:
-        flat = store.read_unit(fs, vdir, rec, url, adam=with_adam)
+        flat = store.read_unit(fs, vdir, rec, adam=with_adam)
         for p in rec["params"]:
             state_dict[p["name"]] = _view(flat["master"], p).clone()
             groups[p["name"]] = p.get("group")
@@ -221,7 +241,7 @@ def _assemble(url: str, *, weights: bool, optimizer: bool, weights_only: bool | 
             if "exp_avg" in flat and step > 0:
                 adam[p["name"]] = (step, _view(flat["exp_avg"], p).clone(), _view(flat["exp_avg_sq"], p).clone())
         del flat  # one unit's flat buffers at a time
-    buffers = store.read_buffers(fs, vdir, index, url)
+    buffers = store.read_buffers(fs, vdir, index)
     aliases = index.get("aliases")
     if aliases is None:
         aliases = _aliases_among_buffers(buffers, state_dict)
@@ -229,8 +249,9 @@ def _assemble(url: str, *, weights: bool, optimizer: bool, weights_only: bool | 
         buffers.pop(alias, None)
         state_dict[alias] = state_dict[name]
     checkpoint["state_dict"] = {**state_dict, **buffers}
+    exact_groups = checkpoint.pop("megatrain_param_groups", None)  # the settings as saved (the index's are JSON)
     if with_adam:
-        checkpoint["optimizer_states"] = [_adamw_state(order, groups, index["param_groups"], adam)]
+        checkpoint["optimizer_states"] = [_adamw_state(order, groups, exact_groups or index["param_groups"], adam)]
     else:
         checkpoint.pop("optimizer_states", None)
     return checkpoint, index
@@ -288,8 +309,7 @@ def _export_from_hparams(fs: Any, vdir: str, index: dict, url: str) -> dict | No
 
     from megatrain_lightning.module import resolve_config
 
-    with fs.open(f"{vdir}/trainer.pt", "rb") as f:
-        hp = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False).get("hyper_parameters") or {}
+    hp = store.read_trainer_state(fs, vdir, index).get("hyper_parameters") or {}
     names = [p["name"] for rec in index["units"] for p in rec["params"]]
     if not ({"model", "overrides", "init_from"} <= set(hp) and any(n.startswith("model.model.layers.") for n in names)):
         return None
@@ -305,13 +325,13 @@ def _export_from_hparams(fs: Any, vdir: str, index: dict, url: str) -> dict | No
     }
 
 
-def _check_target(url: str, out: str) -> None:
-    fs, src = fsspec.core.url_to_fs(url)
-    ofs, dst = fsspec.core.url_to_fs(out)
+def _check_target(url: str, out: str, storage_options: dict[str, Any] | None) -> None:
+    fs, src = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    ofs, dst = fsspec.core.url_to_fs(out, **(storage_options or {}))
     local = isinstance(fs, LocalFileSystem) and isinstance(ofs, LocalFileSystem)
     if (os.path.abspath(src) == os.path.abspath(dst)) if local else (type(fs) is type(ofs) and src == dst):
         raise ValueError(f"{out} is the checkpoint being converted; write to another path")
     if ofs.isdir(dst):
         raise ValueError(f"{out} is a directory; give the file to write (e.g. {out.rstrip('/')}/model.ckpt)")
-    if store.is_checkpoint(out):
+    if store.is_checkpoint(out, storage_options):
         raise ValueError(f"{out} is a sharded checkpoint; write elsewhere, or remove it first (checkpoint.remove)")

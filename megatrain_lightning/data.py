@@ -115,17 +115,29 @@ def _files(path: str, fmt: str) -> tuple[list[Path], str]:
 
 def _documents(files: list[Path], fmt: str, text_field: str) -> Iterator[str]:
     for file in files:
-        if fmt == "text":
-            yield file.read_text(encoding="utf-8")
-            continue
-        with open(file, encoding="utf-8") as f:
-            for n, line in enumerate(f, start=1):
-                if line.strip():
-                    yield _jsonl_text(line, text_field, file, n)
+        try:
+            if fmt == "text":
+                yield file.read_text(encoding="utf-8")
+                continue
+            with open(file, encoding="utf-8") as f:
+                for n, line in enumerate(f, start=1):
+                    if line.strip():
+                        yield _jsonl_text(line, text_field, file, n)
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"{file} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); convert it, "
+                f"e.g. iconv -f latin1 -t utf-8 {file.name} > {file.stem}.utf8{file.suffix}"
+            ) from None
 
 
 def _jsonl_text(line: str, field: str, file: Path, n: int) -> str:
-    record = json.loads(line)
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{file}:{n} is not JSON ({err.msg} at column {err.colno}); each line of a .jsonl file is one "
+            f'object such as {{"{field}": "..."}}'
+        ) from None
     if not isinstance(record, dict) or not isinstance(record.get(field), str):
         raise ValueError(
             f"{file}:{n} has no string field {field!r}; set data text_field= to the field holding the text"
@@ -151,15 +163,31 @@ class TokenFile:
 
     def array(self) -> np.ndarray:
         if self._map is None:
-            if self.path.suffix == ".npy":
-                self._map = np.load(self.path, mmap_mode="r")
-            else:
-                self._map = np.memmap(self.path, dtype=self.dtype, mode="r")
+            self._map = self._open()
             if self._map.ndim != 1 or self._map.dtype.kind not in "iu":
                 raise ValueError(
                     f"{self.path} holds {self._map.dtype} of shape {self._map.shape}; expected 1-D token ids"
                 )
         return self._map
+
+    def _open(self) -> np.ndarray:
+        """The file mapped (never unpickled: np.load refuses object arrays), or a ValueError naming the file."""
+        if self.path.suffix == ".npy":
+            try:
+                return np.load(self.path, mmap_mode="r")
+            except (ValueError, OSError, EOFError) as err:
+                raise ValueError(
+                    f"{self.path} is not a .npy array of token ids ({' '.join(str(err).split())[:120]}); "
+                    "write token files with megatrain_lightning.data.write_tokens or numpy.save"
+                ) from None
+        size, itemsize = self.path.stat().st_size, np.dtype(self.dtype).itemsize
+        if size == 0 or size % itemsize:
+            raise ValueError(
+                f"{self.path} holds {size} bytes, which is not a whole number of {self.dtype} token ids "
+                f"({itemsize} bytes each); set data token_dtype= to the type it was written with, or rewrite it "
+                "(it may be truncated)"
+            )
+        return np.memmap(self.path, dtype=self.dtype, mode="r")
 
     def __len__(self) -> int:
         return self.length
@@ -311,6 +339,22 @@ def _val_windows(total: int, fraction: float) -> int:
 
 
 # -- the data module -------------------------------------------------------------------------------
+def check_data_args(
+    seq_len: Any = 2048, batch_size: Any = 1, val_fraction: Any = 0.01, num_workers: Any = 0, eos_token_id: Any = None
+) -> None:
+    """The data module's numbers, each refused out of range naming the value and the valid range (the sweep
+    driver checks a sweep's data section with them too, without its paths, which trials read on their nodes)."""
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"data {name}={value!r} must be an integer >= 1")
+    if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+        raise ValueError(f"data val_fraction={val_fraction!r} must be in [0, 1)")
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"data num_workers={num_workers!r} must be an integer >= 0 (0: load in the training process)")
+    if eos_token_id is not None and (not isinstance(eos_token_id, int) or eos_token_id < 0):
+        raise ValueError(f"data eos_token_id={eos_token_id!r} must be a token id (>= 0), or null for the tokenizer's")
+
+
 def _builtin_documents(name: str) -> list[str]:
     from megatrain_lightning.demo import python_docs
 
@@ -370,11 +414,7 @@ class TextDataModule(L.LightningDataModule):
         document_positions: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
-            if value < 1:
-                raise ValueError(f"data {name}={value} must be at least 1")
-        if not 0 <= val_fraction < 1:
-            raise ValueError(f"data val_fraction={val_fraction} must be in [0, 1)")
+        check_data_args(seq_len, batch_size, val_fraction, num_workers, eos_token_id)
         expected = "a file or directory of .txt/.md, .jsonl or .bin/.npy token files (or builtin:python-docs)"
         for p in (path, val_path):
             if p is not None:
@@ -382,6 +422,11 @@ class TextDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.format = "text" if path.startswith(BUILTIN) else _files(path, format)[1]
         self.tokenizer = HFTokenizer(tokenizer, eos_token_id) if tokenizer else ByteTokenizer(eos_token_id)
+        if self.format != "tokens" and self.tokenizer.eos_id >= self.tokenizer.vocab_size:
+            raise ValueError(
+                f"data eos_token_id={self.tokenizer.eos_id} is not a token of the tokenizer (ids 0.."
+                f"{self.tokenizer.vocab_size - 1}); leave it null for the tokenizer's own end-of-text token"
+            )
         if document_positions:
             self._check_document_eos()
         self.train_set: PackedWindows | None = None
@@ -399,8 +444,6 @@ class TextDataModule(L.LightningDataModule):
                 "end-of-text id: set data eos_token_id= (e.g. 128001 for Llama 3, 151643 for Qwen2.5; 0 for byte "
                 "tokens) or tokenizer= the tokenizer that wrote them"
             )
-        if hp.eos_token_id is not None and hp.eos_token_id < 0:
-            raise ValueError(f"data eos_token_id={hp.eos_token_id} must be a token id (>= 0)")
 
     @property
     def vocab_size(self) -> int | None:

@@ -22,7 +22,7 @@ the last. The price is Fabric's rule for such strategies: call ``fabric.launch()
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
 
@@ -95,7 +95,7 @@ class MegatrainFabricStrategy(Strategy):
 
     Args:
         device: the compute device; by default Fabric's (``accelerator``/``devices``).
-        num_slots, offload_inputs, host_layout, nvme_dir, host_threads, compile_blocks: as for
+        num_slots, offload_inputs, host_layout, nvme_dir, host_threads, compile_blocks, blocks: as for
             :class:`~megatrain_lightning.strategy.MegatrainStrategy` (see :class:`EngineConfig`).
         overlap_optimizer: ``False`` (default): a ``fabric.backward`` outside ``no_backward_sync`` lands its
             gradients to wait for ``optimizer.step()``, which is exact whatever the loop does next, but the host
@@ -125,6 +125,7 @@ class MegatrainFabricStrategy(Strategy):
         compile_blocks: bool = False,
         clipping: bool = False,
         accumulating: bool = False,
+        blocks: str | Callable[[torch.nn.Module], torch.nn.ModuleList] | None = None,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
@@ -144,6 +145,7 @@ class MegatrainFabricStrategy(Strategy):
             compile_blocks=compile_blocks,
             clipping=clipping,
             accumulating=accumulating,
+            blocks=blocks,
         )
         EngineConfig(device="cpu", **self.options)  # every option checked now, with the engine's messages
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)

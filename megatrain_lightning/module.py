@@ -87,6 +87,34 @@ def check_init_from(config: LlamaConfig, init_from: str) -> None:
         )
 
 
+def check_optimizer_args(
+    lr: Any = 3e-3,
+    weight_decay: Any = 0.1,
+    betas: Any = (0.9, 0.95),
+    warmup_steps: Any = 0,
+    max_steps: Any = None,
+) -> None:
+    """Refuse AdamW and schedule settings out of range, naming the value and the valid range (the Trainer
+    would otherwise fail at its first step, or train with a schedule that never warms up)."""
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not (number(lr) and lr > 0):
+        raise ValueError(f"model lr={lr!r} must be a number above 0, e.g. 3e-4")
+    if not (number(weight_decay) and weight_decay >= 0):
+        raise ValueError(f"model weight_decay={weight_decay!r} must be a number >= 0 (0 turns it off), e.g. 0.1")
+    if not (isinstance(betas, Sequence) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"model betas={betas!r} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+    if not (count(warmup_steps) and warmup_steps >= 0):
+        raise ValueError(f"model warmup_steps={warmup_steps!r} must be an integer >= 0 (0: no warm-up)")
+    if max_steps is not None and not (count(max_steps) and max_steps >= 1):
+        raise ValueError(f"model max_steps={max_steps!r} must be an integer >= 1, or null for the trainer's total")
+
+
 def build_model(config: LlamaConfig, init_from: str | None = None) -> LlamaForCausalLM:
     """A fresh model, or one holding the weights of the HF checkpoint directory ``init_from``."""
     if init_from is None:
@@ -135,6 +163,7 @@ class CausalLMModule(L.LightningModule):
         max_steps: int | None = None,
     ) -> None:
         super().__init__()
+        check_optimizer_args(lr, weight_decay, betas, warmup_steps, max_steps)
         if model is None and init_from is None:
             raise ValueError(
                 "CausalLMModule needs model= (a preset, e.g. 'llama-3.1-8b', or a config.json) or init_from="

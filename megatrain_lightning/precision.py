@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager as ContextManager
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +30,8 @@ class MegatrainPrecision(Precision):
         self.precision = check_precision(precision)  # type: ignore[assignment]
         self.device_type = "cpu"  # set by the strategy to its root device's type
         self.engine: Engine | None = None
+        # Set by the strategy when hooks read or edit gradients: they see them in `.grad` (gradients_visible).
+        self.gradients_visible = False
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -43,6 +46,21 @@ class MegatrainPrecision(Precision):
     def forward_context(self) -> ContextManager:
         return forward_context(self.precision, self.device_type)
 
+    def _visible(self) -> ContextManager:
+        return self.engine.gradients_visible() if self.gradients_visible and self.engine is not None else nullcontext()
+
+    @override
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        """``on_after_backward`` runs with every gradient in ``.grad`` when a hook asks for it."""
+        with self._visible():
+            return super().post_backward(tensor, module)
+
+    @override
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        """``on_before_optimizer_step`` and clipping, with every gradient in ``.grad`` when a hook asks for it."""
+        with self._visible():
+            super()._after_closure(model, optimizer)
+
     @override
     def clip_gradients(
         self,
@@ -50,14 +68,13 @@ class MegatrainPrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Gradients never sit in ``.grad``; the engine clips the exact global norm inside the step."""
+        """The engine clips inside the step, exactly as torch's ``clip_grad_norm_`` / ``clip_grad_value_`` on
+        ``.grad`` would (the gradients, or what the hooks left of them, are on the host by then)."""
         if clip_val is None or clip_val <= 0:
             return
-        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            raise ValueError(
-                f"gradient_clip_algorithm='value' (clip_val={clip_val}) is not supported by strategy='megatrain'; "
-                "use gradient_clip_algorithm='norm'"
-            )
         if self.engine is None:
             raise RuntimeError("clip_gradients was called before the megatrain strategy was set up")
-        self.engine.clip_grad_norm_(float(clip_val))
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self.engine.clip_grad_value_(float(clip_val))
+        else:
+            self.engine.clip_grad_norm_(float(clip_val))

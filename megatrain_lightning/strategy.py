@@ -7,22 +7,30 @@ backward whether more micro-batches follow, and read/write checkpoints from the 
 
 from __future__ import annotations
 
+import logging
+import pickle
 import random
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
+from megatrain_lightning.averaging import AVERAGED_STATE, AveragingViews, replaced_weights
+from megatrain_lightning.checkpoint import trust
+from megatrain_lightning.convert import lightning_checkpoint
 from megatrain_lightning.engine.config import (
     EngineConfig,
+    check_blocks,
     check_checkpoint_format,
     check_flag,
     check_host_layout,
@@ -34,9 +42,52 @@ from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.precision import MegatrainPrecision
 
+log = logging.getLogger("megatrain_lightning")
+
+
+def check_trainer_args(
+    accumulate_grad_batches: Any = 1,
+    gradient_clip_val: Any = None,
+    gradient_clip_algorithm: Any = None,
+    val_check_interval: Any = None,
+) -> None:
+    """Trainer options that Lightning accepts and then fails on (accumulate_grad_batches=0 divides by zero
+    at the first batch) or silently misreads (a negative clip), refused naming the valid range; the megatrain
+    command and the sweep driver check them before anything is built."""
+    acc = accumulate_grad_batches
+    if not isinstance(acc, int) or isinstance(acc, bool) or acc < 1:
+        raise ValueError(f"trainer accumulate_grad_batches={acc!r} must be an integer >= 1 (1: no accumulation)")
+    clip = gradient_clip_val
+    if clip is not None and not (isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0):
+        raise ValueError(f"trainer gradient_clip_val={clip!r} must be a number >= 0 (0 or null: no clipping)")
+    if gradient_clip_algorithm is not None and str(gradient_clip_algorithm) not in ("norm", "value"):
+        raise ValueError(
+            f"trainer gradient_clip_algorithm={str(gradient_clip_algorithm)!r} must be 'norm' (the default) or 'value'"
+        )
+    interval = val_check_interval
+    fraction = isinstance(interval, float)  # Lightning reads a float as a share of the epoch
+    if interval is not None and not (
+        isinstance(interval, (int, float)) and interval > 0 and not (fraction and interval > 1)
+    ):
+        raise ValueError(
+            f"trainer val_check_interval={interval!r} must be above 0: an integer number of batches, or a "
+            "fraction of an epoch in (0, 1]"
+        )
+
 
 class MegatrainStrategy(SingleDeviceStrategy):
     """Train on one device with parameters, fp32 masters and Adam state in host memory.
+
+    Gradients leave each parameter for the host as backward produces them, so they do not sit in ``.grad``.
+    Hooks that read or edit them: when the LightningModule or a callback overrides ``on_after_backward`` or
+    ``on_before_optimizer_step`` (:func:`gradient_hooks`), every step lands all gradients in an fp32 host
+    buffer (4 bytes/param, logged at setup) and waits for them; during those hooks each parameter is a view
+    of its fp32 master and ``.grad`` a view of its gradient, and what the hooks leave there is what the
+    step uses, as in ordinary training (no overlap of the optimizer with backward then). Clipping
+    (``gradient_clip_val``) by norm or by value is exact; by value, the optimizer still overlaps backward
+    (each gradient clamped as it lands) unless ``configure_gradient_clipping`` is overridden.
+    On resume the optimizer's settings come from the checkpoint, as ``torch.optim.Optimizer.load_state_dict``
+    leaves them in ordinary training.
 
     Args:
         device: the compute device; by default the Trainer's device (the GPU when there is one).
@@ -46,7 +97,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             More slots keep more blocks resident from a forward to its backward and across the micro-batches
             of an accumulation, so fewer uploads; with one per block the backward uploads nothing.
         overlap_optimizer: step each block on the host as soon as its gradient lands, while backward goes
-            on (only when nothing needs the whole gradient first, i.e. no clipping).
+            on (only when nothing needs the whole gradient first: no clipping, no hook reading gradients).
         offload_inputs: where each block's input, saved for its backward, waits. ``True``: in pinned host
             memory (copied back one block ahead in backward), so device memory no longer grows with depth,
             at the cost of one more transfer of the hidden states each way (long context). ``False``: on the
@@ -71,6 +122,14 @@ class MegatrainStrategy(SingleDeviceStrategy):
             :class:`~megatrain_lightning.engine.block_fn.CompiledBlock`): twice per run (without and with
             grad), more for other sequence lengths. Equal to eager training within round-off, not bit for bit.
             A block that cannot compile as one graph raises at its first call, naming its class.
+        storage_options: fsspec options (credentials, endpoint, ...) for this strategy's checkpoints: every
+            save (unless ``trainer.save_checkpoint(..., storage_options=...)`` gives its own), the
+            ``ckpt_path`` it resumes from and the old checkpoints it deletes. Passed to fsspec only: never
+            written into a checkpoint or a log. None: fsspec's defaults (e.g. the ``AWS_*`` variables).
+        blocks: the ``nn.ModuleList`` of blocks to stream: its dotted name (``"model.layers"``) or a callable
+            model -> ModuleList. Default: the list holding the most parameters, if it holds at least half of
+            them and no other list comes close (otherwise setup refuses and names the lists it found; see
+            "How blocks are found" in the user guide). Setup logs the list, its length and its share.
     """
 
     strategy_name = "megatrain"
@@ -86,9 +145,12 @@ class MegatrainStrategy(SingleDeviceStrategy):
         host_threads: int | None = None,
         checkpoint_format: Literal["sharded", "torch"] = "sharded",
         compile_blocks: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        blocks: str | Callable[[torch.nn.Module], torch.nn.ModuleList] | None = None,
         **kwargs: Any,
     ) -> None:
         check_flag("compile_blocks", compile_blocks)
+        check_blocks(blocks)
         check_checkpoint_format(checkpoint_format)
         check_num_slots(num_slots)
         check_offload_inputs(offload_inputs)
@@ -103,8 +165,12 @@ class MegatrainStrategy(SingleDeviceStrategy):
         self.host_threads = host_threads  # None: resolved where the worker starts (cores - 1)
         self.checkpoint_format = checkpoint_format
         self.compile_blocks = compile_blocks
+        self.storage_options = storage_options
+        self.blocks = blocks
         self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
         self.engine: Engine | None = None
+        self._averaging: AveragingViews | None = None  # set up with the engine (averaging.py)
+        self.grad_hooks: list[str] = []  # overridden hooks that see gradients (set at setup): see gradient_hooks
 
     # -- device and precision ----------------------------------------------------------------------
     @property
@@ -142,22 +208,36 @@ class MegatrainStrategy(SingleDeviceStrategy):
             )
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self.grad_hooks = gradient_hooks(trainer) if fitting else []
         if fitting:
-            self._check_clipping(trainer)
             self.setup_optimizers(trainer)
         plugin = self.precision_plugin
         plugin.device_type = self.root_device.type
         if self.engine is None:
             self.engine = Engine(self.lightning_module, self.engine_config(trainer, plugin.precision, fitting))
+            e = self.engine
+            log.info(f"streaming {e.blocks_name}: {len(e.blocks)} blocks, {e.blocks_share:.0%} of the parameters")
         plugin.engine = self.engine
+        plugin.gradients_visible = bool(self.grad_hooks)
+        if self.grad_hooks:
+            log.info(
+                "%s read or edit gradients: every optimizer step lands all gradients in an fp32 host buffer that "
+                "`.grad` views during those hooks (4 bytes/param, %.2f GiB) and the host optimizer steps after "
+                "backward instead of overlapping it",
+                ", ".join(self.grad_hooks),
+                4 * self.engine.num_parameters() / 2**30,
+            )
         self.precision_plugin = plugin
         if fitting:
             self.optimizers = [self.engine.optimizer(self._single_optimizer())]
         self.setup_precision_plugin()
+        # Weight averaging callbacks (EMA, SWA) read and write the module through the engine's host view.
+        self._averaging = AveragingViews(trainer.callbacks, self.lightning_module, lambda: self.engine)
 
     def engine_config(self, trainer: Any, precision: str, fitting: bool) -> EngineConfig:
         """The engine's options: this strategy's, with what the Trainer says of the run."""
         clipping = bool(fitting and trainer.gradient_clip_val)
+        visible = bool(fitting and self.grad_hooks)
         return EngineConfig(
             device=self.root_device,
             precision=precision,
@@ -168,17 +248,12 @@ class MegatrainStrategy(SingleDeviceStrategy):
             nvme_dir=self.nvme_dir,
             host_threads=self.host_threads,
             compile_blocks=self.compile_blocks,
+            blocks=self.blocks,
             training=fitting,
-            accumulating=fitting and _accumulates(trainer),  # the fp32 accumulator counts too
+            # The fp32 accumulator counts too; gradients visible to hooks live in it.
+            accumulating=fitting and (_accumulates(trainer) or visible),
             clipping=clipping,
         )
-
-    def _check_clipping(self, trainer: Any) -> None:
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
-            raise ValueError(
-                f"gradient_clip_algorithm='value' (gradient_clip_val={trainer.gradient_clip_val}) is not supported "
-                "by strategy='megatrain'; use gradient_clip_algorithm='norm'"
-            )
 
     def _single_optimizer(self) -> torch.optim.Optimizer:
         if len(self.optimizers) != 1:
@@ -196,6 +271,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         """Hand back an ordinary fp32 host model (its parameters are the trained masters)."""
+        if self._averaging is not None:
+            self._averaging.restore()
+            self._averaging = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -212,7 +290,13 @@ class MegatrainStrategy(SingleDeviceStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         trainer = module.trainer
         accumulate = trainer.fit_loop._should_accumulate()
-        with self.engine.backward(accumulate=accumulate, clip=bool(trainer.gradient_clip_val)):
+        clip = bool(trainer.gradient_clip_val) and (
+            "value" if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE else "norm"
+        )
+        if clip == "value" and not _overrides(module, LightningModule, "configure_gradient_clipping"):
+            # The clip Lightning will ask for after backward, said now: units still step as they land.
+            self.engine.clip_grad_value_(float(trainer.gradient_clip_val))
+        with self.engine.backward(accumulate=accumulate, clip=clip, visible=bool(self.grad_hooks)):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -231,9 +315,10 @@ class MegatrainStrategy(SingleDeviceStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """For a sharded checkpoint only the param groups: the moments go to the checkpoint's own shards, and
         gathering them here as well would hold every moment in host memory at once (read back from the
-        NVMe tier, too)."""
+        NVMe tier, too). Once the engine is released a save writes Lightning's single file: the moments go
+        here then."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps it
-        if self.checkpoint_format == "sharded" and isinstance(inner, HostAdamW):
+        if self.checkpoint_format == "sharded" and self.engine is not None and isinstance(inner, HostAdamW):
             return inner.state_dict(with_moments=False)
         return super().optimizer_state(optimizer)
 
@@ -257,24 +342,62 @@ class MegatrainStrategy(SingleDeviceStrategy):
             groups = [
                 {k: v for k, v in g.items() if k != "params"} for g in checkpoint["optimizer_states"][0]["param_groups"]
             ]
-        mt_checkpoint.save(self.engine, str(filepath), state, optimizer=with_optimizer, param_groups=groups)
+            state["megatrain_param_groups"] = groups  # as they are (the index's JSON turns betas into a list)
+        options = storage_options if storage_options is not None else self.storage_options
+        # A weight average a callback put in the state dict goes to the shards as the weights (as it goes to
+        # Lightning's file); the masters it replaced are in the state too, as the callback left them.
+        weights = replaced_weights(self.engine, checkpoint.get("state_dict", {}))
+        mt_checkpoint.save(
+            self.engine,
+            str(filepath),
+            state,
+            optimizer=with_optimizer,
+            param_groups=groups,
+            storage_options=options,
+            weights=weights,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if not mt_checkpoint.is_checkpoint(str(checkpoint_path)):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        state, index = mt_checkpoint.store.read_checkpoint(str(checkpoint_path))
-        state["megatrain_checkpoint"] = str(checkpoint_path)
+        """A sharded checkpoint: its trainer state, checksummed and read by the restricted unpickler whatever
+        `weights_only` says (:mod:`megatrain_lightning.checkpoint.trust`); a damaged one is explained, never
+        handed to Lightning. A single file (``checkpoint_format="torch"``): Lightning's loader, with
+        ``weights_only=True`` unless the caller says False (so that no stored object runs code)."""
+        path = str(checkpoint_path)
+        if not mt_checkpoint.is_checkpoint(path, self.storage_options):
+            return self._load_single_file(checkpoint_path, weights_only)
+        state, index = mt_checkpoint.store.read_checkpoint(path, self.storage_options)
+        state["megatrain_checkpoint"] = path
         state["megatrain_index"] = index  # the weights must come from the version this state came from
         state["state_dict"] = {}  # the weights stream from the shards in load_model_state_dict
+        if AVERAGED_STATE in state or (self._averaging is not None and self._averaging.reads_state_dict):
+            # WeightAveraging's on_load_checkpoint reads its average from the state dict (one copy, for a moment)
+            state["state_dict"] = lightning_checkpoint(path, optimizer=False, storage_options=self.storage_options)[
+                "state_dict"
+            ]
+        groups = state.pop("megatrain_param_groups", None) or index["param_groups"]
         if index["optimizer"]:
-            state["optimizer_states"] = [{"param_groups": index["param_groups"]}]
+            state["optimizer_states"] = [{"param_groups": groups}]
         return state
+
+    def _load_single_file(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
+        if weights_only is False:  # the user's explicit choice: they trust this file
+            return super().load_checkpoint(checkpoint_path, weights_only=False)
+        try:
+            with trust.allowed():
+                return super().load_checkpoint(checkpoint_path, weights_only=True)
+        except pickle.UnpicklingError as err:
+            name = trust.refused_global(err)
+            if name is None:
+                raise
+            raise mt_checkpoint.CheckpointError(
+                f"{trust.refusal(str(checkpoint_path), name, 'the checkpoint')}, or pass weights_only=False to trust the whole file"
+            ) from None
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if mt_checkpoint.is_checkpoint(str(filepath)):
-            mt_checkpoint.remove(str(filepath))
+        if mt_checkpoint.is_checkpoint(str(filepath), self.storage_options):
+            mt_checkpoint.remove(str(filepath), self.storage_options)
         else:
             super().remove_checkpoint(filepath)
 
@@ -285,18 +408,21 @@ class MegatrainStrategy(SingleDeviceStrategy):
         if "megatrain_checkpoint" in checkpoint:
             resuming = self.engine.has_optimizer and "optimizer_states" in checkpoint
             url, pinned = checkpoint["megatrain_checkpoint"], checkpoint.get("megatrain_index")
-            mt_checkpoint.restore(self.engine, url, optimizer=resuming, pinned=pinned)
+            mt_checkpoint.restore(
+                self.engine, url, optimizer=resuming, pinned=pinned, storage_options=self.storage_options
+            )
             return
         self.engine.load_master_state_dict(checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Sharded: the Adam state already streamed in with the weights; restore group settings and RNG."""
+        """Sharded: the Adam state already streamed in with the weights; restore group settings (as
+        ``torch.optim.Optimizer.load_state_dict`` does: the checkpoint's win) and RNG."""
         if "megatrain_checkpoint" not in checkpoint:
             return super().load_optimizer_state_dict(checkpoint)
         for opt in self.optimizers:
-            for group, saved in zip(opt.param_groups, checkpoint["optimizer_states"][0]["param_groups"]):
-                group.update(saved)
+            inner = getattr(opt, "_optimizer", opt)  # LightningOptimizer wraps it
+            inner.restore_groups(checkpoint["optimizer_states"][0]["param_groups"])
         if "megatrain_rng" in checkpoint:
             _set_rng_state(checkpoint["megatrain_rng"])
 
@@ -307,6 +433,29 @@ class MegatrainStrategy(SingleDeviceStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
             )
+
+
+GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def gradient_hooks(trainer: Any) -> list[str]:
+    """The hooks between backward and the optimizer step that the LightningModule or a callback overrides,
+    as ``Class.hook``: they may read or edit ``.grad``, so the strategy shows them every gradient there.
+
+    A hook counts as overridden when its class defines it anew or the instance holds its own (Lightning's
+    ``LambdaCallback`` sets the hooks it is given on the instance). Lightning's own callbacks override
+    neither hook."""
+    owners = [(trainer.lightning_module, LightningModule), *((cb, Callback) for cb in trainer.callbacks)]
+    return [
+        f"{type(owner).__name__}.{hook}"
+        for owner, base in owners
+        for hook in GRAD_HOOKS
+        if _overrides(owner, base, hook)
+    ]
+
+
+def _overrides(owner: Any, base: type, hook: str) -> bool:
+    return hook in vars(owner) or getattr(type(owner), hook) is not getattr(base, hook)
 
 
 def _accumulates(trainer: Any) -> bool:

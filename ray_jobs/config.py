@@ -25,6 +25,9 @@ choice values, wherever the argument's type reads it as one).
 
 Where the file is looked up: see :func:`resolve`. Everything is checked here, in the driver, before
 anything runs on the cluster; an error is one line naming the file, the key and the fix.
+
+Why one file of about 500 lines: it is the sweep file's whole schema, each key with its check and its
+one-line error, and the record compared on resubmission; a reader looking up a key finds it here.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import functools
 import importlib.util
 import inspect
 import re
+from collections.abc import Callable
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -139,6 +143,9 @@ def _check_base(base: dict[str, Any]) -> dict[str, Any]:
         for key, value in values.items():
             where = f"base.{section}.{key}"
             out.setdefault(section, {})[key] = _checked(_argument(where, f"{section}.{key}"), where, value)
+    for section in ("model", "data", "trainer"):
+        for key, value in (out.get(section) or {}).items():
+            _check_range(f"{section}.{key}", value, "base: ")
     model = out.get("model") or {}
     if not model.get("model") and not model.get("init_from"):
         raise ValueError("base.model needs `model` (a preset such as llama-3.1-8b, or a config.json) or `init_from`")
@@ -147,6 +154,27 @@ def _check_base(base: dict[str, Any]) -> dict[str, Any]:
             "base.data needs `path` (a text, JSONL or token file every node reads, or builtin:python-docs)"
         )
     return {k: out.get(k, base[k]) for k in base}  # in the file's order, an empty section as written
+
+
+def _range_checks() -> dict[str, Callable[..., None]]:
+    from megatrain_lightning.data import check_data_args
+    from megatrain_lightning.module import check_optimizer_args
+    from megatrain_lightning.strategy import check_trainer_args
+
+    return {"model": check_optimizer_args, "data": check_data_args, "trainer": check_trainer_args}
+
+
+def _check_range(key: str, value: Any, where: str) -> None:
+    """A model, data or trainer number out of its valid range (``model.lr: -1``), by the same check as
+    ``megatrain fit`` (each names the value and the range); other keys pass."""
+    section, _, name = key.partition(".")
+    check = _range_checks().get(section)
+    if check is None or name not in inspect.signature(check).parameters:
+        return
+    try:
+        check(**{name: value})
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
 
 
 def _argument(where: str, key: str) -> TypeAdapter | None:
@@ -208,10 +236,15 @@ def _check_sampler(key: str, spec: dict[str, list]) -> dict[str, list]:
     if not values:
         raise ValueError(f"{where} takes a non-empty list")
     if kind in ("grid", "choice"):
-        return {kind: [_checked(adapter, where, value) for value in values]}
+        checked = [_checked(adapter, where, value) for value in values]
+        for value in checked:
+            _check_range(key, value, f"{where}: ")
+        return {kind: checked}
     if len(values) != 2:
         raise ValueError(f"{where} takes [low, high], got {values!r}")
     low, high = (_checked(_INT if kind == "randint" else _NUMBER, where, value) for value in values)
+    for value in (low, high):
+        _check_range(key, value, f"{where}: ")
     if not low < high:
         raise ValueError(f"{where}: low {low!r} must be below high {high!r}")
     if kind == "loguniform" and low <= 0:

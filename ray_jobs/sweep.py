@@ -19,6 +19,7 @@ import argparse
 import csv
 import io
 import os
+import socket
 import sys
 from typing import Any
 
@@ -93,6 +94,47 @@ _STORAGE_FIX = (
     "use a bucket/directory that exists and every node reaches; for S3 set AWS_ENDPOINT_URL, "
     "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY on every node or in the job's env_vars"
 )
+
+
+def check_data_paths(cfg: SweepConfig) -> None:
+    """Refuse local data paths (base.data and any data.* path the search space tries) that do not exist where
+    the driver runs, before anything starts on the cluster: every trial reads them on its own node, so they
+    belong on a mount all nodes share (a URL or builtin: corpus is left to the trials)."""
+    data = cfg.base.get("data") or {}
+    paths = [(f"base.data.{k}", data.get(k)) for k in ("path", "val_path", "tokenizer")]
+    for key, spec in cfg.search_space.items():
+        if key in ("data.path", "data.val_path", "data.tokenizer"):
+            paths += [(f"search_space.{key}", v) for values in spec.values() for v in values]
+    for key, path in paths:
+        if isinstance(path, str) and "://" not in path and not path.startswith("builtin:"):
+            if not os.path.exists(os.path.expanduser(path)):
+                raise SweepConfigError(
+                    f"{key}={path!r} does not exist where the driver runs; trials read it on every node: give a "
+                    "path on a mount all nodes share (or builtin:python-docs)"
+                )
+
+
+def check_reachable(address: str | None, timeout: float) -> None:
+    """A TCP probe of the Ray address, `timeout` seconds at most: ray.init keeps retrying an address nothing
+    answers on for many minutes. ``auto`` (no address) is probed only when RAY_ADDRESS names one; without it
+    ray.init finds the local cluster or fails at once."""
+    address = address if address not in (None, "auto") else os.environ.get("RAY_ADDRESS")
+    if not address or address in ("auto", "local"):
+        return
+    rest = address.split("://", 1)[-1]
+    host, _, port = rest.rpartition(":") if ":" in rest else (rest, "", "")
+    default = 10001 if address.startswith("ray://") else 6379
+    try:
+        with socket.create_connection((host.strip("[]"), int(port or default)), timeout=timeout):
+            return
+    except ValueError:
+        raise SweepError(f"--address {address!r} is not HOST:PORT (e.g. 10.0.0.1:6379 or ray://head:10001)") from None
+    except OSError as err:
+        raise SweepError(
+            f"no Ray cluster answers at {address} within {timeout:g} s ({error_line(err)}); start one with "
+            "`ray start --head`, check the address and port (the head's GCS, 6379 by default), or submit with "
+            "`ray job submit` and no --address"
+        ) from None
 
 
 def build_tuner(cfg: SweepConfig, tier: Tier | None = None) -> Any:
@@ -178,11 +220,21 @@ def main(argv: list[str] | None = None) -> int:
         help="sweep YAML: a path where the driver runs, a URL, or a shipped one (configs/sweep/tiny-lr.yaml)",
     )
     ap.add_argument("--address", default=None, help="Ray address (default: the cluster this job runs in)")
+    ap.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds to wait for the Ray address to answer before giving up (default 10)",
+    )
     args = ap.parse_args(argv)
+    if not args.connect_timeout > 0:
+        print(f"sweep: error: --connect-timeout={args.connect_timeout} must be above 0 seconds", file=sys.stderr)
+        return 2
     try:
         return _run(args)
     except (SweepConfigError, SweepError) as err:
-        print(f"sweep: {err}", file=sys.stderr, flush=True)
+        print(f"sweep: error: {err}", file=sys.stderr, flush=True)
         return 2
 
 
@@ -195,7 +247,9 @@ def _run(args: argparse.Namespace) -> int:
         request = trial_resources(cfg)
     except ValueError as err:  # e.g. a model preset or config.json the planner cannot read
         raise SweepConfigError(f"{path}: cannot size a trial: {err}") from None
+    check_data_paths(cfg)
     recorded = check_unchanged(cfg)  # before anything touches the cluster
+    check_reachable(args.address, args.connect_timeout)
     import ray
 
     try:

@@ -132,7 +132,7 @@ def run_trial(
     megatrain = trial_strategy(strategy, trial_dir)
     trainer = L.Trainer(strategy=megatrain, callbacks=callbacks, **trainer_kwargs)
     try:
-        trainer.fit(module, data, ckpt_path=last if is_checkpoint(last) else None)
+        trainer.fit(module, data, ckpt_path=resume_from(last))
     finally:
         if megatrain.nvme_dir and os.path.isdir(megatrain.nvme_dir) and not os.listdir(megatrain.nvme_dir):
             os.rmdir(megatrain.nvme_dir)  # the trial's own directory, emptied by the engine's release
@@ -144,6 +144,14 @@ def run_trial(
         trainer.validate(module, data, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     return {**metrics, "step": trainer.global_step, "checkpoint": last}
+
+
+def resume_from(last: str) -> str | None:
+    """`last` when the trial committed a checkpoint there (its marker exists): resuming then reads it, and a
+    damaged one stops the trial with a line naming the damaged file rather than silently starting over.
+    None when no save ever committed (data of an interrupted first save is removed by the next save)."""
+    fs, path = fsspec.core.url_to_fs(last)
+    return last if fs.exists(path) and is_checkpoint(last) else None
 
 
 def tune_trainable(

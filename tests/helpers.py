@@ -292,10 +292,10 @@ def hf_gpt2() -> nn.Module:
     return _seeded(lambda: GPT2LMHeadModel(cfg))
 
 
-def hf_model(family: str, **config: Any) -> nn.Module:
-    """transformers' ``<family>ForCausalLM`` with a tiny ``<family>Config``: the vocabulary and positions
-    shared by the zoo, the shape of a small GQA decoder (2 layers, width 32, 4 heads, 2 KV heads) unless
-    `config` says otherwise, and every dropout the caller names."""
+def hf_model(family: str, model_class: str | None = None, **config: Any) -> nn.Module:
+    """transformers' ``<family>ForCausalLM`` (or `model_class`) with a tiny ``<family>Config``: the
+    vocabulary and positions shared by the zoo, the shape of a small GQA decoder (2 layers, width 32,
+    4 heads, 2 KV heads) unless `config` says otherwise, and every dropout the caller names."""
     import transformers
 
     shape = dict(
@@ -303,7 +303,7 @@ def hf_model(family: str, **config: Any) -> nn.Module:
     )
     fields = {k: v for k, v in {**shape, **config}.items() if v is not None}  # None: a field the family lacks
     cfg = getattr(transformers, f"{family}Config")(vocab_size=VOCAB, max_position_embeddings=64, **fields)
-    return _seeded(lambda: getattr(transformers, f"{family}ForCausalLM")(cfg))
+    return _seeded(lambda: getattr(transformers, model_class or f"{family}ForCausalLM")(cfg))
 
 
 def hf_gpt_neox() -> nn.Module:

@@ -43,6 +43,12 @@ def _is_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+# A second identity, for tests that give credentials only through storage_options and then search every
+# written byte for the secret (the environment's "test" would match ordinary text).
+OPTIONS_KEY = "megatrain-options-key"
+OPTIONS_SECRET = "s3cr3t-given-only-as-storage-options-5f1c"
+
+
 @contextmanager
 def seaweedfs(bucket: str = "megatrain") -> Iterator[dict[str, str]]:
     """Start SeaweedFS with an S3 gateway; yields the AWS environment variables that reach it."""
@@ -52,7 +58,10 @@ def seaweedfs(bucket: str = "megatrain") -> Iterator[dict[str, str]]:
     data = tempfile.mkdtemp(prefix="seaweedfs-")
     identity = {
         "name": "test",
-        "credentials": [{"accessKey": "test", "secretKey": "test"}],
+        "credentials": [
+            {"accessKey": "test", "secretKey": "test"},
+            {"accessKey": OPTIONS_KEY, "secretKey": OPTIONS_SECRET},
+        ],
         "actions": ["Admin", "Read", "Write", "List", "Tagging"],
     }
     with open(os.path.join(data, "s3.json"), "w") as f:

@@ -149,19 +149,6 @@ def test_frozen_embedding_still_trains_blocks(monkeypatch):
     assert mt.losses == ref.losses
 
 
-def test_grad_requiring_side_inputs_are_refused():
-    """Only the hidden state gets a gradient back from a block; a block argument that wants one is refused
-    while training (and is fine without grad, where nothing is differentiated)."""
-    model = own_llama(2)
-    Engine(model, EngineConfig(device="cpu", precision="32-true"))  # the blocks now stream
-    hidden = torch.zeros(1, 4, model.config.hidden_size, requires_grad=True)
-    cos, sin = model.model.position_embeddings(torch.zeros(1, 4, dtype=torch.long), None, torch.float32)
-    with pytest.raises(NotImplementedError, match="hidden state only"):
-        model.model.layers[0](hidden, cos.clone().requires_grad_(), sin)
-    with torch.no_grad():
-        assert model.model.layers[0](hidden, cos, sin).shape == hidden.shape
-
-
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_blocks_step_during_backward_unless_clipping(clip):
     """Without clipping every block is stepped by the time backward returns (the host step overlaps the

@@ -375,16 +375,6 @@ def test_rejects_two_optimizers():
     _fit_raises(TwoOptimizers(hf_llama(), manual=1), ValueError, "exactly one optimizer")
 
 
-def test_rejects_value_clipping():
-    _fit_raises(
-        CausalLM(hf_llama()),
-        ValueError,
-        r"gradient_clip_algorithm='value'.*'norm'",
-        gradient_clip_val=1.0,
-        gradient_clip_algorithm="value",
-    )
-
-
 # "16-mixed" never reaches the strategy on a CPU: Lightning rewrites it to "bf16-mixed" with a warning
 # (fp16 AMP is not supported on CPU), so the fp16 and fp64 refusals are tested with "16-true"/"64-true".
 @pytest.mark.parametrize("precision", ["16-true", "64-true"])

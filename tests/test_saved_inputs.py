@@ -230,3 +230,37 @@ def test_the_stream_double_catches_a_removed_wait(monkeypatch):
     assert made and made[0].skipped[removed] > 0
     pr, pm = params_of(ref.model), params_of(mt.model)
     assert mt.losses != ref.losses or any(not torch.equal(pm[n], pr[n]) for n in pr)
+
+
+# -- the host-memory check counts the pinned buffers of offloaded inputs ---------------------------------
+
+
+@pytest.mark.parametrize("spare", [-1, 0])
+def test_offloaded_inputs_that_do_not_fit_the_host_are_refused_before_pinning(spare):
+    """A budget that holds the training state (16 B/param in fp32: master 4, Adam 8, gradient slab 4) but
+    not the layers x tokens x hidden x 4 bytes of offloaded inputs is refused at the first forward, before
+    any input buffer is pinned; one byte more and the step runs."""
+    model, layers = own_llama(2), 2
+    numel = sum(p.numel() for p in model.parameters())
+    batch = token_batches(1)[0]
+    inputs = layers * batch.numel() * model.config.hidden_size * 4
+    budget = 16 * numel + inputs + spare
+    engine = None
+
+    def available() -> int:  # the budget less what the engine holds so far (the OS's MemAvailable)
+        return budget - (sum(engine.host_bytes().values()) if engine is not None else 0)
+
+    config = EngineConfig(device="cpu", precision="32-true", offload_inputs=True)
+    engine = Engine(model, config, Probes(host_available_bytes=available))
+    engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    if spare < 0:
+        with pytest.raises(engine_module.HostMemoryError) as err:
+            model(batch, targets=batch)
+        message = str(err.value)
+        assert f"{inputs} bytes" in message and "\n" not in message
+        assert "offload_inputs=False" in message and "Shorten seq_len" in message
+        assert engine.saved_inputs.buffers == []  # refused before pinning
+    else:
+        model(batch, targets=batch).backward()
+        assert engine.saved_inputs.host_bytes() == inputs
+    engine.close()

@@ -62,3 +62,19 @@ def test_the_plain_loop_example_equals_ordinary_training(tmp_path, monkeypatch):
         engine.load(str(tmp_path / "checkpoints" / "step-4"), optimizer=False)
         state = engine.master_state_dict()
         assert all(torch.equal(state[name], p) for name, p in ref.named_parameters())
+
+
+def test_what_models_work_lists_the_zoo():
+    """The table of "What models work" names exactly the families the zoo trains (tests/test_zoo.py), each
+    with the block list the engine finds in it."""
+    from megatrain_lightning.engine.discover import find_blocks
+    from tests.helpers import ZOO
+    from tests.zoo_families import FAMILIES
+
+    text = GUIDE.read_text()
+    section = text[text.index("## What models work") :]
+    section = section[: section.index("\n## ")]
+    listed = re.findall(r"^\| [^|]* \(`([\w-]+)`\) \| `([\w.]+)` \|", section, re.M)
+    assert sorted(name for name, _ in listed) == sorted([*ZOO, *FAMILIES])
+    zoo = {**ZOO, **FAMILIES}
+    assert [(name, find_blocks(zoo[name].make()).name) for name, _ in listed] == listed

@@ -21,7 +21,7 @@ conversion during a save). versions.py decides what a save deletes: only version
 which stays, for readers that read the marker just before a commit, until the next save begins. A read
 that outlives even that finds its version gone: the readers here (:func:`read_index`,
 :func:`read_checkpoint`, :func:`restore`) then re-read the marker and, when it moved on, start over on the
-new checkpoint; a file missing under an unchanged marker is damage, reported as such. A resume restores
+new checkpoint (rereads.py); a file missing under an unchanged marker is damage, reported as such. A resume restores
 the weights of the version its trainer state came from (`pinned`), not whatever the marker names by then.
 
 Durability. On a local filesystem every file of the version (shards, buffers, trainer.pt, index) is
@@ -36,13 +36,15 @@ plain ``MyModule.load_from_checkpoint(path)`` or an ordinary strategy's resume) 
 that the file is a sharded checkpoint, to be loaded with ``megatrain_lightning.load_from_checkpoint``
 or converted with ``megatrain convert``. The pickle never runs anything (the "module" it names
 cannot be imported). Markers that are bare JSON, as first written, are read all the same.
+
+Reading trusts nothing it has not checked (:mod:`~megatrain_lightning.checkpoint.verify` says what and
+how a failure reads; :mod:`~megatrain_lightning.checkpoint.trust` how ``trainer.pt`` is unpickled).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import io
+import itertools
 import json
 import os
 import struct
@@ -52,31 +54,35 @@ import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from megatrain_lightning.checkpoint import stream, versions
+from megatrain_lightning.checkpoint import stream, trust, versions
 from megatrain_lightning.checkpoint.hf import describe_export
-from megatrain_lightning.checkpoint.stream import EngineView
-
-FORMAT = "megatrain-checkpoint"
-VERSION = 1
-T = TypeVar("T")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, damaged or of another model; the message names path and fix."""
-
-
-# What torch.load shows for a marker (no dots: a plain unpickler shows the text up to the first dot).
-_TAG = "megatrain_lightning sharded checkpoint"
-REFUSAL = (
-    f"{_TAG} - torch and Lightning cannot load it directly; load it with "
-    "load_from_checkpoint(YourModule, path) from megatrain_lightning, or convert it with: "
-    "megatrain convert PATH --to torch OUT"
+from megatrain_lightning.checkpoint.rereads import (  # noqa: F401  (READ_ATTEMPTS, reread_if_replaced: this module's API too)
+    READ_ATTEMPTS,
+    raise_if_replaced,
+    reread_if_replaced,
+    rereading,
 )
-_PICKLE_HEAD = b"\x80\x02c"  # protocol 2, GLOBAL
+from megatrain_lightning.checkpoint.rereads import filesystem as _filesystem
+from megatrain_lightning.checkpoint.rereads import named as _named
+from megatrain_lightning.checkpoint.rereads import pinned_version as _pinned_version
+from megatrain_lightning.checkpoint.stream import EngineView
+from megatrain_lightning.checkpoint.verify import (  # noqa: F401  (REFUSAL, parse_marker: this module's API too)
+    FORMAT,
+    REFUSAL,
+    VERSION,
+    CheckpointError,
+    damaged,
+    index_lacks,
+    looks_like_marker,
+    marker_bytes,
+    parse_marker,
+    shown,
+)
+
+T = TypeVar("T")
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -88,15 +94,20 @@ def save(
     optimizer: bool = True,
     param_groups: list[dict] | None = None,
     after_unit: Callable[[int], None] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    weights: Callable[[Any], torch.Tensor] | None = None,
 ) -> None:
-    """Write the engine's host state (masters, and Adam state when `optimizer`) and `trainer_state`."""
-    fs, path = fsspec.core.url_to_fs(url)
+    """Write the engine's host state (masters, and Adam state when `optimizer`) and `trainer_state`;
+    `storage_options` go to fsspec (credentials, endpoint) and are written nowhere. `weights(unit)`: the flat
+    fp32 weights to write in place of a unit's master (a weight average that a callback put in the
+    checkpoint's state dict); the Adam state stays the master's."""
+    fs, path = _filesystem(url, storage_options)
     if fs.isdir(path):
         raise CheckpointError(f"{url} is a directory; a checkpoint path names a file (its data goes to {url}.d/)")
     versions.remove_unused(fs, path, keep=lambda: _named(fs, path, url))  # all but the current checkpoint
     lease = versions.Lease(fs, path, url)
     try:
-        index_bytes = _write_version(engine, fs, lease, trainer_state, optimizer, param_groups, after_unit)
+        index_bytes = _write_version(engine, fs, lease, trainer_state, optimizer, param_groups, after_unit, weights)
         replaced = _named(fs, path, url)
         marker = {"format": FORMAT, "version": VERSION, "data": lease.version, "index_crc32": zlib.crc32(index_bytes)}
         _commit(fs, path, {**marker, "previous": min(replaced, default=None)})
@@ -117,6 +128,7 @@ def _write_version(
     optimizer: bool,
     param_groups: list[dict] | None,
     after_unit: Callable[[int], None] | None,
+    weights: Callable[[Any], torch.Tensor] | None,
 ) -> bytes:
     """Write the version directory: unit shards, buffers, trainer state, then the index (returned)."""
     vdir = lease.vdir
@@ -127,7 +139,8 @@ def _write_version(
     units = []
     for i, unit in enumerate(engine.all_units()):
         with_adam = optimizer and unit.has_moments
-        tensors = [("master", unit.master)] + (list(_moments(unit, write=False).items()) if with_adam else [])
+        master = unit.master if weights is None else weights(unit)
+        tensors = [("master", master)] + (list(_moments(unit, write=False).items()) if with_adam else [])
         info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
         units.append(_unit_record(engine, unit, i, info, with_adam))
         lease.beat()
@@ -138,13 +151,15 @@ def _write_version(
     buf_info = stream.write(fs, f"{vdir}/buffers.safetensors", sorted(buffers.items()))
     raw = io.BytesIO()
     torch.save(trainer_state, raw)
-    versions.write_bytes(fs, f"{vdir}/trainer.pt", raw.getvalue())
+    trainer_bytes = raw.getvalue()
+    versions.write_bytes(fs, f"{vdir}/trainer.pt", trainer_bytes)
     index = {
         "format": FORMAT,
         "version": VERSION,
         "data": lease.version,
         "units": units,
         "buffers": buf_info,
+        "trainer": {"bytes": len(trainer_bytes), "crc32": zlib.crc32(trainer_bytes)},  # checked before unpickling
         "param_groups": param_groups,
         "optimizer": optimizer,
         "param_order": _param_order(engine),
@@ -216,27 +231,6 @@ def _buffers(engine: EngineView, aliases: dict[str, str] | None = None) -> dict[
     return {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in params}
 
 
-def marker_bytes(marker: dict) -> bytes:
-    """The commit marker's bytes: `marker` as JSON inside a pickle that torch.load refuses with REFUSAL."""
-    body = json.dumps(marker).encode()
-    # GLOBAL names "module" REFUSAL, attribute "ckpt": torch's weights-only refusal shows "REFUSAL.ckpt".
-    return _PICKLE_HEAD + REFUSAL.encode() + b"\nckpt\nX" + struct.pack("<I", len(body)) + body + b"\x85R."
-
-
-def parse_marker(raw: bytes) -> dict:
-    """The JSON of a commit marker (framed as :func:`marker_bytes` writes it, or bare); ValueError if neither."""
-    if raw.lstrip().startswith(b"{"):
-        return json.loads(raw)
-    if not raw.startswith(_PICKLE_HEAD):
-        raise ValueError("not a commit marker")
-    module_end = raw.index(b"\n", len(_PICKLE_HEAD))
-    name_end = raw.index(b"\n", module_end + 1)
-    if raw[name_end + 1 : name_end + 2] != b"X":
-        raise ValueError("not a commit marker")
-    (n,) = struct.unpack("<I", raw[name_end + 2 : name_end + 6])
-    return json.loads(raw[name_end + 6 : name_end + 6 + n])
-
-
 def _commit(fs: Any, path: str, marker: dict) -> None:
     data = marker_bytes(marker)
     if isinstance(fs, LocalFileSystem):
@@ -252,24 +246,10 @@ def _commit(fs: Any, path: str, marker: dict) -> None:
         fs.pipe_file(path, data)  # one object write: atomic on object stores
 
 
-def _named(fs: Any, path: str, url: str, previous: bool = False) -> set[str]:
-    """The version the commit marker at `path` names (none without a marker), and with `previous` the one it
-    replaced. (Read with a GET, not `exists`: object store listings are cached per filesystem object.)"""
-    try:
-        raw = fs.cat_file(path)
-    except FileNotFoundError:
-        return set()
-    try:
-        marker = parse_marker(raw)
-    except (ValueError, UnicodeDecodeError, struct.error):
-        raise CheckpointError(f"{url} is not a {FORMAT} commit marker; save to another path") from None
-    return {v for v in (marker.get("data"), marker.get("previous") if previous else None) if v}
-
-
-def remove(url: str) -> None:
+def remove(url: str, storage_options: dict[str, Any] | None = None) -> None:
     """Delete a checkpoint: the marker first (so it stops existing), then its data, but not a version that a
     save to the same name is writing now."""
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = _filesystem(url, storage_options)
     try:
         fs.rm(path)
     except FileNotFoundError:
@@ -279,204 +259,214 @@ def remove(url: str) -> None:
 
 
 # -- reading ----------------------------------------------------------------------------------------
-READ_ATTEMPTS = 5
-"""How many times a read starts over on a newer checkpoint when saves keep replacing the one it reads."""
-
-
-def reread_if_replaced(url: str, read: Callable[[], T]) -> T:
-    """``read()`` (a read of the checkpoint at `url`), run again when it fails because a save replaced the
-    checkpoint meanwhile and its data went (see versions.py): the marker changed between the start of the
-    read and the failure. A failure under an unchanged marker is the checkpoint's own, raised as it is."""
-    fs, path = fsspec.core.url_to_fs(url)
-    for _ in range(READ_ATTEMPTS):
-        seen = _marker_raw(fs, path)
+def is_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether `url` is a checkpoint of this format, intact or not (a Lightning .ckpt file is not): its
+    marker starts as ours do, or its data directory ``<url>.d/`` exists (a damaged or lost marker)."""
+    fs, path = _filesystem(url, storage_options)
+    if fs.isfile(path):
         try:
-            return read()
-        except (CheckpointError, stream.ShardError, OSError):
-            if _marker_raw(fs, path) == seen:
-                raise
-    raise CheckpointError(
-        f"{url} was replaced by newer saves {READ_ATTEMPTS} times while being read; read it again, or "
-        "between saves (or raise megatrain_lightning.checkpoint.store.READ_ATTEMPTS)"
-    )
+            with fs.open(path, "rb") as f:
+                if looks_like_marker(f.read(4096)):
+                    return True
+        except FileNotFoundError:  # removed meanwhile (by another process sharing the directory)
+            pass
+    return fs.isdir(f"{path}.d")
 
 
-def _rereading(read: Callable[..., T]) -> Callable[..., T]:
-    """`read(..., url, ..., pinned=None)` under :func:`reread_if_replaced`. With `pinned` (an index already
-    read, whose version the read must use: the trainer state came from it) nothing is re-read; if that
-    version went meanwhile, the error says so."""
-    signature = inspect.signature(read)
-
-    @functools.wraps(read)
-    def wrapper(*args: Any, **kwargs: Any) -> T:
-        bound = signature.bind(*args, **kwargs).arguments
-        url, pinned = bound["url"], bound.get("pinned")
-        if pinned is None or "data" not in pinned:  # (indexes written before they named their version)
-            return reread_if_replaced(url, lambda: read(*args, **kwargs))
-        try:
-            return read(*args, **kwargs)
-        except (CheckpointError, stream.ShardError, OSError):
-            fs, path = fsspec.core.url_to_fs(url)
-            if pinned.get("data") in _named(fs, path, url, previous=True):
-                raise
-            raise CheckpointError(
-                f"{url} was replaced twice by newer saves while being resumed from, and the data of the "
-                f"version read ({pinned.get('data')}) is gone; resume again"
-            ) from None
-
-    return wrapper
-
-
-def _marker_raw(fs: Any, path: str) -> bytes | None:
-    try:
-        return fs.cat_file(path)
-    except FileNotFoundError:
-        return None
-
-
-def _pinned_version(url: str, pinned: dict) -> tuple[Any, str, dict]:
-    """(filesystem, version directory, index) of the version `pinned`, an index read before, came from."""
-    fs, path = fsspec.core.url_to_fs(url)
-    return fs, f"{path}.d/{pinned['data']}", pinned
-
-
-def _raise_if_replaced(fs: Any, vdir: str, url: str) -> None:
-    """A file of `vdir` is missing: if the marker no longer names `vdir`, a save replaced the checkpoint
-    while it was being read (not damage)."""
-    path, version = vdir.rsplit(".d/", 1)
-    if version not in _named(fs, path, url):
-        raise CheckpointError(f"{url} was replaced by a newer save while being read ({vdir} is gone); read it again")
-
-
-def is_checkpoint(url: str) -> bool:
-    """Whether `url` is a commit marker of this format (a Lightning .ckpt file is not)."""
-    fs, path = fsspec.core.url_to_fs(url)
-    if not fs.isfile(path):
-        return False
-    try:
-        with fs.open(path, "rb") as f:
-            head = f.read(4096)
-    except FileNotFoundError:  # removed meanwhile (by another process sharing the directory)
-        return False
-    if head.startswith(_PICKLE_HEAD):
-        return _TAG.encode() in head[:200] and FORMAT.encode() in head
-    return head.lstrip().startswith(b"{") and FORMAT.encode() in head
-
-
-@_rereading
-def read_index(url: str) -> tuple[Any, str, dict]:
+@rereading
+def read_index(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str, dict]:
     """(filesystem, version directory, index) of the committed checkpoint at `url`."""
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = _filesystem(url, storage_options)
     marker = _pointer(fs, path, url)
     vdir = f"{path}.d/{marker['data']}"
+    file = f"{vdir}/index.json"
     try:
-        raw = fs.cat_file(f"{vdir}/index.json")
+        raw = fs.cat_file(file)
     except FileNotFoundError:
-        raise CheckpointError(
-            f"{url}: the index {vdir}/index.json is missing, so the checkpoint is damaged; "
-            "resume from an earlier checkpoint"
-        ) from None
+        if not fs.isdir(f"{path}.d"):
+            why = f"{shown(fs, path)}.d, the checkpoint's data directory, is missing"
+        elif not fs.isdir(vdir):  # dated by the data that is there, not by the version named
+            why = f"{shown(fs, path)}: its marker names version {marker['data']}, which {shown(fs, path)}.d lacks"
+            raise damaged(fs, None, why, path) from None
+        else:
+            why = f"the index {shown(fs, file)} is missing"
+        raise damaged(fs, vdir, why) from None
     if zlib.crc32(raw) != marker["index_crc32"]:
-        raise CheckpointError(
-            f"{url}: {vdir}/index.json does not match its commit marker; resume from an earlier checkpoint"
+        raise damaged(
+            fs, vdir, f"{shown(fs, file)} does not match the checksum in its commit marker (altered or damaged)"
         )
-    return fs, vdir, json.loads(raw)
+    try:
+        index = json.loads(raw)
+    except ValueError:
+        raise damaged(fs, vdir, f"{shown(fs, file)} is not JSON") from None
+    lacking = index_lacks(index)
+    if lacking:
+        raise damaged(fs, vdir, f"{shown(fs, file)} lacks {lacking}: it is not an index this version can read")
+    return fs, vdir, index
 
 
-def load_trainer_state(url: str) -> dict:
-    return read_checkpoint(url)[0]
+def load_trainer_state(url: str, storage_options: dict[str, Any] | None = None) -> dict:
+    return read_checkpoint(url, storage_options)[0]
 
 
-@_rereading
-def read_checkpoint(url: str) -> tuple[dict, dict]:
+@rereading
+def read_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> tuple[dict, dict]:
     """(Lightning trainer state, index) of the committed checkpoint at `url`, the marker read once."""
-    fs, vdir, index = read_index(url)
-    with fs.open(f"{vdir}/trainer.pt", "rb") as f:
-        return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False), index
+    fs, vdir, index = read_index(url, storage_options)
+    return read_trainer_state(fs, vdir, index), index
 
 
-@_rereading
-def restore(engine: EngineView, url: str, *, optimizer: bool, pinned: dict | None = None) -> dict:
+def read_trainer_state(fs: Any, vdir: str, index: dict) -> dict:
+    """trainer.pt, checked against the index's checksum and then unpickled by torch's restricted unpickler
+    (see :mod:`megatrain_lightning.checkpoint.trust`): never anything that could run code."""
+    file = f"{vdir}/trainer.pt"
+    try:
+        raw = fs.cat_file(file)
+    except FileNotFoundError:
+        raise damaged(fs, vdir, f"{shown(fs, file)}, the trainer state, is missing") from None
+    expect = index.get("trainer")  # None: written before the index recorded it
+    if expect is not None and (len(raw), zlib.crc32(raw)) != (expect.get("bytes"), expect.get("crc32")):
+        raise damaged(
+            fs,
+            vdir,
+            f"{shown(fs, file)} has {len(raw)} bytes with checksum {zlib.crc32(raw):#010x}, the index recorded "
+            f"{expect.get('bytes')} with {expect.get('crc32', 0):#010x}: the trainer state is truncated or altered",
+        )
+    try:
+        state = trust.load_restricted(raw)
+    except trust.RefusedGlobal as err:
+        raise damaged(fs, vdir, trust.refusal(shown(fs, file), err.name)) from None
+    except ValueError as err:
+        raise damaged(fs, vdir, f"{shown(fs, file)} is {err}") from None
+    if not isinstance(state, dict):
+        raise damaged(fs, vdir, f"{shown(fs, file)} holds a {type(state).__name__}, not a trainer state")
+    return state
+
+
+@rereading
+def restore(
+    engine: EngineView,
+    url: str,
+    *,
+    optimizer: bool,
+    pinned: dict | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> dict:
     """Stream masters (and Adam state when `optimizer`) into the engine's host buffers; returns the index.
     `pinned`: the index read with the trainer state (read_checkpoint), whose version to restore."""
-    fs, vdir, index = _pinned_version(url, pinned) if pinned and "data" in pinned else read_index(url)
-    _check_layout(engine, index, url)
+    if pinned and "data" in pinned:
+        fs, vdir, index = _pinned_version(url, pinned, storage_options)
+    else:
+        fs, vdir, index = read_index(url, storage_options)
+    _check_layout(engine, index, url, fs, vdir)
     if optimizer and not index["optimizer"]:
         raise CheckpointError(f"{url} holds weights only (save_weights_only=True); it cannot resume training")
     engine.flush()
     for unit, rec in zip(engine.all_units(), index["units"]):
         adam = optimizer and rec["adam"]
         targets = {"master": unit.master, **(_moments(unit, write=True) if adam else {})}
-        try:
-            stream.read_into(fs, f"{vdir}/{rec['file']}", targets, rec)
-        except stream.ShardError as err:
-            raise CheckpointError(f"{err}; resume from an earlier checkpoint") from None
+        _read_file(fs, vdir, rec["file"], targets, rec)
         if optimizer:
             unit.steps = [param_step(rec, p) if rec["adam"] else 0 for p in rec["params"]]
-    _restore_buffers(engine, fs, vdir, index, url)
+    _restore_buffers(engine, fs, vdir, index)
     engine.refresh_from_masters()
     return index
 
 
-def read_unit(fs: Any, vdir: str, rec: dict, url: str, *, adam: bool = False) -> dict[str, torch.Tensor]:
+def _read_file(fs: Any, vdir: str, name: str, targets: dict[str, Any], expect: dict) -> None:
+    """stream.read_into of the version's file `name`, its failures explained as damage."""
+    file = f"{vdir}/{name}"
+    try:
+        stream.read_into(fs, file, targets, expect)
+    except FileNotFoundError:
+        raise_if_replaced(fs, vdir)
+        raise damaged(fs, vdir, f"{shown(fs, file)} is missing") from None
+    except stream.ShardError as err:
+        raise damaged(fs, vdir, str(err).replace(file, shown(fs, file), 1)) from None
+
+
+def read_unit(fs: Any, vdir: str, rec: dict, url: str = "", *, adam: bool = False) -> dict[str, torch.Tensor]:
     """One unit's flat fp32 tensors, fresh: ``master``, plus ``exp_avg``/``exp_avg_sq`` when `adam` and
     the unit holds them; the whole shard is checksummed (tensors not asked for are read and dropped)."""
     targets = {"master": torch.empty(rec["numel"], dtype=torch.float32)}
     if adam and rec["adam"]:
         targets.update(exp_avg=torch.empty(rec["numel"]), exp_avg_sq=torch.empty(rec["numel"]))
-    try:
-        stream.read_into(fs, f"{vdir}/{rec['file']}", targets, rec)
-    except (stream.ShardError, FileNotFoundError) as err:
-        _raise_if_replaced(fs, vdir, url)
-        raise CheckpointError(f"{url}: {err}; use an earlier checkpoint") from None
+    _read_file(fs, vdir, rec["file"], targets, rec)
     return targets
 
 
-def read_buffers(fs: Any, vdir: str, index: dict, url: str) -> dict[str, torch.Tensor]:
+def read_buffers(fs: Any, vdir: str, index: dict, url: str = "") -> dict[str, torch.Tensor]:
     """The model's buffers as saved (checksummed)."""
+    file = f"{vdir}/buffers.safetensors"
     try:
-        return stream.read_tensors(fs, f"{vdir}/buffers.safetensors", index["buffers"])
-    except (stream.ShardError, FileNotFoundError) as err:
-        _raise_if_replaced(fs, vdir, url)
-        raise CheckpointError(f"{url}: {err}; use an earlier checkpoint") from None
+        return stream.read_tensors(fs, file, index["buffers"])
+    except FileNotFoundError:
+        raise_if_replaced(fs, vdir)
+        raise damaged(fs, vdir, f"{shown(fs, file)} is missing") from None
+    except stream.ShardError as err:
+        raise damaged(fs, vdir, str(err).replace(file, shown(fs, file), 1)) from None
 
 
-def _restore_buffers(engine: EngineView, fs: Any, vdir: str, index: dict, url: str) -> None:
-    current = _buffers(engine)
-    if not current:
-        return
-    loaded = {k: torch.empty_like(v) for k, v in current.items()}
-    stream.read_into(fs, f"{vdir}/buffers.safetensors", loaded, index["buffers"])
-    engine.model.load_state_dict(loaded, strict=False)
+def _restore_buffers(engine: EngineView, fs: Any, vdir: str, index: dict) -> None:
+    """The model's buffers from the buffers file, which is checksummed even when the model has none."""
+    loaded = {k: torch.empty_like(v) for k, v in _buffers(engine).items()}
+    _read_file(fs, vdir, "buffers.safetensors", loaded, index["buffers"])
+    if loaded:
+        engine.model.load_state_dict(loaded, strict=False)
 
 
-def _check_layout(engine: EngineView, index: dict, url: str) -> None:
+def _check_layout(engine: EngineView, index: dict, url: str, fs: Any, vdir: str) -> None:
     units = engine.all_units()
     if len(units) != len(index["units"]):
-        raise CheckpointError(
-            f"{url} has {len(index['units'])} parameter units, this model has {len(units)}: "
-            "it was saved from a model of another shape; resume with the same model configuration"
+        raise damaged(
+            fs,
+            vdir,
+            f"{url} has {len(index['units'])} parameter units, this model has {len(units)}: it was saved from a "
+            "model of another shape; resume with the same model configuration",
         )
     for unit, rec in zip(units, index["units"]):
-        for name, e, saved in zip(engine.qualified_names(unit), unit.entries, rec["params"]):
-            if saved["name"] != name or saved["shape"] != list(e.shape) or saved["offset"] != e.offset:
-                raise CheckpointError(
-                    f"{url}: parameter {saved['name']} {saved['shape']} does not match this model's {name} "
-                    f"{list(e.shape)}: it was saved from a model of another shape; resume with the same configuration"
+        saved = [(p["name"], list(p["shape"]), p["offset"]) for p in rec["params"]]
+        ours = [(n, list(e.shape), e.offset) for n, e in zip(engine.qualified_names(unit), unit.entries)]
+        for theirs, mine in itertools.zip_longest(saved, ours, fillvalue=("nothing", [], 0)):
+            if theirs != mine:
+                raise damaged(
+                    fs,
+                    vdir,
+                    f"{url}: parameter {theirs[0]} {theirs[1]} does not match this model's {mine[0]} {mine[1]}: it "
+                    "was saved from a model of another shape or with other parameter names; resume with the same "
+                    "configuration",
                 )
 
 
 def _pointer(fs: Any, path: str, url: str) -> dict:
     try:
-        marker = parse_marker(fs.cat_file(path))
+        raw = fs.cat_file(path)
     except FileNotFoundError:
-        raise CheckpointError(
-            f"no checkpoint at {url}: its commit marker is missing (never saved, or the save was interrupted)"
-        ) from None
-    except (ValueError, UnicodeDecodeError, struct.error):  # JSONDecodeError is a ValueError
-        raise CheckpointError(f"{url} is not a {FORMAT} commit marker") from None
+        if fs.isdir(f"{path}.d"):
+            why = f"{url}: its commit marker is missing ({url}.d holds the data of a save that never committed)"
+        else:
+            why = f"no checkpoint at {url}: its commit marker is missing (never saved, or the save was interrupted)"
+        raise damaged(fs, None, why, path) from None
+    if not raw:
+        raise damaged(fs, None, f"{url}: its commit marker is empty (the file was truncated)", path)
+    try:
+        marker = parse_marker(raw)
+    except (ValueError, struct.error) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise damaged(fs, None, f"{url}: its commit marker is damaged ({err})", path) from None
     if marker.get("format") != FORMAT or marker.get("version") != VERSION:
-        raise CheckpointError(f"{url}: unsupported checkpoint format {marker.get('format')} v{marker.get('version')}")
+        raise damaged(
+            fs,
+            None,
+            f"{url}: unsupported checkpoint format {marker.get('format')} v{marker.get('version')} (this version "
+            f"reads {FORMAT} v{VERSION})",
+            path,
+        )
+    if (
+        not isinstance(marker.get("data"), str)
+        or "/" in marker["data"]
+        or not isinstance(marker.get("index_crc32"), int)
+    ):
+        raise damaged(fs, None, f"{url}: its commit marker lacks the version or the index checksum", path)
     return marker
 
 

@@ -120,20 +120,50 @@ def write(fs: Any, path: str, tensors: list[tuple[str, Any]], metadata: dict[str
     return {"bytes": size, "crc32": crc}
 
 
-def read_header(f: Any) -> tuple[dict, bytes]:
+def read_header(f: Any, path: str = "shard", size: int | None = None) -> tuple[dict, bytes]:
+    """The header of the safetensors file open in `f` and its bytes; ShardError naming `path` when it is
+    truncated or not a safetensors header, or (given the file's recorded `size`) describes other sizes."""
     raw_len = f.read(8)
     if len(raw_len) != 8:
-        raise ShardError("file is shorter than a safetensors header")
+        raise ShardError(f"{path} is shorter than a safetensors header: the file is truncated")
     (n,) = struct.unpack("<Q", raw_len)
+    if n > (MAX_HEADER if size is None else size - 8):
+        raise ShardError(f"{path}: its first 8 bytes claim a {n}-byte header: the header is damaged")
     raw = f.read(n)
-    return json.loads(raw), raw_len + raw
+    if len(raw) != n:
+        raise ShardError(f"{path} ends inside its {n}-byte header: the file is truncated")
+    try:
+        header = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
+        raise ShardError(f"{path}: its header is not safetensors JSON: the header is damaged") from None
+    entries = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
+    if entries is None or not all(_valid_entry(v) for v in entries.values()):
+        raise ShardError(f"{path}: its header does not describe safetensors tensors: the header is damaged")
+    data = sum(_span(v) for v in entries.values())
+    if size is not None and 8 + n + data != size:
+        raise ShardError(
+            f"{path}: its header describes {8 + n + data} bytes, the index recorded {size}: the header is damaged"
+        )
+    return header, raw_len + raw
+
+
+MAX_HEADER = 100 * 2**20  # safetensors' own limit on a header
+
+
+def _valid_entry(meta: Any) -> bool:
+    try:
+        start, end = meta["data_offsets"]
+        shape_ok = all(isinstance(d, int) and d >= 0 for d in meta["shape"])
+        return isinstance(meta["dtype"], str) and shape_ok and isinstance(start, int) and 0 <= start <= end
+    except (TypeError, KeyError, ValueError):
+        return False
 
 
 def read_into(fs: Any, path: str, targets: dict[str, Any], expect: dict) -> None:
     """Fill `targets` (contiguous CPU tensors, or :class:`Chunked`) from the file's tensors of the same
     names, checking that names, dtypes and shapes match and that the file's CRC32 equals ``expect["crc32"]``."""
     with fs.open(path, "rb") as f:
-        header, head_bytes = read_header(f)
+        header, head_bytes = read_header(f, path, expect.get("bytes"))
         crc = zlib.crc32(head_bytes)
         entries = sorted(
             ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"]
@@ -147,10 +177,10 @@ def read_into(fs: Any, path: str, targets: dict[str, Any], expect: dict) -> None
                 crc = zlib.crc32(view, crc)
     missing = sorted(set(targets) - {k for k, _ in entries})
     if missing:
-        raise ShardError(f"{path} lacks tensors {missing}")
+        raise ShardError(f"{path} lacks tensors {missing}: it is not the shard the index names")
     if crc != expect["crc32"]:
         raise ShardError(
-            f"{path} has checksum {crc:#010x}, the index recorded {expect['crc32']:#010x}: the shard is damaged"
+            f"{path} has checksum {crc:#010x}, the index recorded {expect['crc32']:#010x}: the file is damaged"
         )
 
 
@@ -158,7 +188,7 @@ def read_tensors(fs: Any, path: str, expect: dict) -> dict[str, torch.Tensor]:
     """Every tensor of the file, in fresh CPU tensors of the dtypes and shapes its header names, checked
     against ``expect["crc32"]`` as :func:`read_into` does."""
     with fs.open(path, "rb") as f:
-        header, _ = read_header(f)
+        header, _ = read_header(f, path, expect.get("bytes"))
     targets = {}
     for name, meta in header.items():
         if name == "__metadata__":
@@ -191,5 +221,5 @@ def _readinto_fully(f: Any, view: memoryview, path: str) -> None:
     while done < view.nbytes:
         n = f.readinto(view[done:])
         if not n:
-            raise ShardError(f"{path} ends early: the shard is truncated")
+            raise ShardError(f"{path} ends early: the file is truncated")
         done += n

@@ -9,10 +9,15 @@ input's gradient. The weights' gradients never enter autograd's graph: the engin
 memory as soon as they exist. So ``loss.backward()``, ``manual_backward`` and any loss a user writes
 work unchanged.
 
-Tensors that leave a block other than through its hidden-state output (router logits a hook records for
-an MoE auxiliary loss, an ``aux_loss`` attribute a router sets, extra elements of a tuple output) are
-made outputs of the same autograd node, so a loss built from them sends its gradient into the block's
-recompute as it would in ordinary training. Like ``torch.utils.checkpoint``, the recompute runs under
+A block may return any tree of tensors (a tuple, a dict, a dataclass, a ``ModelOutput``; engine/block_state.py
+takes it apart). Tensors that leave a block other than through its hidden-state output (router logits a
+hook records for an MoE auxiliary loss, an ``aux_loss`` attribute a router sets, the other tensors of the
+output) are made outputs of the same autograd node, so a loss built from them sends its gradient into the
+block's recompute as it would in ordinary training. Tensor arguments besides the hidden state that require
+grad (an encoder's output for cross-attention, a position bias the first block made) are inputs of the
+node: the recompute takes their gradients too and autograd sends them where the tensors came from. What
+the forward changes of the block's buffers and plain attributes is replayed, not repeated
+(engine/block_state.py's ``Mutations``). Like ``torch.utils.checkpoint``, the recompute runs under
 the autocast state and from the RNG state the forward saw, and the submodules' hooks fire again in it.
 
 Forward and recompute hand the block tensors with the same ``requires_grad`` flags (parameters as the
@@ -30,6 +35,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
+
 
 class Streamer(Protocol):
     """What a block's runner asks of the engine (engine.py's ``Engine``, which imports this module)."""
@@ -38,14 +45,15 @@ class Streamer(Protocol):
     preserve_rng_state: bool
     grad_anchor: torch.Tensor
     saved_inputs: Any
+    input_chain: InputChain
 
     def forward_block(
         self, idx: int, state: CallState, hidden: torch.Tensor, input_requires_grad: bool, record: bool = True
     ) -> tuple: ...
 
     def backward_block(
-        self, idx: int, state: CallState, hidden: torch.Tensor, grads_out: list, need_input_grad: bool
-    ) -> Any: ...
+        self, idx: int, state: CallState, hidden: torch.Tensor, grads_out: list, needs: tuple[bool, ...]
+    ) -> tuple: ...
 
     def offloads_call(self, idx: int, hidden: torch.Tensor) -> bool: ...
 
@@ -66,8 +74,11 @@ class CallState:
         else:
             raise TypeError("a streamed block must get its hidden state as the first argument or `hidden_states=`")
         self.kwargs = {k: v for k, v in kwargs.items() if k != self.hidden_kw}
-        self.kind: type | None = None  # the output's container type when the block returns a tuple
-        self.extra: tuple = ()  # the other elements of a tuple output
+        self.grad_inputs: list[torch.Tensor] = []  # detached stand-ins of the arguments that require grad
+        self.unsplit: Callable[[torch.Tensor, tuple], Any] = lambda hidden, extra: hidden  # see split()
+        self.extra: tuple = ()  # the output's other leaves
+        self.own_input: torch.Tensor | None = None  # the forward's detached input, until the output is rebuilt
+        self.changed: Mutations | None = None  # what the forward changed of the block's state
         self.recorded = 0  # how many tensors SideOutputs recorded in the forward
         self.side_index: list[int] = []  # which of them are outputs of the autograd node
         self.extra_ids: dict[int, int] = {}  # id of a tensor in `extra` -> its index among those outputs
@@ -86,6 +97,23 @@ class CallState:
     def hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
         return args[0] if args else kwargs["hidden_states"]
 
+    def take_grad_inputs(self) -> list[torch.Tensor]:
+        """The tensors among the captured arguments that require grad, each once: they become inputs of the
+        block's autograd node, and the captured arguments hold detached stand-ins of them (requiring grad,
+        as the forward and the recompute both see them). Holding no graph, a call state keeps no other
+        node alive."""
+        leaves, unflatten = flatten((self.args, self.kwargs))
+        stand_ins: dict[int, torch.Tensor] = {}
+        originals = []
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in stand_ins:
+                stand_ins[id(t)] = t.detach().requires_grad_(True)
+                originals.append(t)
+        if originals:
+            self.args, self.kwargs = unflatten([stand_ins.get(id(t), t) for t in leaves])
+            self.grad_inputs = [stand_ins[id(t)] for t in originals]
+        return originals
+
     def call(self, forward: Callable[..., Any], hidden: torch.Tensor) -> Any:
         """Run the block's own forward on `hidden` with the captured arguments."""
         if self.hidden_kw is None:
@@ -93,16 +121,25 @@ class CallState:
         return forward(*self.args, **{**self.kwargs, self.hidden_kw: hidden})
 
     @staticmethod
-    def split(out: Any) -> tuple[torch.Tensor, type | None, tuple]:
-        """(hidden-state output, container type of a tuple output or None, the tuple's other elements)."""
-        if isinstance(out, torch.Tensor):
-            return out, None, ()
-        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-            return out[0], type(out), tuple(out[1:])
-        raise TypeError(f"a streamed block must return a tensor or a tuple starting with one, got {type(out).__name__}")
+    def split(out: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor, tuple], Any], tuple]:
+        """(hidden-state output: the first floating-point tensor of the output's tree, the function that puts
+        a hidden state and the other leaves back into that tree, the other leaves)."""
+        leaves, unflatten = flatten(out)
+        tensors = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        if not tensors:
+            raise TypeError(
+                f"a streamed block must return a tensor, or a tuple, list, dict, dataclass or ModelOutput holding "
+                f"tensors; got {type(out).__name__} with none"
+            )
+        at = next((i for i in tensors if leaves[i].is_floating_point()), tensors[0])
+
+        def unsplit(hidden: torch.Tensor, extra: tuple) -> Any:
+            return unflatten([*extra[:at], hidden, *extra[at:]])
+
+        return leaves[at], unsplit, (*leaves[:at], *leaves[at + 1 :])
 
     def rebuild(self, hidden: torch.Tensor) -> Any:
-        return hidden if self.kind is None else self.kind((hidden, *self.extra))
+        return self.unsplit(hidden, self.extra)
 
     @contextmanager
     def replay(self) -> Iterator[None]:
@@ -119,7 +156,7 @@ class CallState:
             yield
 
     def clear(self) -> None:
-        self.args, self.kwargs, self.extra, self.saved = (), {}, (), None
+        self.args, self.kwargs, self.extra, self.saved, self.grad_inputs, self.changed = (), {}, (), None, [], None
         self.cpu_rng = self.dev_rng = None
 
 
@@ -190,7 +227,8 @@ class _BlockFunction(torch.autograd.Function):
     hidden state and the block's side outputs (see :class:`SideOutputs`)."""
 
     @staticmethod
-    def forward(ctx, runner: BlockRunner, state: CallState, anchor: torch.Tensor, hidden: torch.Tensor):
+    def forward(ctx, runner: BlockRunner, state: CallState, anchor: torch.Tensor, hidden: torch.Tensor, *grad_inputs):
+        # `grad_inputs`: the arguments that require grad (the block sees their stand-ins in `state`)
         ctx.runner, ctx.state = runner, state
         engine = runner.engine
         if state.offload:
@@ -199,19 +237,20 @@ class _BlockFunction(torch.autograd.Function):
             ctx.save_for_backward(hidden)
         ctx.set_materialize_grads(False)  # an unused side output sends None, not a tensor of zeros
         out, side = engine.forward_block(runner.idx, state, hidden, hidden.requires_grad)
-        return (out, *side)
+        # Each grad input again, as the link of its InputChain (its gradient from the later blocks comes back here).
+        return (out, *side, *(t.detach() for t in state.grad_inputs))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor | None, *grad_side: torch.Tensor | None):
-        need_input_grad = ctx.needs_input_grad[3]
+        needs = tuple(ctx.needs_input_grad[3:])  # the hidden state's, then each grad input's
         engine, state = ctx.runner.engine, ctx.state
         hidden = engine.saved_inputs.fetch(state.saved) if state.saved is not None else ctx.saved_tensors[0]
-        grad_in = engine.backward_block(ctx.runner.idx, state, hidden, [grad_out, *grad_side], need_input_grad)
+        grads_in = engine.backward_block(ctx.runner.idx, state, hidden, [grad_out, *grad_side], needs)
         if state.saved is not None:
             engine.saved_inputs.give_back(state.saved)
         state.clear()
         ctx.state = None
-        return None, None, None, grad_in
+        return None, None, None, *grads_in
 
 
 class BlockRunner:
@@ -233,9 +272,19 @@ class BlockRunner:
             out, _ = engine.forward_block(self.idx, state, hidden, hidden.requires_grad, record=False)
             return state.rebuild(out)
         _refuse_training_inputs(self.idx, args, kwargs)
+        originals = state.take_grad_inputs()
         state.offload = engine.offloads_call(self.idx, hidden)
-        out, *side = _BlockFunction.apply(self, state, engine.grad_anchor, hidden)
-        state.extra = _replace(state.extra, state.extra_ids, side)
+        links = engine.input_chain.inputs(self.idx, originals)
+        out, *side = _BlockFunction.apply(self, state, engine.grad_anchor, hidden, *links)
+        if originals:
+            engine.input_chain.extend(self.idx, originals, side[-len(originals) :])
+            side = side[: -len(originals)]
+        # An input the block returned unchanged is returned as the caller's tensor, with its graph.
+        passed = {
+            id(s): o for s, o in zip([state.own_input, *state.grad_inputs], [hidden, *originals]) if s is not None
+        }
+        state.own_input = None
+        state.extra = _replace(state.extra, state.extra_ids, side, passed)
         return state.rebuild(out)
 
 
@@ -341,11 +390,13 @@ def compile_block_calls(blocks: list[nn.Module], runners: list[BlockRunner]) -> 
         runner.inner = CompiledBlock(block, runner.own)
 
 
-def _replace(tree: tuple, ids: dict[int, int], side: list[torch.Tensor]) -> tuple:
-    """`tree` with each tensor that became output i of the autograd node replaced by that output."""
-    leaves, spec = torch.utils._pytree.tree_flatten(tree)
-    leaves = [side[ids[id(t)]] if isinstance(t, torch.Tensor) and id(t) in ids else t for t in leaves]
-    return torch.utils._pytree.tree_unflatten(leaves, spec)
+def _replace(leaves: tuple, ids: dict[int, int], side: list[torch.Tensor], passed: dict[int, torch.Tensor]) -> tuple:
+    """The output's other leaves, each tensor that became output i of the autograd node replaced by that
+    output, and each stand-in of an input by the input (`passed`)."""
+    return tuple(
+        (side[ids[id(t)]] if id(t) in ids else passed.get(id(t), t)) if isinstance(t, torch.Tensor) else t
+        for t in leaves
+    )
 
 
 def is_cache(obj: Any) -> bool:
@@ -355,7 +406,19 @@ def is_cache(obj: Any) -> bool:
 
 
 def _refuse_training_inputs(idx: int, args: tuple, kwargs: dict) -> None:
-    for name, value in [*(("argument", a) for a in args[1:]), *kwargs.items()]:
+    """KV caches, and tensors that require grad inside objects the engine cannot take apart (their gradient
+    would be lost silently)."""
+    for name, value in [*((f"argument {i + 1}", a) for i, a in enumerate(args[1:])), *kwargs.items()]:
+        for leaf in flatten(value)[0]:
+            if isinstance(leaf, (torch.Tensor, nn.Module, type)) or not hasattr(leaf, "__dict__"):
+                continue
+            inside = [k for k, v in vars(leaf).items() if isinstance(v, torch.Tensor) and v.requires_grad]
+            if inside and not is_cache(leaf):
+                raise TypeError(
+                    f"strategy='megatrain': decoder block {idx} got a {type(leaf).__name__} (in {name}) holding a "
+                    f"tensor that requires grad ({inside[0]!r}), which would get no gradient: pass the tensor as an "
+                    "argument of its own, or in a tuple, list, dict or dataclass"
+                )
         if is_cache(value):
             raise RuntimeError(
                 f"strategy='megatrain': decoder block {idx} got a KV cache ({type(value).__name__}, as {name}) while "
@@ -363,9 +426,3 @@ def _refuse_training_inputs(idx: int, args: tuple, kwargs: dict) -> None:
                 "wrong gradients. Call the model with use_cache=False in training_step (the strategy already sets "
                 "config.use_cache=False on the model's configs during fit), and pass no past_key_values/cache."
             )
-    leaves = torch.utils._pytree.tree_leaves((args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states"}))
-    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
-        raise NotImplementedError(
-            "a streamed block got a tensor argument besides its hidden state that requires grad; the engine "
-            "returns a gradient for the hidden state only. Pass such tensors detached, or compute them inside the block."
-        )

@@ -10,6 +10,7 @@ It imports nothing of the engine: the planner, the command line and the sweeps i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -114,6 +115,16 @@ def check_device(value: Any) -> torch.device:
         raise ValueError(f"device={value!r}: give a torch.device or a string such as 'cuda:0' or 'cpu' ({e})") from e
 
 
+def check_blocks(value: Any) -> str | Callable | None:
+    """None (found by the rule of engine/discover.py), a dotted module name, or a callable model -> ModuleList."""
+    if value is None or (isinstance(value, str) and value) or (callable(value) and not isinstance(value, type)):
+        return value
+    raise ValueError(
+        f"blocks={value!r}: give the dotted name of the model's nn.ModuleList of blocks (e.g. 'model.layers'), "
+        "a callable model -> nn.ModuleList, or None to find it"
+    )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine streams a model. Validated on construction; every field has a working default."""
@@ -153,6 +164,9 @@ class EngineConfig:
     """Gradients will be summed over micro-batches: the fp32 accumulator counts in the host-memory check."""
     clipping: bool = False
     """Gradients will be clipped to a global norm: the lean layout keeps a gradient per unit until the step."""
+    blocks: str | Callable | None = None
+    """The nn.ModuleList to stream: a dotted module name, a callable model -> ModuleList, or None to find it
+    (engine/discover.py)."""
 
     def __post_init__(self) -> None:
         check_device(self.device)
@@ -162,6 +176,7 @@ class EngineConfig:
         check_host_layout(self.host_layout)
         check_host_threads(self.host_threads)
         check_piece(self.piece)
+        check_blocks(self.blocks)
         if self.nvme_dir is not None and not isinstance(self.nvme_dir, str):
             raise ValueError(f"nvme_dir={self.nvme_dir!r}: give a directory path as a string, or None")
         for name in (

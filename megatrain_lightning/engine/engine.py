@@ -6,7 +6,7 @@
         loss = model(batch)
     with engine.backward(accumulate=False, clip=True):            # what this backward is for
         loss.backward()
-    engine.clip_grad_norm_(1.0)
+    engine.clip_grad_norm_(1.0)                                    # or clip_grad_value_(0.5)
     opt.step(); opt.zero_grad()
     engine.save("s3://bucket/run/step-100")                        # engine.load(url) resumes
     engine.close()                                                 # an ordinary fp32 host model again
@@ -20,6 +20,7 @@ needs (it imports no Lightning):
      |  compute copy, gradient slab; the block's parameters stay registered as views of the master
      |- SlotPool (engine/streams.py): device slots blocks stream through; Uploader (engine/uploads.py)
      |- BlockRunner per block (engine/block_fn.py): the block's forward, recomputed in backward
+     |  (engine/block_state.py: what a block call takes, returns and changes)
      |- SavedInputs (engine/saved_inputs.py): block inputs kept for backward, on the device or the host
      |- HostSide (engine/host_steps.py): gradients to the host, accumulation, norms, Adam, the worker
      |- OuterParams (engine/outer.py): embedding, final norm, head: device copies rewritten after a step
@@ -28,7 +29,7 @@ One host worker thread (engine/worker.py) does all host-side arithmetic, a unit'
 submitted and steps in the order the next forward needs them. A unit's ``future`` is its last job;
 nothing reads or overwrites a unit's buffers before that future and the copy events it waits on.
 
-Why one file of about 600 lines: it is the public API (each call a few lines) and the per-block streaming
+Why one file of about 700 lines: it is the public API (each call a few lines) and the per-block streaming
 (forward_block, backward_block, the slot loads they issue), which share the slot pool and the open calls of
 each block; the parts with state of their own live in the files named above.
 """
@@ -38,9 +39,9 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -48,9 +49,16 @@ from torch import nn
 from megatrain_lightning.device_memory import auto_slot_count, free_device_bytes, step_transient_bytes
 from megatrain_lightning.engine import pinned
 from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, compile_block_calls, select_side
+from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.config import EngineConfig, forward_context
 from megatrain_lightning.engine.discover import find_blocks
-from megatrain_lightning.engine.host import HostUnit, available_host_bytes, host_bytes_by_kind, host_bytes_per_param
+from megatrain_lightning.engine.host import (
+    HostMemoryError,
+    HostUnit,
+    available_host_bytes,
+    host_bytes_by_kind,
+    host_bytes_per_param,
+)
 from megatrain_lightning.engine.host_steps import HostSide, graph_task
 from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
 from megatrain_lightning.engine.optimizer import HostAdamW
@@ -66,10 +74,6 @@ from megatrain_lightning.optim.threads import configure_host_threads, resolve_ho
 log = logging.getLogger("megatrain_lightning")
 
 
-class HostMemoryError(MemoryError):
-    """The model's host-resident training state does not fit in this machine's memory."""
-
-
 class Engine:
     """Streams a model's decoder blocks through device slots; all persistent state stays on the host."""
 
@@ -80,14 +84,16 @@ class Engine:
         self.preserve_rng_state = config.preserve_rng_state
         self.stats = _new_stats()
         self.host_threads = resolve_host_threads(config.host_threads)
-        self.blocks_name, self.blocks = find_blocks(model)
+        found = find_blocks(model, config.blocks)  # refuses lists it would train wrongly (shared weights)
+        self.blocks_name, self.blocks, self.blocks_share = found.name, found.blocks, found.share
         pin = self.device.type == "cuda" if config.pin_memory is None else config.pin_memory
         block_params = [list(b.named_parameters()) for b in self.blocks]
         in_blocks = {id(p) for params in block_params for _, p in params}
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
         largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
         self.piece = config.piece or piece_numel(max(largest_block, *(p.numel() for _, p in outer)))
-        self._check_host_memory(block_params, outer, probes.host_available_bytes or available_host_bytes)
+        self._host_available = probes.host_available_bytes or available_host_bytes
+        self._host_need = self._check_host_memory(block_params, outer, self._host_available)
         # Checked (directory, free space) before the model is taken apart; the moments need it only to train.
         training = config.training
         self.tier = (
@@ -97,7 +103,9 @@ class Engine:
         free = probes.device_free_bytes or partial(free_device_bytes, self.device)
         self._transient = probes.step_transient_bytes or partial(step_transient_bytes, self.device)
         self._free_device_bytes = free
-        self.saved_inputs = SavedInputs(self.streams, self.device, pin, self.stats, config.offload_inputs, free)
+        self.saved_inputs = SavedInputs(
+            self.streams, self.device, pin, self.stats, config.offload_inputs, free, self._host_room
+        )
         self._caches_off = _disable_kv_caches(model) if training else []
         staging, grads = ring_counts(largest_block, self.piece)
         lean = config.host_layout == "lean"
@@ -127,6 +135,7 @@ class Engine:
         slots = 2 if config.num_slots == "auto" else config.num_slots
         self.pool = SlotPool(self.streams, slots, max(u.numel for u in self.units), self.compute_dtype)
         self.grad_anchor = torch.empty(0, requires_grad=True)
+        self.input_chain = InputChain()
         # Steps run in the order the next forward needs them, among those whose gradient has landed
         # (engine/worker.py); with the NVMe tier in the order queued, the order its read-ahead plan names.
         worker = HostWorker(
@@ -148,6 +157,7 @@ class Engine:
         self._outer_buffers_to(self.device)
         self.outer = OuterParams(outer_units, self.device, self.streams, self.uploads, self.host)
         self.optimizer_steps = 0
+        self._host_views = self._host_view_writes = 0  # host_view(): depth, and how many of them write
         self._optimizer: HostAdamW | None = None  # the one engine.optimizer() returned (its groups go in save())
         if config.compile_blocks:
             compile_block_calls(self.blocks, self.runners)
@@ -165,11 +175,13 @@ class Engine:
             self.runners.append(BlockRunner(self, i, blk))
             blk.forward = self.runners[-1]
             # A block's parameters are views of its master, which the worker steps in the background after
-            # optimizer_step returns: state_dict() (of the model or the block) waits for the block's step.
-            self._state_hooks.append(blk.register_state_dict_pre_hook(lambda *_, unit=unit: unit.wait()))
+            # optimizer_step returns: state_dict() (of the model or the block) waits for the block's step, and
+            # reads the buffers the block's forward updated on their device copies.
+            self._state_hooks.append(blk.register_state_dict_pre_hook(partial(self._block_state_read, i)))
         self._refresh_block_buffers()
 
-    def _check_host_memory(self, block_params, outer, available_bytes: Callable[[], int]) -> None:
+    def _check_host_memory(self, block_params, outer, available_bytes: Callable[[], int]) -> int:
+        """Refuse a model whose training state does not fit the host; returns the bytes it counted."""
         c = self.config
         numel = _numel(block_params, outer)
         layout, elt = c.host_layout, torch.tensor([], dtype=self.compute_dtype).element_size()
@@ -205,12 +217,41 @@ class Engine:
                 )
                 + ", or check the size first with the memory planner."
             )
+        return need
+
+    def _host_room(self) -> int:
+        """Host memory left for new buffers (the offloaded inputs'): what the OS can still hand out, less what
+        the check at construction counted but the engine has not allocated yet (the gradient slabs come with
+        the first backward, the Adam moments with the optimizer)."""
+        pending = self._host_need - sum(self.host_bytes().values())
+        return self._host_available() - max(0, pending)
 
     def _refresh_block_buffers(self) -> None:
-        """Device copies of the blocks' buffers (bound in place of the host ones while a block runs)."""
+        """Device copies of the blocks' host buffers, per block a list of [module, name, host buffer, device
+        copy]: bound in place of the host ones while a block runs, so what its forward updates in place lands
+        on the copy (and a buffer the forward replaces becomes the copy); :meth:`_buffers_to_host` brings the
+        copies back."""
         self._block_buffers = [
-            [(b, b.to(self.device)) for b in blk.buffers() if b.device != self.device] for blk in self.blocks
+            [
+                [m, n, b, b.to(self.device)]
+                for m in blk.modules()
+                for n, b in m._buffers.items()
+                if b is not None and b.device != self.device
+            ]
+            for blk in self.blocks
         ]
+
+    def _buffers_to_host(self, idx: int) -> None:
+        """Write block `idx`'s device buffer copies into its host buffers (before they are read)."""
+        for _, _, host, dev in self._block_buffers[idx]:
+            if host.shape == dev.shape and host.dtype == dev.dtype:
+                host.copy_(dev)
+            else:
+                host.data = dev.detach().to(host.device)
+
+    def _block_state_read(self, idx: int, *_: Any) -> None:
+        self.units[idx].wait()
+        self._buffers_to_host(idx)
 
     def _outer_buffers_to(self, device: torch.device) -> None:
         in_blocks = {id(m) for b in self.blocks for m in b.modules()}
@@ -252,27 +293,68 @@ class Engine:
         return forward_context(self.config.precision, self.device.type)
 
     @contextmanager
-    def backward(self, accumulate: bool = False, clip: bool = False) -> Iterator[None]:
+    def backward(
+        self, accumulate: bool = False, clip: bool | Literal["norm", "value"] = False, visible: bool = False
+    ) -> Iterator[None]:
         """What the backward passes run inside are for.
 
         ``accumulate=True``: more micro-batches follow before the optimizer step, so their gradients are
         summed in fp32 on the host. Otherwise the backward completes the step's gradient: with
         ``overlap_optimizer`` each unit is stepped on the host as soon as its gradient lands, while the
         backward goes on, unless ``clip=True`` says :meth:`clip_grad_norm_` comes first (the norms are then
-        taken on the device as the gradients go down). A backward outside this context (nothing known of
-        what follows, e.g. Lightning's manual optimization) lands its gradients to wait for the step."""
+        taken on the device as the gradients go down; ``clip="value"``: :meth:`clip_grad_value_` comes first:
+        called before this backward, the units still step as they land, clamped first; otherwise they wait).
+        ``visible=True``: :meth:`gradients_visible` shows the gradients to hooks before the step, so every
+        gradient lands and waits for it (and clipping norms are taken at the step, from what the hooks left).
+        A backward outside this context (nothing known of what follows, e.g. Lightning's manual
+        optimization) lands its gradients to wait for the step."""
         host = self.host
-        before = host.mode, host.want_norms
-        host.mode, host.want_norms = ("accumulate" if accumulate else "step"), bool(clip)
+        before = host.mode, host.want_norms, host.hold
+        host.mode = "accumulate" if accumulate else "step"
+        host.want_norms = clip in (True, "norm") and not visible
+        host.hold = visible or (clip == "value" and not host.clamp_known)
         try:
             yield
         finally:
-            host.mode, host.want_norms = before
+            host.mode, host.want_norms, host.hold = before
 
     def clip_grad_norm_(self, max_norm: float) -> None:
         """Clip the global gradient norm to `max_norm` in the next optimizer step, exactly as
         ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (gradients never sit in ``.grad``)."""
         self.host.clip_to(max_norm)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to [-clip_value, clip_value] in the next optimizer step, exactly as
+        ``torch.nn.utils.clip_grad_value_`` on the step's (summed) gradient. Called before the step's last
+        backward, with ``backward(clip="value")``, the optimizer still overlaps that backward (the clamp is
+        done on the device, or by the landing job for a sum); called again after it with the same value, it
+        does nothing more."""
+        self.host.clip_value_to(clip_value)
+
+    @contextmanager
+    def gradients_visible(self) -> Iterator[None]:
+        """Show every parameter's gradient in ``.grad`` for the duration (hooks between backward and the step).
+
+        Every gradient lands first; ``.grad`` is then an fp32 host view of the landed gradient (the fp32
+        accumulator, 4 bytes/param) and each parameter a view of its fp32 master, so devices and shapes
+        agree. What the caller leaves in ``.grad`` (edited in place, assigned, or set to None) is the
+        gradient the next step (and a later micro-batch's sum) uses; afterwards ``.grad`` is None again and
+        the outer parameters are their device copies."""
+        self.host.expose()
+        self.outer.bind_masters()
+        units = self.all_units()
+        for unit in units:
+            views = unit.views(unit.acc) if unit.acc is not None else {}
+            for e, has in zip(unit.entries, unit.has_grad):
+                e.param.grad = views[e.name] if has else None
+        try:
+            yield
+        finally:
+            for unit in units:
+                self.host.take_back(unit, [e.param.grad for e in unit.entries])
+                for e in unit.entries:
+                    e.param.grad = None
+            self.outer.bind_device()
 
     def optimizer_step(self) -> None:
         """Step every unit holding gradients; blocks step in the background in forward order."""
@@ -355,18 +437,20 @@ class Engine:
         side = SideOutputs(blk) if record else None
 
         def call() -> Any:
-            with side.recording() if side is not None else nullcontext():
+            if side is None:
+                return state.call(runner.inner, x)
+            # (inside the binding: a buffer's changes are seen on its device copy)
+            with side.recording(), Mutations.watch(blk) as state.changed:
                 return state.call(runner.inner, x)
 
         with torch.no_grad():
-            out, state.kind, state.extra = state.split(self._run(idx, +1, call))
+            out, state.unsplit, state.extra = state.split(self._run(idx, +1, call))
         if side is None:
             return out, []
+        state.own_input = x
         side.add(state.extra)
         state.recorded = len(side.tensors)
-        state.side_index = select_side(
-            side.tensors, out, [x, *torch.utils._pytree.tree_leaves((state.args, state.kwargs))]
-        )
+        state.side_index = select_side(side.tensors, out, [x, *flatten((state.args, state.kwargs))[0]])
         picked = [side.tensors[i] for i in state.side_index]
         state.extra_ids = {id(t): j for j, t in enumerate(picked)}
         self._forward_states[idx] = weakref.ref(state)
@@ -374,9 +458,10 @@ class Engine:
         return out, picked
 
     def backward_block(
-        self, idx: int, state: CallState, hidden: torch.Tensor, grads_out: list, need_input_grad: bool
-    ) -> torch.Tensor | None:
-        """Recompute block `idx` with grad; ship its parameters' gradients to the host, return the input's."""
+        self, idx: int, state: CallState, hidden: torch.Tensor, grads_out: list, needs: tuple[bool, ...]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Recompute block `idx` with grad; ship its parameters' gradients to the host, return the gradients
+        of its inputs (the hidden state, then the arguments that require grad) where `needs` asks for them."""
         unit, blk, runner = self.units[idx], self.blocks[idx], self.runners[idx]
         self._open_calls[idx].discard(state)
         more = bool(self._open_calls[idx])  # another call of this block is still to come back
@@ -385,33 +470,41 @@ class Engine:
         # Parameters the user froze get no gradient, exactly as in ordinary training (checked now: a
         # parameter may be frozen or unfrozen between steps).
         trained = [i for i, e in enumerate(unit.entries) if e.param.requires_grad]
-        if not trained and not need_input_grad:
-            return None
+        if not trained and not any(needs):
+            return (None,) * len(needs)
+        wanted = [t for t, need in zip(state.grad_inputs, needs[1:]) if need]  # leaves: grads taken, not kept
+        # The gradients the later blocks sent each grad input through its chain link (InputChain).
+        n_side = len(grads_out) - len(state.grad_inputs)
+        grads_out, seeds = grads_out[:n_side], grads_out[n_side:]
+        seeded = [(t, g) for t, g, need in zip(state.grad_inputs, seeds, needs[1:]) if need and g is not None]
 
         def recompute() -> tuple:
-            x = hidden.detach().requires_grad_(need_input_grad)
+            x = hidden.detach().requires_grad_(needs[0])
             side = SideOutputs(blk)
-            with torch.enable_grad(), state.replay():
+            with torch.enable_grad(), state.replay(), state.changed.replayed(idx):
                 with side.recording():
                     out, _, extra = state.split(state.call(runner.inner, x))
                 side.add(extra)
-            side.restore_attrs()
+                side.restore_attrs()
+                # Made last, so autograd runs them first: a grad input's sum starts from the later blocks' part.
+                links = [(t.view_as(t), g) for t, g in seeded]
             if len(side.tensors) != state.recorded:
                 raise RuntimeError(
                     f"decoder block {idx} produced {len(side.tensors)} side tensors in its recompute but "
                     f"{state.recorded} in its forward: the block must run the same code both times"
                 )
             pairs = [(o, g) for o, g in zip([out, *(side.tensors[i] for i in state.side_index)], grads_out)]
-            pairs = [(o, g) for o, g in pairs if g is not None and o.requires_grad]
-            inputs = ([x] if need_input_grad else []) + [unit.entries[i].param for i in trained]
+            pairs = [(o, g) for o, g in pairs if g is not None and o.requires_grad] + links
+            inputs = ([x] if needs[0] else []) + wanted + [unit.entries[i].param for i in trained]
             if not pairs:
                 return (None,) * len(inputs)
             outs, gouts = zip(*pairs)
             return torch.autograd.grad(outs, inputs, gouts, allow_unused=True)
 
-        grads = self._run(idx, -1, recompute)
+        grads = list(self._run(idx, -1, recompute))
+        grads_in = [grads.pop(0) if need else None for need in needs]
         by_entry: list[torch.Tensor | None] = [None] * len(unit.entries)
-        for i, g in zip(trained, grads[1:] if need_input_grad else grads):
+        for i, g in zip(trained, grads):
             by_entry[i] = g
         present = [g is not None for g in by_entry]
         if any(present):
@@ -419,7 +512,7 @@ class Engine:
             self.host.ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot, more=more)
         elif unit.held is not None and not more:
             self.host.land_held(unit, idx, this_pass=unit.held.task == graph_task())  # it was the last call
-        return grads[0] if need_input_grad else None
+        return tuple(grads_in)
 
     def _run(self, idx: int, direction: int, fn: Callable[[], Any]) -> Any:
         """Bind block `idx`'s weights from a slot, enqueue `fn`, then prefetch the next blocks (those whose
@@ -446,15 +539,20 @@ class Engine:
         """Point block `idx`'s parameters at the device weights in `flat` and its buffers at their device
         copies for the duration of a call; afterwards the parameters are views of the masters again."""
         unit = self.units[idx]
-        buffers = [(b, b.data, dev) for b, dev in self._block_buffers[idx]]
+        buffers = [(record, record[2].data) for record in self._block_buffers[idx]]
         unit.bind(flat)
-        for b, _, dev in buffers:
+        for (_, _, b, dev), _ in buffers:
             b.data = dev
         try:
             yield
         finally:
             unit.bind(unit.master)
-            for b, host, _ in buffers:
+            for record, host in buffers:
+                module, name, b, _ = record
+                now = module._buffers.get(name)
+                if now is not b and now is not None:  # the forward assigned a new tensor: the copy from now on
+                    record[3] = now.detach()
+                    module._buffers[name] = b
                 b.data = host
 
     def _load(self, idx: int, protect: set[int], wait: bool = True) -> int | None:
@@ -473,19 +571,39 @@ class Engine:
     # -- state ---------------------------------------------------------------------------------------
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict with every parameter as its fp32 host master (views, no copies)."""
-        self.flush()
-        self.outer.bind_masters()
-        try:
+        with self.host_view(write=False):
             return self.model.state_dict()
+
+    @contextmanager
+    def host_view(self, write: bool = True) -> Iterator[None]:
+        """Inside, the model's parameters are what ordinary training shows between steps: every one its fp32
+        host master, every host step done (an outer parameter is otherwise a view of its device copy in the
+        compute dtype, and a block's master may still be being stepped). With `write`, what was written into
+        them is the training state from then on: the compute copies, the device copies and the slots are
+        rewritten from the masters on the way out. Re-entrant: only the outermost view binds and refreshes."""
+        self._host_views += 1
+        self._host_view_writes += int(write)
+        if self._host_views == 1:
+            self.flush()
+            self.outer.bind_masters()
+            if write:  # a buffer the writer leaves alone keeps its value from training (refresh re-copies them)
+                for idx in range(len(self.blocks)):
+                    self._buffers_to_host(idx)
+        try:
+            yield
         finally:
-            self.outer.bind_device()
+            self._host_views -= 1
+            if self._host_views == 0:
+                writes, self._host_view_writes = self._host_view_writes, 0
+                if writes:
+                    self.refresh_from_masters()  # (binds the outer parameters to their device copies again)
+                else:
+                    self.outer.bind_device()
 
     def load_master_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load weights into the fp32 masters and refresh every compute copy."""
-        self.flush()
-        self.outer.bind_masters()
-        self.model.load_state_dict(state_dict, strict=strict)
-        self.refresh_from_masters()
+        with self.host_view(write=True):
+            self.model.load_state_dict(state_dict, strict=strict)
 
     def state_dict(self, optimizer: HostAdamW | None = None) -> dict[str, Any]:
         """``{"model": fp32 masters, "optimizer": torch.optim's layout}`` (the latter with `optimizer`): the
@@ -589,8 +707,11 @@ class Engine:
             self.tier.close()  # the moments are scratch: the run directory goes with them
         for handle in self._state_hooks:
             handle.remove()
+        for idx in range(len(self.blocks)):
+            self._buffers_to_host(idx)
         for config in self._caches_off:
             config.use_cache = True
+        self.input_chain.clear()
         for blk, runner in zip(self.blocks, self.runners):
             blk.__dict__.pop("forward", None)
             if runner.own is not None:

@@ -220,6 +220,11 @@ def _nb(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+class HostMemoryError(MemoryError):
+    """The run's host-resident state (training state, or the pinned buffers of offloaded block inputs)
+    does not fit in this machine's memory; raised before the buffers are allocated."""
+
+
 def available_host_bytes() -> int:
     """Memory the OS can still hand out (MemAvailable), falling back to physical pages when unknown."""
     try:

@@ -18,9 +18,12 @@ A block called more than once before one backward (two forwards in one loss) has
 summed first (:class:`Held`): the first waits in the slab while another call is still to come back, the
 others come down through a ring and are added to it, and the last call lands the sum as one gradient.
 
-Why one file of about 500 lines: every path a gradient takes to the host (whole, in pieces, held for a
-second call, accumulated, stepped at once or at the step) moves the unit's grad state, which this object
-keeps consistent; split, that state machine would be spread over several files.
+Hooks that read or edit gradients (``engine.gradients_visible``) get them after :meth:`HostSide.expose` has
+landed every one into the fp32 accumulator; :meth:`HostSide.take_back` folds what they left into it.
+
+Why one file of about 580 lines: every path a gradient takes to the host (whole, in pieces, held for a
+second call, accumulated, shown to hooks, stepped at once or at the step) moves the unit's grad state,
+which this object keeps consistent; split, that state machine would be spread over several files.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -95,11 +99,15 @@ class HostSide:
         self.ring_shape = ring_shape
         self.mode: str | None = None  # None | "accumulate" | "step": the engine's backward context
         self.want_norms = False
+        # Every gradient of the step lands and waits for it (no step during backward): hooks read or edit the
+        # gradients before the step (`engine.gradients_visible`), or the step clamps them (clip by value).
+        self.hold = False
         self.hyper: Callable[[], list[AdamHyper]] | None = None  # the attached optimizer's groups, now
         self.param_order: list[int] = []  # ids of the optimizer's parameters in group order
         self._pending: set[HostUnit] = set()  # units with gradients not yet stepped
         self._eager: set[HostUnit] = set()  # units stepped during this backward already
         self._clip: float | None = None  # global-norm clipping requested for the next step
+        self._clip_value: float | None = None  # per-element clamp requested for the next step
 
     def all_units(self) -> list[HostUnit]:
         # Outer units first: the embedding is the first thing the next forward needs.
@@ -168,18 +176,25 @@ class HostSide:
         # Lean layout: a gradient the landing job consumes at once (into the accumulator, or by the step
         # itself) goes through the gradient ring; one that waits for the optimizer step needs its own slab.
         to_acc = accumulate or unit.grad_state is GradState.ACC
-        self._before_download(flat)
         hyper = self.hyper() if eager else None
+        # Clipping by value said before backward, and this unit steps as it lands: the whole step's gradient
+        # is clamped on the device before it goes down; a sum of micro-batches by the landing job.
+        clamp = self._clip_value if eager else None
+        if clamp is not None and not to_acc:
+            flat.clamp_(-clamp, clamp)
+            clamp = None
+        self._before_download(flat)
         want_norm = self.want_norms and not accumulate and unit.device_norms is None
         if self.grad_ring is not None and (to_acc or eager):
-            done = self._ship_pieces(unit, flat, present, to_acc, want_norm, hyper)
+            done = self._ship_pieces(unit, flat, present, to_acc, want_norm, hyper, clamp)
         else:
             slab = unit.ensure_slab()
             self.streams.copy(self.streams.d2h, slab, flat)
             done = self.streams.event(self.streams.d2h)
             # A step waits its turn (engine/worker.py): the next forward's order, once its copy has landed.
             rank = self.step_rank(unit) if hyper is not None else 0
-            self.submit(unit, lambda: self._land(unit, done, present, accumulate, want_norm, hyper), rank, done)
+            job = partial(self._land, unit, done, present, accumulate, want_norm, hyper, clamp)
+            self.submit(unit, job, rank, done)
         self._shipped(unit, eager, block_idx)
         return done
 
@@ -242,7 +257,8 @@ class HostSide:
         hyper = self.hyper() if eager else None
         want_norm = self.want_norms and not held.accumulate
         rank = self.step_rank(unit) if hyper is not None else 0
-        self.submit(unit, lambda: self._land(unit, None, held.present, held.accumulate, want_norm, hyper), rank)
+        clamp = self._clip_value if eager else None
+        self.submit(unit, partial(self._land, unit, None, held.present, held.accumulate, want_norm, hyper, clamp), rank)
         self._shipped(unit, eager, block_idx)
 
     def _ship_pieces(
@@ -253,16 +269,18 @@ class HostSide:
         to_acc: bool,
         want_norm: bool,
         hyper: list[AdamHyper] | None,
+        clamp: float | None = None,
     ) -> object:
         """Lean layout: download `flat` piece by piece into the gradient ring, each piece landed (and, when
-        `hyper`, stepped) by its own host job; returns the event of the last copy. A ring buffer is taken
-        again only after the job that consumed it, so the host holds the ring's pieces, no slab."""
+        `hyper`, clamped to `clamp` and stepped) by its own host job; returns the event of the last copy. A
+        ring buffer is taken again only after the job that consumed it, so the host holds the ring's pieces,
+        no slab."""
         first = unit.grad_state is GradState.EMPTY  # (stable: the unit's earlier jobs are done)
         for lo, hi in pieces(unit.numel, self.piece):
             i, buf = self.grad_ring.take(hi - lo)
             self.streams.copy(self.streams.d2h, buf, flat[lo:hi])
             done = self.streams.event(self.streams.d2h)
-            job = (unit, done, present, buf, lo, hi, to_acc, first, want_norm, hyper)
+            job = (unit, done, present, buf, lo, hi, to_acc, first, want_norm, hyper, clamp)
             self.submit(unit, lambda job=job: self._land_piece(*job), 0, done)
             self.grad_ring.hold(i, unit.future)  # free once the landing job has consumed it
         return done
@@ -279,9 +297,11 @@ class HostSide:
         first: bool,
         want_norm: bool,
         hyper: list[AdamHyper] | None,
+        clamp: float | None = None,
     ) -> None:
         """Land elements lo..hi of a gradient from a ring buffer: add them into the fp32 accumulator, and/or
-        step them (`hyper`); the piece that ends the unit finishes its bookkeeping."""
+        step them (`hyper`, after clamping them to `clamp`); the piece that ends the unit finishes its
+        bookkeeping."""
         t0 = time.perf_counter()
         done.synchronize()  # never read pinned memory before its copy has finished
         if lo == 0:  # the step's runs depend on which parameters got a gradient
@@ -296,7 +316,10 @@ class HostSide:
             unit.norms = self._norms(unit) if want_norm else None
         self.stats["host_land_seconds"] += time.perf_counter() - t0
         if hyper is not None:
-            self._step_unit(unit, hyper, 1.0, lo, hi, unit.acc[lo:hi] if to_acc else buf, last)
+            grad = unit.acc[lo:hi] if to_acc else buf
+            if clamp is not None:
+                grad.clamp_(-clamp, clamp)
+            self._step_unit(unit, hyper, 1.0, lo, hi, grad, last)
 
     def _device_norms(self, unit: HostUnit, flat: torch.Tensor, present: list[bool], single: bool) -> None:
         """With clipping, a gradient that is the whole of its unit's gradient for this step (one micro-batch,
@@ -309,7 +332,13 @@ class HostSide:
 
     def _eager_ok(self) -> bool:
         """Step a unit the moment its last gradient lands: the optimizer overlaps the rest of backward."""
-        return self.mode == "step" and self.overlap_optimizer and not self.want_norms and self.hyper is not None
+        return (
+            self.mode == "step"
+            and self.overlap_optimizer
+            and not self.want_norms
+            and not self.hold
+            and self.hyper is not None
+        )
 
     def _land(
         self,
@@ -319,6 +348,7 @@ class HostSide:
         accumulate: bool,
         want_norm: bool,
         hyper: list[AdamHyper] | None,
+        clamp: float | None = None,
     ) -> None:
         t0 = time.perf_counter()
         if done is not None:  # (a held sum: its copies were waited for by the jobs that added them)
@@ -337,6 +367,8 @@ class HostSide:
         unit.norms = self._norms(unit) if want_norm else None
         self.stats["host_land_seconds"] += time.perf_counter() - t0
         if hyper is not None:
+            if clamp is not None:
+                self._grad_of(unit).clamp_(-clamp, clamp)
             self._step_unit(unit, hyper, 1.0)
 
     def _promote(self, unit: HostUnit) -> None:
@@ -352,16 +384,67 @@ class HostSide:
     def _grad_of(self, unit: HostUnit) -> torch.Tensor:
         return unit.acc if unit.grad_state is GradState.ACC else unit.slab
 
+    # -- gradients shown to hooks (engine.gradients_visible) --------------------------------------
+    def expose(self) -> None:
+        """Before hooks read the gradients: every gradient landed, in the fp32 accumulator `.grad` will view."""
+        for unit in self.all_units():
+            if unit.held is not None:  # a call of its block has not come back: the sum of those that did
+                self.land_held(unit, self.block_index.get(id(unit)), this_pass=False)
+        self.flush()
+        for unit in self.all_units():
+            if unit.grad_state is GradState.SLAB:
+                self._promote(unit)
+
+    def take_back(self, unit: HostUnit, grads: list[torch.Tensor | None]) -> None:
+        """After the hooks: `grads` (per parameter, what its `.grad` holds now) is the unit's gradient. One edited
+        in place is already in the accumulator; an assigned one is copied there; None drops the parameter's
+        gradient (not stepped, and a later micro-batch starts afresh, as after ``p.grad = None``)."""
+        if unit.grad_state is GradState.EMPTY and any(g is not None for g in grads):
+            if unit.acc is None:
+                unit.acc = host_empty(unit.numel, torch.float32, pin=False)
+            unit.acc.zero_()  # (an earlier step's values must not count for the parameters given none)
+            unit.grad_state = GradState.ACC
+        for i, (e, g) in enumerate(zip(unit.entries, grads)):
+            view = None if unit.acc is None else unit.acc[e.offset : e.offset + e.numel].view(e.shape)
+            if g is None and view is not None:
+                view.zero_()
+            elif g is not None and not (g.data_ptr() == view.data_ptr() and g.stride() == view.stride()):
+                view.copy_(g)
+            unit.has_grad[i] = g is not None
+        unit.norms = unit.device_norms = None  # taken again at the step, from what the hooks left
+        if unit.grad_state is not GradState.EMPTY:
+            self._pending.add(unit)
+
     # -- optimizer step ---------------------------------------------------------------------
     def clip_to(self, max_norm: float) -> None:
         """Clip the global gradient norm to `max_norm` in the next optimizer step (exactly, over all units)."""
+        self._check_clip(f"gradient clipping to {max_norm}", self._clip_value)
+        self._clip = float(max_norm)
+
+    def clip_value_to(self, clip_value: float) -> None:
+        """Clamp every gradient element to [-clip_value, clip_value] in the next optimizer step, as
+        ``torch.nn.utils.clip_grad_value_`` on the step's gradient (the sum of its micro-batches). Said before
+        the step's last backward, units stepped as they land are clamped first (on the device when the
+        gradient is one micro-batch's); the others are clamped on the host in the step."""
+        if self._eager and self._clip_value == float(clip_value):
+            return  # (said before backward too: the units already stepped were clamped)
+        self._check_clip(f"gradient clipping by value to {clip_value}", self._clip)
+        self._clip_value = float(clip_value)
+
+    @property
+    def clamp_known(self) -> bool:
+        """Whether clipping by value was said for the next step (its units may then step as they land)."""
+        return self._clip_value is not None
+
+    def _check_clip(self, what: str, other: float | None) -> None:
         if self._eager:
             raise RuntimeError(
-                f"gradient clipping to {max_norm} was requested after the optimizer already stepped during backward. "
+                f"{what} was requested after the optimizer already stepped during backward. "
                 "Say so before backward: Trainer(gradient_clip_val=...), or engine.backward(clip=True) around a "
                 "plain loop's last backward; or pass overlap_optimizer=False."
             )
-        self._clip = float(max_norm)
+        if other is not None:
+            raise RuntimeError(f"{what} was requested for a step already clipped the other way; clip one way per step")
 
     def step(self) -> set[HostUnit]:
         """Queue the optimizer step of every unit holding gradients (blocks in the next forward's order);
@@ -369,6 +452,7 @@ class HostSide:
         if self.hyper is None:
             raise RuntimeError("no optimizer is attached to the engine: call engine.optimizer(torch.optim.AdamW(...))")
         clip_val, self._clip = self._clip, None
+        clamp, self._clip_value = self._clip_value, None
         for unit in self.all_units():
             if unit.held is not None:  # a call of its block never came back: the sum of those that did
                 self.land_held(unit, self.block_index.get(id(unit)), this_pass=False)
@@ -378,7 +462,8 @@ class HostSide:
             self._read_ahead(todo)  # the moments come in while the clipping norm is being computed
         scale = self._clip_scale(todo, clip_val) if clip_val else 1.0
         for unit in todo:
-            self.submit(unit, lambda unit=unit: self._step_unit(unit, hyper, scale), self.step_rank(unit))
+            job = partial(self._clamp_and_step, unit, hyper, scale, clamp)
+            self.submit(unit, job, self.step_rank(unit))
             if id(unit) in self.block_index:
                 self.invalidate(self.block_index[id(unit)])
         stepped = set(todo) | self._eager
@@ -402,6 +487,11 @@ class HostSide:
         if self.tier is not None and self._eager_ok():
             later = [u for u in self.outer if u not in self._eager]
             self._read_ahead(self.blocks[::-1] + later + [u for u in self.outer if u in self._eager])
+
+    def _clamp_and_step(self, unit: HostUnit, hyper: list[AdamHyper], scale: float, clamp: float | None) -> None:
+        if clamp is not None:
+            self._grad_of(unit).clamp_(-clamp, clamp)
+        self._step_unit(unit, hyper, scale)
 
     def _clip_scale(self, todo: list[HostUnit], clip_val: float) -> float:
         by_param: dict[int, torch.Tensor] = {}

@@ -182,8 +182,8 @@ class HostAdamW(torch.optim.Optimizer):
             )
         loaded: dict[int, dict | None] = {}  # by parameter id: its saved state, None when never stepped
         for saved, group in zip(saved_groups, self.param_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
             loaded.update((id(p), state_dict["state"].get(idx)) for idx, p in zip(saved["params"], group["params"]))
+        self.restore_groups(saved_groups)
         held = {id(e.param) for unit in self.engine.all_units() for e in unit.entries}
         if not loaded.keys() <= held:
             raise ValueError(
@@ -193,6 +193,21 @@ class HostAdamW(torch.optim.Optimizer):
         for unit in self.engine.all_units():
             if any(id(e.param) in loaded for e in unit.entries):
                 self._load_unit(unit, loaded)
+
+    def restore_groups(self, saved_groups: list[dict[str, Any]]) -> None:
+        """The param groups' settings from a checkpoint, exactly as ``torch.optim.Optimizer.load_state_dict``
+        leaves them: each group becomes the saved one with its own parameters (a setting the saved group lacks
+        is dropped, then the optimizer class's defaults fill in), whatever configure_optimizers asked for
+        this run. The group dicts and their list stay the same objects: LR schedulers and Lightning's
+        optimizer wrapper hold them."""
+        for group, saved in zip(self.param_groups, saved_groups):
+            kept = {"params": group["params"]}
+            if "param_names" in group and "param_names" not in saved:
+                kept["param_names"] = group["param_names"]
+            group.clear()
+            group.update({k: v for k, v in saved.items() if k != "params"}, **kept)
+        # The optimizer class's own defaults for missing settings (AdamW.__setstate__), on the same list.
+        type(self._source).__setstate__(self._source, {"param_groups": self.param_groups})
 
     @staticmethod
     def _load_unit(unit: Any, loaded: dict[int, dict | None]) -> None:

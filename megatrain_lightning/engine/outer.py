@@ -4,10 +4,11 @@ Held by the engine. Each outer parameter is a unit of
 its own whose compute copy lives on the device for the whole run. An optimizer step marks the stepped
 ones *stale*; ``optimizer_step`` then rewrites each one as soon as its own Adam step is done (not after
 every step queued before it), and issues the next forward's first blocks after them. So when control
-returns to the caller every outer parameter is current again: a callback or an EMA of the weights reading
-it between steps sees the stepped weights, as in ordinary training. The blocks' parameters (views of their
-masters) are still being stepped in the background then: ``state_dict()`` waits for each block's step
-(engine.py), the next forward for each block's before it runs, ``engine.flush()`` for all of them.
+returns to the caller every outer parameter is current again (in the compute dtype): a callback reading
+it between steps sees the stepped weights. The blocks' parameters (views of their masters) are still being
+stepped in the background then: ``state_dict()`` waits for each block's step (engine.py), the next forward
+for each block's before it runs, ``engine.flush()`` for all of them, and ``engine.host_view()`` shows every
+parameter as its fp32 master once they are done (:meth:`bind_masters`), as a weight average must read them.
 
     H2D      |        | embedding, norm, head | block 0 |          ...
     worker   | ... step 1 | step 0 | step embedding |

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from megatrain_lightning.engine.config import OffloadInputs, check_offload_inputs
+from megatrain_lightning.engine.host import HostMemoryError
 from megatrain_lightning.engine.pinned import host_empty
 from megatrain_lightning.engine.streams import Streams
 
@@ -73,10 +74,12 @@ class SavedInputs:
         stats: dict,
         mode: OffloadInputs = "auto",
         free_bytes: Callable[[], int | None] = lambda: None,
+        host_available: Callable[[], int] | None = None,
     ) -> None:
         self.streams, self.device, self.pin, self.stats = streams, device, pin, stats
         self.mode = check_offload_inputs(mode)
         self.free_bytes = free_bytes  # device memory free for saved inputs; None where "auto" keeps them there
+        self.host_available = host_available  # host memory the OS can still hand out; None: unchecked
         self._pass_offloads: bool | None = None  # the decision of the forward pass under way
         self._announced = False
         self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
@@ -90,8 +93,31 @@ class SavedInputs:
         CallState.saved): its backward looks where its forward put the input."""
         if idx == 0 or self._pass_offloads is None:
             self._pass_offloads = self._decide(hidden, num_blocks)
+            if self._pass_offloads:
+                self._check_host_memory(hidden, num_blocks - idx)
             self.stats["offloaded_passes"] += int(self._pass_offloads)
         return self._pass_offloads
+
+    def _check_host_memory(self, hidden: torch.Tensor, calls: int) -> None:
+        """Refuse, before pinning any of them, the host buffers this pass's `calls` block inputs would add.
+
+        The engine's check at construction cannot count them: it does not know the sequence length and
+        batch the run will feed (the planner does, and counts them as "activations"). Here the first
+        offloading pass of each input shape has the exact bytes; buffers back in the pool are reused, so a
+        pass that needs no new buffers (every later step) reads nothing."""
+        pooled = len(self._free.get((hidden.numel(), hidden.dtype), []))
+        need = max(0, calls - pooled) * hidden.numel() * hidden.element_size()
+        if need == 0 or self.host_available is None:
+            return
+        have = self.host_available()
+        if need > have:
+            raise HostMemoryError(
+                f"offload_inputs pins {calls} block inputs of shape {tuple(hidden.shape)} "
+                f"({str(hidden.dtype).removeprefix('torch.')}): {need} bytes ({need / 2**30:.2f} GiB) more host "
+                f"memory, but about {have / 2**30:.2f} GiB is available. Shorten seq_len or the micro-batch, "
+                "set offload_inputs=False (the inputs stay on the device), or use a machine with more host "
+                "memory; `megatrain plan --offload-inputs` sizes a run first"
+            )
 
     def _decide(self, hidden: torch.Tensor, num_blocks: int) -> bool:
         if self.mode != "auto":

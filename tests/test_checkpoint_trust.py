@@ -1,0 +1,498 @@
+"""A checkpoint from anywhere is safe to open: nothing stored is unpickled unrestricted, every damage is one
+line naming the file and the intact earlier checkpoints, and storage_options carry credentials unwritten."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import zlib
+from fractions import Fraction
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, EarlyStopping
+
+from megatrain_lightning import MegatrainStrategy, load_from_checkpoint
+from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, store, trust
+from megatrain_lightning.cli import run
+from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.models import LlamaConfig
+from megatrain_lightning.module import CausalLMModule
+from ray_jobs.trial import run_trial
+from tests.helpers import quiet, trainer
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64, loss_chunk_size=32)
+MODEL = {"model": "tiny", "overrides": TINY, "max_steps": 8}
+DATA = {"path": "builtin:python-docs", "seq_len": 16, "batch_size": 2}
+STEP1, STEP2 = "epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """Checkpoints after steps 1 and 2 of one tiny CausalLMModule fit with ModelCheckpoint, EarlyStopping and
+    its LR scheduler (and the strategy's RNG state), written once for the whole file."""
+    root = tmp_path_factory.mktemp("source")
+    torch.manual_seed(0)
+    callbacks = [
+        ModelCheckpoint(dirpath=str(root), save_top_k=-1, every_n_train_steps=1),
+        EarlyStopping(monitor="train_loss", check_on_train_epoch_end=True),
+    ]
+    with quiet():
+        trainer(max_steps=2, callbacks=callbacks, enable_checkpointing=True, limit_val_batches=0).fit(
+            CausalLMModule(**MODEL), TextDataModule(**DATA)
+        )
+    return root
+
+
+# -- editing a copied checkpoint as an attacker or a failing disk would ------------------------------------
+def copy_to(source: Path, name: str, dest: Path, as_name: str | None = None) -> Path:
+    """Copy the checkpoint `name` (marker and data) into `dest`, as `as_name` if given."""
+    dest.mkdir(parents=True, exist_ok=True)
+    target = dest / (as_name or name)
+    shutil.copy(source / name, target)
+    shutil.copytree(source / f"{name}.d", f"{target}.d")
+    return target
+
+
+def vdir(marker: Path) -> Path:
+    (version,) = list(Path(f"{marker}.d").iterdir())
+    return version
+
+
+def set_index(marker: Path, index: dict | bytes) -> None:
+    """Write index.json and re-seal the marker with its checksum (what a deliberate editor would do)."""
+    raw = index if isinstance(index, bytes) else json.dumps(index).encode()
+    (vdir(marker) / "index.json").write_bytes(raw)
+    pointer = store.parse_marker(marker.read_bytes())
+    marker.write_bytes(store.marker_bytes({**pointer, "index_crc32": zlib.crc32(raw)}))
+
+
+def index_of(marker: Path) -> dict:
+    return json.loads((vdir(marker) / "index.json").read_bytes())
+
+
+def reseal(marker: Path, name: str) -> None:
+    """Record the file's present size and checksum in the index, and the index's in the marker."""
+    raw = (vdir(marker) / name).read_bytes()
+    index = index_of(marker)
+    records = {"trainer.pt": index["trainer"], "buffers.safetensors": index["buffers"]}
+    records.update({u["file"]: u for u in index["units"]})
+    records[name].update(bytes=len(raw), crc32=zlib.crc32(raw))
+    set_index(marker, index)
+
+
+class Plant:
+    """Unpickling this creates the directory `sentinel`: proof that stored bytes ran code."""
+
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = str(sentinel)
+
+    def __reduce__(self):
+        return (os.makedirs, (self.sentinel,))
+
+
+def plant(marker: Path, target: str, sentinel: Path) -> None:
+    """Replace `target` ("marker", "index.json", "units", "buffers.safetensors", "trainer.pt") with a pickle
+    that runs code; every checksum that guards it is recomputed, so only what reads it stands in the way."""
+    evil = pickle.dumps({"state": Plant(sentinel)})
+    if target == "marker":
+        marker.write_bytes(evil)
+    elif target == "index.json":
+        set_index(marker, evil)
+    elif target == "trainer.pt":
+        raw = Path(vdir(marker) / "trainer.pt")
+        torch.save({"epoch": 0, "hyper_parameters": {"x": Plant(sentinel)}}, raw)
+        reseal(marker, "trainer.pt")
+    else:
+        files = [u["file"] for u in index_of(marker)["units"]] if target == "units" else [target]
+        for name in files:
+            (vdir(marker) / name).write_bytes(evil)
+            reseal(marker, name)
+
+
+def test_the_planted_pickle_runs_code_when_unpickled_plainly(tmp_path):
+    """The attack below is real: an ordinary unpickler would create the sentinel."""
+    pickle.loads(pickle.dumps(Plant(tmp_path / "ran")))
+    assert (tmp_path / "ran").is_dir()
+
+
+# -- every way a checkpoint is opened -----------------------------------------------------------------------
+CLI_ARGS = (
+    "--data.path=builtin:python-docs --data.seq_len=16 --data.batch_size=2 --trainer.max_steps=3 "
+    "--trainer.accelerator=cpu --trainer.logger=false --trainer.enable_progress_bar=false "
+    "--trainer.enable_checkpointing=false --trainer.enable_model_summary=false --trainer.num_sanity_val_steps=0 "
+    "--trainer.limit_val_batches=1"
+).split()
+
+
+def raised(fn) -> str:
+    with pytest.raises(CheckpointError) as err, quiet():
+        fn()
+    return str(err.value)
+
+
+def exited(argv: list[str], capsys) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as err, quiet():
+        run(argv)
+    assert err.value.code == 2
+    return capsys.readouterr().err
+
+
+def by_fit(url: str, tmp: Path, capsys) -> str:
+    return raised(lambda: trainer(max_steps=3).fit(CausalLMModule(**MODEL), TextDataModule(**DATA), ckpt_path=url))
+
+
+def by_validate(url: str, tmp: Path, capsys) -> str:
+    return raised(lambda: trainer().validate(CausalLMModule(**MODEL), TextDataModule(**DATA), ckpt_path=url))
+
+
+def by_cli(sub: str):
+    def go(url: str, tmp: Path, capsys) -> str:
+        return exited([sub, f"--ckpt_path={url}", f"--trainer.default_root_dir={tmp / 'cli'}", *CLI_ARGS], capsys)
+
+    go.__name__ = f"cli_{sub}"
+    return go
+
+
+def by_convert_torch(url: str, tmp: Path, capsys) -> str:
+    return exited(["convert", url, "--to", "torch", str(tmp / "out.ckpt")], capsys)
+
+
+def by_convert_hf(url: str, tmp: Path, capsys) -> str:
+    return exited(["convert", url, "--to", "hf", str(tmp / "hf")], capsys)
+
+
+def by_load_from_checkpoint(url: str, tmp: Path, capsys) -> str:
+    return raised(lambda: load_from_checkpoint(CausalLMModule, url))
+
+
+def by_trial(url: str, tmp: Path, capsys) -> str:
+    """The sweep's trial resuming from its own last.ckpt (run_trial, without Ray)."""
+    trial = tmp / "trial"
+    copy_to(Path(url).parent, Path(url).name, trial / "checkpoints")
+    settings = {"max_steps": 3, "accelerator": "cpu", "limit_val_batches": 1, "num_sanity_val_steps": 0}
+    return raised(lambda: run_trial({"model": MODEL, "data": DATA, "trainer": settings}, str(trial), 100))
+
+
+PATHS = [
+    by_fit,
+    by_validate,
+    by_cli("fit"),
+    by_cli("validate"),
+    by_convert_torch,
+    by_convert_hf,
+    by_load_from_checkpoint,
+    by_trial,
+]
+PLANTED = {  # the file each planted pickle is in: what the message must name
+    "marker": "last.ckpt: its commit marker is damaged",
+    "index.json": "index.json is not JSON",
+    "units": "units/00000.safetensors",
+    "buffers.safetensors": "buffers.safetensors",
+    "trainer.pt": "trainer.pt: the trainer state needs os.makedirs",
+}
+
+
+def one_line(message: str) -> str:
+    lines = message.strip().splitlines()
+    assert len(lines) == 1, message
+    return lines[0]
+
+
+# Every path meets every planted file; `megatrain validate` (a second LightningCLI, 1-2 s each) only the two
+# files read at different moments (the trainer state before anything is built, the shards while restoring),
+# and `convert --to hf` also without the index's export entry (it then reads the hyper-parameters).
+CASES = [(path, target, True) for path in PATHS for target in PLANTED if path.__name__ != "cli_validate"]
+CASES += [(PATHS[3], target, True) for target in ("trainer.pt", "units")]
+CASES += [(by_convert_hf, target, False) for target in PLANTED]
+
+
+@pytest.mark.parametrize(
+    "path, target, export", CASES, ids=[f"{p.__name__}-{t}{'' if e else '-no_export'}" for p, t, e in CASES]
+)
+def test_a_planted_pickle_never_runs(source, tmp_path, capsys, path, target, export):
+    marker = copy_to(source, STEP2, tmp_path / "ckpts", "last.ckpt")
+    if not export:
+        set_index(marker, {k: v for k, v in index_of(marker).items() if k != "export"})
+    sentinel = tmp_path / "PWNED"
+    plant(marker, target, sentinel)
+    if path is by_convert_hf and export and target == "trainer.pt":  # the export entry suffices: no trainer.pt read
+        assert run(["convert", str(marker), "--to", "hf", str(tmp_path / "hf")]).startswith("wrote")
+    else:
+        line = one_line(path(str(marker), tmp_path, capsys))
+        assert PLANTED[target] in line
+    assert not sentinel.exists()
+
+
+# -- every damage explained ---------------------------------------------------------------------------------
+def truncate(path: Path, size: int) -> None:
+    path.write_bytes(path.read_bytes()[:size])
+
+
+def flip(path: Path, at: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def overwrite(path: Path, at: int, data: bytes) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at : at + len(data)] = data
+    path.write_bytes(bytes(raw))
+
+
+SHARD = "units/00000.safetensors"
+
+
+def shard(m: Path) -> Path:
+    return vdir(m) / SHARD
+
+
+def other_format(m: Path) -> None:
+    m.write_bytes(store.marker_bytes({**store.parse_marker(m.read_bytes()), "format": "other-ckpt", "version": 7}))
+
+
+def missing_version(m: Path) -> None:
+    m.write_bytes(store.marker_bytes({**store.parse_marker(m.read_bytes()), "data": "v0-deadbeef"}))
+
+
+def refused_class(m: Path) -> None:
+    """A trainer state holding a class that is not allowed (the checksums made to match)."""
+    state = torch.load(vdir(m) / "trainer.pt", weights_only=True)
+    torch.save({**state, "extra": Fraction(1, 3)}, vdir(m) / "trainer.pt")
+    reseal(m, "trainer.pt")
+
+
+def lacking_units(m: Path) -> None:
+    set_index(m, {k: v for k, v in index_of(m).items() if k != "units"})
+
+
+def garbage_trainer(m: Path) -> None:
+    (vdir(m) / "trainer.pt").write_bytes(b"not a torch file" * 8)
+    reseal(m, "trainer.pt")
+
+
+DAMAGE = {  # kind: (damage the newer checkpoint, what the message says, the file it names)
+    "shard header damaged": (lambda m: overwrite(shard(m), 8, b"\xff" * 16), "header is damaged", SHARD),
+    "shard header truncated": (
+        lambda m: truncate(shard(m), 40),
+        "ends inside its .*header: the file is truncated",
+        SHARD,
+    ),
+    "shard length truncated": (lambda m: truncate(shard(m), 5), "shorter than a safetensors header", SHARD),
+    "shard data truncated": (lambda m: truncate(shard(m), shard(m).stat().st_size - 9), "ends early", SHARD),
+    "shard missing": (lambda m: shard(m).unlink(), "is missing", SHARD),
+    "shard byte flipped": (lambda m: flip(shard(m), -3), "checksum .* the file is damaged", SHARD),
+    "shard length field": (lambda m: overwrite(shard(m), 0, b"\xff" * 8), "claim a .*header", SHARD),
+    "buffers missing": (lambda m: (vdir(m) / "buffers.safetensors").unlink(), "is missing", "buffers.safetensors"),
+    "buffers damaged": (
+        lambda m: overwrite(vdir(m) / "buffers.safetensors", 8, b"\x00" * 8),
+        "header is damaged",
+        "buffers.safetensors",
+    ),
+    "trainer missing": (lambda m: (vdir(m) / "trainer.pt").unlink(), "the trainer state, is missing", "trainer.pt"),
+    "trainer truncated": (lambda m: truncate(vdir(m) / "trainer.pt", 300), "truncated or altered", "trainer.pt"),
+    "trainer byte flipped": (lambda m: flip(vdir(m) / "trainer.pt", 700), "truncated or altered", "trainer.pt"),
+    "trainer garbage": (garbage_trainer, "is not a readable torch.save file", "trainer.pt"),
+    "trainer refused class": (refused_class, r"needs fractions\.Fraction.*add_safe_globals", "trainer.pt"),
+    "marker garbage": (lambda m: m.write_bytes(b"\x00garbage" * 9), "commit marker is damaged", STEP2),
+    "marker truncated": (lambda m: truncate(m, 120), r"commit marker is damaged \(.*truncated", STEP2),
+    "marker frame truncated": (lambda m: truncate(m, len(m.read_bytes()) - 2), "truncated or altered", STEP2),
+    "marker empty": (lambda m: m.write_bytes(b""), "commit marker is empty", STEP2),
+    "marker missing": (lambda m: m.unlink(), "commit marker is missing .*never committed", STEP2),
+    "marker names a missing version": (missing_version, "names version v0-deadbeef", STEP2),
+    "marker of another format": (other_format, "unsupported checkpoint format other-ckpt v7", STEP2),
+    "index missing": (lambda m: (vdir(m) / "index.json").unlink(), "the index .* is missing", "index.json"),
+    "index garbage": (lambda m: (vdir(m) / "index.json").write_bytes(b"\x89\xff"), "does not match", "index.json"),
+    "index garbage resealed": (lambda m: set_index(m, b"\x89\xff{"), "is not JSON", "index.json"),
+    "index edited": (lambda m: overwrite(vdir(m) / "index.json", 20, b"9"), "does not match", "index.json"),
+    "index lacks keys": (lacking_units, "lacks key 'units'", "index.json"),
+    "data directory missing": (lambda m: shutil.rmtree(f"{m}.d"), "data directory, is missing", f"{STEP2}.d"),
+}
+
+
+@pytest.fixture
+def two(source, tmp_path) -> Path:
+    """Both checkpoints copied; returns the newer's marker."""
+    copy_to(source, STEP1, tmp_path / "ckpts")
+    return copy_to(source, STEP2, tmp_path / "ckpts")
+
+
+def assert_explained(line: str, says: str, names: str, intact: str = STEP1) -> None:
+    assert re.search(says, line), line
+    assert names in line
+    assert line.rsplit("; intact earlier checkpoints in ", 1)[1].endswith(f"ckpts: {intact}"), line
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_every_damage_is_one_line_naming_the_file_and_the_intact_checkpoints(kind, two, tmp_path, capsys):
+    damage, says, names = DAMAGE[kind]
+    damage(two)
+    assert_explained(one_line(by_load_from_checkpoint(str(two), tmp_path, capsys)), says, names)
+    line = one_line(by_convert_torch(str(two), tmp_path, capsys))
+    assert line.startswith("megatrain convert: error: ")
+    assert_explained(line, says, names)
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+@pytest.mark.parametrize("kind", ["shard byte flipped", "marker garbage", "marker missing"])
+def test_damage_through_trainer_fit_and_the_cli(kind, two, tmp_path, capsys):
+    damage, says, names = DAMAGE[kind]
+    damage(two)
+    assert_explained(one_line(by_fit(str(two), tmp_path, capsys)), says, names)
+    line = one_line(by_cli("fit")(str(two), tmp_path, capsys))
+    assert line.startswith("megatrain: error: ")
+    assert_explained(line, says, names)
+
+
+def test_the_earliest_checkpoint_damaged_has_none_intact_before_it(source, tmp_path, capsys):
+    first = copy_to(source, STEP1, tmp_path / "ckpts")
+    copy_to(source, STEP2, tmp_path / "ckpts")
+    flip(vdir(first) / SHARD, -1)
+    assert_explained(one_line(by_load_from_checkpoint(str(first), tmp_path, capsys)), "checksum", SHARD, "none")
+
+
+@pytest.mark.parametrize(
+    "kind, model",
+    [
+        ("another shape", {**MODEL, "overrides": {**TINY, "intermediate_size": 96}}),
+        ("another number of units", {**MODEL, "overrides": {**TINY, "num_hidden_layers": 3}}),
+        ("other parameter names", MODEL),
+    ],
+)
+def test_a_checkpoint_of_another_model_is_one_line(kind, model, two, tmp_path):
+    if kind == "other parameter names":
+        index = index_of(two)
+        index["units"][0]["params"][0]["name"] = "model.renamed.weight"
+        set_index(two, index)
+    line = one_line(
+        raised(lambda: trainer(max_steps=3).fit(CausalLMModule(**model), TextDataModule(**DATA), ckpt_path=str(two)))
+    )
+    assert re.search("another shape|parameter units", line) and STEP2 in line
+    assert line.endswith(f"ckpts: {STEP1}")
+
+
+def test_every_byte_of_the_trainer_state_is_under_the_checksum(source):
+    """A flipped byte anywhere in trainer.pt (every 7th position, the first and last 64 all) is caught before
+    it is unpickled; the checkpoint is served from memory:// to keep the thousands of reads quick."""
+    local = source / STEP2
+    url = f"memory://trust-{os.getpid()}/{STEP2}"
+    fs, path = fsspec.core.url_to_fs(url)
+    for file in [local, *Path(f"{local}.d").rglob("*")]:
+        if file.is_file():
+            fs.pipe_file(f"{path}{str(file)[len(str(local)) :]}", file.read_bytes())
+    fs, version, index = store.read_index(url)
+    raw = fs.cat_file(f"{version}/trainer.pt")
+    positions = sorted({*range(64), *range(0, len(raw), 7), *range(len(raw) - 64, len(raw))})
+    refused = 0
+    for at in positions:
+        flipped = bytearray(raw)
+        flipped[at] ^= 0x01
+        fs.pipe_file(f"{version}/trainer.pt", bytes(flipped))
+        with pytest.raises(CheckpointError) as err:
+            store.read_trainer_state(fs, version, index)
+        refused += "truncated or altered" in str(err.value)
+    assert refused == len(positions) > len(raw) // 7
+    fs.rm(path.rsplit("/", 1)[0], recursive=True)
+
+
+def test_allowing_a_class_deliberately_loads_it(two, tmp_path, capsys):
+    refused_class(two)
+    with torch.serialization.safe_globals([Fraction]):
+        module = load_from_checkpoint(CausalLMModule, str(two))
+    assert module.config.num_hidden_layers == 2
+
+
+def test_typical_hyper_parameter_types_load_restricted():
+    """What save_hyperparameters commonly holds besides builtins (the classes of trust.TRAINER_GLOBALS)."""
+    import argparse
+    import datetime
+    import io
+
+    state = {
+        "path": Path("/data/x"),
+        "config": LlamaConfig(97, 32, 64, 2, 4),
+        "args": argparse.Namespace(lr=0.1),
+        "budget": datetime.timedelta(hours=2),
+        "rng": __import__("random").getstate(),
+    }
+    raw = io.BytesIO()
+    torch.save(state, raw)
+    assert trust.load_restricted(raw.getvalue()) == state
+
+
+def test_torch_format_resume_refuses_arbitrary_objects_unless_told(tmp_path, capsys):
+    """checkpoint_format="torch": Lightning's single file, read restricted unless weights_only=False."""
+    path = tmp_path / "single.ckpt"
+    sentinel = tmp_path / "PWNED"
+    torch.save({"epoch": 0, "global_step": 0, "state_dict": {}, "x": Plant(sentinel)}, path)
+    strategy = MegatrainStrategy(checkpoint_format="torch")
+    line = one_line(raised(lambda: strategy.load_checkpoint(path)))
+    assert "single.ckpt: the checkpoint needs os.makedirs" in line and "weights_only=False" in line
+    assert not sentinel.exists()
+    strategy.load_checkpoint(path, weights_only=False)  # the user's explicit trust
+    assert sentinel.exists()
+
+
+# -- storage_options ----------------------------------------------------------------------------------------
+class SaveAtEnd(Callback):
+    def __init__(self, url: str, **kwargs) -> None:
+        self.url, self.kwargs = url, kwargs
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        trainer.save_checkpoint(self.url, **self.kwargs)
+
+
+def test_storage_options_carry_the_credentials_and_are_written_nowhere(s3_env, monkeypatch, caplog, recwarn):
+    import s3fs
+
+    from tests.s3_server import OPTIONS_KEY, OPTIONS_SECRET
+
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    s3fs.S3FileSystem.clear_instance_cache()
+    options = {"key": OPTIONS_KEY, "secret": OPTIONS_SECRET, "endpoint_url": s3_env["AWS_ENDPOINT_URL"]}
+    root = f"s3://megatrain/options-{os.getpid()}"
+    caplog.set_level(logging.INFO)
+    strategy = MegatrainStrategy(storage_options=options)
+    callbacks = [SaveAtEnd(f"{root}/a.ckpt"), SaveAtEnd(f"{root}/b.ckpt", storage_options=options)]
+    torch.manual_seed(0)
+    with quiet():
+        trainer(strategy, max_steps=2, callbacks=callbacks).fit(CausalLMModule(**MODEL), TextDataModule(**DATA))
+        resumed = trainer(MegatrainStrategy(storage_options=options), max_steps=3, max_epochs=-1)
+        resumed.fit(CausalLMModule(**MODEL), TextDataModule(**DATA), ckpt_path=f"{root}/b.ckpt")
+    assert resumed.global_step == 3
+    module = load_from_checkpoint(CausalLMModule, f"{root}/a.ckpt", storage_options=options)
+    assert module.config.num_hidden_layers == 2
+    fs = fsspec.filesystem("s3", **options)
+    written = fs.find(root.removeprefix("s3://"))
+    assert any(p.endswith("trainer.pt") for p in written) and any(p.endswith("b.ckpt") for p in written)
+    for p in written:
+        assert OPTIONS_SECRET.encode() not in fs.cat_file(p)
+    assert OPTIONS_SECRET not in caplog.text
+    assert not [w for w in recwarn if OPTIONS_SECRET in str(w.message)]
+
+
+def test_what_counts_as_a_sharded_checkpoint(source, tmp_path):
+    """Ours even when its marker is cut short or lost beside its data; a trial resumes only from a marker."""
+    from ray_jobs.trial import resume_from
+
+    marker = copy_to(source, STEP2, tmp_path)
+    assert store.is_checkpoint(str(marker)) and resume_from(str(marker)) == str(marker)
+    shutil.rmtree(f"{marker}.d")
+    truncate(marker, 20)  # the start of the marker's frame, nothing else
+    assert store.is_checkpoint(str(marker))
+    lightning_file = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {}}, lightning_file)
+    assert not store.is_checkpoint(str(lightning_file))
+    lost = copy_to(source, STEP1, tmp_path)
+    lost.unlink()  # a first save that never committed: its data alone
+    assert store.is_checkpoint(str(lost)) and resume_from(str(lost)) is None
