@@ -21,6 +21,7 @@ fsspec for the checkpoint, and for the file written; they are written nowhere.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -88,7 +89,8 @@ def load_from_checkpoint(
         )
     url = str(checkpoint_path)
     with_weights = issubclass(cls, L.LightningModule)
-    checkpoint, index = _assemble(url, weights=with_weights, optimizer=False, storage_options=storage_options)
+    read = functools.partial(_assemble, url, weights=with_weights, optimizer=False, storage_options=storage_options)
+    checkpoint, index = store.reread_if_replaced(url, read, storage_options)  # again if a newer save replaced it
     if with_weights:
         _skip_init_from(cls, checkpoint, index, kwargs)
     buffer = io.BytesIO()
@@ -113,7 +115,8 @@ def lightning_checkpoint(
     (fp32 masters and buffers, tied parameters under each of their names) and, when `optimizer` and the
     checkpoint holds Adam state, ``optimizer_states`` in ``torch.optim.AdamW.state_dict()``'s layout."""
     url = _sharded(url, storage_options)
-    return _assemble(url, weights=True, optimizer=optimizer, storage_options=storage_options)[0]
+    read = functools.partial(_assemble, url, weights=True, optimizer=optimizer, storage_options=storage_options)
+    return store.reread_if_replaced(str(url), read, storage_options)[0]  # again if a newer save replaced it
 
 
 def to_lightning(url: str, out: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> str:

@@ -371,6 +371,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             return self._load_single_file(checkpoint_path, weights_only)
         state, index = mt_checkpoint.store.read_checkpoint(path, self.storage_options)
         state["megatrain_checkpoint"] = path
+        state["megatrain_index"] = index  # the weights must come from the version this state came from
         state["state_dict"] = {}  # the weights stream from the shards in load_model_state_dict
         if AVERAGED_STATE in state or (self._averaging is not None and self._averaging.reads_state_dict):
             # WeightAveraging's on_load_checkpoint reads its average from the state dict (one copy, for a moment)
@@ -409,8 +410,10 @@ class MegatrainStrategy(SingleDeviceStrategy):
             return super().load_model_state_dict(checkpoint, strict=strict)
         if "megatrain_checkpoint" in checkpoint:
             resuming = self.engine.has_optimizer and "optimizer_states" in checkpoint
-            url = checkpoint["megatrain_checkpoint"]
-            mt_checkpoint.restore(self.engine, url, optimizer=resuming, storage_options=self.storage_options)
+            url, pinned = checkpoint["megatrain_checkpoint"], checkpoint.get("megatrain_index")
+            mt_checkpoint.restore(
+                self.engine, url, optimizer=resuming, pinned=pinned, storage_options=self.storage_options
+            )
             return
         self.engine.load_master_state_dict(checkpoint["state_dict"], strict=strict)
 

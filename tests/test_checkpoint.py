@@ -115,7 +115,8 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, torch_adam):
     with pytest.warns(UserWarning, match="interrupted save"):
         fit(resumed, batches, max_epochs=3, ckpt_path="last", callbacks=[cb], enable_checkpointing=True)
     assert resumed.losses == straight.losses[3:]  # resumed from the step-3 last, the committed one
-    assert len(list((tmp_path / "ckpts" / "last.ckpt.d").iterdir())) == 1  # the stale partial is gone
+    # The stale partial is gone; the checkpoint the last save replaced stays, for readers of its marker.
+    assert all((v / "index.json").is_file() for v in (tmp_path / "ckpts" / "last.ckpt.d").iterdir())
 
 
 def engine_with_state(layers: int = 3):

@@ -222,7 +222,7 @@ def make_old(src: Path, dst: Path) -> str:
     marker = store.parse_marker(dst.read_bytes())
     vdir = Path(f"{dst}.d") / marker["data"]
     index = json.loads((vdir / "index.json").read_text())
-    for key in ("param_order", "aliases", "export"):
+    for key in ("param_order", "aliases", "export", "data"):
         del index[key]
     for rec in index["units"]:
         rec["step"] = rec["params"][0]["step"]  # one Adam step count per unit, not per parameter

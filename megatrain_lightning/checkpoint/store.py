@@ -8,12 +8,28 @@ A checkpoint named ``<url>`` (for example ``s3://bucket/run/last.ckpt``) is::
     <url>.d/<version>/units/NNNNN.safetensors   one shard per unit: fp32 master, exp_avg, exp_avg_sq
     <url>.d/<version>/buffers.safetensors       the model's persistent buffers
     <url>.d/<version>/trainer.pt                Lightning's trainer state (loops, schedulers, callbacks)
+    <url>.d/<version>/lease.json                the lease of the save writing it (versions.py)
 
 Each save writes a new version directory from the host buffers (never a second copy of the model),
-then replaces the marker in one write (``os.replace`` locally, a single PUT on object stores), then
-deletes the previous version. A save that dies midway leaves the old marker and so the old checkpoint
-in force; its half-written version is deleted, with a warning, by the next save to that name. The
-marker being a file also lets Lightning find, date and delete checkpoints as it does its own.
+then replaces the marker in one write (``os.replace`` locally, a single PUT on object stores). A save that
+dies midway leaves the old marker and so the old checkpoint in force. The marker being a file also lets
+Lightning find, date and delete checkpoints as it does its own.
+
+Several writers and readers may share one checkpoint (two runs given the same path, a resume or a
+conversion during a save). versions.py decides what a save deletes: only versions proven abandoned
+(their writer's lease lapsed, or its process is gone) or older than the checkpoint the marker replaced,
+which stays, for readers that read the marker just before a commit, until the next save begins. A read
+that outlives even that finds its version gone: the readers here (:func:`read_index`,
+:func:`read_checkpoint`, :func:`restore`) then re-read the marker and, when it moved on, start over on the
+new checkpoint (rereads.py); a file missing under an unchanged marker is damage, reported as such. A resume restores
+the weights of the version its trainer state came from (`pinned`), not whatever the marker names by then.
+
+Durability. On a local filesystem every file of the version (shards, buffers, trainer.pt, index) is
+fsynced, and the directories holding new entries, before the marker's temporary file is fsynced and
+renamed over the marker; the marker's directory is fsynced last, so after a power loss the marker names
+a version that is on disk whole (or the old marker stands). Object stores need no fsync: an object is
+durable once its PUT returns, a single PUT is atomic, and S3 (like GCS and Azure Blob) is strongly
+consistent read-after-write, so a reader that sees the new marker sees every object written before it.
 
 The marker's JSON is framed as a tiny pickle whose only global is a sentence: ``torch.load`` (and so a
 plain ``MyModule.load_from_checkpoint(path)`` or an ordinary strategy's resume) stops on it and prints
@@ -32,19 +48,26 @@ import itertools
 import json
 import os
 import struct
-import time
 import uuid
 import warnings
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from megatrain_lightning.checkpoint import stream, trust
+from megatrain_lightning.checkpoint import stream, trust, versions
 from megatrain_lightning.checkpoint.hf import describe_export
+from megatrain_lightning.checkpoint.rereads import (  # noqa: F401  (READ_ATTEMPTS, reread_if_replaced: this module's API too)
+    READ_ATTEMPTS,
+    raise_if_replaced,
+    reread_if_replaced,
+    rereading,
+)
+from megatrain_lightning.checkpoint.rereads import filesystem as _filesystem
+from megatrain_lightning.checkpoint.rereads import named as _named
+from megatrain_lightning.checkpoint.rereads import pinned_version as _pinned_version
 from megatrain_lightning.checkpoint.stream import EngineView
 from megatrain_lightning.checkpoint.verify import (  # noqa: F401  (REFUSAL, parse_marker: this module's API too)
     FORMAT,
@@ -58,6 +81,8 @@ from megatrain_lightning.checkpoint.verify import (  # noqa: F401  (REFUSAL, par
     parse_marker,
     shown,
 )
+
+T = TypeVar("T")
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -79,11 +104,34 @@ def save(
     fs, path = _filesystem(url, storage_options)
     if fs.isdir(path):
         raise CheckpointError(f"{url} is a directory; a checkpoint path names a file (its data goes to {url}.d/)")
-    previous = _pointer(fs, path, url) if fs.exists(path) else None
-    _remove_stale_versions(fs, path, keep=previous["data"] if previous else None)
-    version = f"v{time.time_ns():x}-{uuid.uuid4().hex[:8]}"
-    vdir = f"{path}.d/{version}"
-    fs.makedirs(f"{vdir}/units", exist_ok=True)
+    versions.remove_unused(fs, path, keep=lambda: _named(fs, path, url))  # all but the current checkpoint
+    lease = versions.Lease(fs, path, url)
+    try:
+        index_bytes = _write_version(engine, fs, lease, trainer_state, optimizer, param_groups, after_unit, weights)
+        replaced = _named(fs, path, url)
+        marker = {"format": FORMAT, "version": VERSION, "data": lease.version, "index_crc32": zlib.crc32(index_bytes)}
+        _commit(fs, path, {**marker, "previous": min(replaced, default=None)})
+    except BaseException:
+        if lease.version not in _named(fs, path, url):  # (a commit whose reply was lost stands)
+            lease.release()
+        raise
+    lease.committed()
+    # The checkpoint just replaced stays, for readers that read the marker before this commit.
+    versions.remove_unused(fs, path, keep=lambda: _named(fs, path, url, previous=True))
+
+
+def _write_version(
+    engine: EngineView,
+    fs: Any,
+    lease: versions.Lease,
+    trainer_state: dict,
+    optimizer: bool,
+    param_groups: list[dict] | None,
+    after_unit: Callable[[int], None] | None,
+    weights: Callable[[Any], torch.Tensor] | None,
+) -> bytes:
+    """Write the version directory: unit shards, buffers, trainer state, then the index (returned)."""
+    vdir = lease.vdir
     engine.flush()
     if optimizer and engine.tier is not None:  # the moments are read ahead while earlier units are written
         held = [u for u in engine.all_units() if u.has_moments]
@@ -95,6 +143,7 @@ def save(
         tensors = [("master", master)] + (list(_moments(unit, write=False).items()) if with_adam else [])
         info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
         units.append(_unit_record(engine, unit, i, info, with_adam))
+        lease.beat()
         if after_unit is not None:
             after_unit(i)
     aliases = _aliases(engine)
@@ -103,10 +152,11 @@ def save(
     raw = io.BytesIO()
     torch.save(trainer_state, raw)
     trainer_bytes = raw.getvalue()
-    fs.pipe_file(f"{vdir}/trainer.pt", trainer_bytes)
+    versions.write_bytes(fs, f"{vdir}/trainer.pt", trainer_bytes)
     index = {
         "format": FORMAT,
         "version": VERSION,
+        "data": lease.version,
         "units": units,
         "buffers": buf_info,
         "trainer": {"bytes": len(trainer_bytes), "crc32": zlib.crc32(trainer_bytes)},  # checked before unpickling
@@ -117,10 +167,10 @@ def save(
         "export": _export(engine),
     }
     index_bytes = json.dumps(index, indent=1).encode()
-    fs.pipe_file(f"{vdir}/index.json", index_bytes)
-    _commit(fs, path, {"format": FORMAT, "version": VERSION, "data": version, "index_crc32": zlib.crc32(index_bytes)})
-    if previous and previous["data"] != version:
-        fs.rm(f"{path}.d/{previous['data']}", recursive=True)
+    versions.write_bytes(fs, f"{vdir}/index.json", index_bytes)
+    versions.sync_dirs(fs, [f"{vdir}/units", vdir])
+    lease.beat()  # last: a lease lost meanwhile stops the commit
+    return index_bytes
 
 
 def _moments(unit: Any, write: bool) -> dict[str, Any]:
@@ -191,62 +241,39 @@ def _commit(fs: Any, path: str, marker: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic on POSIX: readers see the old marker or the new one
+        versions.sync_dirs(fs, [os.path.dirname(path) or "."])  # ... and after a power loss, the new one
     else:
         fs.pipe_file(path, data)  # one object write: atomic on object stores
 
 
-def _remove_stale_versions(fs: Any, path: str, keep: str | None) -> None:
-    root = f"{path}.d"
-    if not fs.isdir(root):
-        return
-    for entry in fs.ls(root, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name == keep:
-            continue
-        # Some stores (SeaweedFS) keep an emptied prefix as a directory entry, and even list it as an
-        # object of its own: only files inside it mean a partial save.
-        if [f for f in fs.find(entry) if f.rstrip("/") != entry.rstrip("/")]:
-            warnings.warn(f"removing {root}/{name}: data of an interrupted save, never committed", stacklevel=3)
-            fs.rm(entry, recursive=True)
-        else:
-            _rm_empty(fs, entry)
-
-
-def _rm_empty(fs: Any, entry: str) -> None:
-    try:
-        fs.rm(entry, recursive=True)
-    except FileNotFoundError:  # object stores: the prefix vanished with its last object
-        pass
-
-
 def remove(url: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Delete a checkpoint: the marker first (so it stops existing), then its data."""
+    """Delete a checkpoint: the marker first (so it stops existing), then its data, but not a version that a
+    save to the same name is writing now."""
     fs, path = _filesystem(url, storage_options)
-    if fs.exists(path):
+    try:
         fs.rm(path)
-    if fs.isdir(f"{path}.d"):
-        fs.rm(f"{path}.d", recursive=True)
-
-
-def _filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
-    return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except FileNotFoundError:
+        pass
+    versions.remove_unused(fs, path, keep=set, warn=False)
+    versions.drop_if_empty(fs, f"{path}.d")
 
 
 # -- reading ----------------------------------------------------------------------------------------
-# Every reader below checks before it trusts: the marker's JSON, index.json against the marker's CRC32,
-# each shard and trainer.pt against the index's. What fails is one CheckpointError line naming the file,
-# what is wrong with it, and the intact checkpoints saved earlier in the same directory.
 def is_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> bool:
     """Whether `url` is a checkpoint of this format, intact or not (a Lightning .ckpt file is not): its
     marker starts as ours do, or its data directory ``<url>.d/`` exists (a damaged or lost marker)."""
     fs, path = _filesystem(url, storage_options)
     if fs.isfile(path):
-        with fs.open(path, "rb") as f:
-            if looks_like_marker(f.read(4096)):
-                return True
+        try:
+            with fs.open(path, "rb") as f:
+                if looks_like_marker(f.read(4096)):
+                    return True
+        except FileNotFoundError:  # removed meanwhile (by another process sharing the directory)
+            pass
     return fs.isdir(f"{path}.d")
 
 
+@rereading
 def read_index(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str, dict]:
     """(filesystem, version directory, index) of the committed checkpoint at `url`."""
     fs, path = _filesystem(url, storage_options)
@@ -282,6 +309,7 @@ def load_trainer_state(url: str, storage_options: dict[str, Any] | None = None) 
     return read_checkpoint(url, storage_options)[0]
 
 
+@rereading
 def read_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> tuple[dict, dict]:
     """(Lightning trainer state, index) of the committed checkpoint at `url`, the marker read once."""
     fs, vdir, index = read_index(url, storage_options)
@@ -315,9 +343,21 @@ def read_trainer_state(fs: Any, vdir: str, index: dict) -> dict:
     return state
 
 
-def restore(engine: EngineView, url: str, *, optimizer: bool, storage_options: dict[str, Any] | None = None) -> dict:
-    """Stream masters (and Adam state when `optimizer`) into the engine's host buffers; returns the index."""
-    fs, vdir, index = read_index(url, storage_options)
+@rereading
+def restore(
+    engine: EngineView,
+    url: str,
+    *,
+    optimizer: bool,
+    pinned: dict | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> dict:
+    """Stream masters (and Adam state when `optimizer`) into the engine's host buffers; returns the index.
+    `pinned`: the index read with the trainer state (read_checkpoint), whose version to restore."""
+    if pinned and "data" in pinned:
+        fs, vdir, index = _pinned_version(url, pinned, storage_options)
+    else:
+        fs, vdir, index = read_index(url, storage_options)
     _check_layout(engine, index, url, fs, vdir)
     if optimizer and not index["optimizer"]:
         raise CheckpointError(f"{url} holds weights only (save_weights_only=True); it cannot resume training")
@@ -339,6 +379,7 @@ def _read_file(fs: Any, vdir: str, name: str, targets: dict[str, Any], expect: d
     try:
         stream.read_into(fs, file, targets, expect)
     except FileNotFoundError:
+        raise_if_replaced(fs, vdir)
         raise damaged(fs, vdir, f"{shown(fs, file)} is missing") from None
     except stream.ShardError as err:
         raise damaged(fs, vdir, str(err).replace(file, shown(fs, file), 1)) from None
@@ -360,6 +401,7 @@ def read_buffers(fs: Any, vdir: str, index: dict, url: str = "") -> dict[str, to
     try:
         return stream.read_tensors(fs, file, index["buffers"])
     except FileNotFoundError:
+        raise_if_replaced(fs, vdir)
         raise damaged(fs, vdir, f"{shown(fs, file)} is missing") from None
     except stream.ShardError as err:
         raise damaged(fs, vdir, str(err).replace(file, shown(fs, file), 1)) from None

@@ -13,12 +13,14 @@ parts are written, or read into, one after another as its iterator hands them ou
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 
 
@@ -112,6 +114,9 @@ def write(fs: Any, path: str, tensors: list[tuple[str, Any]], metadata: dict[str
                     f"tensor {name!r}: its parts hold {written} bytes, its header says {t.numel() * t.element_size()}"
                 )
             size += written
+        if isinstance(fs, LocalFileSystem):  # on disk before the commit marker names it (object stores: the PUT)
+            f.flush()
+            os.fsync(f.fileno())
     return {"bytes": size, "crc32": crc}
 
 

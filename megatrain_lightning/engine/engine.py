@@ -640,7 +640,7 @@ class Engine:
 
         extras, index = store.read_checkpoint(url)
         with_optimizer = optimizer and self._optimizer is not None and index["optimizer"]
-        store.restore(self, url, optimizer=with_optimizer)
+        store.restore(self, url, optimizer=with_optimizer, pinned=index)  # the version `extras` came from
         if with_optimizer and index["param_groups"]:
             for group, saved in zip(self._optimizer.param_groups, index["param_groups"]):
                 group.update(saved)
