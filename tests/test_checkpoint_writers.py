@@ -135,7 +135,7 @@ def test_a_missing_file_is_damage_only_under_an_unchanged_marker(tmp_path):
         store.read_unit(fs, vdir, index["units"][1], url)
     fs, vdir, index = store.read_index(url)
     Path(vdir, "units", "00001.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="No such file.*use an earlier checkpoint"):
+    with pytest.raises(CheckpointError, match=r"00001.safetensors is missing; intact earlier checkpoints in .*: none"):
         store.read_unit(fs, vdir, index["units"][1], url)
     with pytest.raises(FileNotFoundError):
         restore(engine_of(2), url, optimizer=True)
