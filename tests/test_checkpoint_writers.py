@@ -137,7 +137,7 @@ def test_a_missing_file_is_damage_only_under_an_unchanged_marker(tmp_path):
     Path(vdir, "units", "00001.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"00001.safetensors is missing; intact earlier checkpoints in .*: none"):
         store.read_unit(fs, vdir, index["units"][1], url)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(CheckpointError, match=r"00001.safetensors is missing; intact earlier checkpoints"):
         restore(engine_of(2), url, optimizer=True)
 
 
