@@ -1,11 +1,16 @@
-"""A vision-language model trains under strategy="megatrain" exactly as in ordinary training.
+"""Vision-language models train under strategy="megatrain" exactly as in ordinary training.
 
-Hugging Face LLaVA (``LlavaForConditionalGeneration``: a CLIP vision tower, a two-layer projector and a
-Llama decoder) with dropout on in both attentions, on random images and token ids with the image's
-tokens placed where the model expects them. The decoder's layers stream (the largest module list); the
-vision tower's encoder layers are the other large list and train as ordinary modules on the device, named
-in the setup line. The vision tower gets its gradients only through the image embeddings the decoder's
-blocks take, so a gradient lost at the boundary of the streamed stack would leave it untrained or wrong.
+Two Hugging Face VLMs, dropout on in their attentions, on random images and token ids with the image's
+tokens placed where the model expects them:
+
+- LLaVA (``LlavaForConditionalGeneration``): a CLIP vision tower, a two-layer projector, a Llama decoder.
+- Qwen2-VL (``Qwen2VLForConditionalGeneration``): its own vision transformer with a patch merger, a decoder
+  with multimodal rotary positions (M-RoPE: 3-D position ids computed from the image grid).
+
+The decoder's layers stream (the largest module list); the vision tower's layers are the other large list
+and train as ordinary modules on the device, named in the setup line. The vision tower gets its gradients
+only through the image embeddings the decoder's blocks take, so a gradient lost at the boundary of the
+streamed stack would leave it untrained or wrong.
 
 fp32 on the CPU with the torch-op optimizer backend: every loss and every weight bitwise equal.
 """
@@ -63,16 +68,82 @@ def vlm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**batch).loss
 
 
-def test_llava_trains_exactly_with_its_decoder_streamed(caplog):
+def hf_qwen2_vl() -> nn.Module:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.1, use_cache=False, bos_token_id=0,
+        eos_token_id=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+    )  # fmt: skip
+    vision = dict(
+        depth=2, embed_dim=16, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=PATCH // 2, spatial_merge_size=2,
+        temporal_patch_size=2,
+    )  # fmt: skip
+    cfg = Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=38,
+        vision_start_token_id=37, vision_end_token_id=36,
+    )  # fmt: skip
+    return Qwen2VLForConditionalGeneration(cfg)
+
+
+def qwen2_vl_batches(n: int, batch: int = 2, seq: int = 12) -> list[dict[str, torch.Tensor]]:
+    """The Qwen2-VL processor's layout: <vision_start>, the image's merged tokens, <vision_end>; the patches of
+    all images flattened to rows (2x2-patch grid cells of temporal pairs), one (t, h, w) grid per image, and
+    the token types M-RoPE needs to place the image tokens on their grid."""
+    g = torch.Generator().manual_seed(3)
+    grid = IMAGE // (PATCH // 2)  # 4x4 patches, merged 2x2 into IMAGE_TOKENS tokens
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 36, (batch, seq), generator=g)
+        ids[:, 1], ids[:, 2 + IMAGE_TOKENS] = 37, 36
+        ids[:, 2 : 2 + IMAGE_TOKENS] = IMAGE_TOKEN
+        out.append(
+            {
+                "input_ids": ids,
+                "labels": ids.masked_fill(ids == IMAGE_TOKEN, -100),
+                "mm_token_type_ids": (ids == IMAGE_TOKEN).int(),
+                "pixel_values": torch.randn(batch * grid * grid, 3 * 2 * (PATCH // 2) ** 2, generator=g),
+                "image_grid_thw": torch.tensor([[1, grid, grid]] * batch),
+            }
+        )
+    return out
+
+
+CASES = {
+    # name: (build, batches, streamed stack, setup line, vision parameters no loss depends on)
+    "llava": (
+        hf_llava,
+        image_batches,
+        "model.language_model.layers",
+        "streaming model.model.language_model.layers: 3 blocks, 49% of the parameters; not streamed, trained as "
+        "ordinary modules on the device: model.model.vision_tower.encoder.layers (2 blocks, 31% of the parameters)",
+        # vision_feature_layer=-1 takes the encoder's last hidden state, before post_layernorm
+        ["model.vision_tower.post_layernorm.bias", "model.vision_tower.post_layernorm.weight"],
+    ),
+    "qwen2-vl": (
+        hf_qwen2_vl,
+        qwen2_vl_batches,
+        "model.language_model.layers",
+        "streaming model.model.language_model.layers: 3 blocks, 67% of the parameters; not streamed, trained as "
+        "ordinary modules on the device: model.model.visual.blocks (2 blocks, 11% of the parameters)",
+        [],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_vlm_trains_exactly_with_its_decoder_streamed(name, caplog):
     """Dropout on, gradient accumulation and clipping: the recompute replays the forward's RNG draws."""
+    build, make_batches, stack, line, unused = CASES[name]
     torch.manual_seed(0)
-    a = hf_llava()
+    a = build()
     torch.manual_seed(0)
-    b = hf_llava()
-    assert find_blocks(b).name == "model.language_model.layers"
+    b = build()
+    assert find_blocks(b).name == stack
     start = params_of(b)
     ref, mt = CausalLM(a, loss_fn=vlm_loss, weight_decay=0.0), CausalLM(b, loss_fn=vlm_loss, weight_decay=0.0)
-    batches = image_batches(4)
+    batches = make_batches(4)
     kwargs = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
     torch.manual_seed(1)
     fit(ref, batches, strategy="auto", **kwargs)
@@ -80,14 +151,9 @@ def test_llava_trains_exactly_with_its_decoder_streamed(caplog):
     with caplog.at_level(logging.INFO, logger="megatrain_lightning"):
         fit(mt, batches, strategy="megatrain", **kwargs)
     assert_same(mt, ref)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("streaming ")]
-    assert lines == [
-        "streaming model.model.language_model.layers: 3 blocks, 49% of the parameters; not streamed, trained as "
-        "ordinary modules on the device: model.model.vision_tower.encoder.layers (2 blocks, 31% of the parameters)"
-    ]
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("streaming ")] == [line]
     # Without weight decay a weight moves only by its gradient: every vision weight the image features
-    # depend on moved (post_layernorm does not: vision_feature_layer=-1 takes the encoder's last hidden
-    # state before it), so the equality above is not two untrained towers agreeing.
+    # depend on moved, so the equality above is not two untrained towers agreeing.
     after = params_of(b)
-    unchanged = sorted(n for n in after if n.startswith("model.vision_tower.") and torch.equal(after[n], start[n]))
-    assert unchanged == ["model.vision_tower.post_layernorm.bias", "model.vision_tower.post_layernorm.weight"]
+    vision = [n for n in after if n.startswith(("model.vision_tower.", "model.visual."))]
+    assert vision and sorted(n for n in vision if torch.equal(after[n], start[n])) == unused
