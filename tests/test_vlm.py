@@ -51,7 +51,7 @@ def hf_llava() -> nn.Module:
     return LlavaForConditionalGeneration(cfg)
 
 
-def image_batches(n: int, batch: int = 2, seq: int = 12) -> list[dict[str, torch.Tensor]]:
+def llava_batches(n: int, batch: int = 2, seq: int = 12) -> list[dict[str, torch.Tensor]]:
     """Random text with one image's tokens after the first token; the loss skips the image positions."""
     g = torch.Generator().manual_seed(3)
     out = []
@@ -114,7 +114,7 @@ CASES = {
     # name: (build, batches, streamed stack, setup line, vision parameters no loss depends on)
     "llava": (
         hf_llava,
-        image_batches,
+        llava_batches,
         "model.language_model.layers",
         "streaming model.model.language_model.layers: 3 blocks, 49% of the parameters; not streamed, trained as "
         "ordinary modules on the device: model.model.vision_tower.encoder.layers (2 blocks, 31% of the parameters)",
