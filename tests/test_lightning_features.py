@@ -10,6 +10,7 @@ value (tests/test_grad_hooks.py), top-k deletion without a monitor (tests/test_c
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -46,25 +47,31 @@ def runs(make: Any) -> dict[str, Any]:
 
 def test_lr_find_gives_the_same_curve_suggestion_and_restored_weights(tmp_path):
     """lr_find trains `num_training` steps on an exponential lr ramp, then restores the weights it saved
-    before: the recorded curve, the suggested lr and the restored weights must all be ordinary training's."""
+    before: the recorded curve, the suggested lr and the restored weights must all be ordinary training's.
+    A fit on the same Trainer afterwards (the usual next call) trains with the suggested lr as ordinary
+    training does, from the restored weights and a fresh optimizer."""
 
-    def run(strategy: str) -> tuple[CausalLM, Any]:
+    def run(strategy: str) -> tuple[CausalLM, Any, CausalLM]:
         module = CausalLM(hf_llama(layers=2), lr=1e-3)
         t = trainer(strategy, default_root_dir=tmp_path / strategy)
         with quiet():
             finder = Tuner(t).lr_find(
                 module, train_dataloaders=loader(token_batches(16)), min_lr=1e-5, max_lr=1e-1, num_training=16
             )
-        return module, finder
+        restored = copy.deepcopy(module)
+        with quiet():
+            t.fit(module, loader(token_batches(2, seed=3)))
+        return restored, finder, module
 
     r = runs(run)
-    (a, fa), (b, fb) = r["auto"], r["megatrain"]
+    (a, fa, fit_a), (b, fb, fit_b) = r["auto"], r["megatrain"]
     assert fa.results["loss"] == fb.results["loss"] and len(fa.results["loss"]) == 16
     assert fa.results["lr"] == fb.results["lr"]
     assert fa.suggestion() == fb.suggestion() and a.lr == b.lr == fa.suggestion()
     assert_same_params(a, b)
     assert_same_params(a, CausalLM(hf_llama(layers=2)))  # restored: the weights before lr_find
     assert not list(tmp_path.rglob(".lr_find*"))  # its temporary checkpoint removed, sharded or not
+    assert_same(fit_a, fit_b)
 
 
 def test_max_time_generous_trains_as_without_and_zero_stops_before_the_first_step():
