@@ -194,7 +194,10 @@ def test_blocks_option_streams_the_named_list(pick, caplog):
         seeded_fit(make_trainer(strategy, **TRAIN_KWARGS), mt, batches)
     assert_bitwise(ref, mt)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("streaming ")]
-    assert lines == ["streaming model.more: 2 blocks, 42% of the parameters"]
+    assert lines == [
+        "streaming model.more: 2 blocks, 42% of the parameters; not streamed, trained as ordinary modules on the "
+        "device: model.blocks (2 blocks, 42% of the parameters)"
+    ]
 
 
 def test_blocks_option_picks_the_list_for_the_engine():
