@@ -93,7 +93,7 @@ class Mutations:
             for n, b in m._buffers.items()
             if b is not None
         }
-        scalars = [(m, {k: v for k, v in m.__dict__.items() if isinstance(v, SCALARS)}) for m in modules]
+        snapshots = [(m, m.__dict__.copy()) for m in modules]  # (a C-level copy: this runs per block call)
         found = cls(block)
         yield found
         for m, n, b, version, before in buffers.values():
@@ -101,11 +101,15 @@ class Mutations:
                 found.buffers.append((m, n, before))
         for m in modules:
             found.buffers.extend((m, n, None) for n in m._buffers if (id(m), n) not in buffers)
-        for m, before in scalars:
-            now = {k: v for k, v in m.__dict__.items() if isinstance(v, SCALARS)}
-            for k in before.keys() | now.keys():
-                if not _same(before.get(k, _MISSING), m.__dict__.get(k, _MISSING)):
-                    found.attrs.append((m, k, before.get(k, _MISSING)))
+        for m, before in snapshots:
+            now = m.__dict__
+            # Only attributes rebound or added can have changed (numbers and strings are immutable); of those,
+            # the ones a scalar was or is now, compared by value.
+            changed = [k for k, v in before.items() if now.get(k, _MISSING) is not v] + list(now.keys() - before)
+            for k in changed:
+                old, new = (_scalar(d.get(k, _MISSING)) for d in (before, now))
+                if not _same(old, new):
+                    found.attrs.append((m, k, old))
 
     def __bool__(self) -> bool:
         return bool(self.buffers or self.attrs)
@@ -159,6 +163,11 @@ class Mutations:
                     "streamed block must run the same code in both (make the update depend only on its inputs and "
                     "train/eval mode)"
                 )
+
+
+def _scalar(value: Any) -> Any:
+    """`value` if it is a plain attribute value a recompute can put back (:data:`SCALARS`), else _MISSING."""
+    return value if isinstance(value, SCALARS) else _MISSING
 
 
 def _same(a: Any, b: Any) -> bool:
