@@ -30,12 +30,12 @@ import warnings
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-import fsspec
 import lightning.pytorch as L
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from megatrain_lightning.checkpoint import store, trust
+from megatrain_lightning.checkpoint.rereads import filesystem
 from megatrain_lightning.checkpoint.store import CheckpointError
 
 T = TypeVar("T", L.LightningModule, L.LightningDataModule)
@@ -126,7 +126,7 @@ def to_lightning(url: str, out: str | os.PathLike, storage_options: dict[str, An
     url, out = _sharded(url, storage_options), str(out)
     _check_target(url, out, storage_options)
     checkpoint = lightning_checkpoint(url, optimizer=True, storage_options=storage_options)
-    fs, path = fsspec.core.url_to_fs(out, **(storage_options or {}))
+    fs, path = filesystem(out, storage_options)
     if isinstance(fs, LocalFileSystem):
         fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
@@ -201,7 +201,7 @@ def _sharded(url: str, storage_options: dict[str, Any] | None = None) -> str:
     url = str(url)
     if store.is_checkpoint(url, storage_options):
         return url
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    fs, path = filesystem(url, storage_options)
     if fs.isdir(path):
         raise CheckpointError(f"{url} is a directory; give the checkpoint's file (e.g. .../checkpoints/last.ckpt)")
     if not fs.exists(path):
@@ -326,8 +326,8 @@ def _export_from_hparams(fs: Any, vdir: str, index: dict, url: str) -> dict | No
 
 
 def _check_target(url: str, out: str, storage_options: dict[str, Any] | None) -> None:
-    fs, src = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    ofs, dst = fsspec.core.url_to_fs(out, **(storage_options or {}))
+    fs, src = filesystem(url, storage_options)
+    ofs, dst = filesystem(out, storage_options)
     local = isinstance(fs, LocalFileSystem) and isinstance(ofs, LocalFileSystem)
     if (os.path.abspath(src) == os.path.abspath(dst)) if local else (type(fs) is type(ofs) and src == dst):
         raise ValueError(f"{out} is the checkpoint being converted; write to another path")

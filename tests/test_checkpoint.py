@@ -156,7 +156,7 @@ def test_index_names_tied_parameters_and_the_model_to_export(tmp_path):
     save(engine, url, {})
     _, _, index = store.read_index(url)
     assert index["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
-    assert store.read_buffers(*store.read_index(url)[:2], index, url) == {}
+    assert store.read_buffers(*store.read_index(url)[:2], index) == {}
     assert index["export"]["library"] == "megatrain" and index["export"]["prefix"] == ""
     assert LlamaConfig(**index["export"]["llama_config"]) == model.config
     assert all(p["group"] is None for rec in index["units"] for p in rec["params"])  # no optimizer attached

@@ -132,11 +132,11 @@ def test_a_missing_file_is_damage_only_under_an_unchanged_marker(tmp_path):
     save(engine, url, {})
     save(engine, url, {})
     with pytest.raises(CheckpointError, match="replaced by a newer save while being read .* read it again"):
-        store.read_unit(fs, vdir, index["units"][1], url)
+        store.read_unit(fs, vdir, index["units"][1])
     fs, vdir, index = store.read_index(url)
     Path(vdir, "units", "00001.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"00001.safetensors is missing; intact earlier checkpoints in .*: none"):
-        store.read_unit(fs, vdir, index["units"][1], url)
+        store.read_unit(fs, vdir, index["units"][1])
     with pytest.raises(CheckpointError, match=r"00001.safetensors is missing; intact earlier checkpoints"):
         restore(engine_of(2), url, optimizer=True)
 
@@ -270,8 +270,8 @@ def test_two_trainers_checkpointing_to_one_directory(tmp_path, request):
         fs, vdir, index = store.read_index(f"{url}/last.ckpt")
         assert state["global_step"] == 3 and len(index["units"]) == 5  # embeddings, 2 blocks, norm, head
         for rec in index["units"]:  # complete: every shard there and checksummed
-            store.read_unit(fs, vdir, rec, url, adam=True)
-        store.read_buffers(fs, vdir, index, url)
+            store.read_unit(fs, vdir, rec, adam=True)
+        store.read_buffers(fs, vdir, index)
 
 
 # -- kill -9 inside saves ----------------------------------------------------------------------------

@@ -231,7 +231,7 @@ def make_old(src: Path, dst: Path) -> str:
             del p["step"]
     embed = index["units"][0]["params"][0]
     assert embed["name"] == "model.model.embed_tokens.weight"
-    master = store.read_unit(*store.read_index(str(dst))[:2], index["units"][0], str(dst))["master"]
+    master = store.read_unit(*store.read_index(str(dst))[:2], index["units"][0])["master"]
     head = master[: embed["shape"][0] * embed["shape"][1]].view(embed["shape"]).clone()
     fs = fsspec.filesystem("file")
     index["buffers"] = stream.write(fs, str(vdir / "buffers.safetensors"), [("model.lm_head.weight", head)])

@@ -27,9 +27,8 @@ T = TypeVar("T")
 def named(fs: Any, path: str, url: str, previous: bool = False) -> set[str]:
     """The version the commit marker at `path` names (none without a marker), and with `previous` the one it
     replaced. (Read with a GET, not `exists`: object store listings are cached per filesystem object.)"""
-    try:
-        raw = fs.cat_file(path)
-    except FileNotFoundError:
+    raw = _marker_raw(fs, path)
+    if raw is None:
         return set()
     try:
         marker = parse_marker(raw)
@@ -111,8 +110,3 @@ def raise_if_replaced(fs: Any, vdir: str) -> None:
         raise CheckpointError(
             f"{shown(fs, path)} was replaced by a newer save while being read ({shown(fs, vdir)} is gone); read it again"
         )
-
-
-# Every reader below checks before it trusts: the marker's JSON, index.json against the marker's CRC32,
-# each shard and trainer.pt against the index's. What fails is one CheckpointError line naming the file,
-# what is wrong with it, and the intact checkpoints saved earlier in the same directory.

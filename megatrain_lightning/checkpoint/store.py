@@ -51,7 +51,8 @@ import struct
 import uuid
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -236,10 +237,7 @@ def _commit(fs: Any, path: str, marker: dict) -> None:
     if isinstance(fs, LocalFileSystem):
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         fs.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        versions.write_bytes(fs, tmp, data)
         os.replace(tmp, path)  # atomic on POSIX: readers see the old marker or the new one
         versions.sync_dirs(fs, [os.path.dirname(path) or "."])  # ... and after a power loss, the new one
     else:
@@ -259,6 +257,9 @@ def remove(url: str, storage_options: dict[str, Any] | None = None) -> None:
 
 
 # -- reading ----------------------------------------------------------------------------------------
+# Every reader below checks before it trusts: the marker's JSON, index.json against the marker's CRC32,
+# each shard and trainer.pt against the index's. What fails is one CheckpointError line naming the file,
+# what is wrong with it, and the intact checkpoints saved earlier in the same directory.
 def is_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> bool:
     """Whether `url` is a checkpoint of this format, intact or not (a Lightning .ckpt file is not): its
     marker starts as ours do, or its data directory ``<url>.d/`` exists (a damaged or lost marker)."""
@@ -273,9 +274,9 @@ def is_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> bo
     return fs.isdir(f"{path}.d")
 
 
-@rereading
-def read_index(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str, dict]:
-    """(filesystem, version directory, index) of the committed checkpoint at `url`."""
+def _index(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str, dict]:
+    """(filesystem, version directory, index) of the committed checkpoint at `url` (read once: the public
+    :func:`read_index` and the readers that start from it re-read a checkpoint replaced meanwhile)."""
     fs, path = _filesystem(url, storage_options)
     marker = _pointer(fs, path, url)
     vdir = f"{path}.d/{marker['data']}"
@@ -305,6 +306,9 @@ def read_index(url: str, storage_options: dict[str, Any] | None = None) -> tuple
     return fs, vdir, index
 
 
+read_index = rereading(_index)
+
+
 def load_trainer_state(url: str, storage_options: dict[str, Any] | None = None) -> dict:
     return read_checkpoint(url, storage_options)[0]
 
@@ -312,7 +316,7 @@ def load_trainer_state(url: str, storage_options: dict[str, Any] | None = None) 
 @rereading
 def read_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> tuple[dict, dict]:
     """(Lightning trainer state, index) of the committed checkpoint at `url`, the marker read once."""
-    fs, vdir, index = read_index(url, storage_options)
+    fs, vdir, index = _index(url, storage_options)
     return read_trainer_state(fs, vdir, index), index
 
 
@@ -357,7 +361,7 @@ def restore(
     if pinned and "data" in pinned:
         fs, vdir, index = _pinned_version(url, pinned, storage_options)
     else:
-        fs, vdir, index = read_index(url, storage_options)
+        fs, vdir, index = _index(url, storage_options)
     _check_layout(engine, index, url, fs, vdir)
     if optimizer and not index["optimizer"]:
         raise CheckpointError(f"{url} holds weights only (save_weights_only=True); it cannot resume training")
@@ -373,11 +377,11 @@ def restore(
     return index
 
 
-def _read_file(fs: Any, vdir: str, name: str, targets: dict[str, Any], expect: dict) -> None:
-    """stream.read_into of the version's file `name`, its failures explained as damage."""
-    file = f"{vdir}/{name}"
+@contextmanager
+def _explained(fs: Any, vdir: str, file: str) -> Iterator[None]:
+    """A read of the version's `file` inside: its failures as the damage line (or as a replaced checkpoint)."""
     try:
-        stream.read_into(fs, file, targets, expect)
+        yield
     except FileNotFoundError:
         raise_if_replaced(fs, vdir)
         raise damaged(fs, vdir, f"{shown(fs, file)} is missing") from None
@@ -385,7 +389,14 @@ def _read_file(fs: Any, vdir: str, name: str, targets: dict[str, Any], expect: d
         raise damaged(fs, vdir, str(err).replace(file, shown(fs, file), 1)) from None
 
 
-def read_unit(fs: Any, vdir: str, rec: dict, url: str = "", *, adam: bool = False) -> dict[str, torch.Tensor]:
+def _read_file(fs: Any, vdir: str, name: str, targets: dict[str, Any], expect: dict) -> None:
+    """stream.read_into of the version's file `name`, its failures explained as damage."""
+    file = f"{vdir}/{name}"
+    with _explained(fs, vdir, file):
+        stream.read_into(fs, file, targets, expect)
+
+
+def read_unit(fs: Any, vdir: str, rec: dict, *, adam: bool = False) -> dict[str, torch.Tensor]:
     """One unit's flat fp32 tensors, fresh: ``master``, plus ``exp_avg``/``exp_avg_sq`` when `adam` and
     the unit holds them; the whole shard is checksummed (tensors not asked for are read and dropped)."""
     targets = {"master": torch.empty(rec["numel"], dtype=torch.float32)}
@@ -395,16 +406,11 @@ def read_unit(fs: Any, vdir: str, rec: dict, url: str = "", *, adam: bool = Fals
     return targets
 
 
-def read_buffers(fs: Any, vdir: str, index: dict, url: str = "") -> dict[str, torch.Tensor]:
+def read_buffers(fs: Any, vdir: str, index: dict) -> dict[str, torch.Tensor]:
     """The model's buffers as saved (checksummed)."""
     file = f"{vdir}/buffers.safetensors"
-    try:
+    with _explained(fs, vdir, file):
         return stream.read_tensors(fs, file, index["buffers"])
-    except FileNotFoundError:
-        raise_if_replaced(fs, vdir)
-        raise damaged(fs, vdir, f"{shown(fs, file)} is missing") from None
-    except stream.ShardError as err:
-        raise damaged(fs, vdir, str(err).replace(file, shown(fs, file), 1)) from None
 
 
 def _restore_buffers(engine: EngineView, fs: Any, vdir: str, index: dict) -> None:
