@@ -34,6 +34,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.callbacks import MegatrainMonitor
+from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.commands import (
     convert_command,
     default_precision,
@@ -44,15 +45,7 @@ from megatrain_lightning.commands import (
     user_error,
 )
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.engine.config import (
-    check_checkpoint_format,
-    check_flag,
-    check_host_layout,
-    check_host_threads,
-    check_num_slots,
-    check_offload_inputs,
-    check_precision,
-)
+from megatrain_lightning.engine.config import check_options, check_precision
 from megatrain_lightning.engine.host import HostMemoryError
 from megatrain_lightning.engine.nvme import NvmeTierError
 from megatrain_lightning.module import CausalLMModule, check_init_from, check_optimizer_args, resolve_config
@@ -273,18 +266,7 @@ def _check_strategy(strategy: Any) -> None:
     if not str(getattr(strategy, "class_path", "")).endswith("MegatrainStrategy"):
         return
     args = vars(strategy.get("init_args") or {})
-    checks = {
-        "num_slots": check_num_slots,
-        "offload_inputs": check_offload_inputs,
-        "host_layout": check_host_layout,
-        "host_threads": check_host_threads,
-        "checkpoint_format": check_checkpoint_format,
-        "compile_blocks": lambda v: check_flag("compile_blocks", v),
-        "overlap_optimizer": lambda v: check_flag("overlap_optimizer", v),
-    }
-    for key, check in checks.items():
-        if key in args:
-            check(args[key])
+    check_options(args)
     nvme_dir = args.get("nvme_dir")
     if nvme_dir is not None and not Path(nvme_dir).is_dir():
         what = "is not a directory" if Path(nvme_dir).exists() else "does not exist"
@@ -328,11 +310,7 @@ def _check_ckpt_path(path: str) -> None:
 
 def _load_error(err: BaseException) -> str:
     """The telling part of a torch.load failure (its weights-only refusal opens with a paragraph of advice)."""
-    text = str(err)
-    if "WeightsUnpickler error:" in text:
-        text = text.split("WeightsUnpickler error:", 1)[1]
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
+    return f"{type(err).__name__}: {trust.first_line(err)}"
 
 
 _OPTIMIZER_FIX = (

@@ -28,16 +28,7 @@ from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.averaging import AVERAGED_STATE, AveragingViews, replaced_weights
 from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.convert import lightning_checkpoint
-from megatrain_lightning.engine.config import (
-    EngineConfig,
-    check_blocks,
-    check_checkpoint_format,
-    check_flag,
-    check_host_layout,
-    check_host_threads,
-    check_num_slots,
-    check_offload_inputs,
-)
+from megatrain_lightning.engine.config import EngineConfig, check_options
 from megatrain_lightning.engine.discover import unstreamed
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.optimizer import HostAdamW
@@ -128,9 +119,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
             ``ckpt_path`` it resumes from and the old checkpoints it deletes. Passed to fsspec only: never
             written into a checkpoint or a log. None: fsspec's defaults (e.g. the ``AWS_*`` variables).
         blocks: the ``nn.ModuleList`` of blocks to stream: its dotted name (``"model.layers"``) or a callable
-            model -> ModuleList. Default: the list holding the most parameters, if it holds at least half of
-            them and no other list comes close (otherwise setup refuses and names the lists it found; see
-            "How blocks are found" in the user guide). Setup logs the list, its length and its share.
+            model -> ModuleList. Default: the list holding the most parameters, if it holds at least a fifth
+            of them and no other list is about as large (otherwise setup refuses and names the lists it found;
+            see "How blocks are found" in the user guide). Setup logs the list, its length and its share.
     """
 
     strategy_name = "megatrain"
@@ -150,13 +141,18 @@ class MegatrainStrategy(SingleDeviceStrategy):
         blocks: str | Callable[[torch.nn.Module], torch.nn.ModuleList] | None = None,
         **kwargs: Any,
     ) -> None:
-        check_flag("compile_blocks", compile_blocks)
-        check_blocks(blocks)
-        check_checkpoint_format(checkpoint_format)
-        check_num_slots(num_slots)
-        check_offload_inputs(offload_inputs)
-        check_host_layout(host_layout)
-        check_host_threads(host_threads)  # ValueError for < 1 or more than the cores
+        check_options(
+            {
+                "compile_blocks": compile_blocks,
+                "overlap_optimizer": overlap_optimizer,
+                "blocks": blocks,
+                "checkpoint_format": checkpoint_format,
+                "num_slots": num_slots,
+                "offload_inputs": offload_inputs,
+                "host_layout": host_layout,
+                "host_threads": host_threads,  # ValueError for < 1 or more than the cores
+            }
+        )
         super().__init__(device=device or "cpu", **kwargs)
         self._device_arg = device
         self.num_slots = num_slots

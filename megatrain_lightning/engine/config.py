@@ -10,7 +10,7 @@ It imports nothing of the engine: the planner, the command line and the sweeps i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -123,6 +123,26 @@ def check_blocks(value: Any) -> str | Callable | None:
         f"blocks={value!r}: give the dotted name of the model's nn.ModuleList of blocks (e.g. 'model.layers'), "
         "a callable model -> nn.ModuleList, or None to find it"
     )
+
+
+_OPTION_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "compile_blocks": lambda v: check_flag("compile_blocks", v),
+    "overlap_optimizer": lambda v: check_flag("overlap_optimizer", v),
+    "blocks": check_blocks,
+    "checkpoint_format": check_checkpoint_format,
+    "num_slots": check_num_slots,
+    "offload_inputs": check_offload_inputs,
+    "host_layout": check_host_layout,
+    "host_threads": check_host_threads,
+}
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """The strategies' options among `options`, each checked (a one-line ValueError): by MegatrainStrategy's
+    constructor, and by the megatrain command before jsonargparse would build the strategy."""
+    for key, check in _OPTION_CHECKS.items():
+        if key in options:
+            check(options[key])
 
 
 @dataclass(frozen=True)
