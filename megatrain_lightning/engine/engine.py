@@ -242,9 +242,11 @@ class Engine:
             for blk in self.blocks
         ]
 
-    def _buffers_to_host(self, idx: int) -> None:
-        """Write block `idx`'s device buffer copies into its host buffers (before they are read)."""
-        for _, _, host, dev in self._block_buffers[idx]:
+    def _buffers_to_host(self, idx: int | None = None) -> None:
+        """Write block `idx`'s (None: every block's) device buffer copies into its host buffers (before they
+        are read)."""
+        records = self._block_buffers[idx] if idx is not None else [r for rs in self._block_buffers for r in rs]
+        for _, _, host, dev in records:
             if host.shape == dev.shape and host.dtype == dev.dtype:
                 host.copy_(dev)
             else:
@@ -588,8 +590,7 @@ class Engine:
             self.flush()
             self.outer.bind_masters()
             if write:  # a buffer the writer leaves alone keeps its value from training (refresh re-copies them)
-                for idx in range(len(self.blocks)):
-                    self._buffers_to_host(idx)
+                self._buffers_to_host()
         try:
             yield
         finally:
@@ -642,8 +643,7 @@ class Engine:
         with_optimizer = optimizer and self._optimizer is not None and index["optimizer"]
         store.restore(self, url, optimizer=with_optimizer, pinned=index)  # the version `extras` came from
         if with_optimizer and index["param_groups"]:
-            for group, saved in zip(self._optimizer.param_groups, index["param_groups"]):
-                group.update(saved)
+            self._optimizer.restore_groups(index["param_groups"])  # as torch's load_state_dict leaves them
         return extras
 
     def refresh_from_masters(self) -> None:
@@ -708,8 +708,7 @@ class Engine:
             self.tier.close()  # the moments are scratch: the run directory goes with them
         for handle in self._state_hooks:
             handle.remove()
-        for idx in range(len(self.blocks)):
-            self._buffers_to_host(idx)
+        self._buffers_to_host()
         for config in self._caches_off:
             config.use_cache = True
         self.input_chain.clear()

@@ -367,9 +367,7 @@ class HostSide:
         unit.norms = self._norms(unit) if want_norm else None
         self.stats["host_land_seconds"] += time.perf_counter() - t0
         if hyper is not None:
-            if clamp is not None:
-                self._grad_of(unit).clamp_(-clamp, clamp)
-            self._step_unit(unit, hyper, 1.0)
+            self._clamp_and_step(unit, hyper, 1.0, clamp)
 
     def _promote(self, unit: HostUnit) -> None:
         """A second gradient arrives while the first still sits in the slab: move the first to fp32."""
@@ -387,9 +385,7 @@ class HostSide:
     # -- gradients shown to hooks (engine.gradients_visible) --------------------------------------
     def expose(self) -> None:
         """Before hooks read the gradients: every gradient landed, in the fp32 accumulator `.grad` will view."""
-        for unit in self.all_units():
-            if unit.held is not None:  # a call of its block has not come back: the sum of those that did
-                self.land_held(unit, self.block_index.get(id(unit)), this_pass=False)
+        self._land_all_held()
         self.flush()
         for unit in self.all_units():
             if unit.grad_state is GradState.SLAB:
@@ -453,9 +449,7 @@ class HostSide:
             raise RuntimeError("no optimizer is attached to the engine: call engine.optimizer(torch.optim.AdamW(...))")
         clip_val, self._clip = self._clip, None
         clamp, self._clip_value = self._clip_value, None
-        for unit in self.all_units():
-            if unit.held is not None:  # a call of its block never came back: the sum of those that did
-                self.land_held(unit, self.block_index.get(id(unit)), this_pass=False)
+        self._land_all_held()
         hyper = self.hyper()
         todo = sorted((u for u in self.all_units() if u in self._pending), key=self.step_rank)
         if todo:  # (after a backward that stepped everything, the plan it set reaches into the next one)
@@ -487,6 +481,12 @@ class HostSide:
         if self.tier is not None and self._eager_ok():
             later = [u for u in self.outer if u not in self._eager]
             self._read_ahead(self.blocks[::-1] + later + [u for u in self.outer if u in self._eager])
+
+    def _land_all_held(self) -> None:
+        """Land the held sum of every unit a call of whose block has not come back (the sum of those that did)."""
+        for unit in self.all_units():
+            if unit.held is not None:
+                self.land_held(unit, self.block_index.get(id(unit)), this_pass=False)
 
     def _clamp_and_step(self, unit: HostUnit, hyper: list[AdamHyper], scale: float, clamp: float | None) -> None:
         if clamp is not None:
