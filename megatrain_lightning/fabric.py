@@ -22,7 +22,7 @@ the last. The price is Fabric's rule for such strategies: call ``fabric.launch()
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
 
@@ -44,6 +44,7 @@ from megatrain_lightning.engine.config import (
     compute_dtype,
     forward_context,
 )
+from megatrain_lightning.engine.discover import BlocksOption
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.optimizer import SUPPORTED, HostAdamW, check_optimizer
 
@@ -125,7 +126,7 @@ class MegatrainFabricStrategy(Strategy):
         compile_blocks: bool = False,
         clipping: bool = False,
         accumulating: bool = False,
-        blocks: str | Callable[[torch.nn.Module], torch.nn.ModuleList] | None = None,
+        blocks: BlocksOption = None,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,

@@ -11,7 +11,7 @@ import logging
 import pickle
 import random
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -29,7 +29,7 @@ from megatrain_lightning.averaging import AVERAGED_STATE, AveragingViews, replac
 from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.convert import lightning_checkpoint
 from megatrain_lightning.engine.config import EngineConfig, check_options
-from megatrain_lightning.engine.discover import unstreamed
+from megatrain_lightning.engine.discover import BlocksOption
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.precision import MegatrainPrecision
@@ -118,10 +118,11 @@ class MegatrainStrategy(SingleDeviceStrategy):
             save (unless ``trainer.save_checkpoint(..., storage_options=...)`` gives its own), the
             ``ckpt_path`` it resumes from and the old checkpoints it deletes. Passed to fsspec only: never
             written into a checkpoint or a log. None: fsspec's defaults (e.g. the ``AWS_*`` variables).
-        blocks: the ``nn.ModuleList`` of blocks to stream: its dotted name (``"model.layers"``) or a callable
-            model -> ModuleList. Default: the list holding the most parameters, if it holds at least a fifth
-            of them and no other list is about as large (otherwise setup refuses and names the lists it found;
-            see "How blocks are found" in the user guide). Setup logs the list, its length and its share.
+        blocks: the ``nn.ModuleList``s of blocks to stream: a dotted name (``"model.layers"``), a list of names
+            (one per stack), or a callable model -> ModuleList (or a list of them). Default: the list holding
+            the most parameters, if it holds at least a fifth of them (otherwise setup refuses and names the
+            lists it found), and every other list outside it holding at least 4% (an encoder, a vision tower;
+            see "How blocks are found" in the user guide). Setup logs the stacks, their lengths and shares.
     """
 
     strategy_name = "megatrain"
@@ -138,7 +139,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         checkpoint_format: Literal["sharded", "torch"] = "sharded",
         compile_blocks: bool = False,
         storage_options: dict[str, Any] | None = None,
-        blocks: str | Callable[[torch.nn.Module], torch.nn.ModuleList] | None = None,
+        blocks: BlocksOption = None,
         **kwargs: Any,
     ) -> None:
         check_options(
@@ -212,10 +213,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         plugin.device_type = self.root_device.type
         if self.engine is None:
             self.engine = Engine(self.lightning_module, self.engine_config(trainer, plugin.precision, fitting))
-            e = self.engine
-            others = "; ".join(c.describe() for c in unstreamed(e.model, e.found_blocks))
-            also = f"; not streamed, trained as ordinary modules on the device: {others}" if others else ""
-            log.info(f"streaming {e.blocks_name}: {len(e.blocks)} blocks, {e.blocks_share:.0%} of the parameters{also}")
+            log.info(self.engine.layout.describe(self.engine.model))
         plugin.engine = self.engine
         plugin.gradients_visible = bool(self.grad_hooks)
         if self.grad_hooks:

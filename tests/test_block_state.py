@@ -164,7 +164,7 @@ def test_a_list_the_forward_appends_to_is_refused_in_one_line():
     model = StackLM(ListBlock, layers=2)
     Engine(model, EngineConfig(device="cpu", precision="32-true"))
     loss = stack_loss(model, token_batches(1)[0])
-    with pytest.raises(RuntimeError, match=r"decoder block 1 \(ListBlock\) changed its list attribute 'seen'") as e:
+    with pytest.raises(RuntimeError, match=r"block layers.1 \(ListBlock\) changed its list attribute 'seen'") as e:
         loss.backward()
     assert "\n" not in str(e.value)
 
@@ -360,15 +360,17 @@ def test_a_tensor_needing_grad_inside_an_opaque_object_is_refused_in_one_line():
     model = StackLM(HolderBlock, layers=2)
     Engine(model, EngineConfig(device="cpu", precision="32-true"))
     scale = torch.ones(WIDTH, requires_grad=True)
-    with pytest.raises(TypeError, match=r"decoder block 0 got a Holder \(in argument 1\) holding a tensor") as e:
+    with pytest.raises(TypeError, match=r"block layers.0 got a Holder \(in argument 1\) holding a tensor") as e:
         model.layers[0](torch.zeros(1, 2, WIDTH), Holder(scale))
     assert "\n" not in str(e.value)
     with torch.no_grad():  # without grad nothing is differentiated
         assert model.layers[0](torch.zeros(1, 2, WIDTH), Holder(scale)).shape == (1, 2, WIDTH)
 
 
-def test_streamed_blocks_are_the_decoder_stack():
-    assert find_blocks(EncDec()).name == "decoder"
+def test_both_stacks_of_an_encoder_decoder_stream():
+    found = find_blocks(EncDec())
+    assert [c.name for c in found.stacks] == ["encoder", "decoder"]  # the order they are registered (and run) in
+    assert found.names == [f"{s}.{i}" for s in ("encoder", "decoder") for i in range(len(getattr(EncDec(), s)))]
 
 
 # -- Hugging Face encoder-decoders ------------------------------------------------------------------------
@@ -399,11 +401,14 @@ def seq2seq_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids.flip(-1)).loss
 
 
-@pytest.mark.parametrize("build,stack", [(hf_t5, "decoder.block"), (hf_bart, "model.decoder.layers")])
-def test_hugging_face_encoder_decoders_train_exactly(build, stack):
-    """Dropout on: the recompute replays the forward's RNG state."""
+@pytest.mark.parametrize(
+    "build,stacks",
+    [(hf_t5, ["encoder.block", "decoder.block"]), (hf_bart, ["model.encoder.layers", "model.decoder.layers"])],
+)
+def test_hugging_face_encoder_decoders_train_exactly(build, stacks):
+    """Both stacks stream; dropout on: the recompute replays the forward's RNG state."""
     a, b = two_models(build)
-    assert find_blocks(b).name == stack
+    assert [c.name for c in find_blocks(b).stacks] == stacks
     ref, mt = CausalLM(a, loss_fn=seq2seq_loss), CausalLM(b, loss_fn=seq2seq_loss)
     batches = token_batches(3, seq=8)
     torch.manual_seed(1)

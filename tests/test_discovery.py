@@ -16,89 +16,35 @@ from torch import nn
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.engine.discover import find_blocks
 from tests.helpers import (
-    DROPOUT,
     VOCAB,
     CausalLM,
     UserEncoderLM,
     Zoo,
     _seeded,
     hf_llama,
-    hf_model,
     token_batches,
     user_loss,
 )
 from tests.helpers import trainer as make_trainer
-from tests.test_zoo import ACCUMULATE, FAMILY_STEPS, TRAIN_KWARGS, assert_bitwise, run_pair, seeded_fit
-from tests.zoo_families import IDS
+from tests.test_zoo import ACCUMULATE, TRAIN_KWARGS, assert_bitwise, run_pair, seeded_fit
+from tests.zoo_families import bamba, jamba, zamba2
 
 pytestmark = pytest.mark.usefixtures("torch_adam")
 
-MAMBA = dict(mamba_d_state=4, mamba_expand=2, **IDS)
-
-
-def jamba() -> nn.Module:
-    # Attention and mamba layers, two classes in one list; the mamba ones with a 2-expert MoE: two sizes.
-    return hf_model(
-        "Jamba",
-        num_hidden_layers=4,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        expert_layer_period=2,
-        expert_layer_offset=0,
-        num_experts=2,
-        num_experts_per_tok=1,
-        mamba_dt_rank=4,
-        attention_dropout=DROPOUT,
-        **MAMBA,
-    )
-
-
-def bamba() -> nn.Module:
-    # One class whose blocks are mamba or attention by configuration: two sizes.
-    return hf_model(
-        "Bamba", num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, **MAMBA
-    )
-
-
-def zamba2() -> nn.Module:
-    # Mamba layers and hybrid layers; every hybrid layer holds the one shared transformer block.
-    return hf_model(
-        "Zamba2",
-        num_hidden_layers=4,
-        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
-        mamba_headdim=8,
-        n_mamba_heads=8,
-        mamba_ngroups=1,
-        num_mem_blocks=1,
-        adapter_rank=4,
-        **MAMBA,
-    )
-
 
 @pytest.mark.parametrize(("make", "classes"), [(jamba, 2), (bamba, 1)], ids=["jamba", "bamba"])
-def test_hybrid_blocks_train_like_ordinary_training(make, classes):
+def test_hybrid_blocks_are_one_stack(make, classes):
+    """One list, blocks of several classes and sizes (they train like ordinary training in the zoo)."""
     model = make()
-    found = find_blocks(model)
-    assert found.blocks is model.model.layers and len({type(b) for b in found.blocks}) == classes
-    assert len({sum(p.numel() for p in b.parameters()) for b in found.blocks}) > 1  # blocks of different sizes
-    ref, mt, _ = run_pair(Zoo(make), token_batches(FAMILY_STEPS * ACCUMULATE), steps=FAMILY_STEPS, **TRAIN_KWARGS)
-    assert_bitwise(ref, mt)
-
-
-def test_zamba2_shared_transformer_is_refused():
-    """Zamba2's hybrid layers share one transformer block. Discovery once streamed a small list nested in it
-    (77% off ordinary training); now the layer list is found and the sharing refused, naming it."""
-    with pytest.raises(ValueError) as err:
-        Engine(zamba2(), EngineConfig(device="cpu", precision="32-true"))
-    line = str(err.value)
-    assert "\n" not in line
-    assert line.startswith("model.layers.1.shared_transformer.") and " and model.layers.3.shared_transformer." in line
-    assert "shared by two blocks" in line and "Untie them" in line
+    (stack,) = find_blocks(model).stacks
+    assert stack.blocks is model.model.layers and len({type(b) for b in stack.blocks}) == classes
+    assert len({sum(p.numel() for p in b.parameters()) for b in stack.blocks}) > 1  # blocks of different sizes
 
 
 def _repeated() -> nn.Module:
     model = hf_llama(layers=3)
     model.model.layers[2] = model.model.layers[0]  # weights shared across depth, ALBERT-style
+    model.config.use_cache = False  # (see test_a_repeated_block_with_a_kv_cache_is_refused)
     return model
 
 
@@ -115,31 +61,75 @@ def _tied_to_outside() -> nn.Module:
 
 
 @pytest.mark.parametrize(
-    ("make", "expected"),
+    ("make", "line"),
     [
         (
             _repeated,
-            "model.model.layers.0 and model.model.layers.2 are one module (LlamaDecoderLayer, weights shared across depth)",
+            "streaming model.model.layers (3 blocks, 75% of the parameters); one host unit for each block at several "
+            "positions (model.model.layers.0 at positions 0, 2)",
         ),
         (
             _tied_across_blocks,
-            "model.model.layers.0.mlp.up_proj.weight and model.model.layers.1.mlp.up_proj.weight are one parameter "
-            "shared by two blocks",
+            "streaming model.model.layers (3 blocks, 81% of the parameters); 1 parameters shared between blocks or "
+            "with the rest of the model held once on the device (model.model.layers.0.mlp.up_proj.weight)",
         ),
         (
             _tied_to_outside,
-            "model.model.layers.1.post_attention_layernorm.weight and model.model.norm.weight are one parameter "
-            "shared by a block and the rest of the model",
+            "streaming model.model.layers (3 blocks, 82% of the parameters); 1 parameters shared between blocks or "
+            "with the rest of the model held once on the device (model.model.layers.1.post_attention_layernorm.weight)",
         ),
     ],
     ids=["repeated-block", "tied-across-blocks", "tied-to-outside"],
 )
-def test_shared_weights_are_refused_at_setup(make, expected):
-    module = CausalLM(make())
+def test_shared_blocks_and_parameters_train_like_ordinary_training(make, line, caplog):
+    """A module at several positions is one host unit whose gradients are summed over its calls; a parameter
+    reachable from two blocks, or from a block and the rest of the model, is one outer parameter whose gradient
+    autograd sums over its uses: both stepped once. (Zamba2, whose hybrid layers share one transformer block,
+    trains in the zoo: tests/zoo_families.py.)"""
+    with caplog.at_level(logging.INFO, logger="megatrain_lightning"):
+        ref, mt, _ = run_pair(Zoo(make), token_batches(2 * ACCUMULATE), steps=2, **TRAIN_KWARGS)
+    assert_bitwise(ref, mt)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith(line)]
+
+
+@pytest.mark.parametrize(
+    ("make", "shared"),
+    [
+        (zamba2, lambda m: list(m.model.layers[1].shared_transformer.parameters())),
+        (_repeated, lambda m: []),
+        (_tied_across_blocks, lambda m: [m.model.layers[0].mlp.up_proj.weight]),
+        (_tied_to_outside, lambda m: [m.model.norm.weight]),
+    ],
+    ids=["zamba2", "repeated-block", "tied-across-blocks", "tied-to-outside"],
+)
+def test_shared_weights_are_held_once(make, shared):
+    model = make()
+    distinct = sum(p.numel() for p in model.parameters())  # (parameters() yields a shared one once)
+    expected = {id(p) for p in shared(model)}
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true"))
+    try:
+        assert set(engine.layout.shared) == expected
+        outer = {id(e.param) for u in engine.outer_units for e in u.entries}
+        assert expected <= outer and not any(id(e.param) in expected for u in engine.units for e in u.entries)
+        assert engine.num_parameters() == distinct
+        assert engine.host_bytes()["master"] == 4 * distinct
+        blocks = engine.layout.stacks[0].blocks
+        assert len(engine.units) == len({id(b) for b in blocks})  # a repeated module: one unit
+    finally:
+        engine.close()
+
+
+def test_a_repeated_block_with_a_kv_cache_is_refused():
+    """With ``use_cache=True`` ordinary training lets the second call of a layer index attend to the keys its
+    first call cached; a recomputed block cannot repeat that, so the engine refuses instead of differing."""
+    model = _repeated()
+    model.config.use_cache = True
     with pytest.raises(ValueError) as err:
-        make_trainer("megatrain").fit(module, [token_batches(1)[0]])
-    assert str(err.value).startswith(expected) and "\n" not in str(err.value)
-    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in module.parameters())
+        Engine(model, EngineConfig(device="cpu", precision="32-true"))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("model.layers.0 at positions 0, 2 of LlamaForCausalLM is one module")
+    assert "model.config.use_cache = False" in line
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
 
 
 class TwoStacksLM(UserEncoderLM):
@@ -157,29 +147,17 @@ class TwoStacksLM(UserEncoderLM):
         return self.head(self.norm(x))
 
 
-def test_two_lists_of_about_the_same_size_are_refused():
-    with pytest.raises(ValueError) as err:
-        Engine(_seeded(TwoStacksLM), EngineConfig(device="cpu", precision="32-true"))
-    line = str(err.value)
-    assert "\n" not in line
-    assert "two module lists of TwoStacksLM are about the same size" in line
-    assert "found: blocks (2 blocks, 42% of the parameters); more (2 blocks, 42% of the parameters)" in line
-    assert "blocks='<dotted name>'" in line
-
-
-def test_the_larger_of_two_stacks_is_streamed_and_the_other_named(caplog):
+def test_two_stacks_of_the_same_size_both_stream(caplog):
     model = _seeded(TwoStacksLM)
-    model.blocks.extend(copy.deepcopy(model.more))  # 4 blocks against 2 of the same class and size
     batches = token_batches(2 * ACCUMULATE)
     ref, mt = CausalLM(copy.deepcopy(model), loss_fn=user_loss), CausalLM(model, loss_fn=user_loss)
     seeded_fit(make_trainer("auto", **TRAIN_KWARGS), ref, batches)
     with caplog.at_level(logging.INFO, logger="megatrain_lightning"):
         seeded_fit(make_trainer("megatrain", **TRAIN_KWARGS), mt, batches)
-    assert_bitwise(ref, mt)  # the unstreamed stack trains as ordinary modules, exactly
+    assert_bitwise(ref, mt)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("streaming ")]
     assert lines == [
-        "streaming model.blocks: 4 blocks, 59% of the parameters; not streamed, trained as ordinary modules on "
-        "the device: model.more (2 blocks, 29% of the parameters)"
+        "streaming model.blocks (2 blocks, 42% of the parameters) and model.more (2 blocks, 42% of the parameters)"
     ]
 
 
@@ -195,15 +173,25 @@ def test_blocks_option_streams_the_named_list(pick, caplog):
     assert_bitwise(ref, mt)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("streaming ")]
     assert lines == [
-        "streaming model.more: 2 blocks, 42% of the parameters; not streamed, trained as ordinary modules on the "
+        "streaming model.more (2 blocks, 42% of the parameters); not streamed, trained as ordinary modules on the "
         "device: model.blocks (2 blocks, 42% of the parameters)"
     ]
 
 
-def test_blocks_option_picks_the_list_for_the_engine():
-    engine = Engine(_seeded(TwoStacksLM), EngineConfig(device="cpu", precision="32-true", blocks="blocks"))
-    assert engine.blocks is engine.model.blocks and [u.name for u in engine.units[:2]] == ["blocks.0", "blocks.1"]
+@pytest.mark.parametrize(
+    ("pick", "stacks"), [("blocks", ["blocks"]), (["more", "blocks"], ["more", "blocks"]), (None, ["blocks", "more"])]
+)
+def test_blocks_option_picks_the_lists_for_the_engine(pick, stacks):
+    engine = Engine(_seeded(TwoStacksLM), EngineConfig(device="cpu", precision="32-true", blocks=pick))
+    assert [c.blocks for c in engine.layout.stacks] == [getattr(engine.model, s) for s in stacks]
+    assert [u.name for u in engine.units] == [f"{s}.{i}" for s in stacks for i in range(2)]
     engine.close()
+
+
+def test_blocks_option_naming_one_stack_twice_is_refused():
+    with pytest.raises(ValueError, match=r"^blocks: blocks and blocks hold the same modules .*name each stack") as err:
+        Engine(_seeded(TwoStacksLM), EngineConfig(device="cpu", precision="32-true", blocks=["blocks", "blocks"]))
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -223,7 +211,7 @@ def test_bad_blocks_option_names_it_and_the_candidates(pick, expected):
     assert line.endswith("(blocks (2 blocks, 42% of the parameters), more (2 blocks, 42% of the parameters))")
 
 
-@pytest.mark.parametrize("bad", [3, "", nn.ModuleList])
+@pytest.mark.parametrize("bad", [3, "", nn.ModuleList, [], ["blocks", 3]])
 @pytest.mark.parametrize("build", [MegatrainStrategy, EngineConfig])
 def test_blocks_option_of_the_wrong_type_is_refused(build, bad):
     with pytest.raises(ValueError, match=r"^blocks=.*: give the dotted name of the model's nn.ModuleList") as err:
@@ -272,5 +260,24 @@ def test_fabric_strategy_streams_the_named_list():
     fabric.launch()  # (the megatrain strategy is not a SingleDeviceStrategy: Fabric requires it)
     model = _seeded(TwoStacksLM)
     fabric.setup(model, torch.optim.AdamW(model.parameters()))
-    assert strategy.engine.blocks is model.more
+    assert [c.blocks for c in strategy.engine.layout.stacks] == [model.more]
     strategy.teardown()
+
+
+@pytest.mark.parametrize("make", [zamba2, _repeated], ids=["zamba2", "repeated-block"])
+def test_shared_weights_round_trip_through_a_checkpoint(make, tmp_path):
+    """A shared weight is one record of the checkpoint; a fresh engine over a zeroed copy restores every
+    parameter (each name a shared weight has included)."""
+    model = make()
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    with Engine(model, EngineConfig(device="cpu", precision="32-true")) as engine:
+        engine.save(str(tmp_path / "ckpt"), optimizer=False)
+        want = {k: v.clone() for k, v in engine.master_state_dict().items()}
+    with Engine(other, EngineConfig(device="cpu", precision="32-true")) as engine:
+        engine.load(str(tmp_path / "ckpt"), optimizer=False)
+        got = engine.master_state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert any(not torch.equal(p, torch.zeros_like(p)) for p in other.parameters())

@@ -7,10 +7,10 @@ tokens placed where the model expects them:
 - Qwen2-VL (``Qwen2VLForConditionalGeneration``): its own vision transformer with a patch merger, a decoder
   with multimodal rotary positions (M-RoPE: 3-D position ids computed from the image grid).
 
-The decoder's layers stream (the largest module list); the vision tower's layers are the other large list
-and train as ordinary modules on the device, named in the setup line. The vision tower gets its gradients
-only through the image embeddings the decoder's blocks take, so a gradient lost at the boundary of the
-streamed stack would leave it untrained or wrong.
+Both stacks stream: the vision tower's layers, then the decoder's (the order the model registers and runs
+them in), named in the setup line. The vision tower gets its gradients only through the image embeddings
+the decoder's blocks take, so a gradient lost between the two streamed stacks would leave it untrained or
+wrong.
 
 fp32 on the CPU with the torch-op optimizer backend: every loss and every weight bitwise equal.
 """
@@ -111,36 +111,36 @@ def qwen2_vl_batches(n: int, batch: int = 2, seq: int = 12) -> list[dict[str, to
 
 
 CASES = {
-    # name: (build, batches, streamed stack, setup line, vision parameters no loss depends on)
+    # name: (build, batches, streamed stacks, setup line, vision parameters no loss depends on)
     "llava": (
         hf_llava,
         llava_batches,
-        "model.language_model.layers",
-        "streaming model.model.language_model.layers: 3 blocks, 49% of the parameters; not streamed, trained as "
-        "ordinary modules on the device: model.model.vision_tower.encoder.layers (2 blocks, 31% of the parameters)",
+        ["model.vision_tower.encoder.layers", "model.language_model.layers"],
+        "streaming model.model.vision_tower.encoder.layers (2 blocks, 31% of the parameters) and "
+        "model.model.language_model.layers (3 blocks, 49% of the parameters)",
         # vision_feature_layer=-1 takes the encoder's last hidden state, before post_layernorm
         ["model.vision_tower.post_layernorm.bias", "model.vision_tower.post_layernorm.weight"],
     ),
     "qwen2-vl": (
         hf_qwen2_vl,
         qwen2_vl_batches,
-        "model.language_model.layers",
-        "streaming model.model.language_model.layers: 3 blocks, 67% of the parameters; not streamed, trained as "
-        "ordinary modules on the device: model.model.visual.blocks (2 blocks, 11% of the parameters)",
+        ["model.visual.blocks", "model.language_model.layers"],
+        "streaming model.model.visual.blocks (2 blocks, 11% of the parameters) and "
+        "model.model.language_model.layers (3 blocks, 67% of the parameters)",
         [],
     ),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_vlm_trains_exactly_with_its_decoder_streamed(name, caplog):
+def test_vlm_trains_exactly_with_both_stacks_streamed(name, caplog):
     """Dropout on, gradient accumulation and clipping: the recompute replays the forward's RNG draws."""
-    build, make_batches, stack, line, unused = CASES[name]
+    build, make_batches, stacks, line, unused = CASES[name]
     torch.manual_seed(0)
     a = build()
     torch.manual_seed(0)
     b = build()
-    assert find_blocks(b).name == stack
+    assert [c.name for c in find_blocks(b).stacks] == stacks
     start = params_of(b)
     ref, mt = CausalLM(a, loss_fn=vlm_loss, weight_decay=0.0), CausalLM(b, loss_fn=vlm_loss, weight_decay=0.0)
     batches = make_batches(4)

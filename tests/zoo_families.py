@@ -2,7 +2,8 @@
 
 Each is the smallest configuration of its family that still has the features that set it apart (ALiBi,
 parallel attention, partial rotary, QK norms, post-norms, logit scaling, sliding windows, rope scaling,
-multi-head latent attention, routed and shared experts, a state-space block), built locally from a
+multi-head latent attention, routed and shared experts, a state-space block, hybrids of attention and
+state-space layers, a transformer block shared by several layers), built locally from a
 config (no download): 2 layers, width 32, the zoo's vocabulary of 97, every dropout the family has on.
 Each builder names only what differs from ``hf_model``'s small GQA decoder.
 """
@@ -239,6 +240,49 @@ def mamba() -> nn.Module:
     )
 
 
+MAMBA = dict(mamba_d_state=4, mamba_expand=2, **IDS)
+
+
+def jamba() -> nn.Module:
+    # Attention and mamba layers, two classes in one list; the mamba ones with a 2-expert MoE: two sizes.
+    return hf_model(
+        "Jamba",
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=0,
+        num_experts=2,
+        num_experts_per_tok=1,
+        mamba_dt_rank=4,
+        attention_dropout=DROPOUT,
+        **MAMBA,
+    )
+
+
+def bamba() -> nn.Module:
+    # One class whose blocks are mamba or attention by configuration: two sizes.
+    return hf_model(
+        "Bamba", num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, **MAMBA
+    )
+
+
+def zamba2() -> nn.Module:
+    # Mamba layers and hybrid layers; every hybrid layer holds the one shared transformer block (with per-layer
+    # LoRA adapters): its parameters are shared between blocks, held once as outer parameters.
+    return hf_model(
+        "Zamba2",
+        num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        mamba_headdim=8,
+        n_mamba_heads=8,
+        mamba_ngroups=1,
+        num_mem_blocks=1,
+        adapter_rank=4,
+        **MAMBA,
+    )
+
+
 def _falcon_mq_key(t: torch.Tensor, head_dim: int = 8) -> torch.Tensor:
     """Multi-query Falcon's fused query_key_value bias is [q (all heads) | k (one head) | v (one head)]."""
     mask = torch.zeros_like(t, dtype=torch.bool)
@@ -266,4 +310,7 @@ FAMILIES: dict[str, Zoo] = {
     "deepseek-v2": Zoo(deepseek_v2),
     "deepseek-v3": Zoo(deepseek_v3),
     "mamba": Zoo(mamba),
+    "jamba": Zoo(jamba),
+    "bamba": Zoo(bamba),
+    "zamba2": Zoo(zamba2),
 }

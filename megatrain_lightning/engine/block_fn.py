@@ -45,6 +45,7 @@ class Streamer(Protocol):
     preserve_rng_state: bool
     grad_anchor: torch.Tensor
     saved_inputs: Any
+    units: list[Any]  # (each block's host unit: its name names the block in errors)
     input_chain: InputChain
 
     def forward_block(
@@ -74,7 +75,10 @@ class CallState:
         else:
             raise TypeError("a streamed block must get its hidden state as the first argument or `hidden_states=`")
         self.kwargs = {k: v for k, v in kwargs.items() if k != self.hidden_kw}
-        self.grad_inputs: list[torch.Tensor] = []  # detached stand-ins of the arguments that require grad
+        # Detached stand-ins of the arguments that require grad (the first `chained`), then the shared
+        # parameters the block uses (themselves: the block reads them as attributes, not as arguments).
+        self.grad_inputs: list[torch.Tensor] = []
+        self.chained = 0
         self.unsplit: Callable[[torch.Tensor, tuple], Any] = lambda hidden, extra: hidden  # see split()
         self.extra: tuple = ()  # the output's other leaves
         self.own_input: torch.Tensor | None = None  # the forward's detached input, until the output is rebuilt
@@ -97,11 +101,12 @@ class CallState:
     def hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
         return args[0] if args else kwargs["hidden_states"]
 
-    def take_grad_inputs(self) -> list[torch.Tensor]:
+    def take_grad_inputs(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors among the captured arguments that require grad, each once: they become inputs of the
         block's autograd node, and the captured arguments hold detached stand-ins of them (requiring grad,
         as the forward and the recompute both see them). Holding no graph, a call state keeps no other
-        node alive."""
+        node alive. `params` (shared parameters the block uses, requiring grad) are inputs of the node too,
+        after those, each its own stand-in."""
         leaves, unflatten = flatten((self.args, self.kwargs))
         stand_ins: dict[int, torch.Tensor] = {}
         originals = []
@@ -112,6 +117,8 @@ class CallState:
         if originals:
             self.args, self.kwargs = unflatten([stand_ins.get(id(t), t) for t in leaves])
             self.grad_inputs = [stand_ins[id(t)] for t in originals]
+        self.chained = len(originals)
+        self.grad_inputs += params
         return originals
 
     def call(self, forward: Callable[..., Any], hidden: torch.Tensor) -> Any:
@@ -228,7 +235,8 @@ class _BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runner: BlockRunner, state: CallState, anchor: torch.Tensor, hidden: torch.Tensor, *grad_inputs):
-        # `grad_inputs`: the arguments that require grad (the block sees their stand-ins in `state`)
+        # `grad_inputs`: the arguments that require grad (the block sees their stand-ins in `state`), then the
+        # shared parameters it uses (outer parameters: autograd sums their gradients from every use)
         ctx.runner, ctx.state = runner, state
         engine = runner.engine
         if state.offload:
@@ -237,8 +245,10 @@ class _BlockFunction(torch.autograd.Function):
             ctx.save_for_backward(hidden)
         ctx.set_materialize_grads(False)  # an unused side output sends None, not a tensor of zeros
         out, side = engine.forward_block(runner.idx, state, hidden, hidden.requires_grad)
-        # Each grad input again, as the link of its InputChain (its gradient from the later blocks comes back here).
-        return (out, *side, *(t.detach() for t in state.grad_inputs))
+        # Each grad argument again, as the link of its InputChain (its gradient from the later blocks comes back
+        # here). Not a shared parameter: each block's use of it reaches its leaf on its own, in the order
+        # ordinary autograd accumulates a parameter's uses (the later block's first).
+        return (out, *side, *(t.detach() for t in state.grad_inputs[: state.chained]))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor | None, *grad_side: torch.Tensor | None):
@@ -258,8 +268,9 @@ class BlockRunner:
 
     `inner` is the forward the block had before (its class's, or one a library put on the instance)."""
 
-    def __init__(self, engine: Streamer, idx: int, block: nn.Module) -> None:
+    def __init__(self, engine: Streamer, idx: int, block: nn.Module, shared: list[nn.Parameter]) -> None:
         self.engine, self.idx = engine, idx
+        self.shared = shared  # parameters the block shares with other blocks or the rest of the model
         self.own = block.__dict__.get("forward")  # an instance forward to put back on release
         self.inner = self.own if self.own is not None else type(block).forward.__get__(block)
 
@@ -271,17 +282,20 @@ class BlockRunner:
             # Evaluation: stream the weights, keep no input and build no graph. A KV cache is fine here.
             out, _ = engine.forward_block(self.idx, state, hidden, hidden.requires_grad, record=False)
             return state.rebuild(out)
-        _refuse_training_inputs(self.idx, args, kwargs)
-        originals = state.take_grad_inputs()
+        _refuse_training_inputs(engine.units[self.idx].name, args, kwargs)
+        params = [p for p in self.shared if p.requires_grad]  # (frozen or not: checked at each call)
+        originals = state.take_grad_inputs(params)
         state.offload = engine.offloads_call(self.idx, hidden)
         links = engine.input_chain.inputs(self.idx, originals)
-        out, *side = _BlockFunction.apply(self, state, engine.grad_anchor, hidden, *links)
+        out, *side = _BlockFunction.apply(self, state, engine.grad_anchor, hidden, *links, *params)
         if originals:
             engine.input_chain.extend(self.idx, originals, side[-len(originals) :])
             side = side[: -len(originals)]
         # An input the block returned unchanged is returned as the caller's tensor, with its graph.
         passed = {
-            id(s): o for s, o in zip([state.own_input, *state.grad_inputs], [hidden, *originals]) if s is not None
+            id(s): o
+            for s, o in zip([state.own_input, *state.grad_inputs[: state.chained]], [hidden, *originals])
+            if s is not None
         }
         state.own_input = None
         state.extra = _replace(state.extra, state.extra_ids, side, passed)
@@ -405,7 +419,7 @@ def is_cache(obj: Any) -> bool:
     return any(cls.__name__ == "Cache" or cls.__name__.endswith("Cache") for cls in type(obj).__mro__[:-1])
 
 
-def _refuse_training_inputs(idx: int, args: tuple, kwargs: dict) -> None:
+def _refuse_training_inputs(block: str, args: tuple, kwargs: dict) -> None:
     """KV caches, and tensors that require grad inside objects the engine cannot take apart (their gradient
     would be lost silently)."""
     for name, value in [*((f"argument {i + 1}", a) for i, a in enumerate(args[1:])), *kwargs.items()]:
@@ -415,13 +429,13 @@ def _refuse_training_inputs(idx: int, args: tuple, kwargs: dict) -> None:
             inside = [k for k, v in vars(leaf).items() if isinstance(v, torch.Tensor) and v.requires_grad]
             if inside and not is_cache(leaf):
                 raise TypeError(
-                    f"strategy='megatrain': decoder block {idx} got a {type(leaf).__name__} (in {name}) holding a "
+                    f"strategy='megatrain': block {block} got a {type(leaf).__name__} (in {name}) holding a "
                     f"tensor that requires grad ({inside[0]!r}), which would get no gradient: pass the tensor as an "
                     "argument of its own, or in a tuple, list, dict or dataclass"
                 )
         if is_cache(value):
             raise RuntimeError(
-                f"strategy='megatrain': decoder block {idx} got a KV cache ({type(value).__name__}, as {name}) while "
+                f"strategy='megatrain': block {block} got a KV cache ({type(value).__name__}, as {name}) while "
                 "training. Each block is recomputed in backward, which would fill the cache a second time and give "
                 "wrong gradients. Call the model with use_cache=False in training_step (the strategy already sets "
                 "config.use_cache=False on the model's configs during fit), and pass no past_key_values/cache."

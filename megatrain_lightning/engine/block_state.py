@@ -115,7 +115,7 @@ class Mutations:
         return bool(self.buffers or self.attrs)
 
     @contextmanager
-    def replayed(self, idx: int) -> Iterator[None]:
+    def replayed(self, block: str) -> Iterator[None]:
         """Run the recompute inside from the state the forward started from; afterwards put back the state
         from before the recompute. Raises if the recompute changed what cannot be put back: a buffer the
         forward left alone (the block ran other code), or a list, dict or set attribute."""
@@ -141,11 +141,11 @@ class Mutations:
                 _put(m._buffers, n, live)
             for m, k, live in live_attrs:
                 _put(m.__dict__, k, live)
-        self._check(idx, others, sizes)
+        self._check(block, others, sizes)
 
-    def _check(self, idx: int, others: list, sizes: list) -> None:
+    def _check(self, block: str, others: list, sizes: list) -> None:
         names = {id(m): n for n, m in self.block.named_modules()}
-        where = f"decoder block {idx} ({type(self.block).__name__})"
+        where = f"block {block} ({type(self.block).__name__})"
         for m, k, size in sizes:
             value = m.__dict__.get(k, ())
             if len(value) != size:

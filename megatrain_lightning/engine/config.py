@@ -115,13 +115,16 @@ def check_device(value: Any) -> torch.device:
         raise ValueError(f"device={value!r}: give a torch.device or a string such as 'cuda:0' or 'cpu' ({e})") from e
 
 
-def check_blocks(value: Any) -> str | Callable | None:
-    """None (found by the rule of engine/discover.py), a dotted module name, or a callable model -> ModuleList."""
+def check_blocks(value: Any) -> str | tuple[str, ...] | Callable | None:
+    """None (found by the rule of engine/discover.py), a dotted module name, several (a list or tuple), or a
+    callable model -> ModuleList (or a list of them)."""
     if value is None or (isinstance(value, str) and value) or (callable(value) and not isinstance(value, type)):
         return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+        return tuple(value)
     raise ValueError(
         f"blocks={value!r}: give the dotted name of the model's nn.ModuleList of blocks (e.g. 'model.layers'), "
-        "a callable model -> nn.ModuleList, or None to find it"
+        "a list of such names (one per stack), a callable model -> nn.ModuleList, or None to find them"
     )
 
 
@@ -184,7 +187,7 @@ class EngineConfig:
     """Gradients will be summed over micro-batches: the fp32 accumulator counts in the host-memory check."""
     clipping: bool = False
     """Gradients will be clipped to a global norm: the lean layout keeps a gradient per unit until the step."""
-    blocks: str | Callable | None = None
+    blocks: str | tuple[str, ...] | Callable | None = None
     """The nn.ModuleList to stream: a dotted module name, a callable model -> ModuleList, or None to find it
     (engine/discover.py)."""
 

@@ -1,37 +1,40 @@
-"""Finding the repeated blocks of a model, and refusing block lists the engine would train wrongly.
+"""Finding the stacks of repeated blocks a model streams, and what their blocks share.
 
-The rule (docs/user-guide.md, "How blocks are found"): the blocks are the ``nn.ModuleList`` of at least 2
-modules that holds the most parameters, whatever the classes and sizes of its modules (a hybrid model
-mixes attention and state-space layers in one list; host units and device slots size to the largest
-block). It must hold at least :data:`MIN_SHARE` of the model's parameters, and no list outside it may be
-about as large (:data:`CLOSE`): otherwise the choice is the user's, ``blocks=`` a dotted name or a
-callable. One stack is streamed; another large list (an encoder-decoder's encoder) trains as ordinary
-modules on the device, exactly, and the strategy's setup line names it (:func:`unstreamed`).
+The rule (docs/user-guide.md, "How blocks are found"): a stack is an ``nn.ModuleList`` of at least 2
+modules, whatever their classes and sizes (a hybrid model mixes attention and state-space layers in one
+list; host units and device slots size to the largest block). The largest one must hold at least
+:data:`MIN_SHARE` of the model's parameters; every other list that holds at least :data:`STREAM_SHARE` and
+neither sits inside a stack already chosen nor holds one (an encoder beside a decoder, a vision tower
+beside a language model) is streamed too. ``blocks=`` (dotted names or a callable) overrides the rule.
 
-Whatever picked the list, :func:`check_sharing` refuses a list in which one module sits at several
-positions, or a parameter is shared between two blocks or between a block and the rest of the model:
-each block's parameters become views of that block's own host buffer, so a shared one would be held
-twice and stepped twice with part of its gradient each time.
+Sharing (:func:`layout`): a module at several positions of the stacks (weights shared across depth) is one
+block, streamed as one host unit at each of its calls, its gradients summed. A parameter reachable from two
+blocks, or from a block and from the rest of the model, is held once as an outer parameter (on the device
+for the whole run, stepped once with its summed gradient) and each block that uses it takes it as an input
+of its autograd node, so its gradient reaches it as in ordinary training.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from torch import nn
 
-# A list holding less than this share of the parameters is not the model's body: a list nested inside a
-# layer (adapters, the experts of a one-layer MoE) holds a few percent. Streaming it would save little and is
-# almost surely not what the user meant. Real decoders put most of their parameters in their layer list
-# (Llama 3.1 8B: 87%); tiny test models, whose embeddings and heads are relatively large, hold 30-94%.
+# The largest list holding less than this share of the parameters is not the model's body: a list nested
+# inside a layer (adapters, the experts of a one-layer MoE) holds a few percent. Streaming it would save
+# little and is almost surely not what the user meant. Real decoders put most of their parameters in their
+# layer list (Llama 3.1 8B: 87%); tiny test models, whose embeddings and heads are relatively large, 30-94%.
 MIN_SHARE = 0.2
-# A list outside the best one holding at least this fraction of the best one's parameters is as good a
-# choice: the engine does not guess between them. An encoder-decoder's decoder holds about 1.3-1.5x its
-# encoder's parameters (cross-attention), so the decoder is chosen there and the encoder named as unstreamed.
-CLOSE = 0.9
-# Lists outside the streamed one holding at least this share are named in the strategy's setup line.
-NAMED = 0.1
+# Another list outside the stacks chosen is streamed when it holds at least this share: an encoder (about
+# 40% of T5 or BART), a vision tower (4-8% of a 7B vision-language model: CLIP ViT-L in LLaVA-1.5 7B holds
+# 0.3B of 7.1B, Qwen2-VL 7B's 0.68B of 8.3B). A smaller list trains as ordinary modules on the device,
+# exactly, and the setup line names it (:func:`unstreamed`); ``blocks=`` can stream it anyway.
+STREAM_SHARE = 0.04
+# Lists left on the device that hold at least this share are named in the strategy's setup line.
+NAMED = 0.01
+
+BlocksOption = str | Sequence[str] | Callable[[nn.Module], nn.ModuleList | Sequence[nn.ModuleList]] | None
 
 
 @dataclass(frozen=True)
@@ -46,19 +49,69 @@ class Candidate:
         return f"{self.name} ({len(self.blocks)} blocks, {self.share:.0%} of the parameters)"
 
 
-def find_blocks(model: nn.Module, blocks: str | Callable[[nn.Module], nn.ModuleList] | None = None) -> Candidate:
-    """The list of blocks to stream: `blocks` (a dotted module name or a callable model -> ModuleList) when
-    given, else the largest candidate by the rule above; a ValueError of one line when there is none, or
-    when the rule cannot decide. The list is checked with :func:`check_sharing`."""
+@dataclass
+class Layout:
+    """What the engine streams: the stacks, and each distinct block module once.
+
+    ``blocks[i]`` is streamed as host unit ``names[i]`` (its stack's name and its first position) and belongs
+    to ``stacks[stack_of[i]]``; ``shared`` maps the id of every parameter reachable from two blocks, or from a
+    block and the rest of the model, to its name: those are outer parameters."""
+
+    stacks: list[Candidate]
+    blocks: list[nn.Module] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    stack_of: list[int] = field(default_factory=list)
+    shared: dict[int, str] = field(default_factory=dict)
+    repeated: list[str] = field(default_factory=list)  # "<name> at positions 0, 2": modules at several positions
+    whole: list[str] = field(default_factory=list)  # blocks all of whose parameters are shared: not streamed
+
+    def describe(self, model: nn.Module) -> str:
+        """The setup line: what streams, what is shared, what stays on the device."""
+        stacks = " and ".join(c.describe() for c in self.stacks)
+        parts = [f"streaming {stacks}"]
+        if self.repeated:
+            parts.append(f"one host unit for each block at several positions ({'; '.join(self.repeated)})")
+        if self.shared:
+            names = sorted(self.shared.values())
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            parts.append(
+                f"{len(names)} parameters shared between blocks or with the rest of the model held once on the "
+                f"device ({', '.join(names[:3])}{more})"
+            )
+        if self.whole:
+            parts.append(f"blocks holding only shared parameters run as ordinary modules ({', '.join(self.whole)})")
+        others = unstreamed(model, self.stacks)
+        if others:
+            listed = "; ".join(c.describe() for c in others)
+            parts.append(f"not streamed, trained as ordinary modules on the device: {listed}")
+        return "; ".join(parts)
+
+
+def find_blocks(model: nn.Module, blocks: BlocksOption = None) -> Layout:
+    """The stacks to stream (`blocks`: a dotted module name, several, or a callable model -> ModuleList or
+    list of them; else by the rule above) and how their blocks share modules and parameters. A ValueError of
+    one line when there is none, or when the rule cannot decide."""
+    return layout(model, find_stacks(model, blocks))
+
+
+def find_stacks(model: nn.Module, blocks: BlocksOption = None) -> list[Candidate]:
     found = candidates(model)
     if blocks is None:
-        best = _pick(model, found)
-    elif isinstance(blocks, str):
-        best = _by_name(model, blocks, found)
+        return _pick(model, found)
+    if isinstance(blocks, str):
+        picked = [_by_name(model, blocks, found)]
+    elif callable(blocks):
+        picked = _by_callable(model, blocks, found)
     else:
-        best = _by_callable(model, blocks, found)
-    check_sharing(model, best.name, best.blocks)
-    return best
+        picked = [_by_name(model, name, found) for name in blocks]
+    for i, a in enumerate(picked):
+        for b in picked[:i]:
+            if _overlap(a.blocks, _modules_of([b])):
+                raise ValueError(
+                    f"blocks: {b.name} and {a.name} hold the same modules (one inside the other, or listed "
+                    "twice): name each stack of blocks once"
+                )
+    return picked
 
 
 def candidates(model: nn.Module) -> list[Candidate]:
@@ -71,34 +124,74 @@ def candidates(model: nn.Module) -> list[Candidate]:
     return sorted(found, key=lambda c: -c.share)
 
 
-def _pick(model: nn.Module, found: list[Candidate]) -> Candidate:
+def _pick(model: nn.Module, found: list[Candidate]) -> list[Candidate]:
     kind = type(model).__name__
     if not found:
         raise ValueError(
-            f"strategy='megatrain' streams a model's repeated decoder blocks, and {kind} has none: it looks for an "
+            f"strategy='megatrain' streams a model's repeated blocks, and {kind} has none: it looks for an "
             "nn.ModuleList of at least 2 modules that hold parameters (the decoder layers, e.g. `model.layers` "
             "of a Hugging Face *ForCausalLM). Keep the layers in an nn.ModuleList, or train this model with an "
             "ordinary strategy."
         )
-    best = found[0]
-    rivals = [c for c in found[1:] if not _nested(c.name, best.name) and c.share >= CLOSE * best.share]
-    listed = "; ".join(c.describe() for c in found[:4])
-    if best.share < MIN_SHARE:
-        why = f"the largest module list of {kind} holds less than {MIN_SHARE:.0%} of its parameters"
-    elif rivals:
-        why = f"two module lists of {kind} are about the same size"
-    else:
-        return best
-    raise ValueError(
-        f"strategy='megatrain' will not guess which blocks to stream: {why} (found: {listed}). Name the list "
-        "with blocks='<dotted name>' (or a callable model -> nn.ModuleList), or train with an ordinary strategy."
-    )
+    if found[0].share < MIN_SHARE:
+        listed = "; ".join(c.describe() for c in found[:4])
+        raise ValueError(
+            f"strategy='megatrain' will not guess which blocks to stream: the largest module list of {kind} holds "
+            f"less than {MIN_SHARE:.0%} of its parameters (found: {listed}). Name the list with "
+            "blocks='<dotted name>' (or a callable model -> nn.ModuleList), or train with an ordinary strategy."
+        )
+    chosen = [found[0]]
+    for c in found[1:]:
+        if c.share >= STREAM_SHARE and not _overlap(c.blocks, _modules_of(chosen)):
+            chosen.append(c)
+    return _in_model_order(model, chosen)
 
 
-def unstreamed(model: nn.Module, best: Candidate) -> list[Candidate]:
-    """The lists outside `best` holding at least :data:`NAMED` of the parameters (another stack, trained as
-    ordinary modules on the device): what the setup line names beside the streamed list."""
-    return [c for c in candidates(model) if c.share >= NAMED and not _nested(c.name, best.name)]
+def unstreamed(model: nn.Module, stacks: list[Candidate]) -> list[Candidate]:
+    """The lists outside every stack holding at least :data:`NAMED` of the parameters (trained as ordinary
+    modules on the device): what the setup line names beside the streamed stacks."""
+    inside = _modules_of(stacks)
+    return [c for c in candidates(model) if c.share >= NAMED and not _overlap(c.blocks, inside)]
+
+
+def layout(model: nn.Module, stacks: list[Candidate]) -> Layout:
+    """Each distinct block once (first position), and the parameters shared between blocks or with the rest."""
+    out = Layout(stacks)
+    first: dict[int, str] = {}
+    positions: dict[int, list[int]] = {}
+    for s, stack in enumerate(stacks):
+        for i, blk in enumerate(stack.blocks):
+            positions.setdefault(id(blk), []).append(i)
+            if id(blk) not in first:
+                first[id(blk)] = f"{stack.name}.{i}"
+                out.blocks.append(blk)
+                out.names.append(first[id(blk)])
+                out.stack_of.append(s)
+    for name, blk in zip(out.names, out.blocks):
+        if len(positions[id(blk)]) > 1:
+            out.repeated.append(f"{name} at positions {', '.join(map(str, positions[id(blk)]))}")
+    owners: dict[int, set[int]] = {}  # parameter id -> the blocks reaching it (-1: the rest of the model)
+    names: dict[int, str] = {}
+    for b, blk in enumerate(out.blocks):
+        for pname, p in blk.named_parameters():
+            owners.setdefault(id(p), set()).add(b)
+            names.setdefault(id(p), f"{out.names[b]}.{pname}")
+    inside = {id(m) for blk in out.blocks for m in blk.modules()}
+    for _, module in model.named_modules(remove_duplicate=False):
+        if id(module) not in inside:
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), set()).add(-1)
+    out.shared = {k: names[k] for k, who in owners.items() if len(who) > 1 and k in names}
+    keep = [i for i, blk in enumerate(out.blocks) if any(id(p) not in out.shared for p in blk.parameters())]
+    out.whole = [out.names[i] for i in range(len(out.blocks)) if i not in keep]
+    out.blocks, out.names, out.stack_of = ([xs[i] for i in keep] for xs in (out.blocks, out.names, out.stack_of))
+    if not out.blocks:
+        raise ValueError(
+            f"strategy='megatrain' has no block to stream in {', '.join(c.name for c in stacks)}: every parameter "
+            "of its blocks is shared with another block or the rest of the model. Train this model with an "
+            "ordinary strategy, or name other blocks with blocks='<dotted name>'."
+        )
+    return out
 
 
 def _by_name(model: nn.Module, name: str, found: list[Candidate]) -> Candidate:
@@ -113,60 +206,37 @@ def _by_name(model: nn.Module, name: str, found: list[Candidate]) -> Candidate:
     return Candidate(name, module, _numel(module) / _numel(model))
 
 
-def _by_callable(model: nn.Module, pick: Callable[[nn.Module], nn.ModuleList], found: list[Candidate]) -> Candidate:
-    module = pick(model)
-    name = next((n for n, m in model.named_modules() if m is module), None)
-    if not isinstance(module, nn.ModuleList) or name is None or len(module) == 0:
-        names = ", ".join(c.describe() for c in found[:6]) or "none"
-        raise ValueError(
-            f"blocks={getattr(pick, '__name__', pick)!r} returned a {type(module).__name__}, not a non-empty "
-            f"nn.ModuleList inside the model: return one of its module lists ({names})"
-        )
-    return Candidate(name, module, _numel(module) / _numel(model))
-
-
-def check_sharing(model: nn.Module, name: str, blocks: nn.ModuleList) -> None:
-    """A ValueError of one line when a module sits at several positions of `blocks`, or a parameter is
-    reachable from two blocks, or from a block and from outside the blocks."""
-    first: dict[int, int] = {}
-    for i, blk in enumerate(blocks):
-        j = first.setdefault(id(blk), i)
-        if j != i:
+def _by_callable(model: nn.Module, pick: Callable, found: list[Candidate]) -> list[Candidate]:
+    got = pick(model)
+    lists = list(got) if isinstance(got, (list, tuple)) else [got]
+    named = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for module in lists:
+        name = named.get(id(module))
+        if not isinstance(module, nn.ModuleList) or name is None or len(module) == 0:
+            names = ", ".join(c.describe() for c in found[:6]) or "none"
             raise ValueError(
-                f"{name}.{j} and {name}.{i} are one module ({type(blk).__name__}, weights shared across depth): "
-                "strategy='megatrain' keeps one host copy per position and does not train a shared block. Build "
-                "one module per position (e.g. copy.deepcopy), or train this model with an ordinary strategy."
+                f"blocks={getattr(pick, '__name__', pick)!r} returned a {type(module).__name__}, not a non-empty "
+                f"nn.ModuleList inside the model (or a list of them): return one of its module lists ({names})"
             )
-    owner: dict[int, tuple[str, str]] = {}  # parameter id -> (a block index or "outside", its name)
-    for where, pname, p in _params_by_owner(model, name, blocks):
-        seen = owner.setdefault(id(p), (where, pname))
-        if seen[0] != where:
-            between = "two blocks" if "outside" not in (where, seen[0]) else "a block and the rest of the model"
-            raise ValueError(
-                f"{seen[1]} and {pname} are one parameter shared by {between}: strategy='megatrain' keeps each "
-                f"block's parameters in its own host buffer and would step a shared one twice, with part of its "
-                "gradient each time. Untie them (give each its own nn.Parameter), or train this model with an "
-                "ordinary strategy."
-            )
+        out.append(Candidate(name, module, _numel(module) / _numel(model)))
+    return out
 
 
-def _params_by_owner(model: nn.Module, name: str, blocks: nn.ModuleList) -> Iterator[tuple[str, str, nn.Parameter]]:
-    """(block index or "outside", name, parameter) for every parameter of every block, then for those that
-    modules outside every block hold themselves. By module, not by name: a block the model also keeps under
-    another attribute is still that block (calling it there runs its streamed forward)."""
-    inside = {id(m) for blk in blocks for m in blk.modules()}
-    for i, blk in enumerate(blocks):
-        for pname, p in blk.named_parameters(remove_duplicate=False):
-            yield str(i), f"{name}.{i}.{pname}", p
-    for mname, module in model.named_modules(remove_duplicate=False):
-        if id(module) not in inside:
-            for pname, p in module.named_parameters(recurse=False):
-                yield "outside", f"{mname}.{pname}" if mname else pname, p
+def _in_model_order(model: nn.Module, stacks: list[Candidate]) -> list[Candidate]:
+    """Stacks in the order the model registers them: the order they usually run in (an encoder before its
+    decoder, a vision tower before the language model), which the prefetches follow."""
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(stacks, key=lambda c: order[id(c.blocks)])
 
 
-def _nested(a: str, b: str) -> bool:
-    """Whether one of the modules named `a` and `b` contains the other."""
-    return a == b or a.startswith(f"{b}.") or b.startswith(f"{a}.") or not a or not b
+def _modules_of(stacks: list[Candidate]) -> set[int]:
+    return {id(m) for c in stacks for m in c.blocks.modules()}
+
+
+def _overlap(blocks: nn.ModuleList, modules: set[int]) -> bool:
+    """Whether `blocks` holds, or sits inside, a module of `modules` (ids of a stack's modules)."""
+    return any(id(m) in modules for m in blocks.modules())
 
 
 def _numel(module: nn.Module) -> int:

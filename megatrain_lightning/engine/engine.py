@@ -75,7 +75,7 @@ log = logging.getLogger("megatrain_lightning")
 
 
 class Engine:
-    """Streams a model's decoder blocks through device slots; all persistent state stays on the host."""
+    """Streams a model's blocks through device slots; all persistent state stays on the host."""
 
     def __init__(self, model: nn.Module, config: EngineConfig | None = None, probes: Probes | None = None) -> None:
         self.config = config = EngineConfig() if config is None else config
@@ -84,11 +84,12 @@ class Engine:
         self.preserve_rng_state = config.preserve_rng_state
         self.stats = _new_stats()
         self.host_threads = resolve_host_threads(config.host_threads)
-        found = find_blocks(model, config.blocks)  # refuses lists it would train wrongly (shared weights)
-        self.blocks_name, self.blocks, self.blocks_share = found.name, found.blocks, found.share
-        self.found_blocks = found  # (discover.Candidate: what setup logs)
+        # The stacks, each distinct block once, the parameters blocks share (outer units); what setup logs.
+        self.layout = find_blocks(model, config.blocks)
+        self.blocks = self.layout.blocks
         pin = self.device.type == "cuda" if config.pin_memory is None else config.pin_memory
-        block_params = [list(b.named_parameters()) for b in self.blocks]
+        shared = self.layout.shared
+        block_params = [[(n, p) for n, p in b.named_parameters() if id(p) not in shared] for b in self.blocks]
         in_blocks = {id(p) for params in block_params for _, p in params}
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
         largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
@@ -107,6 +108,13 @@ class Engine:
         self.saved_inputs = SavedInputs(
             self.streams, self.device, pin, self.stats, config.offload_inputs, free, self._host_room
         )
+        if training and self.layout.repeated and _kv_cache_configs(model):
+            raise ValueError(
+                f"{self.layout.repeated[0]} of {type(model).__name__} is one module, and the model's config has "
+                "use_cache=True: ordinary training then lets its later calls attend to the keys its earlier calls "
+                "cached (they share a layer index), which a recomputed block cannot repeat. Set "
+                "model.config.use_cache = False for training, or build one module per position"
+            )
         self._caches_off = _disable_kv_caches(model) if training else []
         staging, grads = ring_counts(largest_block, self.piece)
         lean = config.host_layout == "lean"
@@ -170,10 +178,11 @@ class Engine:
         self._state_hooks = []
         for i, (blk, params) in enumerate(zip(self.blocks, block_params)):
             keep_copy = self.config.host_layout != "lean"
-            unit = HostUnit(f"{self.blocks_name}.{i}", params, self.compute_dtype, pin, keep_copy)
+            unit = HostUnit(self.layout.names[i], params, self.compute_dtype, pin, keep_copy)
             self.units.append(unit)
             unit.bind(unit.master)  # frees the block's own storage right away
-            self.runners.append(BlockRunner(self, i, blk))
+            foreign = [p for _, p in blk.named_parameters() if id(p) in self.layout.shared]
+            self.runners.append(BlockRunner(self, i, blk, foreign))
             blk.forward = self.runners[-1]
             # A block's parameters are views of its master, which the worker steps in the background after
             # optimizer_step returns: state_dict() (of the model or the block) waits for the block's step, and
@@ -232,9 +241,10 @@ class Engine:
         copy]: bound in place of the host ones while a block runs, so what its forward updates in place lands
         on the copy (and a buffer the forward replaces becomes the copy); :meth:`_buffers_to_host` brings the
         copies back."""
+        records: dict[tuple[int, str], list] = {}  # one per buffer: a module shared by blocks has one copy
         self._block_buffers = [
             [
-                [m, n, b, b.to(self.device)]
+                records.setdefault((id(m), n), [m, n, b, b.to(self.device)])
                 for m in blk.modules()
                 for n, b in m._buffers.items()
                 if b is not None and b.device != self.device
@@ -396,7 +406,9 @@ class Engine:
 
     def offloads_call(self, idx: int, hidden: torch.Tensor) -> bool:
         """Whether this call of block `idx` (under grad) saves its input on the host (engine/saved_inputs.py)."""
-        return self.saved_inputs.offloads_call(idx, hidden, len(self.blocks))
+        stack = self.layout.stack_of
+        first = stack.index(stack[idx])  # a stack's blocks are consecutive; each stack's pass is decided anew
+        return self.saved_inputs.offloads_call(idx - first, hidden, stack.count(stack[idx]))
 
     # -- how many weight slots ("auto") -----------------------------------------------------------------
     def size_slots(self) -> None:
@@ -477,14 +489,14 @@ class Engine:
             return (None,) * len(needs)
         wanted = [t for t, need in zip(state.grad_inputs, needs[1:]) if need]  # leaves: grads taken, not kept
         # The gradients the later blocks sent each grad input through its chain link (InputChain).
-        n_side = len(grads_out) - len(state.grad_inputs)
+        n_side = len(grads_out) - state.chained
         grads_out, seeds = grads_out[:n_side], grads_out[n_side:]
         seeded = [(t, g) for t, g, need in zip(state.grad_inputs, seeds, needs[1:]) if need and g is not None]
 
         def recompute() -> tuple:
             x = hidden.detach().requires_grad_(needs[0])
             side = SideOutputs(blk)
-            with torch.enable_grad(), state.replay(), state.changed.replayed(idx):
+            with torch.enable_grad(), state.replay(), state.changed.replayed(unit.name):
                 with side.recording():
                     out, _, extra = state.split(state.call(runner.inner, x))
                 side.add(extra)
@@ -493,7 +505,7 @@ class Engine:
                 links = [(t.view_as(t), g) for t, g in seeded]
             if len(side.tensors) != state.recorded:
                 raise RuntimeError(
-                    f"decoder block {idx} produced {len(side.tensors)} side tensors in its recompute but "
+                    f"block {unit.name} produced {len(side.tensors)} side tensors in its recompute but "
                     f"{state.recorded} in its forward: the block must run the same code both times"
                 )
             pairs = [(o, g) for o, g in zip([out, *(side.tensors[i] for i in state.side_index)], grads_out)]
@@ -748,17 +760,25 @@ def _numel(block_params: list, outer: list) -> int:
     return sum(p.numel() for params in block_params for _, p in params) + sum(p.numel() for _, p in outer)
 
 
+def _kv_cache_configs(model: nn.Module) -> list[Any]:
+    """Every Hugging Face config in `model` with ``use_cache=True``, once each."""
+    found: list[Any] = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True and not any(c is config for c in found):
+            found.append(config)
+    return found
+
+
 def _disable_kv_caches(model: nn.Module) -> list[Any]:
     """Set ``use_cache=False`` on every Hugging Face config in `model` (returns those changed, to restore).
 
     A cache filled during the forward would be filled again by each block's recompute. Training never
-    reads it, so turning it off changes no result; a cache passed explicitly is refused by the block."""
-    changed = []
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "use_cache", None) is True and not any(c is config for c in changed):
-            config.use_cache = False
-            changed.append(config)
+    reads it when each layer index runs once (a module at several positions is refused with a cache on), so
+    turning it off changes no result; a cache passed explicitly is refused by the block."""
+    changed = _kv_cache_configs(model)
+    for config in changed:
+        config.use_cache = False
     return changed
 
 
