@@ -96,7 +96,7 @@ class MegatrainFabricStrategy(Strategy):
 
     Args:
         device: the compute device; by default Fabric's (``accelerator``/``devices``).
-        num_slots, offload_inputs, host_layout, nvme_dir, host_threads, compile_blocks, blocks: as for
+        num_slots, offload_inputs, recompute, host_layout, nvme_dir, host_threads, compile_blocks, blocks: as for
             :class:`~megatrain_lightning.strategy.MegatrainStrategy` (see :class:`EngineConfig`).
         overlap_optimizer: ``False`` (default): a ``fabric.backward`` outside ``no_backward_sync`` lands its
             gradients to wait for ``optimizer.step()``, which is exact whatever the loop does next, but the host
@@ -120,6 +120,7 @@ class MegatrainFabricStrategy(Strategy):
         num_slots: int | Literal["auto"] = "auto",
         overlap_optimizer: bool = False,
         offload_inputs: bool | Literal["auto"] = "auto",
+        recompute: bool | Literal["auto"] = "auto",
         host_layout: Literal["default", "lean"] = "default",
         nvme_dir: str | None = None,
         host_threads: int | None = None,
@@ -140,6 +141,7 @@ class MegatrainFabricStrategy(Strategy):
             num_slots=num_slots,
             overlap_optimizer=overlap_optimizer,
             offload_inputs=offload_inputs,
+            recompute=recompute,
             host_layout=host_layout,
             nvme_dir=nvme_dir,
             host_threads=host_threads,

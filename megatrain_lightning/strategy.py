@@ -96,6 +96,13 @@ class MegatrainStrategy(SingleDeviceStrategy):
             device. ``"auto"`` (default): decided at the start of each forward pass, offloading when the
             inputs would take more than half of the device memory free at that moment (on a CPU device:
             never). ``engine.stats["offloaded_passes"]`` counts the passes that offloaded.
+        recompute: ``True``: every block is run again, with grad, in backward (the least device memory).
+            ``False``: every block keeps its graph from the forward (its activations and its slot stay on the
+            device until its backward; the slot pool grows as needed), so each block is computed once.
+            ``"auto"`` (default): per forward pass, the last blocks keep their graphs while their measured
+            activations fit in half of the free device memory and two slots stay free for streaming; on
+            a device with no memory measure (the CPU) every block is recomputed. ``engine.stats["kept_calls"]``
+            counts the calls that kept their graph.
         host_layout: ``"default"`` keeps a pinned compute-dtype copy of every weight and a gradient slab per
             unit (16 B/param in bf16); ``"lean"`` casts weights into a small ring of pinned staging buffers
             just before each upload and lands gradients through a ring where the step consumes them at once
@@ -133,6 +140,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         num_slots: int | Literal["auto"] = "auto",
         overlap_optimizer: bool = True,
         offload_inputs: bool | Literal["auto"] = "auto",
+        recompute: bool | Literal["auto"] = "auto",
         host_layout: Literal["default", "lean"] = "default",
         nvme_dir: str | None = None,
         host_threads: int | None = None,
@@ -150,6 +158,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
                 "checkpoint_format": checkpoint_format,
                 "num_slots": num_slots,
                 "offload_inputs": offload_inputs,
+                "recompute": recompute,
                 "host_layout": host_layout,
                 "host_threads": host_threads,  # ValueError for < 1 or more than the cores
             }
@@ -159,6 +168,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         self.num_slots = num_slots
         self.overlap_optimizer = overlap_optimizer
         self.offload_inputs = offload_inputs
+        self.recompute = recompute
         self.host_layout, self.nvme_dir = host_layout, nvme_dir
         self.host_threads = host_threads  # None: resolved where the worker starts (cores - 1)
         self.checkpoint_format = checkpoint_format
@@ -241,6 +251,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             num_slots=self.num_slots,
             overlap_optimizer=self.overlap_optimizer,
             offload_inputs=self.offload_inputs,
+            recompute=self.recompute,
             host_layout=self.host_layout,
             nvme_dir=self.nvme_dir,
             host_threads=self.host_threads,

@@ -58,6 +58,8 @@ class Streamer(Protocol):
 
     def offloads_call(self, idx: int, hidden: torch.Tensor) -> bool: ...
 
+    def keeps_call(self, idx: int, hidden: torch.Tensor) -> bool: ...
+
 
 class CallState:
     """Everything besides the hidden state that a block call needs, captured at forward time.
@@ -79,6 +81,8 @@ class CallState:
         # parameters the block uses (themselves: the block reads them as attributes, not as arguments).
         self.grad_inputs: list[torch.Tensor] = []
         self.chained = 0
+        self.keep = False  # the call keeps its graph from the forward (engine/recompute.py)
+        self.kept: Any = None  # that graph (recompute.KeptGraph), until the backward
         self.unsplit: Callable[[torch.Tensor, tuple], Any] = lambda hidden, extra: hidden  # see split()
         self.extra: tuple = ()  # the output's other leaves
         self.own_input: torch.Tensor | None = None  # the forward's detached input, until the output is rebuilt
@@ -164,6 +168,7 @@ class CallState:
 
     def clear(self) -> None:
         self.args, self.kwargs, self.extra, self.saved, self.grad_inputs, self.changed = (), {}, (), None, [], None
+        self.kept = None
         self.cpu_rng = self.dev_rng = None
 
 
@@ -241,7 +246,7 @@ class _BlockFunction(torch.autograd.Function):
         engine = runner.engine
         if state.offload:
             state.saved = engine.saved_inputs.store(hidden, owner=state)  # nothing of it stays on the device
-        else:
+        elif not state.keep:  # (a kept graph holds the input itself)
             ctx.save_for_backward(hidden)
         ctx.set_materialize_grads(False)  # an unused side output sends None, not a tensor of zeros
         out, side = engine.forward_block(runner.idx, state, hidden, hidden.requires_grad)
@@ -254,7 +259,9 @@ class _BlockFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor | None, *grad_side: torch.Tensor | None):
         needs = tuple(ctx.needs_input_grad[3:])  # the hidden state's, then each grad input's
         engine, state = ctx.runner.engine, ctx.state
-        hidden = engine.saved_inputs.fetch(state.saved) if state.saved is not None else ctx.saved_tensors[0]
+        hidden = engine.saved_inputs.fetch(state.saved) if state.saved is not None else None
+        if state.saved is None and not state.keep:
+            hidden = ctx.saved_tensors[0]
         grads_in = engine.backward_block(ctx.runner.idx, state, hidden, [grad_out, *grad_side], needs)
         if state.saved is not None:
             engine.saved_inputs.give_back(state.saved)
@@ -285,7 +292,8 @@ class BlockRunner:
         _refuse_training_inputs(engine.units[self.idx].name, args, kwargs)
         params = [p for p in self.shared if p.requires_grad]  # (frozen or not: checked at each call)
         originals = state.take_grad_inputs(params)
-        state.offload = engine.offloads_call(self.idx, hidden)
+        state.keep = engine.keeps_call(self.idx, hidden)
+        state.offload = not state.keep and engine.offloads_call(self.idx, hidden)
         links = engine.input_chain.inputs(self.idx, originals)
         out, *side = _BlockFunction.apply(self, state, engine.grad_anchor, hidden, *links, *params)
         if originals:

@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from megatrain_lightning.engine.recompute import Recompute, check_recompute
 from megatrain_lightning.optim.threads import resolve_host_threads
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
@@ -135,6 +136,7 @@ _OPTION_CHECKS: dict[str, Callable[[Any], Any]] = {
     "checkpoint_format": check_checkpoint_format,
     "num_slots": check_num_slots,
     "offload_inputs": check_offload_inputs,
+    "recompute": check_recompute,
     "host_layout": check_host_layout,
     "host_threads": check_host_threads,
 }
@@ -166,6 +168,9 @@ class EngineConfig:
     offload_inputs: OffloadInputs = "auto"
     """Where saved block inputs wait for backward: True host (pinned), False device, "auto" decided per
     forward pass from the device memory free."""
+    recompute: Recompute = "auto"
+    """Recompute each block in backward (True), keep every block's graph from the forward (False), or keep
+    the last blocks' graphs while they fit in free device memory ("auto"; engine/recompute.py)."""
     host_layout: HostLayout = "default"
     """``default``: a pinned compute copy and a gradient slab per unit (16 B/param in bf16); ``lean``: rings
     of staging and gradient buffers instead (12 B/param plus buffers in flight)."""
@@ -196,6 +201,7 @@ class EngineConfig:
         check_precision(self.precision)
         check_num_slots(self.num_slots)
         check_offload_inputs(self.offload_inputs)
+        check_recompute(self.recompute)
         check_host_layout(self.host_layout)
         check_host_threads(self.host_threads)
         check_piece(self.piece)

@@ -39,12 +39,13 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from megatrain_lightning.device_memory import auto_slot_count, free_device_bytes, step_transient_bytes
 from megatrain_lightning.engine import pinned
@@ -64,6 +65,7 @@ from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
 from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.engine.outer import OuterParams
 from megatrain_lightning.engine.probes import Probes
+from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph
 from megatrain_lightning.engine.ring import HostRing, piece_numel, ring_counts
 from megatrain_lightning.engine.saved_inputs import SavedInputs
 from megatrain_lightning.engine.streams import SlotPool, Streams
@@ -143,6 +145,8 @@ class Engine:
         self._open_calls: list[weakref.WeakSet] = [weakref.WeakSet() for _ in self.units]
         slots = 2 if config.num_slots == "auto" else config.num_slots
         self.pool = SlotPool(self.streams, slots, max(u.numel for u in self.units), self.compute_dtype)
+        self.pool.grow_when_pinned = config.recompute is False
+        self.keep = KeepPolicy(config.recompute, free, self.pool.pinned, lambda: self.pool.num_slots, self.stats)
         self.grad_anchor = torch.empty(0, requires_grad=True)
         self.input_chain = InputChain()
         # Steps run in the order the next forward needs them, among those whose gradient has landed
@@ -175,6 +179,7 @@ class Engine:
     def _build_blocks(self, block_params: list, pin: bool) -> None:
         """Move each block into a host unit, bind its parameters to the master, route its forward here."""
         self.runners: list[BlockRunner] = []
+        self._param_refs: list[list[tuple[nn.Module, str, int]]] = []  # per block: where each parameter sits
         self._state_hooks = []
         for i, (blk, params) in enumerate(zip(self.blocks, block_params)):
             keep_copy = self.config.host_layout != "lean"
@@ -183,6 +188,15 @@ class Engine:
             unit.bind(unit.master)  # frees the block's own storage right away
             foreign = [p for _, p in blk.named_parameters() if id(p) in self.layout.shared]
             self.runners.append(BlockRunner(self, i, blk, foreign))
+            at = {id(e.param): j for j, e in enumerate(unit.entries)}
+            self._param_refs.append(
+                [
+                    (m, n, at[id(p)])
+                    for m in blk.modules()
+                    for n, p in m._parameters.items()
+                    if p is not None and id(p) in at
+                ]
+            )
             blk.forward = self.runners[-1]
             # A block's parameters are views of its master, which the worker steps in the background after
             # optimizer_step returns: state_dict() (of the model or the block) waits for the block's step, and
@@ -406,9 +420,18 @@ class Engine:
 
     def offloads_call(self, idx: int, hidden: torch.Tensor) -> bool:
         """Whether this call of block `idx` (under grad) saves its input on the host (engine/saved_inputs.py)."""
+        first, count = self._stack_span(idx)
+        return self.saved_inputs.offloads_call(idx - first, hidden, count)
+
+    def keeps_call(self, idx: int, hidden: torch.Tensor) -> bool:
+        """Whether this call of block `idx` (under grad) keeps its graph instead of a recompute (engine/recompute.py)."""
+        return self.keep.keeps(idx, *self._stack_span(idx), hidden)
+
+    def _stack_span(self, idx: int) -> tuple[int, int]:
+        """(first block, number of blocks) of block `idx`'s stack: its blocks are consecutive, and each
+        stack's forward pass is decided on anew."""
         stack = self.layout.stack_of
-        first = stack.index(stack[idx])  # a stack's blocks are consecutive; each stack's pass is decided anew
-        return self.saved_inputs.offloads_call(idx - first, hidden, stack.count(stack[idx]))
+        return stack.index(stack[idx]), stack.count(stack[idx])
 
     # -- how many weight slots ("auto") -----------------------------------------------------------------
     def size_slots(self) -> None:
@@ -443,23 +466,29 @@ class Engine:
     def forward_block(
         self, idx: int, state: CallState, hidden: torch.Tensor, input_requires_grad: bool, record: bool = True
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run block `idx` without a graph: (hidden output, side outputs for the autograd node).
+        """Run block `idx`: (hidden output, side outputs for the autograd node), without a graph unless the
+        call keeps it (``state.keep``, engine/recompute.py: ``state.kept`` then holds it for the backward).
 
         When training (`record`), the input is handed over with the flag it will have in the recompute, and
         the tensors that may leave the block besides its output are recorded (see SideOutputs)."""
         blk, runner = self.blocks[idx], self.runners[idx]
         x = hidden.detach().requires_grad_(input_requires_grad) if record else hidden
         side = SideOutputs(blk) if record else None
+        keep = record and state.keep
 
         def call() -> Any:
             if side is None:
                 return state.call(runner.inner, x)
+            if keep:  # nothing is replayed: the forward runs once
+                with side.recording(), self._measuring(idx, x):
+                    return state.call(runner.inner, x)
             # (inside the binding: a buffer's changes are seen on its device copy)
             with side.recording(), Mutations.watch(blk) as state.changed:
                 return state.call(runner.inner, x)
 
-        with torch.no_grad():
-            out, state.unsplit, state.extra = state.split(self._run(idx, +1, call))
+        with torch.enable_grad() if keep else torch.no_grad():
+            result, kept = self._run(idx, +1, call, keep=keep)
+            out, state.unsplit, state.extra = state.split(result)
         if side is None:
             return out, []
         state.own_input = x
@@ -470,22 +499,36 @@ class Engine:
         state.extra_ids = {id(t): j for j, t in enumerate(picked)}
         self._forward_states[idx] = weakref.ref(state)
         self._open_calls[idx].add(state)
+        if kept is not None:
+            # The node's outputs are these very tensors (a hook or an attribute may hold them, and autograd
+            # re-points them at the node): their graph's own ends are taken first, as edges, which hold no
+            # tensor (a view would hold the output, which holds the node, which holds this state: a cycle
+            # that would keep a dropped graph's activations and slot). A tensor computed without grad has
+            # none, and takes no gradient, as in ordinary training.
+            kept.x = x
+            kept.outputs = [get_gradient_edge(t) if t.requires_grad else None for t in [out, *picked]]
+            state.kept = kept
         return out, picked
 
     def backward_block(
         self, idx: int, state: CallState, hidden: torch.Tensor, grads_out: list, needs: tuple[bool, ...]
     ) -> tuple[torch.Tensor | None, ...]:
-        """Recompute block `idx` with grad; ship its parameters' gradients to the host, return the gradients
-        of its inputs (the hidden state, then the arguments that require grad) where `needs` asks for them."""
+        """Recompute block `idx` with grad (or differentiate the graph its forward kept); ship its parameters'
+        gradients to the host, return the gradients of its inputs (the hidden state, then the arguments that
+        require grad) where `needs` asks for them."""
         unit, blk, runner = self.units[idx], self.blocks[idx], self.runners[idx]
         self._open_calls[idx].discard(state)
         more = bool(self._open_calls[idx])  # another call of this block is still to come back
         if idx == len(self.units) - 1:
             self.host.read_ahead_backward()
+        kept: KeptGraph | None = state.kept
         # Parameters the user froze get no gradient, exactly as in ordinary training (checked now: a
-        # parameter may be frozen or unfrozen between steps).
-        trained = [i for i, e in enumerate(unit.entries) if e.param.requires_grad]
+        # parameter may be frozen or unfrozen between steps; a kept graph has the flags of its forward).
+        params = kept.leaves if kept is not None else [e.param for e in unit.entries]
+        trained = [i for i, p in enumerate(params) if p.requires_grad]
         if not trained and not any(needs):
+            if kept is not None:
+                kept.release()
             return (None,) * len(needs)
         wanted = [t for t, need in zip(state.grad_inputs, needs[1:]) if need]  # leaves: grads taken, not kept
         # The gradients the later blocks sent each grad input through its chain link (InputChain).
@@ -494,10 +537,12 @@ class Engine:
         seeded = [(t, g) for t, g, need in zip(state.grad_inputs, seeds, needs[1:]) if need and g is not None]
 
         def recompute() -> tuple:
+            if kept is not None:
+                return differentiate(kept.x, kept.outputs, [])
             x = hidden.detach().requires_grad_(needs[0])
             side = SideOutputs(blk)
             with torch.enable_grad(), state.replay(), state.changed.replayed(unit.name):
-                with side.recording():
+                with side.recording(), self._measuring(idx, x):
                     out, _, extra = state.split(state.call(runner.inner, x))
                 side.add(extra)
                 side.restore_attrs()
@@ -508,15 +553,21 @@ class Engine:
                     f"block {unit.name} produced {len(side.tensors)} side tensors in its recompute but "
                     f"{state.recorded} in its forward: the block must run the same code both times"
                 )
-            pairs = [(o, g) for o, g in zip([out, *(side.tensors[i] for i in state.side_index)], grads_out)]
-            pairs = [(o, g) for o, g in pairs if g is not None and o.requires_grad] + links
-            inputs = ([x] if needs[0] else []) + wanted + [unit.entries[i].param for i in trained]
+            return differentiate(x, [out, *(side.tensors[i] for i in state.side_index)], links)
+
+        def differentiate(x: torch.Tensor, outputs: list[torch.Tensor | GradientEdge | None], links: list) -> tuple:
+            if kept is not None:
+                with torch.enable_grad():  # made now, and last: autograd still runs them first
+                    links = [(t.view_as(t), g) for t, g in seeded]
+            pairs = [(o, g) for o, g in zip(outputs, grads_out)]
+            pairs = [(o, g) for o, g in pairs if g is not None and o is not None and _differentiable(o)] + links
+            inputs = ([x] if needs[0] else []) + wanted + [params[i] for i in trained]
             if not pairs:
                 return (None,) * len(inputs)
             outs, gouts = zip(*pairs)
             return torch.autograd.grad(outs, inputs, gouts, allow_unused=True)
 
-        grads = list(self._run(idx, -1, recompute))
+        grads = list(self._run(idx, -1, recompute, kept=kept)[0])
         grads_in = [grads.pop(0) if need else None for need in needs]
         by_entry: list[torch.Tensor | None] = [None] * len(unit.entries)
         for i, g in zip(trained, grads):
@@ -529,14 +580,25 @@ class Engine:
             self.host.land_held(unit, idx, this_pass=unit.held.task == graph_task())  # it was the last call
         return tuple(grads_in)
 
-    def _run(self, idx: int, direction: int, fn: Callable[[], Any]) -> Any:
+    def _run(
+        self, idx: int, direction: int, fn: Callable[[], Any], keep: bool = False, kept: KeptGraph | None = None
+    ) -> tuple[Any, KeptGraph | None]:
         """Bind block `idx`'s weights from a slot, enqueue `fn`, then prefetch the next blocks (those whose
-        optimizer step is done: a pending one is waited for when its block runs, not before)."""
+        optimizer step is done: a pending one is waited for when its block runs, not before).
+
+        `keep`: the call keeps its graph: its weights are fresh leaves over the slot, and the slot stays
+        pinned until the call's backward (returned: the KeptGraph). `kept`: that backward, on its pinned slot
+        (the block's parameters are bound to it too, for a checkpoint inside the block that recomputes)."""
         unit = self.units[idx]
-        slot = self._load(idx, {idx})
-        with self._bound(idx, self.pool.acquire(slot, unit.numel)):
+        slot = self._load(idx, {idx}) if kept is None else kept.slot
+        with self._bound(idx, self.pool.acquire(slot, unit.numel), fresh=keep) as leaves:
             out = fn()
         self.pool.release(slot)
+        if kept is not None:
+            kept.release()
+        if keep:
+            self.pool.pin(slot)
+            kept = KeptGraph(slot, leaves, self.pool.unpin)
         # Prefetch after enqueueing the compute, so waiting for a pending host step never delays it.
         if direction < 0 and idx > 0:
             earlier = self._forward_states[idx - 1]
@@ -546,21 +608,32 @@ class Engine:
         ahead = [j for j in (idx + direction * k for k in range(1, self.pool.num_slots)) if 0 <= j < len(self.units)]
         for j in ahead:
             if self._load(j, {idx, *ahead}, wait=False) is None:
-                break  # steps finish in forward order: the blocks after it are not ready either
-        return out
+                break  # steps finish in forward order (or every other slot is pinned): stop here
+        return out, (kept if keep else None)
 
     @contextmanager
-    def _bound(self, idx: int, flat: torch.Tensor) -> Iterator[None]:
+    def _bound(self, idx: int, flat: torch.Tensor, fresh: bool = False) -> Iterator[list[nn.Parameter]]:
         """Point block `idx`'s parameters at the device weights in `flat` and its buffers at their device
-        copies for the duration of a call; afterwards the parameters are views of the masters again."""
+        copies for the duration of a call; afterwards the parameters are views of the masters again.
+
+        `fresh`: the block's modules hold, for the call, new leaf parameters over `flat` (yielded, in the
+        unit's order, with the flags of the block's own): a graph kept from the call saves those, which
+        stay on the slot when the block's own parameters move back to the masters."""
         unit = self.units[idx]
         buffers = [(record, record[2].data) for record in self._block_buffers[idx]]
         unit.bind(flat)
+        leaves = (
+            [nn.Parameter(e.param.data, requires_grad=e.param.requires_grad) for e in unit.entries] if fresh else []
+        )
+        for module, name, i in self._param_refs[idx] if fresh else []:
+            module._parameters[name] = leaves[i]
         for (_, _, b, dev), _ in buffers:
             b.data = dev
         try:
-            yield
+            yield leaves
         finally:
+            for module, name, i in self._param_refs[idx] if fresh else []:
+                module._parameters[name] = unit.entries[i].param
             unit.bind(unit.master)
             for record, host in buffers:
                 module, name, b, _ = record
@@ -579,9 +652,17 @@ class Engine:
             if not wait and unit.future is not None and not unit.future.done():
                 return None
             self.host.wait(unit)  # a pending optimizer step is still rewriting the master (and copy)
-            slot = self.pool.load(idx, protect, lambda dst: self.uploads.upload(unit, dst))
+            slot = self.pool.load(idx, protect, lambda dst: self.uploads.upload(unit, dst), optional=not wait)
+            if slot is None:
+                return None
         unit.upload_done = self.pool.ready[slot]
         return slot
+
+    def _measuring(self, idx: int, x: torch.Tensor) -> AbstractContextManager:
+        """Count what block `idx`'s call saves for backward (``recompute="auto"`` sizes kept graphs by it)."""
+        if self.keep.mode != "auto":
+            return nullcontext()
+        return self.keep.measuring(idx, x.numel(), [*self.pool.buffers, *self.outer.device_copies])
 
     # -- state ---------------------------------------------------------------------------------------
     def master_state_dict(self) -> dict[str, torch.Tensor]:
@@ -743,12 +824,17 @@ class Engine:
         self.close()
 
 
+def _differentiable(t: torch.Tensor | GradientEdge) -> bool:
+    return isinstance(t, GradientEdge) or t.requires_grad
+
+
 def _new_stats() -> dict[str, float]:
     """Cumulative counters for progress bars and benchmarks (seconds are wall time of the thread named)."""
     return {
         "h2d_bytes": 0,  # weights uploaded (blocks and outer parameters)
         "d2h_bytes": 0,  # gradients downloaded
         "input_offload_bytes": 0,  # saved block inputs to the host and back (offload_inputs)
+        "kept_calls": 0,  # block calls that kept their graph for backward instead of a recompute (recompute)
         "offloaded_passes": 0,  # forward passes whose saved block inputs went to the host
         "host_step_seconds": 0.0,  # worker: Adam steps
         "host_land_seconds": 0.0,  # worker: waiting for downloads, accumulating, norms

@@ -117,6 +117,8 @@ class SlotPool:
         self.ready: list[object | None] = []
         self.free: list[object | None] = []
         self.last_use: list[int] = []
+        self.pins: list[int] = []  # calls that kept a graph over the slot's weights (engine/recompute.py)
+        self.grow_when_pinned = False  # recompute=False: a slot is added when every one is pinned
         self._clock = 0
         self.uploads = 0  # blocks uploaded since construction (tests read this)
         self.grow(num_slots)
@@ -140,6 +142,7 @@ class SlotPool:
             self.ready.append(None)
             self.free.append(None)
             self.last_use.append(0)
+            self.pins.append(0)
 
     def slot_of(self, idx: int) -> int | None:
         return self.holder.index(idx) if idx in self.holder else None
@@ -150,13 +153,18 @@ class SlotPool:
             if idx is None or held == idx:
                 self.holder[s] = None
 
-    def load(self, idx: int, protect: set[int], upload: Callable[[torch.Tensor], object]) -> int:
+    def load(
+        self, idx: int, protect: set[int], upload: Callable[[torch.Tensor], object], optional: bool = False
+    ) -> int | None:
         """Make sure block `idx` is resident or on its way; returns its slot. `upload(dst)` issues the H2D
-        copies of its weights into the slot's buffer and returns the event that ends them."""
+        copies of its weights into the slot's buffer and returns the event that ends them. `optional` (a
+        prefetch): None, and nothing issued, when every slot is protected or pinned."""
         s = self.slot_of(idx)
         if s is not None:
             return s
-        s = self._victim(protect | {idx})
+        s = self._victim(protect | {idx}, optional)
+        if s is None:
+            return None
         self.streams.wait(self.streams.h2d, self.free[s])  # never overwrite weights still being read
         self.ready[s] = upload(self.buffers[s])
         self.holder[s] = idx
@@ -174,8 +182,26 @@ class SlotPool:
         """Compute has issued its last read of slot `s` for now."""
         self.free[s] = self.streams.event()
 
-    def _victim(self, protect: set[int]) -> int:
-        candidates = [s for s, held in enumerate(self.holder) if held is None or held not in protect]
+    def pin(self, s: int) -> None:
+        """A call keeps a graph over slot `s`'s weights: nothing may overwrite them until :meth:`unpin`."""
+        self.pins[s] += 1
+
+    def unpin(self, s: int) -> None:
+        self.pins[s] -= 1
+
+    def pinned(self) -> int:
+        """How many slots are pinned."""
+        return sum(1 for n in self.pins if n)
+
+    def _victim(self, protect: set[int], optional: bool = False) -> int | None:
+        candidates = [
+            s for s, held in enumerate(self.holder) if not self.pins[s] and (held is None or held not in protect)
+        ]
+        if not candidates and optional:
+            return None
+        if not candidates and self.grow_when_pinned:
+            self.grow(1)
+            return self.num_slots - 1
         if not candidates:
             raise RuntimeError(
                 f"all {self.num_slots} weight slots hold protected blocks {sorted(protect)}; "
