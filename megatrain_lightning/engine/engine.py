@@ -22,6 +22,7 @@ needs (it imports no Lightning):
      |- BlockRunner per block (engine/block_fn.py): the block's forward, recomputed in backward
      |  (engine/block_state.py: what a block call takes, returns and changes)
      |- SavedInputs (engine/saved_inputs.py): block inputs kept for backward, on the device or the host
+     |- KeepPolicy (engine/recompute.py): which block calls keep their graph instead of a recompute
      |- HostSide (engine/host_steps.py): gradients to the host, accumulation, norms, Adam, the worker
      |- OuterParams (engine/outer.py): embedding, final norm, head: device copies rewritten after a step
 
