@@ -190,3 +190,14 @@ def test_a_dropped_graph_gives_back_its_slots_and_activations():
     assert engine.stats["kept_calls"] == LAYERS and engine.pool.num_slots == LAYERS
     assert engine.pool.pinned() == 0 and not any(engine._open_calls) and kept[0]() is None
     engine.close()
+
+
+@pytest.mark.parametrize("options", [dict(precision="bf16-mixed"), dict(host_layout="lean", offload_inputs=True)])
+def test_a_kept_graph_gives_what_the_recompute_gives(options):
+    """In bf16-mixed (where ordinary training's fp32 weights differ from the streamed bf16 copies) the
+    oracle is the recompute itself: the kept graph is the graph the recompute would build, bit for bit."""
+    base = dict(cfg().__dict__, num_slots=2, **options)
+    recomputed = train(model(), EngineConfig(**{**base, "recompute": True}))
+    kept = train(model(), EngineConfig(**{**base, "recompute": False}))
+    assert kept[2]["kept_calls"] == 3 * LAYERS and recomputed[2]["kept_calls"] == 0
+    assert_equal(kept, recomputed)
