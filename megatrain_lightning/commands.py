@@ -91,8 +91,12 @@ host layouts (MegatrainStrategy(host_layout=...)), host bytes per parameter in b
   --nvme-dir moves Adam m + v (8) into files there: 16 bytes/param of drive traffic per optimizer step
   auto (the default with --model) plans default if it fits --host-mem, else lean, else lean + --nvme-dir
 
+data parallel (--devices N --nodes M; planned for a mode the strategy does not run yet): the host state
+is cut into N x M shards, so a node holds 1/M of it plus each of its N ranks' own rings and offloaded
+inputs (host memory per node); every GPU still holds whole blocks in its slots (GPU memory per GPU)
+
 The last line printed is machine-readable, one line on stdout whenever a plan is made:
-  host_plan: model=NAME params=N host_gib=X nvme_gib=Y fits=yes|no
+  host_plan: model=NAME params=N host_gib=X nvme_gib=Y fits=yes|no   (+ devices=N nodes=M when N x M > 1)
 Exit status 0 when the plan fits, 1 when it does not (the reasons on stderr, before that line), 2 on bad
 input (no plan, no host_plan line).
 
@@ -168,6 +172,20 @@ def plan_parser() -> argparse.ArgumentParser:
         "in bf16) (default: the config's trainer.gradient_clip_val, else off)",
     )
     ap.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="GPUs per node of the data-parallel mode to come (default 1): host memory is then per node",
+    )
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        metavar="M",
+        help="nodes of the data-parallel mode to come (default 1): each holds 1/M of the sharded host state",
+    )
+    ap.add_argument(
         "--no-measure",
         dest="measure",
         action="store_false",
@@ -212,6 +230,8 @@ def plan_from_config(
     nvme_dir: str | None = None,
     clipping: bool | None = None,
     nvme_gbps: float = NVME_GBPS,
+    devices: int = 1,
+    nodes: int = 1,
 ) -> Plan:
     """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state.
     `offload_inputs`, `host_layout`, `nvme_dir`, `clipping` and model `overrides` add to (or replace) what
@@ -245,6 +265,8 @@ def plan_from_config(
         nvme_dir=nvme_dir or init_args.get("nvme_dir"),
         clipping=clipping,
         nvme_gbps=nvme_gbps,
+        devices=devices,
+        nodes=nodes,
     )
 
 
@@ -279,6 +301,8 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
             args.nvme_dir,
             args.clip,
             args.nvme_gbps,
+            args.devices,
+            args.nodes,
         )
     if not args.model:
         ap.error("give --config FILE or --model NAME")
@@ -301,6 +325,8 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
         nvme_dir=args.nvme_dir,
         clipping=bool(args.clip),
         nvme_gbps=args.nvme_gbps,
+        devices=args.devices,
+        nodes=args.nodes,
     )
 
 
