@@ -23,7 +23,7 @@ from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.engine.config import PRECISIONS
 from megatrain_lightning.module import resolve_config
 from megatrain_lightning.planner import HOST_LAYOUTS, NVME_GBPS, Plan, parse_size, plan
-from megatrain_lightning.schedule import PROFILES, ModelledStep, modelled_step, profile
+from megatrain_lightning.schedule import LINKS, PROFILES, DataParallel, ModelledStep, modelled_step, profile
 from megatrain_lightning.schedule.modelled import check_options
 
 
@@ -338,8 +338,14 @@ on the device profile's rates and the last step is measured. Token tiles and inp
 planner's choices for the profile's GPU memory. The table gives each lane's busy time and share of the step;
 the step's bound is its busiest resource, or the optimizer step's chain when that is longer.
 
+--gpus N models one rank of N GPUs of one node in the data-parallel mode to come (not yet run by the
+strategy): each rank uploads and downloads 1/N of every unit, the GPUs all-gather and reduce-scatter it over
+--link (nvlink: the profile's NVLink; pcie: the same x16 link as the host copies), and the N ranks' host Adam
+share the node's DRAM bandwidth. --micro-batches is then per GPU.
+
 The last line printed is machine-readable:
   schedule: model=NAME tokens_per_step=N clip=C step_s=X bound_s=Y ratio=X/Y bound=LANE mfu=Z
+  (with --gpus N > 1, then: gpus=N link=L tokens_per_s=T; tokens_per_step is one GPU's)
 
 examples:  megatrain schedule --model llama-3.1-8b --device h100-sxm --seq-len 4096
            megatrain schedule --model llama-3.1-8b --device rtx4090 --seq-len 8192 --clip 1.0 --micro-batches 4"""
@@ -381,7 +387,26 @@ def schedule_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--steps", type=int, default=3, help="optimizer steps recorded; the last is measured (default 3, at least 2)"
     )
+    add_data_parallel(ap)
     return ap
+
+
+def add_data_parallel(ap: argparse.ArgumentParser) -> None:
+    """--gpus and --link: one rank of the data-parallel mode to come (megatrain schedule, bench/schedule.py)."""
+    ap.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        metavar="N",
+        help="model one rank of N GPUs of one node in the data-parallel mode to come (default 1: today's engine)",
+    )
+    ap.add_argument(
+        "--link",
+        choices=LINKS,
+        default="nvlink",
+        help="how the GPUs reach each other: the profile's NVLink, or PCIe peer copies on the host link "
+        "(default nvlink)",
+    )
 
 
 def schedule_command(argv: list[str]) -> ModelledStep:
@@ -391,10 +416,20 @@ def schedule_command(argv: list[str]) -> ModelledStep:
         device = profile(args.device)
         config = resolve_config(args.model)
         check_options(args.seq_len, args.micro_batches, args.clip, args.num_slots, args.steps)
+        DataParallel(args.gpus, args.link).rank_profile(device)
     except (ValueError, FileNotFoundError) as err:
         user_error(str(err), ap.prog)
     step = modelled_step(
-        config, device, args.seq_len, args.micro_batches, args.clip, args.num_slots, args.steps, name=args.model
+        config,
+        device,
+        args.seq_len,
+        args.micro_batches,
+        args.clip,
+        args.num_slots,
+        args.steps,
+        name=args.model,
+        gpus=args.gpus,
+        link=args.link,
     )
     print("\n".join(step.report()), flush=True)
     return step
