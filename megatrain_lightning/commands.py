@@ -171,20 +171,8 @@ def plan_parser() -> argparse.ArgumentParser:
         help="plan with gradient clipping, which the lean layout pays for with a gradient slab (2 bytes/param "
         "in bf16) (default: the config's trainer.gradient_clip_val, else off)",
     )
-    ap.add_argument(
-        "--devices",
-        type=int,
-        default=1,
-        metavar="N",
-        help="GPUs per node of the data-parallel mode to come (default 1): host memory is then per node",
-    )
-    ap.add_argument(
-        "--nodes",
-        type=int,
-        default=1,
-        metavar="M",
-        help="nodes of the data-parallel mode to come (default 1): each holds 1/M of the sharded host state",
-    )
+    ap.add_argument("--devices", type=int, default=1, metavar="N", help="GPUs per node, data parallel (default 1)")
+    ap.add_argument("--nodes", type=int, default=1, metavar="M", help="nodes, data parallel (default 1)")
     ap.add_argument(
         "--no-measure",
         dest="measure",
@@ -393,20 +381,8 @@ def schedule_parser() -> argparse.ArgumentParser:
 
 def add_data_parallel(ap: argparse.ArgumentParser) -> None:
     """--gpus and --link: one rank of the data-parallel mode to come (megatrain schedule, bench/schedule.py)."""
-    ap.add_argument(
-        "--gpus",
-        type=int,
-        default=1,
-        metavar="N",
-        help="model one rank of N GPUs of one node in the data-parallel mode to come (default 1: today's engine)",
-    )
-    ap.add_argument(
-        "--link",
-        choices=LINKS,
-        default="nvlink",
-        help="how the GPUs reach each other: the profile's NVLink, or PCIe peer copies on the host link "
-        "(default nvlink)",
-    )
+    ap.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs of one node, data parallel (default 1)")
+    ap.add_argument("--link", choices=LINKS, default="nvlink", help="how the GPUs reach each other (default nvlink)")
 
 
 def schedule_command(argv: list[str]) -> ModelledStep:

@@ -157,7 +157,18 @@ def modelled_step(
     memory = planner.free_and_transient(config, seq_len, 1, PRECISION, offload, gpu_mem)
     t0 = time.perf_counter()
     trace = record_steps(
-        config, seq_len, clip, steps, num_slots, offload, tile, base, launch_s, memory, micro_batches, dp
+        config,
+        seq_len,
+        clip,
+        steps,
+        num_slots,
+        offload,
+        tile,
+        base,
+        launch_s,
+        memory,
+        micro_batches,
+        dp if gpus > 1 else None,
     )
     record_s = time.perf_counter() - t0
     timeline = replay(trace, profile, launch_s)

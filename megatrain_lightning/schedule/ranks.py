@@ -92,22 +92,17 @@ class DataParallel:
             peer_gbps=profile.nvlink_gbps if self.link == "nvlink" else profile.link_gbps,
         )
 
-    def recorder(self, profile: Profile | None = None, launch_s: float = LAUNCH_S) -> Recorder:
-        """What records a rank (one GPU: the plain recorder), replaying live on the rank's profile."""
-        if self.gpus == 1:
-            return Recorder(profile, launch_s)
-        return RankRecorder(self, profile, launch_s)
-
 
 class RankRecorder(Recorder):
-    """A :class:`Recorder` that logs what one rank would issue (module docstring)."""
+    """A :class:`Recorder` that logs what one rank would issue (module docstring); of one GPU, what the plain
+    recorder logs."""
 
     def __init__(self, dp: DataParallel, profile: Profile | None = None, launch_s: float = LAUNCH_S) -> None:
         super().__init__(None if profile is None else dp.rank_profile(profile), launch_s)
         self.dp = dp
 
-    def streams(self, device: torch.device) -> RankStreams:
-        return RankStreams(self, device)
+    def streams(self, device: torch.device) -> RecordingStreams:
+        return RankStreams(self, device) if self.dp.gpus > 1 else super().streams(device)
 
     def host_work(self, kind: str, numel: int, nbytes: int) -> None:
         """The rank's host work is on its shards only."""
@@ -116,7 +111,7 @@ class RankRecorder(Recorder):
     def host_read(self, where: str) -> None:
         """Before the clipping norms are read: one all-reduce of the ranks' partial squared norms, after every
         reduce-scatter (the norms are of the summed gradient) and before the read."""
-        if NORM_READ in where:
+        if NORM_READ in where and self.dp.gpus > 1:
             lane, done = self.dp.scatter_lane, self.new_event()
             computed = self.new_event()
             self.log(Record(computed, "compute"))

@@ -48,9 +48,11 @@ def scaling(
     steps: int = 3,
     name: str = "model",
     progress: Callable[[str], None] | None = None,
+    modes: Sequence[str] = MODES,
 ) -> list[ScalingRow]:
     """Strong and weak scaling rows over `gpus` (which starts at 1); each distinct (micro-batches, GPUs)
-    is modelled once (the strong row at global_micro_batches / N = per_gpu_micro_batches is the weak one)."""
+    is modelled once (the strong row at global_micro_batches / N = per_gpu_micro_batches is the weak one);
+    `modes`: the rows wanted, "strong" and "weak"."""
     if not gpus or gpus[0] != 1:
         raise ValueError(f"gpus={list(gpus)!r} must start at 1: speedups are against one GPU")
     for n in gpus:
@@ -71,7 +73,7 @@ def scaling(
         return done[micro_batches, n]
 
     rows = []
-    for mode in MODES:
+    for mode in modes:
         per_gpu = {n: global_micro_batches // n if mode == "strong" else per_gpu_micro_batches for n in gpus}
         base = step(per_gpu[1], 1).tokens_per_s
         for n in gpus:

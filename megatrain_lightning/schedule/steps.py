@@ -23,7 +23,7 @@ from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.measure import release_quietly
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.schedule.profiles import Profile
-from megatrain_lightning.schedule.ranks import DataParallel
+from megatrain_lightning.schedule.ranks import DataParallel, RankRecorder
 from megatrain_lightning.schedule.record import Recorder
 from megatrain_lightning.schedule.replay import LAUNCH_S
 from megatrain_lightning.schedule.trace import Trace
@@ -109,7 +109,7 @@ def record_steps(
     after the first step (the planner's figures for the profile's GPU: there is no device to measure).
     `data_parallel`: record one rank of that many GPUs instead (ranks.py), replayed live on the rank's profile."""
     config = dataclasses.replace(config, token_chunk_size=tile)
-    recorder = (data_parallel or DataParallel()).recorder(profile, launch_s)
+    recorder = Recorder(profile, launch_s) if data_parallel is None else RankRecorder(data_parallel, profile, launch_s)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = LlamaForCausalLM(config)  # built before recording: host memory the engine takes over
         batch = torch.zeros(1, tokens, dtype=torch.int64)
