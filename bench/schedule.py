@@ -197,7 +197,8 @@ def print_scaling(args: argparse.Namespace, prof: Profile) -> int:
     except ValueError as err:
         print(f"schedule.py: error: {err}", file=sys.stderr)
         return 2
-    print(rows[-1].step.describe()[2])  # the profile's rates, as the last rank saw them
+    one = rows[0].step.describe()
+    print(f"{one[0]}\n{one[2]} (one GPU; a rank of N: 1/N of the host's bandwidth and Adam rate)")
     print(scaling_table(rows))
     return 0
 
