@@ -77,10 +77,10 @@ engine and the model on fake tensors (``measure.py``): the formulas are checked,
 Data parallel (``devices`` GPUs on each of ``nodes`` nodes, W = devices x nodes ranks; planned ahead of a
 mode the strategy does not run yet): every unit's flat host buffers that scale with the parameters (master,
 Adam m and v, compute copy, gradient slab, accumulator) are cut into W contiguous shards, one per rank, so
-the W ranks together hold one copy of them and a node 1/nodes of it (``sharded``: rounded up; padding each
+the W ranks together hold one copy of them and a node 1/nodes of it (``per_node``, rounded up; padding each
 unit to a multiple of W adds at most W elements per unit, not counted). What does not scale with the
 parameters is each rank's own: staging and gradient rings, Adam pieces in flight from NVMe, offloaded
-block inputs of its micro-batch (``per_rank``): devices times a rank's on a node. GPU memory is per GPU:
+block inputs of its micro-batch (``PER_RANK_KINDS``): devices times a rank's on a node. GPU memory is per GPU:
 a slot holds a whole block once its shards are all-gathered, so every single-GPU item stays; the rank
 uploads its shard into its own part of the slot and the gradient is reduce-scattered in place in the
 gradient slot (NCCL's in-place forms), so no collective needs a buffer of ours; the collective library's
@@ -584,7 +584,7 @@ class Plan:
         for layout, nvme in later:
             total, flags = self.host_total_for(layout, nvme), self._flags(layout, nvme)
             if total <= self.host_mem:
-                disk = f" + {format_size(nvme_bytes(self.config))} on the drive" if nvme else ""
+                disk = f" + {format_size(-(-nvme_bytes(self.config) // self.nodes))} on the drive" if nvme else ""
                 advice = f"{flags} fits: {format_size(total)} of host memory{disk}. Or use"
                 break
             advice = f"Even {flags} needs {format_size(total)}. Use"
