@@ -106,8 +106,8 @@ class ModelledStep:
         link = f"NVLink {p.peer_gbps:g} GB/s each way x {PEER_EFFICIENCY:g}" if dp.link == "nvlink" else "PCIe"
         return [
             f"data parallel (modelled; the strategy trains on one GPU today): one rank of {dp.gpus} GPUs of one node, "
-            f"peers over {link}; shard copies 1/{dp.gpus} of each unit, all-gather and reduce-scatter "
-            f"{dp.gpus - 1}/{dp.gpus} on the {dp.gather_lane} lane; host work on 1/{dp.gpus} of the parameters at "
+            f"peers over {link}; shard copies 1/{dp.gpus} of each unit, all-gather ({dp.gather_lane} lane) and "
+            f"reduce-scatter ({dp.scatter_lane} lane) of {dp.gpus - 1}/{dp.gpus}; host work on 1/{dp.gpus} of the parameters at "
             f"1/{dp.gpus} of the node's DRAM bandwidth (shown above); {self.global_tokens} tokens per step in all"
         ]
 
