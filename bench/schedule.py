@@ -25,6 +25,13 @@ free and transient memory for that GPU. The recording is replayed live on the pr
 decisions that depend on timing (prefetch a block whose step is done) are the ones it would take on that
 device.
 
+Data parallel, modelled for a mode the strategy does not run yet (megatrain_lightning/schedule/ranks.py):
+``--gpus N [--link nvlink|pcie]`` models one rank of N GPUs of one node (--micro-batches is then per GPU);
+``--scaling 1,2,4,8`` prints strong scaling (the step's --micro-batches split over N GPUs) and weak scaling
+(``--weak-micro-batches`` per GPU, default 1) as a Markdown table (schedule/scaling.py):
+
+    python bench/schedule.py --model llama-3.1-8b --tokens 4096 --micro-batches 8 --scaling 1,2,4,8
+
 ``megatrain schedule`` (--seq-len for --tokens) prints the same through the same function,
 ``megatrain_lightning.schedule.modelled_step``; this script adds ``--png``, ``--measure-host``,
 ``--host-adam-gparams``, ``--layers`` and ``--launch-us``. ``--measure-host`` times the host Adam kernel here instead of the profile's 28 B/param over host
@@ -43,9 +50,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is a folder o
 
 from timeline import draw_lanes  # noqa: E402
 
-from megatrain_lightning.commands import int_or_auto
+from megatrain_lightning.commands import add_data_parallel, int_or_auto
 from megatrain_lightning.models import LlamaConfig
-from megatrain_lightning.schedule import PROFILES, Profile, measure_host_adam, modelled_step, profile
+from megatrain_lightning.schedule import (
+    PROFILES,
+    DataParallel,
+    Profile,
+    measure_host_adam,
+    modelled_step,
+    profile,
+    scaling,
+    scaling_table,
+)
 from megatrain_lightning.schedule.modelled import check_options
 from megatrain_lightning.schedule.replay import LAUNCH_S, Interval, Timeline
 from megatrain_lightning.schedule.report import Summary, steady_window
@@ -83,12 +99,34 @@ def parse(argv: list[str]) -> argparse.Namespace:
     host = ap.add_mutually_exclusive_group()
     host.add_argument("--measure-host", action="store_true", help="time kernels.adam_step_ on this machine")
     host.add_argument("--host-adam-gparams", type=float, default=None, help="host Adam rate, 10^9 params/s")
+    add_data_parallel(ap)
+    ap.add_argument(
+        "--scaling",
+        type=_counts,
+        default=None,
+        metavar="1,2,4,8",
+        help="print strong and weak scaling over these GPU counts (the first 1) instead of one step",
+    )
+    ap.add_argument(
+        "--weak-micro-batches", type=int, default=1, help="micro-batches per GPU of --scaling's weak rows (default 1)"
+    )
     args = ap.parse_args(argv)
     try:
         check_options(args.tokens, args.micro_batches, args.clip, args.num_slots, args.steps)
+        check_options(args.tokens, args.weak_micro_batches, args.clip, args.num_slots, args.steps)
+        DataParallel(args.gpus, args.link).rank_profile(profile(args.device))
     except ValueError as err:
         ap.error(str(err))
     return args
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of GPU counts, e.g. 1,2,4,8"
+        ) from None
 
 
 def device_profile(args: argparse.Namespace) -> tuple[Profile, str | None]:
@@ -140,9 +178,36 @@ def _merged(timeline: Timeline, lane: str, lo: float, hi: float) -> list[Interva
     return out
 
 
+def print_scaling(args: argparse.Namespace, prof: Profile) -> int:
+    """The strong and weak scaling table, after what was modelled."""
+    try:
+        rows = scaling(
+            config_of(args),
+            prof,
+            args.tokens,
+            args.micro_batches,
+            args.weak_micro_batches,
+            args.scaling,
+            args.link,
+            args.clip,
+            args.steps,
+            args.model,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    except ValueError as err:
+        print(f"schedule.py: error: {err}", file=sys.stderr)
+        return 2
+    one = rows[0].step.describe()
+    print(f"{one[0]}\n{one[2]} (one GPU; a rank of N: 1/N of the host's bandwidth and Adam rate)")
+    print(scaling_table(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     prof, adam = device_profile(args)
+    if args.scaling is not None:
+        return print_scaling(args, prof)
     step = modelled_step(
         config_of(args),
         prof,
@@ -154,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         args.launch_us * 1e-6,
         name=args.model,
         adam_source=adam,
+        gpus=args.gpus,
+        link=args.link,
     )
     *lines, last = step.report()
     print("\n".join(lines))

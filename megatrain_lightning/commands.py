@@ -23,7 +23,7 @@ from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.engine.config import PRECISIONS
 from megatrain_lightning.module import resolve_config
 from megatrain_lightning.planner import HOST_LAYOUTS, NVME_GBPS, Plan, parse_size, plan
-from megatrain_lightning.schedule import PROFILES, ModelledStep, modelled_step, profile
+from megatrain_lightning.schedule import LINKS, PROFILES, DataParallel, ModelledStep, modelled_step, profile
 from megatrain_lightning.schedule.modelled import check_options
 
 
@@ -91,8 +91,12 @@ host layouts (MegatrainStrategy(host_layout=...)), host bytes per parameter in b
   --nvme-dir moves Adam m + v (8) into files there: 16 bytes/param of drive traffic per optimizer step
   auto (the default with --model) plans default if it fits --host-mem, else lean, else lean + --nvme-dir
 
+data parallel (--devices N --nodes M; planned for a mode the strategy does not run yet): the host state
+is cut into N x M shards, so a node holds 1/M of it plus each of its N ranks' own rings and offloaded
+inputs (host memory per node); every GPU still holds whole blocks in its slots (GPU memory per GPU)
+
 The last line printed is machine-readable, one line on stdout whenever a plan is made:
-  host_plan: model=NAME params=N host_gib=X nvme_gib=Y fits=yes|no
+  host_plan: model=NAME params=N host_gib=X nvme_gib=Y fits=yes|no   (+ devices=N nodes=M when N x M > 1)
 Exit status 0 when the plan fits, 1 when it does not (the reasons on stderr, before that line), 2 on bad
 input (no plan, no host_plan line).
 
@@ -167,6 +171,8 @@ def plan_parser() -> argparse.ArgumentParser:
         help="plan with gradient clipping, which the lean layout pays for with a gradient slab (2 bytes/param "
         "in bf16) (default: the config's trainer.gradient_clip_val, else off)",
     )
+    ap.add_argument("--devices", type=int, default=1, metavar="N", help="GPUs per node, data parallel (default 1)")
+    ap.add_argument("--nodes", type=int, default=1, metavar="M", help="nodes, data parallel (default 1)")
     ap.add_argument(
         "--no-measure",
         dest="measure",
@@ -212,6 +218,8 @@ def plan_from_config(
     nvme_dir: str | None = None,
     clipping: bool | None = None,
     nvme_gbps: float = NVME_GBPS,
+    devices: int = 1,
+    nodes: int = 1,
 ) -> Plan:
     """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state.
     `offload_inputs`, `host_layout`, `nvme_dir`, `clipping` and model `overrides` add to (or replace) what
@@ -245,6 +253,8 @@ def plan_from_config(
         nvme_dir=nvme_dir or init_args.get("nvme_dir"),
         clipping=clipping,
         nvme_gbps=nvme_gbps,
+        devices=devices,
+        nodes=nodes,
     )
 
 
@@ -279,6 +289,8 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
             args.nvme_dir,
             args.clip,
             args.nvme_gbps,
+            args.devices,
+            args.nodes,
         )
     if not args.model:
         ap.error("give --config FILE or --model NAME")
@@ -301,6 +313,8 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
         nvme_dir=args.nvme_dir,
         clipping=bool(args.clip),
         nvme_gbps=args.nvme_gbps,
+        devices=args.devices,
+        nodes=args.nodes,
     )
 
 
@@ -312,8 +326,14 @@ on the device profile's rates and the last step is measured. Token tiles and inp
 planner's choices for the profile's GPU memory. The table gives each lane's busy time and share of the step;
 the step's bound is its busiest resource, or the optimizer step's chain when that is longer.
 
+--gpus N models one rank of N GPUs of one node in the data-parallel mode to come (not yet run by the
+strategy): each rank uploads and downloads 1/N of every unit, the GPUs all-gather and reduce-scatter it over
+--link (nvlink: the profile's NVLink; pcie: the same x16 link as the host copies), and the N ranks' host Adam
+share the node's DRAM bandwidth. --micro-batches is then per GPU.
+
 The last line printed is machine-readable:
   schedule: model=NAME tokens_per_step=N clip=C step_s=X bound_s=Y ratio=X/Y bound=LANE mfu=Z
+  (with --gpus N > 1, then: gpus=N link=L tokens_per_s=T; tokens_per_step is one GPU's)
 
 examples:  megatrain schedule --model llama-3.1-8b --device h100-sxm --seq-len 4096
            megatrain schedule --model llama-3.1-8b --device rtx4090 --seq-len 8192 --clip 1.0 --micro-batches 4"""
@@ -355,7 +375,14 @@ def schedule_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--steps", type=int, default=3, help="optimizer steps recorded; the last is measured (default 3, at least 2)"
     )
+    add_data_parallel(ap)
     return ap
+
+
+def add_data_parallel(ap: argparse.ArgumentParser) -> None:
+    """--gpus and --link: one rank of the data-parallel mode to come (megatrain schedule, bench/schedule.py)."""
+    ap.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs of one node, data parallel (default 1)")
+    ap.add_argument("--link", choices=LINKS, default="nvlink", help="how the GPUs reach each other (default nvlink)")
 
 
 def schedule_command(argv: list[str]) -> ModelledStep:
@@ -365,10 +392,20 @@ def schedule_command(argv: list[str]) -> ModelledStep:
         device = profile(args.device)
         config = resolve_config(args.model)
         check_options(args.seq_len, args.micro_batches, args.clip, args.num_slots, args.steps)
+        DataParallel(args.gpus, args.link).rank_profile(device)
     except (ValueError, FileNotFoundError) as err:
         user_error(str(err), ap.prog)
     step = modelled_step(
-        config, device, args.seq_len, args.micro_batches, args.clip, args.num_slots, args.steps, name=args.model
+        config,
+        device,
+        args.seq_len,
+        args.micro_batches,
+        args.clip,
+        args.num_slots,
+        args.steps,
+        name=args.model,
+        gpus=args.gpus,
+        link=args.link,
     )
     print("\n".join(step.report()), flush=True)
     return step

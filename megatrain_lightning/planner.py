@@ -74,7 +74,20 @@ states with their gradient. The two transients never coexist, so the peak takes 
 ``megatrain plan`` prints beside these formulas the peak measured by running one training step of the
 engine and the model on fake tensors (``measure.py``): the formulas are checked, not only stated.
 
-Why one file of about 850 lines: every figure here (host per buffer kind, drive, GPU per item and per
+Data parallel (``devices`` GPUs on each of ``nodes`` nodes, W = devices x nodes ranks; planned ahead of a
+mode the strategy does not run yet): every unit's flat host buffers that scale with the parameters (master,
+Adam m and v, compute copy, gradient slab, accumulator) are cut into W contiguous shards, one per rank, so
+the W ranks together hold one copy of them and a node 1/nodes of it (``per_node``, rounded up; padding each
+unit to a multiple of W adds at most W elements per unit, not counted). What does not scale with the
+parameters is each rank's own: staging and gradient rings, Adam pieces in flight from NVMe, offloaded
+block inputs of its micro-batch (``PER_RANK_KINDS``): devices times a rank's on a node. GPU memory is per GPU:
+a slot holds a whole block once its shards are all-gathered, so every single-GPU item stays; the rank
+uploads its shard into its own part of the slot and the gradient is reduce-scattered in place in the
+gradient slot (NCCL's in-place forms), so no collective needs a buffer of ours; the collective library's
+own channel buffers get an allowance (``COLLECTIVE_BYTES``, not measured) that everything sized from the
+GPU limit (micro-batch, sequence, slots) leaves free.
+
+Why one file of about 900 lines: every figure here (host per buffer kind, drive, GPU per item and per
 token, the tiers "auto" tries, the longest sequence that fits) is read by the one ``plan`` and printed by
 the one table, and each is short; the engine-side facts it counts with (buffer kinds, ring and piece sizes,
 slot counts, option checks) are imported from the engine, so they cannot drift.
@@ -108,6 +121,11 @@ NVME_PIECES_IN_FLIGHT = NVME_BUFFERS
 """Pieces whose Adam m, v the host holds while the drive reads ahead and writes behind (the tier's buffers)."""
 NVME_GBPS = 6.0
 """Drive bandwidth assumed by default, GB/s (10^9 bytes) read and as much write: a PCIe 4.0 x4 NVMe drive."""
+COLLECTIVE_BYTES = GiB // 2
+"""GPU allowance per rank for the collective library's own buffers when W > 1 (NCCL keeps a few MiB per
+channel and peer, more with NVLink SHARP); an allowance, not a measurement."""
+PER_RANK_KINDS = ("staging", "grad_ring", "nvme_buffers", "activations")
+"""Host buffers each rank keeps for itself (a node holds devices of each); every other kind is sharded."""
 TIERS: tuple[tuple[str, bool], ...] = (("default", False), ("lean", False), ("lean", True))
 """(host layout, Adam on NVMe) in the order ``host_layout="auto"`` tries them: less host memory each."""
 
@@ -237,6 +255,20 @@ def lean_breakdown(
 def nvme_bytes(config: LlamaConfig) -> int:
     """Bytes of the Adam m, v files on the NVMe directory."""
     return 8 * config.num_parameters()
+
+
+def per_node(host: dict[str, int], devices: int = 1, nodes: int = 1) -> dict[str, int]:
+    """A node's host bytes per kind with the run data parallel over `devices` GPUs x `nodes` nodes (module
+    docstring): the sharded kinds 1/nodes of the single-GPU figure (rounded up), the per-rank kinds
+    `devices` times it."""
+    return {k: v * devices if k in PER_RANK_KINDS else -(-v // nodes) for k, v in host.items()}
+
+
+def check_ranks(devices: int, nodes: int) -> None:
+    """One-line ValueErrors for a bad data-parallel shape."""
+    for key, value in (("devices", devices), ("nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r} must be an integer >= 1 (1: no data parallelism)")
 
 
 def choose_tiers(
@@ -436,6 +468,15 @@ class Plan:
     """Drive bandwidth the NVMe time per step assumes, GB/s read and as much write."""
     slots_asked: int | str = 2
     """``num_slots`` as asked: a count, or "auto" (``num_slots`` is then what auto settles on)."""
+    devices: int = 1
+    """GPUs (ranks) per node of a data-parallel run; ``host`` is then per node, ``gpu`` per GPU."""
+    nodes: int = 1
+    """Nodes of a data-parallel run: each holds 1/nodes of the sharded host state."""
+
+    @property
+    def ranks(self) -> int:
+        """W = devices x nodes: the shards each unit's host buffers are cut into."""
+        return self.devices * self.nodes
 
     @property
     def num_parameters(self) -> int:
@@ -444,7 +485,7 @@ class Plan:
     @property
     def nvme_bytes(self) -> int:
         """Bytes of the Adam m, v files on the NVMe directory (0 when they stay in host memory)."""
-        return nvme_bytes(self.config) if self.nvme else 0
+        return -(-nvme_bytes(self.config) // self.nodes) if self.nvme else 0
 
     @property
     def nvme_traffic(self) -> int:
@@ -458,27 +499,27 @@ class Plan:
         return self.nvme_traffic / (self.nvme_gbps * 1e9)
 
     def host_total_for(self, layout: str, nvme: bool) -> int:
-        """Host bytes of this run with another host layout or NVMe choice."""
+        """Host bytes (per node) of this run with another host layout or NVMe choice."""
         tokens = self.seq_len * self.micro_batch
-        return sum(
-            host_breakdown(
-                self.config,
-                self.precision,
-                self.accumulate,
-                tokens,
-                self.offload_inputs,
-                layout=layout,
-                nvme=nvme,
-                clipping=self.clipping,
-                num_slots=self.num_slots,
-            ).values()
+        one = host_breakdown(
+            self.config,
+            self.precision,
+            self.accumulate,
+            tokens,
+            self.offload_inputs,
+            layout=layout,
+            nvme=nvme,
+            clipping=self.clipping,
+            num_slots=self.num_slots,
         )
+        return sum(per_node(one, self.devices, self.nodes).values())
 
     def host_plan_line(self) -> str:
         """The machine-readable summary ``megatrain plan`` prints last."""
         return (
             f"host_plan: model={self.name} params={self.num_parameters} host_gib={self.host_total / GiB:.1f} "
             f"nvme_gib={self.nvme_bytes / GiB:.1f} fits={'yes' if self.fits else 'no'}"
+            + (f" devices={self.devices} nodes={self.nodes}" if self.ranks > 1 else "")
         )
 
     @property
@@ -524,9 +565,13 @@ class Plan:
             ]
         )
         return (
-            f"host memory: the {self.num_parameters / 1e9:.2f}B-parameter model needs {needs} but the limit is "
+            f"host memory: the {self.num_parameters / 1e9:.2f}B-parameter model needs {needs}{self._per_node()} but "
+            "the limit is "
             f"{format_size(self.host_mem)}. {self._host_fix()}"
         )
+
+    def _per_node(self) -> str:
+        return f" per node ({self.devices} GPUs x {self.nodes} nodes)" if self.ranks > 1 else ""
 
     @property
     def _tier(self) -> tuple[str, bool]:
@@ -539,7 +584,7 @@ class Plan:
         for layout, nvme in later:
             total, flags = self.host_total_for(layout, nvme), self._flags(layout, nvme)
             if total <= self.host_mem:
-                disk = f" + {format_size(nvme_bytes(self.config))} on the drive" if nvme else ""
+                disk = f" + {format_size(-(-nvme_bytes(self.config) // self.nodes))} on the drive" if nvme else ""
                 advice = f"{flags} fits: {format_size(total)} of host memory{disk}. Or use"
                 break
             advice = f"Even {flags} needs {format_size(total)}. Use"
@@ -596,6 +641,12 @@ class Plan:
             + (f", tiles of {self.tile} tokens" if self.tile else "")
             + f", host layout {self.host_layout}"
             + (", Adam on NVMe" if self.nvme else "")
+            + (
+                f"; data parallel over {self.devices} GPUs x {self.nodes} nodes (W={self.ranks}, not yet run by "
+                "the strategy): host memory per node, GPU memory per GPU"
+                if self.ranks > 1
+                else ""
+            )
         )
         return "\n".join(
             [title, "", *self._host_lines(), *self._nvme_lines(), "", *self._gpu_lines(), *self._limit_lines()]
@@ -605,12 +656,22 @@ class Plan:
         n, dtype = self.num_parameters, _DTYPE[compute_bytes(self.precision)]
         copy = "bf16" if dtype == "bf16" else "none: the fp32 master is the copy"
         unit, scale = self._unit()
-        lines = [f"{'host memory':<58}{'bytes/param':>12}{unit:>10}"]
+        lines = [f"{'host memory' + (' per node' if self.ranks > 1 else ''):<58}{'bytes/param':>12}{unit:>10}"]
         labels = {**_HOST_LABELS, **(_LEAN_LABELS if self.host_layout == "lean" else {})}
         for key, value in [*self.host.items(), ("total", self.host_total)]:
             label = labels.get(key, key).format(dtype=dtype, copy=copy, units=NVME_PIECES_IN_FLIGHT)
             lines.append(f"  {label:<56}{_per_param(value / n):>12}{value / scale:>10.2f}")
-        return [*lines, f"  {self._layout_note()}"]
+        return [*lines, f"  {self._layout_note()}", *self._shard_note()]
+
+    def _shard_note(self) -> list[str]:
+        """Data parallel: what a node holds of the sharded state and of its ranks' own buffers."""
+        if self.ranks == 1:
+            return []
+        return [
+            f"  per node: 1/{self.nodes} of one copy of the state (master, Adam, copy, slab, accumulator: W={self.ranks} "
+            f"shards, {self.devices} here), plus each of its {self.devices} ranks' own rings, NVMe pieces in flight and "
+            "offloaded inputs"
+        ]
 
     def _layout_note(self) -> str:
         """Which layout is planned and why ("auto": the leaner tiers it passed over)."""
@@ -735,6 +796,7 @@ _GPU_LABELS = {
     "recompute": "one block's recompute with grad (transient)",
     "loss": "chunked loss + head gradient (transient)",
     "cuda_context": "CUDA context and allocator slack (allowance)",
+    "collectives": "collective library buffers (allowance; collectives in place)",
     "peak": "peak (persistent + larger transient + context)",
 }
 
@@ -755,6 +817,8 @@ def plan(
     nvme_dir: str | os.PathLike[str] | None = None,
     clipping: bool = False,
     nvme_gbps: float = NVME_GBPS,
+    devices: int = 1,
+    nodes: int = 1,
 ) -> Plan:
     """Itemized host and GPU bytes of training ``config`` with ``strategy="megatrain"``.
 
@@ -768,11 +832,15 @@ def plan(
     the first of default, lean, lean with Adam on NVMe (only given ``nvme_dir``) that fits ``host_mem``.
     ``clipping``: gradient clipping on (the lean layout keeps each gradient until the step). ``nvme_gbps``:
     the drive's read and its write bandwidth, GB/s, for the NVMe time per step.
+
+    ``devices`` and ``nodes`` plan the data-parallel mode to come (module docstring): host bytes per node,
+    GPU bytes per GPU, ``host_mem`` a node's limit and ``gpu_mem`` a GPU's.
     """
     for key, value, least in (("seq_len", seq_len, 1), ("micro_batch", micro_batch, 1), ("accumulate", accumulate, 1)):
         if not isinstance(value, int) or value < least:
             raise ValueError(f"{key}={value!r} must be an integer >= {least}")
     check_num_slots(num_slots)
+    check_ranks(devices, nodes)
     slots_asked, num_slots = num_slots, 2 if num_slots == "auto" else num_slots  # the sizes below: auto's least
     if offload_inputs not in (True, False, "auto"):
         raise ValueError(f"offload_inputs={offload_inputs!r}: choose True, False or 'auto'")
@@ -781,16 +849,18 @@ def plan(
         raise ValueError(f"nvme_gbps={nvme_gbps!r} must be a positive number of GB/s, e.g. 6.0 for a PCIe 4.0 drive")
     nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
     elt = compute_bytes(precision)  # validates the precision
+    collectives = COLLECTIVE_BYTES if devices * nodes > 1 else 0
+    room = None if gpu_mem is None else gpu_mem - collectives  # what everything sized from the GPU limit gets
     if offload_inputs == "auto":
-        offload_inputs = auto_offloads_inputs(config, seq_len, micro_batch, precision, num_slots, gpu_mem)
-    best = None if gpu_mem is None else max_micro_batch(config, seq_len, precision, num_slots, gpu_mem, offload_inputs)
-    longest = None if gpu_mem is None else max_seq_len(config, micro_batch, precision, num_slots, gpu_mem)
+        offload_inputs = auto_offloads_inputs(config, seq_len, micro_batch, precision, num_slots, room)
+    best = None if room is None else max_micro_batch(config, seq_len, precision, num_slots, room, offload_inputs)
+    longest = None if room is None else max_seq_len(config, micro_batch, precision, num_slots, room)
     tokens = seq_len * micro_batch
     if slots_asked == "auto":
-        num_slots = planned_slots(config, seq_len, micro_batch, precision, offload_inputs, gpu_mem)
+        num_slots = planned_slots(config, seq_len, micro_batch, precision, offload_inputs, room)
 
     def host(layout: str, nvme: bool) -> dict[str, int]:
-        return host_breakdown(
+        one = host_breakdown(
             config,
             precision,
             accumulate,
@@ -801,10 +871,13 @@ def plan(
             clipping=clipping,
             num_slots=num_slots,
         )
+        return per_node(one, devices, nodes)
 
     layout, nvme = choose_tiers(lambda *t: sum(host(*t).values()), host_layout, nvme_dir, host_mem)
-    items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, gpu_mem)
-    tile = planned_tile(config, seq_len, micro_batch, elt, gpu_mem)
+    items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, room)
+    if collectives:
+        items["collectives"] = (collectives, 0)
+    tile = planned_tile(config, seq_len, micro_batch, elt, room)
     measured = None
     if measure:
         from megatrain_lightning.measure import measure_step  # imports the engine; only when asked
@@ -841,6 +914,8 @@ def plan(
         clipping=bool(clipping),
         nvme_gbps=float(nvme_gbps),
         slots_asked=slots_asked,
+        devices=devices,
+        nodes=nodes,
     )
 
 

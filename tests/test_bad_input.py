@@ -165,6 +165,16 @@ CASES = [
     ("plan-config-a-text", ["RAW", "plan", "--config", "{d}/text.txt"], r"text.txt' holds a str"),
     ("plan-config-no-model", ["RAW", "plan", "--config", "{d}/no_model.yaml"], r"no_model.yaml' names no model"),
     ("schedule-device", ["RAW", "schedule", "--model", "tiny", "--device", "tpu9"], r"tpu9"),
+    ("plan-devices-0", ["RAW", "plan", "--model", "tiny", "--devices", "0"], r"devices=0 must be an integer >= 1"),
+    ("plan-nodes-negative", ["RAW", "plan", "--model", "tiny", "--nodes", "-1"], r"nodes=-1 must be an integer >= 1"),
+    ("plan-devices-float", ["RAW", "plan", "--model", "tiny", "--devices", "2.5"], r"--devices: invalid int .*'2.5'"),
+    ("schedule-gpus-0", ["RAW", "schedule", "--model", "tiny", "--device", "a100", "--gpus", "0"], r"gpus=0 must be"),
+    ("schedule-link", ["RAW", "schedule", "--model", "tiny", "--device", "a100", "--link", "ib"], r"--link: .*'ib'"),
+    (
+        "schedule-no-nvlink",
+        ["RAW", "schedule", "--model", "tiny", "--device", "rtx4090", "--gpus", "2"],
+        r"'rtx4090' has no NVLink; .*link='pcie'",
+    ),
     ("convert-missing", ["RAW", "convert", "{d}/nope.ckpt", "--to", "torch", "{d}/out.ckpt"], r"nope.ckpt"),
 ]
 

@@ -361,3 +361,63 @@ def test_large_presets(name, count):
         built = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
     assert config.num_parameters() == built == count
     assert config.intermediate_size % 256 == 0 and config.num_key_value_heads == 8 and config.vocab_size == 128256
+
+
+# -- data parallel (planned for a mode the strategy does not run yet) -------------------------------------
+
+DP_SHAPES = [(1, 1), (4, 1), (8, 2), (3, 5)]
+
+
+@pytest.mark.parametrize(("devices", "nodes"), DP_SHAPES)
+def test_a_node_holds_its_share_of_one_state_copy_and_each_ranks_own_buffers(devices, nodes):
+    """Default layout, bf16, accumulating, inputs offloaded: per parameter fp32 master 4 + Adam 8 + bf16 copy 2
+    + bf16 slab 2 + fp32 accumulator 4 = 20 bytes, one copy over all ranks (1/nodes of it per node, each kind
+    rounded up); each rank keeps its own micro-batch's block inputs (layers x tokens x hidden x 2 bytes)."""
+    config, seq = small_config(), 32
+    got = plan(config, seq, 1, "bf16-mixed", accumulate=2, offload_inputs=True, devices=devices, nodes=nodes)
+    n = config.num_parameters()
+    state = sum(-(-per_param * n // nodes) for per_param in (4, 8, 2, 2, 4))
+    inputs = config.num_hidden_layers * seq * config.hidden_size * 2
+    assert got.host_total == state + devices * inputs
+    assert got.host["activations"] == devices * inputs
+
+
+@pytest.mark.parametrize(("devices", "nodes"), DP_SHAPES)
+def test_lean_rings_are_each_ranks_own(devices, nodes):
+    """Lean layout, bf16, clipping: master 4 + Adam 8 + gradient slab 2 per parameter, sharded; the staging ring
+    (4 pieces) and the gradient ring (a block's pieces + 1) per rank, a piece being the largest unit here
+    (under 2^22 elements)."""
+    config = small_config()
+    got = plan(config, 32, 1, "bf16-mixed", host_layout="lean", clipping=True, devices=devices, nodes=nodes)
+    n, piece = config.num_parameters(), max(block_numel(config), config.vocab_size * config.hidden_size)
+    rings = 4 * piece * 2 + (-(-block_numel(config) // piece) + 1) * piece * 2
+    assert got.host_total == sum(-(-b * n // nodes) for b in (4, 8, 2)) + devices * rings
+
+
+def test_one_gpu_one_node_is_todays_plan():
+    """devices=1, nodes=1: 16 bytes/param (bf16, default layout), the table and summary line of a plan that
+    never heard of data parallelism, and no collective allowance on the GPU."""
+    config = small_config()
+    today = plan(config, 32, 1, "bf16-mixed", gpu_mem=80 * 2**30)
+    assert today.host_total == 16 * config.num_parameters()
+    assert "collectives" not in today.gpu and "per node" not in today.table()
+    assert today.host_plan_line().endswith("fits=yes")
+
+
+def test_gpu_memory_per_gpu_is_the_single_gpu_figure_plus_the_collective_allowance():
+    config = small_config()
+    one = plan(config, 32, 1, "bf16-mixed", num_slots=2)
+    many = plan(config, 32, 1, "bf16-mixed", num_slots=2, devices=8, nodes=2)
+    assert many.gpu == {**one.gpu, "collectives": 2**29}
+    assert many.gpu_peak == one.gpu_peak + 2**29
+
+
+def test_megatrain_plan_devices_and_nodes(capsys):
+    from megatrain_lightning.cli import run
+
+    result = run(["plan", "--model", "tiny", "--devices", "4", "--nodes", "2", "--no-measure"])
+    out = capsys.readouterr().out.splitlines()
+    assert "data parallel over 4 GPUs x 2 nodes (W=8" in out[0]
+    assert out[2].startswith("host memory per node") and any(line.startswith("  per node: 1/2") for line in out)
+    assert out[-1] == result.host_plan_line() and out[-1].endswith(" devices=4 nodes=2")
+    assert (result.devices, result.nodes, result.ranks) == (4, 2, 8)

@@ -42,17 +42,28 @@ What it leaves out:
   engine would take there. The NVMe tier's reads and writes are not modelled.
 - Token tiles and input offload are the planner's choices for the profile's GPU memory, not the engine's
   "auto" choices from the memory free at run time.
+
+Data parallel (``ranks.py``, ``scaling.py``): ``modelled_step(..., gpus=N, link=...)`` records one rank of
+the data-parallel mode the engine does not run yet: shard copies, collectives on the device link, host work
+on the rank's shards at 1/N of the node's DRAM bandwidth; :func:`scaling` tabulates strong and weak scaling.
 """
 
 from megatrain_lightning.schedule.modelled import ModelledStep, modelled_step
 from megatrain_lightning.schedule.profiles import PROFILES, Profile, measure_host_adam, profile
+from megatrain_lightning.schedule.ranks import LINKS, DataParallel
 from megatrain_lightning.schedule.record import Recorder
 from megatrain_lightning.schedule.replay import Timeline, replay
 from megatrain_lightning.schedule.report import Summary, summarize, table
+from megatrain_lightning.schedule.scaling import ScalingRow, scaling, scaling_table
 from megatrain_lightning.schedule.steps import record_steps, train_steps
 from megatrain_lightning.schedule.trace import Trace
 
 __all__ = [
+    "LINKS",
+    "DataParallel",
+    "ScalingRow",
+    "scaling",
+    "scaling_table",
     "ModelledStep",
     "PROFILES",
     "Profile",

@@ -6,6 +6,10 @@ the free and transient memory that ``num_slots="auto"`` reads), records a few bf
 fake tensors (``steps.py``), replays them on the profile (``replay.py``) and measures the last one
 (``report.py``). :class:`ModelledStep` holds the figures and prints them: what was modelled, the lanes'
 table and, as the last line, one machine-readable summary.
+
+With ``gpus`` > 1 it models one rank of the data-parallel mode to come (``ranks.py``): the rank's share of
+the step's tokens is what it records (``micro_batches`` of its own), its profile has 1/gpus of the host's
+DRAM bandwidth, and the planner's choices leave the GPU memory of the collective library's buffers free.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from megatrain_lightning import planner
 from megatrain_lightning.engine.config import check_num_slots
 from megatrain_lightning.flops import attention_flops, model_flops
 from megatrain_lightning.models import LlamaConfig
-from megatrain_lightning.schedule.profiles import Profile
+from megatrain_lightning.schedule.profiles import PEER_EFFICIENCY, Profile
+from megatrain_lightning.schedule.ranks import DataParallel
 from megatrain_lightning.schedule.replay import LAUNCH_S, Timeline, replay
 from megatrain_lightning.schedule.report import Summary, summarize, table
 from megatrain_lightning.schedule.steps import record_steps
@@ -48,10 +53,25 @@ class ModelledStep:
     trace: Trace
     timeline: Timeline
     summary: Summary
+    data_parallel: DataParallel = DataParallel()
 
     @property
     def step_tokens(self) -> int:
+        """Tokens per step of this rank (of the only GPU with gpus=1)."""
         return self.micro_batches * self.seq_len
+
+    @property
+    def gpus(self) -> int:
+        return self.data_parallel.gpus
+
+    @property
+    def global_tokens(self) -> int:
+        """Tokens per step of all ranks together."""
+        return self.gpus * self.step_tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.global_tokens / self.summary.step_s
 
     def describe(self) -> list[str]:
         """What was modelled: the model, the engine's decisions, the profile's rates and the FLOPs counted."""
@@ -75,6 +95,20 @@ class ModelledStep:
             f"({self.adam_source}), launch {self.launch_s * 1e6:g} us",
             f"model FLOPs/step {flops:.4g} = 6·N·tokens (N: weight matrices and head) + causal attention forward and "
             f"backward {attention:.3g}; no recompute",
+            *self._ranks_line(),
+        ]
+
+    def _ranks_line(self) -> list[str]:
+        """Data parallel: what one rank of how many was modelled (ranks.py)."""
+        dp, p = self.data_parallel, self.profile
+        if dp.gpus == 1:
+            return []
+        link = f"NVLink {p.peer_gbps:g} GB/s each way x {PEER_EFFICIENCY:g}" if dp.link == "nvlink" else "PCIe"
+        return [
+            f"data parallel (modelled; the strategy trains on one GPU today): one rank of {dp.gpus} GPUs of one node, "
+            f"peers over {link}; shard copies 1/{dp.gpus} of each unit, all-gather ({dp.gather_lane} lane) and "
+            f"reduce-scatter ({dp.scatter_lane} lane) of {dp.gpus - 1}/{dp.gpus}; host work on 1/{dp.gpus} of the parameters at "
+            f"1/{dp.gpus} of the node's DRAM bandwidth (shown above); {self.global_tokens} tokens per step in all"
         ]
 
     def summary_line(self) -> str:
@@ -84,6 +118,11 @@ class ModelledStep:
         return (
             f"schedule: model={self.name} tokens_per_step={self.step_tokens} clip={clip} step_s={s.step_s:.4g} "
             f"bound_s={s.bound_s:.4g} ratio={s.ratio:.4g} bound={s.bound} mfu={s.mfu:.3g}"
+            + (
+                f" gpus={self.gpus} link={self.data_parallel.link} tokens_per_s={self.tokens_per_s:.5g}"
+                if self.gpus > 1
+                else ""
+            )
         )
 
     def report(self) -> list[str]:
@@ -102,18 +141,34 @@ def modelled_step(
     launch_s: float = LAUNCH_S,
     name: str = "model",
     adam_source: str | None = None,
+    gpus: int = 1,
+    link: str = "nvlink",
 ) -> ModelledStep:
     """Record `steps` optimizer steps of `config` as the strategy runs them and replay them on `profile`
-    (module docstring); a ValueError names a bad option."""
+    (module docstring); with `gpus` > 1, one rank of that many joined by `link`, each step `micro_batches`
+    of the rank's own. A ValueError names a bad option."""
     check_options(seq_len, micro_batches, clip, num_slots, steps)
-    gpu_mem = int(profile.gpu_mem_gib * planner.GiB)
+    dp = DataParallel(gpus, link)
+    base, profile = profile, dp.rank_profile(profile)
+    gpu_mem = int(profile.gpu_mem_gib * planner.GiB) - (planner.COLLECTIVE_BYTES if gpus > 1 else 0)
     elt = planner.compute_bytes(PRECISION)
     tile = planner.planned_tile(config, seq_len, 1, elt, gpu_mem)
     offload = planner.auto_offloads_inputs(config, seq_len, 1, PRECISION, FIRST_SLOTS, gpu_mem)
     memory = planner.free_and_transient(config, seq_len, 1, PRECISION, offload, gpu_mem)
     t0 = time.perf_counter()
     trace = record_steps(
-        config, seq_len, clip, steps, num_slots, offload, tile, profile, launch_s, memory, micro_batches
+        config,
+        seq_len,
+        clip,
+        steps,
+        num_slots,
+        offload,
+        tile,
+        base,
+        launch_s,
+        memory,
+        micro_batches,
+        dp if gpus > 1 else None,
     )
     record_s = time.perf_counter() - t0
     timeline = replay(trace, profile, launch_s)
@@ -138,6 +193,7 @@ def modelled_step(
         trace=trace,
         timeline=timeline,
         summary=summary,
+        data_parallel=dp,
     )
 
 

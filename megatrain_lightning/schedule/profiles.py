@@ -18,6 +18,9 @@ HBM_EFFICIENCY = 0.8
 """Share of the HBM/GDDR spec a large memory-bound kernel reaches (elementwise ops, norms, casts)."""
 LINK_EFFICIENCY = 0.85
 """Share of the PCIe / NVLink-C2C spec one direction of pinned DMA reaches (PCIe 5.0 x16: about 54 of 63 GB/s)."""
+PEER_EFFICIENCY = 0.8
+"""Share of the NVLink spec (each way) a ring all-gather or reduce-scatter of a block reaches (assumed: the
+same order as the DMA's share of PCIe; not measured here)."""
 HOST_EFFICIENCY = 0.75
 """Share of the host DRAM spec a streaming kernel reaches (STREAM triad on DDR5 servers: 70-80 %)."""
 ADAM_BYTES_PER_PARAM = 28
@@ -43,6 +46,11 @@ class Profile:
     gpu_mem_gib: float
     host_adam_gparams: float | None = None
     """Adam steps per second (10^9 params) when given or measured; None: 28 B/param over host bandwidth."""
+    nvlink_gbps: float | None = None
+    """NVLink to the other GPUs of the node, GB/s each way (half the datasheet's bidirectional total); None:
+    the card has none, its peers are reached over PCIe."""
+    peer_gbps: float = 0.0
+    """The link a data-parallel rank's collectives use (ranks.py sets it); 0: no peers."""
 
     def matmul_flops(self) -> float:
         return self.matmul_tflops * 1e12
@@ -55,6 +63,9 @@ class Profile:
 
     def link_bytes(self) -> float:
         return self.link_gbps * 1e9 * LINK_EFFICIENCY
+
+    def peer_bytes(self) -> float:
+        return self.peer_gbps * 1e9 * PEER_EFFICIENCY
 
     def host_bytes(self) -> float:
         return self.host_gbps * 1e9 * HOST_EFFICIENCY
@@ -76,17 +87,20 @@ class Profile:
 # 128 (FlashAttention-3 paper, its FA2 baseline), 50-70 % of peak on A100 (FlashAttention-2 paper); on
 # GeForce cards about 60 % of the FP32-accumulate peak is assumed.
 PROFILES: dict[str, Profile] = {
-    # H100 SXM5 datasheet: 989 TFLOPS dense bf16, HBM3 3.35 TB/s, 80 GB; PCIe 5.0 host link.
-    "h100-sxm": Profile("h100-sxm", 989, 700, 350, 3350, 63, 307, 80),
-    # H100 PCIe datasheet: 756 TFLOPS dense bf16, HBM2e 2.0 TB/s, 80 GB (350 W: lower sustained clocks).
-    "h100-pcie": Profile("h100-pcie", 756, 520, 270, 2000, 63, 307, 80),
-    # H200 SXM datasheet: 989 TFLOPS dense bf16, HBM3e 4.8 TB/s, 141 GB; PCIe 5.0 host link.
-    "h200": Profile("h200", 989, 720, 360, 4800, 63, 307, 141),
+    # H100 SXM5 datasheet: 989 TFLOPS dense bf16, HBM3 3.35 TB/s, 80 GB; PCIe 5.0 host link; NVLink 900 GB/s
+    # (bidirectional, 18 links of 4th generation, through NVSwitch in HGX boards) = 450 GB/s each way.
+    "h100-sxm": Profile("h100-sxm", 989, 700, 350, 3350, 63, 307, 80, nvlink_gbps=450),
+    # H100 PCIe datasheet: 756 TFLOPS dense bf16, HBM2e 2.0 TB/s, 80 GB (350 W: lower sustained clocks);
+    # NVLink bridge 600 GB/s (bidirectional, pairs of cards) = 300 GB/s each way.
+    "h100-pcie": Profile("h100-pcie", 756, 520, 270, 2000, 63, 307, 80, nvlink_gbps=300),
+    # H200 SXM datasheet: 989 TFLOPS dense bf16, HBM3e 4.8 TB/s, 141 GB; PCIe 5.0 host link; NVLink 900 GB/s.
+    "h200": Profile("h200", 989, 720, 360, 4800, 63, 307, 141, nvlink_gbps=450),
     # GH200 datasheet: 989 TFLOPS dense bf16 (H100-class GPU), HBM3 4 TB/s, 96 GB; NVLink-C2C 900 GB/s
-    # total = 450 GB/s each way; Grace LPDDR5X up to 512 GB/s.
-    "gh200": Profile("gh200", 989, 720, 360, 4000, 450, 512, 96),
-    # A100 SXM 80GB datasheet: 312 TFLOPS dense bf16, HBM2e 2.04 TB/s; PCIe 4.0 host link; EPYC 7742 host.
-    "a100": Profile("a100", 312, 250, 180, 2039, 31.5, 205, 80),
+    # total = 450 GB/s each way; Grace LPDDR5X up to 512 GB/s; NVLink 900 GB/s to the other GPUs.
+    "gh200": Profile("gh200", 989, 720, 360, 4000, 450, 512, 96, nvlink_gbps=450),
+    # A100 SXM 80GB datasheet: 312 TFLOPS dense bf16, HBM2e 2.04 TB/s; PCIe 4.0 host link; EPYC 7742 host;
+    # NVLink 600 GB/s (bidirectional, 3rd generation) = 300 GB/s each way.
+    "a100": Profile("a100", 312, 250, 180, 2039, 31.5, 205, 80, nvlink_gbps=300),
     # RTX 4090 (Ada whitepaper): 165.2 TFLOPS dense bf16 with FP32 accumulate, GDDR6X 1008 GB/s, 24 GB; PCIe 4.0.
     "rtx4090": Profile("rtx4090", 165.2, 140, 100, 1008, 31.5, 90, 24),
     # RTX 5090 (Blackwell GeForce whitepaper): 209.5 TFLOPS dense bf16 with FP32 accumulate, GDDR7

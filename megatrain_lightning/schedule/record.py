@@ -131,9 +131,13 @@ class Recorder:
             host_available_bytes=lambda: 1 << 62,
             device_free_bytes=None if free is None else lambda: free,
             step_transient_bytes=None if transient is None else lambda: transient,
-            streams=lambda device: RecordingStreams(self, device),
+            streams=self.streams,
             worker=lambda worker: _Worker(self, worker),
         )
+
+    def streams(self, device: torch.device) -> RecordingStreams:
+        """The streams the engine is built with (a data-parallel rank's record its collectives, ranks.py)."""
+        return RecordingStreams(self, device)
 
     def attach(self, engine: Any) -> None:
         """Name the block each op of the engine's block calls belongs to (undone by :meth:`detach`)."""

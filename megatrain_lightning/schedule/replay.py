@@ -1,7 +1,8 @@
 """Replaying a recorded trace against a device profile: when each op runs on each lane.
 
 Five lanes: ``compute`` (the GPU's compute stream), ``h2d`` and ``d2h`` (its copy engines), ``host`` (the
-engine's worker thread) and ``issue`` (the Python thread that launches kernels and blocks on syncs).
+engine's worker thread) and ``issue`` (the Python thread that launches kernels and blocks on syncs); a rank
+of the data-parallel model (``ranks.py``) adds a sixth, ``peer``, for collectives on the NVLink between GPUs.
 
 - The issuing thread walks its items in order. Each kernel or copy costs it `launch_s`; on its lane the op
   starts at the latest of its issue time, the end of the lane's previous op and the events the lane was
@@ -15,7 +16,7 @@ engine's worker thread) and ``issue`` (the Python thread that launches kernels a
 
 Kernel time = max(FLOPs / rate, bytes / HBM bandwidth, KERNEL_FLOOR_S): attention at the profile's
 attention rate on causal FLOPs (the flash kernels skip the masked half), everything else at the matmul
-rate. Copy time = bytes / link bandwidth. Host time: Adam steps at the profile's Adam rate (params/s),
+rate. Copy time = bytes / link bandwidth (on ``peer``: / the GPU-to-GPU link's bandwidth). Host time: Adam steps at the profile's Adam rate (params/s),
 other host work (accumulation, norms, casts) = bytes / host bandwidth.
 """
 
@@ -43,7 +44,7 @@ LAUNCH_S = 8e-6
 """Issuing one kernel or copy from Python: PyTorch's eager dispatch plus cudaLaunchKernel, typically 5-10 us."""
 KERNEL_FLOOR_S = 2e-6
 """The shortest a kernel takes on the GPU, however little it does (launch latency and tail)."""
-DEVICE_LANES = ("compute", "h2d", "d2h")
+DEVICE_LANES = ("compute", "h2d", "d2h", "peer")
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ class Replay:
             lane = "compute" if isinstance(item, Kernel) else item.lane
             self._enqueue(t, lane, self._device_seconds(item), item)
         elif isinstance(item, Record):
-            self.events[item.event] = max(self.frontier[item.lane], t.clock)
+            self.events[item.event] = max(self.frontier[item.lane], *(self.frontier[a] for a in item.also), t.clock)
         elif isinstance(item, Wait):
             if item.event not in self.events:
                 return False
@@ -218,7 +219,7 @@ class Replay:
         t.clock = issued
         start = max(issued, self.frontier[lane])
         self.frontier[lane] = start + seconds
-        what = item.name if isinstance(item, Kernel) else "copy"
+        what = item.name if isinstance(item, Kernel) else item.what
         self.timeline.intervals.append(Interval(lane, start, start + seconds, item.step, what, item.phase))
 
     def _block(self, t: _Thread, until: float, where: str) -> None:
@@ -229,7 +230,7 @@ class Replay:
     def _device_seconds(self, item: Kernel | Copy) -> float:
         p = self.profile
         if isinstance(item, Copy):
-            return item.nbytes / p.link_bytes()
+            return item.nbytes / (p.peer_bytes() if item.lane == "peer" else p.link_bytes())
         rate = p.attention_flops() if item.attention else p.matmul_flops()
         flops = item.flops / 2 if item.causal else item.flops
         return max(flops / rate, item.nbytes / p.hbm_bytes(), KERNEL_FLOOR_S)

@@ -78,9 +78,10 @@ def summarize(
     micro-batches; `clipped`: the steps waited for a global gradient norm (see the module docstring)."""
     lo, hi = steady_window(timeline, step)
     mine = [iv for iv in timeline.intervals if iv.step == step]
-    busy = {name: _total(mine, lane) for name, lane in RESOURCES.items()}
+    lanes = {**RESOURCES, **({"peer": "peer"} if any(iv.lane == "peer" for iv in mine) else {})}
+    busy = {name: _total(mine, lane) for name, lane in lanes.items()}
     busy["issue"] = _total(mine, "issue")
-    resource = max(RESOURCES, key=lambda name: busy[name])
+    resource = max(lanes, key=lambda name: busy[name])
     chain = chain_seconds(mine, micro_batches, clipped)
     longer = chain > busy[resource] * (1 + 1e-6)  # (a tie names the resource)
     bound, bound_s = (CHAIN, chain) if longer else (resource, busy[resource])

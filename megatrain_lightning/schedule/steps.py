@@ -23,6 +23,7 @@ from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.measure import release_quietly
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.schedule.profiles import Profile
+from megatrain_lightning.schedule.ranks import DataParallel, RankRecorder
 from megatrain_lightning.schedule.record import Recorder
 from megatrain_lightning.schedule.replay import LAUNCH_S
 from megatrain_lightning.schedule.trace import Trace
@@ -97,6 +98,7 @@ def record_steps(
     launch_s: float = LAUNCH_S,
     device_memory: tuple[int, int] | None = None,
     micro_batches: int = 1,
+    data_parallel: DataParallel | None = None,
 ) -> Trace:
     """The trace of `steps` bf16-mixed training steps of `config`, each of `micro_batches` micro-batches of
     1 x `tokens`, on fake tensors (measure.py's way: the engine and model run for real, the tensors have
@@ -104,9 +106,10 @@ def record_steps(
     of a device there is not. With a
     `profile` the engine's timing decisions (prefetch a block whose step is done) get that device's answers
     (a live replay, see Recorder). `device_memory` = (free, transient bytes): what ``num_slots="auto"`` reads
-    after the first step (the planner's figures for the profile's GPU: there is no device to measure)."""
+    after the first step (the planner's figures for the profile's GPU: there is no device to measure).
+    `data_parallel`: record one rank of that many GPUs instead (ranks.py), replayed live on the rank's profile."""
     config = dataclasses.replace(config, token_chunk_size=tile)
-    recorder = Recorder(profile, launch_s)
+    recorder = Recorder(profile, launch_s) if data_parallel is None else RankRecorder(data_parallel, profile, launch_s)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = LlamaForCausalLM(config)  # built before recording: host memory the engine takes over
         batch = torch.zeros(1, tokens, dtype=torch.int64)

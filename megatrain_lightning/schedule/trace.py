@@ -25,18 +25,20 @@ class Kernel:
 
 @dataclass(frozen=True)
 class Copy:
-    lane: str  # "h2d" | "d2h"
+    lane: str  # "h2d" | "d2h" | "peer" (the device link between GPUs, data parallel)
     nbytes: int
     step: int
     phase: str
+    what: str = "copy"  # or the collective it models: "all-gather", "reduce-scatter", "all-reduce"
 
 
 @dataclass(frozen=True)
 class Record:
-    """An event recorded on `lane`: complete once everything enqueued there before it is."""
+    """An event recorded on `lane`: complete once everything enqueued there (and on the lanes `also`) before it is."""
 
     event: int
     lane: str
+    also: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
