@@ -20,7 +20,7 @@ import torch
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
-from megatrain_lightning.engine.config import PRECISIONS
+from megatrain_lightning.engine.config import OFFLOAD_INPUTS_DTYPES, PRECISIONS
 from megatrain_lightning.module import resolve_config
 from megatrain_lightning.planner import HOST_LAYOUTS, NVME_GBPS, Plan, parse_size, plan
 from megatrain_lightning.schedule import PROFILES, ModelledStep, modelled_step, profile
@@ -141,6 +141,12 @@ def plan_parser() -> argparse.ArgumentParser:
         "(default: as the config says, else auto: offloaded when they would not fit --gpu-mem)",
     )
     ap.add_argument(
+        "--offload-inputs-dtype",
+        choices=OFFLOAD_INPUTS_DTYPES,
+        help="plan MegatrainStrategy(offload_inputs_dtype=...): offloaded block inputs stored as bf16 (fp32 "
+        "runs) or fp8 with a scale per token, lossy (default: as the config says, else stored exactly)",
+    )
+    ap.add_argument(
         "--host-layout",
         choices=HOST_LAYOUTS,
         help="plan MegatrainStrategy(host_layout=...) (default: as the config says, else auto: the first "
@@ -212,9 +218,10 @@ def plan_from_config(
     nvme_dir: str | None = None,
     clipping: bool | None = None,
     nvme_gbps: float = NVME_GBPS,
+    offload_inputs_dtype: str | None = None,
 ) -> Plan:
     """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state.
-    `offload_inputs`, `host_layout`, `nvme_dir`, `clipping` and model `overrides` add to (or replace) what
+    `offload_inputs`, `offload_inputs_dtype`, `host_layout`, `nvme_dir`, `clipping` and model `overrides` add to (or replace) what
     the config sets; the strategy's own defaults are host_layout "default" and no NVMe directory."""
     cfg = read_config(path)
     model, data, trainer = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("trainer") or {}
@@ -245,6 +252,7 @@ def plan_from_config(
         nvme_dir=nvme_dir or init_args.get("nvme_dir"),
         clipping=clipping,
         nvme_gbps=nvme_gbps,
+        offload_inputs_dtype=offload_inputs_dtype or init_args.get("offload_inputs_dtype"),
     )
 
 
@@ -279,6 +287,7 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
             args.nvme_dir,
             args.clip,
             args.nvme_gbps,
+            args.offload_inputs_dtype,
         )
     if not args.model:
         ap.error("give --config FILE or --model NAME")
@@ -301,6 +310,7 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
         nvme_dir=args.nvme_dir,
         clipping=bool(args.clip),
         nvme_gbps=args.nvme_gbps,
+        offload_inputs_dtype=args.offload_inputs_dtype,
     )
 
 

@@ -25,6 +25,8 @@ HostLayout = Literal["default", "lean"]
 HOST_LAYOUTS: tuple[str, ...] = get_args(HostLayout)
 NumSlots = int | Literal["auto"]
 OffloadInputs = bool | Literal["auto"]
+OffloadInputsDtype = Literal["bf16", "fp8"] | None
+OFFLOAD_INPUTS_DTYPES: tuple[str, ...] = ("bf16", "fp8")
 CheckpointFormat = Literal["sharded", "torch"]
 CHECKPOINT_FORMATS: tuple[str, ...] = get_args(CheckpointFormat)
 
@@ -69,6 +71,22 @@ def check_offload_inputs(value: Any) -> OffloadInputs:
     if isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
         return value
     raise ValueError(f"offload_inputs={value!r}: choose True (always offload), False (never) or 'auto'")
+
+
+def check_offload_inputs_dtype(value: Any, precision: str | None = None) -> OffloadInputsDtype:
+    """`value` if it is None, "bf16" or "fp8" and, given the run's `precision`, stores the block inputs in
+    fewer bytes than they have; else a ValueError naming it and the fix."""
+    if value is not None and not (isinstance(value, str) and value in OFFLOAD_INPUTS_DTYPES):
+        raise ValueError(
+            f"offload_inputs_dtype={value!r}: choose None (offloaded block inputs stored exactly), 'bf16' (fp32 "
+            "runs: half the bytes, lossy) or 'fp8' (1 byte per element plus one fp32 scale per token, lossy)"
+        )
+    if value == "bf16" and precision is not None and check_precision(precision) != "32-true":
+        raise ValueError(
+            f"offload_inputs_dtype='bf16' with precision={precision!r}: the block inputs are bfloat16 already, so "
+            "nothing is saved; use 'fp8' (half their bytes) or None"
+        )
+    return value
 
 
 def check_host_layout(value: Any, allow_auto: bool = False) -> str:
@@ -132,6 +150,7 @@ _OPTION_CHECKS: dict[str, Callable[[Any], Any]] = {
     "checkpoint_format": check_checkpoint_format,
     "num_slots": check_num_slots,
     "offload_inputs": check_offload_inputs,
+    "offload_inputs_dtype": check_offload_inputs_dtype,
     "host_layout": check_host_layout,
     "host_threads": check_host_threads,
 }
@@ -163,6 +182,10 @@ class EngineConfig:
     offload_inputs: OffloadInputs = "auto"
     """Where saved block inputs wait for backward: True host (pinned), False device, "auto" decided per
     forward pass from the device memory free."""
+    offload_inputs_dtype: OffloadInputsDtype = None
+    """How offloaded block inputs are stored on the host (engine/input_codec.py). None: exactly, as they are;
+    "bf16" (fp32 runs): as bfloat16, half the bytes; "fp8": float8_e4m3fn with one fp32 scale per token. Lossy
+    but for None; nothing changes while the inputs stay on the device."""
     host_layout: HostLayout = "default"
     """``default``: a pinned compute copy and a gradient slab per unit (16 B/param in bf16); ``lean``: rings
     of staging and gradient buffers instead (12 B/param plus buffers in flight)."""
@@ -193,6 +216,7 @@ class EngineConfig:
         check_precision(self.precision)
         check_num_slots(self.num_slots)
         check_offload_inputs(self.offload_inputs)
+        check_offload_inputs_dtype(self.offload_inputs_dtype, self.precision)
         check_host_layout(self.host_layout)
         check_host_threads(self.host_threads)
         check_piece(self.piece)

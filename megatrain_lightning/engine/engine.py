@@ -105,7 +105,14 @@ class Engine:
         self._transient = probes.step_transient_bytes or partial(step_transient_bytes, self.device)
         self._free_device_bytes = free
         self.saved_inputs = SavedInputs(
-            self.streams, self.device, pin, self.stats, config.offload_inputs, free, self._host_room
+            self.streams,
+            self.device,
+            pin,
+            self.stats,
+            config.offload_inputs,
+            free,
+            self._host_room,
+            config.offload_inputs_dtype,
         )
         self._caches_off = _disable_kv_caches(model) if training else []
         staging, grads = ring_counts(largest_block, self.piece)
@@ -736,7 +743,7 @@ def _new_stats() -> dict[str, float]:
     return {
         "h2d_bytes": 0,  # weights uploaded (blocks and outer parameters)
         "d2h_bytes": 0,  # gradients downloaded
-        "input_offload_bytes": 0,  # saved block inputs to the host and back (offload_inputs)
+        "input_offload_bytes": 0,  # saved block inputs to the host and back, as stored (offload_inputs[_dtype])
         "offloaded_passes": 0,  # forward passes whose saved block inputs went to the host
         "host_step_seconds": 0.0,  # worker: Adam steps
         "host_land_seconds": 0.0,  # worker: waiting for downloads, accumulating, norms
