@@ -221,8 +221,8 @@ def plan_from_config(
     offload_inputs_dtype: str | None = None,
 ) -> Plan:
     """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state.
-    `offload_inputs`, `offload_inputs_dtype`, `host_layout`, `nvme_dir`, `clipping` and model `overrides` add to (or replace) what
-    the config sets; the strategy's own defaults are host_layout "default" and no NVMe directory."""
+    `offload_inputs`, `offload_inputs_dtype`, `host_layout`, `nvme_dir`, `clipping` and model `overrides` add to
+    (or replace) what the config sets; the strategy's own defaults are host_layout "default" and no NVMe directory."""
     cfg = read_config(path)
     model, data, trainer = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("trainer") or {}
     if not model.get("model") and not model.get("init_from"):

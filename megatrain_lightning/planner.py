@@ -623,10 +623,9 @@ class Plan:
         unit, scale = self._unit()
         lines = [f"{'host memory':<58}{'bytes/param':>12}{unit:>10}"]
         labels = {**_HOST_LABELS, **(_LEAN_LABELS if self.host_layout == "lean" else {})}
+        stored = f", {self.offload_inputs_dtype}" if self.offload_inputs_dtype else ""  # as the host holds inputs
         for key, value in [*self.host.items(), ("total", self.host_total)]:
-            label = labels.get(key, key).format(
-                dtype=dtype, copy=copy, units=NVME_PIECES_IN_FLIGHT, stored=self.offload_inputs_dtype or dtype
-            )
+            label = labels.get(key, key).format(dtype=dtype, copy=copy, units=NVME_PIECES_IN_FLIGHT, stored=stored)
             lines.append(f"  {label:<56}{_per_param(value / n):>12}{value / scale:>10.2f}")
         return [*lines, f"  {self._layout_note()}"]
 
@@ -738,7 +737,7 @@ _HOST_LABELS = {
     "copy": "pinned compute copy ({copy})",
     "slab": "pinned gradient slab ({dtype})",
     "acc": "fp32 gradient accumulator (only when accumulate > 1)",
-    "activations": "offloaded block inputs (pinned, offload_inputs, {stored})",
+    "activations": "offloaded block inputs (pinned, offload_inputs{stored})",
     "staging": "upload staging ring (4 pieces, {dtype})",
     "grad_ring": "gradient ring (a block's pieces + 1, {dtype})",
     "nvme_buffers": "Adam m + v of {units} pieces in flight (Adam on NVMe)",

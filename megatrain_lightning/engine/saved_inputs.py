@@ -122,10 +122,11 @@ class SavedInputs:
         if need > have:
             raise HostMemoryError(
                 f"offload_inputs pins {calls} block inputs of shape {tuple(hidden.shape)} "
-                f"({str(hidden.dtype).removeprefix('torch.')}{self._as()}): {need} bytes ({need / 2**30:.2f} GiB) more host "
-                f"memory, but about {have / 2**30:.2f} GiB is available. Shorten seq_len or the micro-batch, "
-                "set offload_inputs=False (the inputs stay on the device), or use a machine with more host "
-                "memory; `megatrain plan --offload-inputs` sizes a run first"
+                f"({str(hidden.dtype).removeprefix('torch.')}{self._stored_as()}): {need} bytes "
+                f"({need / 2**30:.2f} GiB) more host memory, but about {have / 2**30:.2f} GiB is available. Shorten "
+                "seq_len or the micro-batch, set offload_inputs=False (the inputs stay on the device), store them "
+                "smaller (offload_inputs_dtype='fp8', lossy), or use a machine with more host memory; "
+                "`megatrain plan --offload-inputs` sizes a run first"
             )
 
     def _decide(self, hidden: torch.Tensor, num_blocks: int) -> bool:
@@ -148,7 +149,7 @@ class SavedInputs:
             )
         return offload
 
-    def _as(self) -> str:
+    def _stored_as(self) -> str:
         return "" if self.codec.dtype is None else f", stored as {self.codec.dtype}"
 
     def host_bytes(self) -> int:
