@@ -6,7 +6,8 @@ as bf16 and as fp8, the same seeds, each to the end; its final validation loss a
 Each run is ``megatrain fit --config configs/demo.yaml`` in its own process, in fp32 (``32-true``, where
 all three stored forms apply) with ``offload_inputs: true`` forced, so every block's input makes the round
 trip through host memory; only ``offload_inputs_dtype`` and the seed change. ``--max-steps`` shortens all
-runs alike (the learning-rate schedule follows it). Run from the repository root.
+runs alike (the learning-rate schedule follows it). Run from the repository root. Results and how to read
+them: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -72,16 +73,24 @@ def main() -> None:
             print(f"| {dtype} | {seed} | {loss:.4f} | {math.exp(loss):.3f} | {seconds:.0f} |", flush=True)
     base = results.get("none")
     print(
-        "\n| offload_inputs_dtype | bytes/element | mean val loss | mean perplexity | loss - none, per seed |\n"
-        "|---|---|---|---|---|"
+        "\n| offload_inputs_dtype | bytes/element | mean val loss | mean perplexity | loss - none, per seed "
+        "| mean difference (std. error) |\n|---|---|---|---|---|---|"
     )
     for dtype, losses in results.items():
-        deltas = "" if base is None else " ".join(f"{a - b:+.4f}" for a, b in zip(losses, base))
         mean = statistics.fmean(losses)
-        print(f"| {dtype} | {STORED_BYTES[dtype]} | {mean:.4f} | {math.exp(mean):.3f} | {deltas} |")
+        print(f"| {dtype} | {STORED_BYTES[dtype]} | {mean:.4f} | {math.exp(mean):.3f} | {paired(losses, base)}")
     if base is not None and len(base) > 1:
         print(f"\nseed-to-seed spread of none (stdev of val loss): {statistics.stdev(base):.4f}")
     print(f"\n{os.cpu_count()} CPUs; runs in {root}")
+
+
+def paired(losses: list[float], base: list[float] | None) -> str:
+    """The same-seed differences from the exact runs, their mean and its standard error (two table cells)."""
+    if base is None:
+        return " | |"
+    deltas = [a - b for a, b in zip(losses, base)]
+    spread = f" ({statistics.stdev(deltas) / math.sqrt(len(deltas)):.3f})" if len(deltas) > 1 else ""
+    return f"{' '.join(f'{d:+.3f}' for d in deltas)} | {statistics.fmean(deltas):+.3f}{spread} |"
 
 
 if __name__ == "__main__":
