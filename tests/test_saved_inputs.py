@@ -358,6 +358,23 @@ def test_stored_inputs_train_close_to_ordinary_training(stored, bound, decoded, 
     assert (worst <= bound) == (decoded == 1.0), worst
 
 
+def test_stored_inputs_keep_the_copy_ordering(monkeypatch):
+    """Under the asynchronous copy-stream double (each copy run late, on its stream's own thread), inputs
+    stored as fp8 train bit for bit as with synchronous copies: the encoded buffer goes down only once
+    written, and is decoded only once its upload has been waited for (else stale memory would be read)."""
+
+    def train() -> CausalLM:
+        mt = CausalLM(hf_llama(layers=3), lr=1e-3)
+        fit(mt, MEMORIZE[:4], strategy=MegatrainStrategy(offload_inputs=True, offload_inputs_dtype="fp8"))
+        return mt
+
+    sync = train()
+    made = async_streams.install(monkeypatch, hold=1.0)
+    late = train()
+    assert made and len(late.losses) == 4
+    assert_same(sync, late)
+
+
 @pytest.mark.parametrize("value", ["fp16", "float8", True, 8])
 def test_a_bad_offload_inputs_dtype_is_refused(value):
     expected = rf"offload_inputs_dtype={value!r}: choose None .*'bf16'.*'fp8'"
