@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatrain_lightning.engine import input_codec
 from megatrain_lightning.engine.input_codec import InputCodec
 
 SHAPE = (2, 5, 48)  # batch, tokens, hidden
@@ -78,3 +79,13 @@ def test_fp8_with_a_scale_per_token(dtype):
     # per token: the small tokens keep their precision beside the one with the outlier
     small = xf[0, 0]
     assert ((bf[0, 0] - small).abs() <= (2**-4 + out_bf16) * small.abs() + 2**-10 * scale[0, 0] * 1.01).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_encodes_tokens_in_parts_as_at_once(dtype, monkeypatch):
+    """The encoding takes ENCODE_ROWS tokens at a time: parts of 3 (10 tokens: a short last part) give the
+    bytes of one pass over all of them."""
+    x = hidden_state(dtype)
+    whole = InputCodec("fp8").encode(x)
+    monkeypatch.setattr(input_codec, "ENCODE_ROWS", 3)
+    assert torch.equal(InputCodec("fp8").encode(x), whole)

@@ -19,7 +19,8 @@ Stored forms, per element of a ``[..., hidden]`` input:
   smaller ones keep fewer bits or flush to zero: a token's outliers set its scale.
 
 An fp8 input is one flat uint8 buffer: the scales (4 bytes each, first, so the payload needs no alignment),
-then the payload. One buffer per call keeps one copy per direction and the pool keyed by (numel, dtype).
+then the payload. One buffer per call keeps one copy per direction and the pool keyed by (numel, dtype). The encoding takes
+ENCODE_ROWS tokens at a time, so its fp32 temporaries stay small beside a block's recompute at any length.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from megatrain_lightning.engine.config import OffloadInputsDtype, check_offload_
 
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero token: its payload stays 0
+ENCODE_ROWS = 1 << 14  # tokens encoded at once: fp32 temporaries of 16384 x hidden x 4 bytes at most
 
 
 class InputCodec:
@@ -57,13 +59,14 @@ class InputCodec:
         rows = hidden.detach().reshape(-1, hidden.shape[-1])
         n = rows.shape[0]
         packed = torch.empty(4 * n + rows.numel(), dtype=torch.uint8, device=hidden.device)
-        scale = packed[: 4 * n].view(torch.float32).view(n, 1)
-        torch.div(rows.abs().amax(dim=1, keepdim=True).float(), E4M3_MAX, out=scale)
-        scale.clamp_(min=_TINY)
-        # e4m3fn has no infinity: round-off above 448 must not become NaN, hence the clamp before the cast.
-        packed[4 * n :].view(torch.float8_e4m3fn).view(rows.shape).copy_(
-            (rows.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX)
-        )
+        scales = packed[: 4 * n].view(torch.float32).view(n, 1)
+        payload = packed[4 * n :].view(torch.float8_e4m3fn).view(rows.shape)
+        for lo in range(0, n, ENCODE_ROWS):  # the fp32 quotient of some tokens at a time, not of all of them
+            part, scale = rows[lo : lo + ENCODE_ROWS], scales[lo : lo + ENCODE_ROWS]
+            torch.div(part.abs().amax(dim=1, keepdim=True).float(), E4M3_MAX, out=scale)
+            scale.clamp_(min=_TINY)
+            # e4m3fn has no infinity: round-off above 448 must not become NaN, hence the clamp before the cast.
+            payload[lo : lo + ENCODE_ROWS].copy_(torch.div(part, scale).clamp_(-E4M3_MAX, E4M3_MAX))
         return packed
 
     def decode(self, stored: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
