@@ -45,7 +45,7 @@ from megatrain_lightning.commands import (
     user_error,
 )
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.engine.config import check_options, check_precision
+from megatrain_lightning.engine.config import check_offload_inputs_dtype, check_options, check_precision
 from megatrain_lightning.engine.host import HostMemoryError
 from megatrain_lightning.engine.nvme import NvmeTierError
 from megatrain_lightning.module import CausalLMModule, check_init_from, check_optimizer_args, resolve_config
@@ -190,7 +190,7 @@ class MegatrainCLI(LightningCLI):
         name = config.model.model or config.model.init_from
         try:
             _check_trainer(config.trainer)
-            _check_strategy(config.trainer.strategy)
+            _check_strategy(config.trainer.strategy, config.trainer.precision)
             hp = config.model
             check_optimizer_args(hp.lr, hp.weight_decay, hp.betas, hp.warmup_steps, hp.max_steps)
             if isinstance(name, str):  # a full LlamaConfig mapping is checked by LlamaConfig itself
@@ -253,20 +253,27 @@ def _check_trainer(trainer: Any) -> None:
         trainer.gradient_clip_algorithm,
         trainer.val_check_interval,
     )
-    precision = {"32": "32-true", "bf16": "bf16-mixed"}.get(str(trainer.precision), str(trainer.precision))
+    precision = _precision_name(trainer.precision)
     try:
         check_precision(precision)
     except ValueError:
         raise ValueError(f"--trainer.precision={trainer.precision}: {_OPTION_HINTS['trainer.precision']}") from None
 
 
-def _check_strategy(strategy: Any) -> None:
+def _precision_name(value: Any) -> str:
+    """Lightning's short precision names in full ("32" is "32-true")."""
+    return {"32": "32-true", "bf16": "bf16-mixed"}.get(str(value), str(value))
+
+
+def _check_strategy(strategy: Any, precision: Any) -> None:
     """MegatrainStrategy options given as ``--trainer.strategy.init_args.*``: the strategy's own checks, here
-    (jsonargparse would print every type it tried), and the NVMe directory, before the model is built."""
+    (jsonargparse would print every type it tried), the options that depend on the (checked) precision, and
+    the NVMe directory, before the model is built."""
     if not str(getattr(strategy, "class_path", "")).endswith("MegatrainStrategy"):
         return
     args = vars(strategy.get("init_args") or {})
     check_options(args)
+    check_offload_inputs_dtype(args.get("offload_inputs_dtype"), _precision_name(precision))
     nvme_dir = args.get("nvme_dir")
     if nvme_dir is not None and not Path(nvme_dir).is_dir():
         what = "is not a directory" if Path(nvme_dir).exists() else "does not exist"

@@ -20,7 +20,7 @@ import torch
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
-from megatrain_lightning.engine.config import PRECISIONS
+from megatrain_lightning.engine.config import OFFLOAD_INPUTS_DTYPES, PRECISIONS
 from megatrain_lightning.module import resolve_config
 from megatrain_lightning.planner import HOST_LAYOUTS, NVME_GBPS, Plan, parse_size, plan
 from megatrain_lightning.schedule import LINKS, PROFILES, DataParallel, ModelledStep, modelled_step, profile
@@ -145,6 +145,12 @@ def plan_parser() -> argparse.ArgumentParser:
         "(default: as the config says, else auto: offloaded when they would not fit --gpu-mem)",
     )
     ap.add_argument(
+        "--offload-inputs-dtype",
+        choices=OFFLOAD_INPUTS_DTYPES,
+        help="plan MegatrainStrategy(offload_inputs_dtype=...): offloaded block inputs stored as bf16 (fp32 "
+        "runs) or fp8 with a scale per token, lossy (default: as the config says, else stored exactly)",
+    )
+    ap.add_argument(
         "--host-layout",
         choices=HOST_LAYOUTS,
         help="plan MegatrainStrategy(host_layout=...) (default: as the config says, else auto: the first "
@@ -220,10 +226,11 @@ def plan_from_config(
     nvme_gbps: float = NVME_GBPS,
     devices: int = 1,
     nodes: int = 1,
+    offload_inputs_dtype: str | None = None,
 ) -> Plan:
     """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state.
-    `offload_inputs`, `host_layout`, `nvme_dir`, `clipping` and model `overrides` add to (or replace) what
-    the config sets; the strategy's own defaults are host_layout "default" and no NVMe directory."""
+    `offload_inputs`, `offload_inputs_dtype`, `host_layout`, `nvme_dir`, `clipping` and model `overrides` add to
+    (or replace) what the config sets; the strategy's own defaults are host_layout "default" and no NVMe directory."""
     cfg = read_config(path)
     model, data, trainer = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("trainer") or {}
     if not model.get("model") and not model.get("init_from"):
@@ -255,6 +262,7 @@ def plan_from_config(
         nvme_gbps=nvme_gbps,
         devices=devices,
         nodes=nodes,
+        offload_inputs_dtype=offload_inputs_dtype or init_args.get("offload_inputs_dtype"),
     )
 
 
@@ -291,6 +299,7 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
             args.nvme_gbps,
             args.devices,
             args.nodes,
+            args.offload_inputs_dtype,
         )
     if not args.model:
         ap.error("give --config FILE or --model NAME")
@@ -315,6 +324,7 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
         nvme_gbps=args.nvme_gbps,
         devices=args.devices,
         nodes=args.nodes,
+        offload_inputs_dtype=args.offload_inputs_dtype,
     )
 
 

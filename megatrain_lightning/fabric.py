@@ -96,8 +96,9 @@ class MegatrainFabricStrategy(Strategy):
 
     Args:
         device: the compute device; by default Fabric's (``accelerator``/``devices``).
-        num_slots, offload_inputs, recompute, host_layout, nvme_dir, host_threads, compile_blocks, blocks: as for
-            :class:`~megatrain_lightning.strategy.MegatrainStrategy` (see :class:`EngineConfig`).
+        num_slots, offload_inputs, offload_inputs_dtype, recompute, host_layout, nvme_dir, host_threads,
+            compile_blocks, blocks: as for :class:`~megatrain_lightning.strategy.MegatrainStrategy` (see
+            :class:`EngineConfig`).
         overlap_optimizer: ``False`` (default): a ``fabric.backward`` outside ``no_backward_sync`` lands its
             gradients to wait for ``optimizer.step()``, which is exact whatever the loop does next, but the host
             step does not overlap backward. ``True`` declares that every such backward completes the step's
@@ -121,6 +122,7 @@ class MegatrainFabricStrategy(Strategy):
         overlap_optimizer: bool = False,
         offload_inputs: bool | Literal["auto"] = "auto",
         recompute: bool | Literal["auto"] = "auto",
+        offload_inputs_dtype: Literal["bf16", "fp8"] | None = None,
         host_layout: Literal["default", "lean"] = "default",
         nvme_dir: str | None = None,
         host_threads: int | None = None,
@@ -142,6 +144,7 @@ class MegatrainFabricStrategy(Strategy):
             overlap_optimizer=overlap_optimizer,
             offload_inputs=offload_inputs,
             recompute=recompute,
+            offload_inputs_dtype=offload_inputs_dtype,
             host_layout=host_layout,
             nvme_dir=nvme_dir,
             host_threads=host_threads,
@@ -150,7 +153,8 @@ class MegatrainFabricStrategy(Strategy):
             accumulating=accumulating,
             blocks=blocks,
         )
-        EngineConfig(device="cpu", **self.options)  # every option checked now, with the engine's messages
+        # Every option checked now, with the engine's messages; against the precision when the engine is built.
+        EngineConfig(device="cpu", precision="32-true", **self.options)
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
         self._backward_sync_control = _MicroBatches(self)
         self.global_rank, self.local_rank, self.world_size = 0, 0, 1

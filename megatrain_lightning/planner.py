@@ -41,7 +41,8 @@ part per token of the micro-batch (``elt`` = compute dtype bytes, ``n`` = micro_
     saved inputs      layers x n x H x elt                      (the only activations kept for backward)
                       with offloaded inputs: n x H x elt (the block in use; the next one is fetched
                       after its recompute is issued); the layers x n x H x elt move to pinned host
-                      memory ("activations")
+                      memory ("activations"), or layers x n x H x 2 with offload_inputs_dtype="bf16",
+                      layers x n x (H + 4) with "fp8" (a byte per element, a 4-byte scale per token)
     RoPE              cos and sin, n x head_dim x elt each (computed once per pass, shared by all blocks)
     block recompute   untiled: n x (elt x (7A + 4K + 6I + 6H) + 8H) + block x elt      (transient, one block)
                       tiled:   the larger of
@@ -104,7 +105,13 @@ from typing import Any, Literal
 
 from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.config import HOST_LAYOUTS as ENGINE_HOST_LAYOUTS
-from megatrain_lightning.engine.config import check_host_layout, check_num_slots, check_precision
+from megatrain_lightning.engine.config import (
+    OffloadInputsDtype,
+    check_host_layout,
+    check_num_slots,
+    check_offload_inputs_dtype,
+    check_precision,
+)
 from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
 from megatrain_lightning.engine.ring import piece_numel, ring_counts
@@ -190,9 +197,12 @@ def compute_bytes(precision: str) -> int:
     return 4 if check_precision(precision) == "32-true" else 2
 
 
-def saved_input_bytes(config: LlamaConfig, tokens: int, precision: str) -> int:
-    """One block's input hidden state for a micro-batch of `tokens` tokens."""
-    return tokens * config.hidden_size * compute_bytes(precision)
+def saved_input_bytes(config: LlamaConfig, tokens: int, precision: str, stored: OffloadInputsDtype = None) -> int:
+    """One block's input hidden state for a micro-batch of `tokens` tokens; `stored`: as offload_inputs_dtype
+    stores it on the host (bf16: 2 bytes per element; fp8: 1, plus a 4-byte scale per token)."""
+    if stored == "fp8":
+        return tokens * (config.hidden_size + 4)
+    return tokens * config.hidden_size * (2 if stored == "bf16" else compute_bytes(precision))
 
 
 def largest_unit(config: LlamaConfig) -> int:
@@ -211,11 +221,12 @@ def host_breakdown(
     nvme: bool = False,
     clipping: bool = False,
     num_slots: int = 2,
+    inputs_dtype: OffloadInputsDtype = None,
 ) -> dict[str, int]:
     """Host bytes per buffer kind, as the engine allocates them after the first training step, for host
     `layout` "default" or "lean" (with `clipping`: gradient clipping on); `nvme`: Adam m, v in files, the
     host holding only the units in flight. With `offload_inputs`, the pinned buffers holding every
-    block's input for a micro-batch of `tokens` tokens."""
+    block's input for a micro-batch of `tokens` tokens, stored as `inputs_dtype` (offload_inputs_dtype)."""
     if layout not in ("default", "lean"):
         raise ValueError(f"layout={layout!r}: host_breakdown takes 'default' or 'lean' (plan() resolves 'auto')")
     elt, n = compute_bytes(precision), config.num_parameters()
@@ -227,7 +238,9 @@ def host_breakdown(
     if nvme:  # in the Adam line's place, so the table keeps its order
         held = NVME_PIECES_IN_FLIGHT * piece_numel(largest_unit(config)) * 8
         out = {("nvme_buffers" if k == "adam" else k): (held if k == "adam" else v) for k, v in out.items()}
-    inputs = config.num_hidden_layers * saved_input_bytes(config, tokens, precision) if offload_inputs else 0
+    inputs = (
+        config.num_hidden_layers * saved_input_bytes(config, tokens, precision, inputs_dtype) if offload_inputs else 0
+    )
     return {**out, "activations": inputs}
 
 
@@ -478,6 +491,9 @@ class Plan:
         """W = devices x nodes: the shards each unit's host buffers are cut into."""
         return self.devices * self.nodes
 
+    offload_inputs_dtype: OffloadInputsDtype = None
+    """How offloaded block inputs are stored on the host (None: exactly; "bf16"; "fp8")."""
+
     @property
     def num_parameters(self) -> int:
         return self.config.num_parameters()
@@ -511,6 +527,7 @@ class Plan:
             nvme=nvme,
             clipping=self.clipping,
             num_slots=self.num_slots,
+            inputs_dtype=self.offload_inputs_dtype,
         )
         return sum(per_node(one, self.devices, self.nodes).values())
 
@@ -658,8 +675,9 @@ class Plan:
         unit, scale = self._unit()
         lines = [f"{'host memory' + (' per node' if self.ranks > 1 else ''):<58}{'bytes/param':>12}{unit:>10}"]
         labels = {**_HOST_LABELS, **(_LEAN_LABELS if self.host_layout == "lean" else {})}
+        stored = f", {self.offload_inputs_dtype}" if self.offload_inputs_dtype else ""  # as the host holds inputs
         for key, value in [*self.host.items(), ("total", self.host_total)]:
-            label = labels.get(key, key).format(dtype=dtype, copy=copy, units=NVME_PIECES_IN_FLIGHT)
+            label = labels.get(key, key).format(dtype=dtype, copy=copy, units=NVME_PIECES_IN_FLIGHT, stored=stored)
             lines.append(f"  {label:<56}{_per_param(value / n):>12}{value / scale:>10.2f}")
         return [*lines, f"  {self._layout_note()}", *self._shard_note()]
 
@@ -781,7 +799,7 @@ _HOST_LABELS = {
     "copy": "pinned compute copy ({copy})",
     "slab": "pinned gradient slab ({dtype})",
     "acc": "fp32 gradient accumulator (only when accumulate > 1)",
-    "activations": "offloaded block inputs (pinned, offload_inputs)",
+    "activations": "offloaded block inputs (pinned, offload_inputs{stored})",
     "staging": "upload staging ring (4 pieces, {dtype})",
     "grad_ring": "gradient ring (a block's pieces + 1, {dtype})",
     "nvme_buffers": "Adam m + v of {units} pieces in flight (Adam on NVMe)",
@@ -819,6 +837,7 @@ def plan(
     nvme_gbps: float = NVME_GBPS,
     devices: int = 1,
     nodes: int = 1,
+    offload_inputs_dtype: OffloadInputsDtype = None,
 ) -> Plan:
     """Itemized host and GPU bytes of training ``config`` with ``strategy="megatrain"``.
 
@@ -831,7 +850,8 @@ def plan(
     ``host_layout`` and ``nvme_dir`` plan ``MegatrainStrategy(host_layout=..., nvme_dir=...)``; "auto" picks
     the first of default, lean, lean with Adam on NVMe (only given ``nvme_dir``) that fits ``host_mem``.
     ``clipping``: gradient clipping on (the lean layout keeps each gradient until the step). ``nvme_gbps``:
-    the drive's read and its write bandwidth, GB/s, for the NVMe time per step.
+    the drive's read and its write bandwidth, GB/s, for the NVMe time per step. ``offload_inputs_dtype``
+    plans ``MegatrainStrategy(offload_inputs_dtype=...)``: offloaded block inputs stored as bf16 or fp8.
 
     ``devices`` and ``nodes`` plan the data-parallel mode to come (module docstring): host bytes per node,
     GPU bytes per GPU, ``host_mem`` a node's limit and ``gpu_mem`` a GPU's.
@@ -845,6 +865,7 @@ def plan(
     if offload_inputs not in (True, False, "auto"):
         raise ValueError(f"offload_inputs={offload_inputs!r}: choose True, False or 'auto'")
     check_host_layout(host_layout, allow_auto=True)
+    check_offload_inputs_dtype(offload_inputs_dtype, precision)
     if isinstance(nvme_gbps, bool) or not isinstance(nvme_gbps, (int, float)) or not nvme_gbps > 0:
         raise ValueError(f"nvme_gbps={nvme_gbps!r} must be a positive number of GB/s, e.g. 6.0 for a PCIe 4.0 drive")
     nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
@@ -870,6 +891,7 @@ def plan(
             nvme=nvme,
             clipping=clipping,
             num_slots=num_slots,
+            inputs_dtype=offload_inputs_dtype,
         )
         return per_node(one, devices, nodes)
 
@@ -916,6 +938,7 @@ def plan(
         slots_asked=slots_asked,
         devices=devices,
         nodes=nodes,
+        offload_inputs_dtype=offload_inputs_dtype,
     )
 
 

@@ -103,6 +103,12 @@ class MegatrainStrategy(SingleDeviceStrategy):
             activations fit in half of the free device memory and two slots stay free for streaming; on
             a device with no memory measure (the CPU) every block is recomputed. ``engine.stats["kept_calls"]``
             counts the calls that kept their graph.
+        offload_inputs_dtype: how offloaded block inputs are stored on the host (and cross the link): ``None``
+            (default) exactly; ``"bf16"`` (32-true runs) as bfloat16, half the bytes; ``"fp8"`` as
+            float8_e4m3fn with one fp32 scale per token, 1 + 4/hidden_size bytes per element (a quarter of
+            fp32, half of bf16). Lossy: backward recomputes each block from the rounded input (see the user
+            guide for the measured cost). Encoded and decoded on the device. Does nothing to inputs kept on
+            the device (``offload_inputs=False``, or "auto" deciding not to offload).
         host_layout: ``"default"`` keeps a pinned compute-dtype copy of every weight and a gradient slab per
             unit (16 B/param in bf16); ``"lean"`` casts weights into a small ring of pinned staging buffers
             just before each upload and lands gradients through a ring where the step consumes them at once
@@ -141,6 +147,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         overlap_optimizer: bool = True,
         offload_inputs: bool | Literal["auto"] = "auto",
         recompute: bool | Literal["auto"] = "auto",
+        offload_inputs_dtype: Literal["bf16", "fp8"] | None = None,
         host_layout: Literal["default", "lean"] = "default",
         nvme_dir: str | None = None,
         host_threads: int | None = None,
@@ -159,6 +166,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
                 "num_slots": num_slots,
                 "offload_inputs": offload_inputs,
                 "recompute": recompute,
+                "offload_inputs_dtype": offload_inputs_dtype,
                 "host_layout": host_layout,
                 "host_threads": host_threads,  # ValueError for < 1 or more than the cores
             }
@@ -169,6 +177,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         self.overlap_optimizer = overlap_optimizer
         self.offload_inputs = offload_inputs
         self.recompute = recompute
+        self.offload_inputs_dtype = offload_inputs_dtype
         self.host_layout, self.nvme_dir = host_layout, nvme_dir
         self.host_threads = host_threads  # None: resolved where the worker starts (cores - 1)
         self.checkpoint_format = checkpoint_format
@@ -252,6 +261,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             overlap_optimizer=self.overlap_optimizer,
             offload_inputs=self.offload_inputs,
             recompute=self.recompute,
+            offload_inputs_dtype=self.offload_inputs_dtype,
             host_layout=self.host_layout,
             nvme_dir=self.nvme_dir,
             host_threads=self.host_threads,

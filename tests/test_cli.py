@@ -286,6 +286,23 @@ def test_plan_with_clipping_and_an_explicit_layout(capsys):
     assert lean.host_layout == clipped.host_layout == "lean" and clipped.clipping and not lean.clipping
 
 
+def test_plan_counts_offloaded_inputs_as_stored(tmp_path, capsys):
+    """``--offload-inputs-dtype fp8``: a byte per element and a 4-byte scale per token (llama-3.1-8b: 32 layers x
+    4096 tokens x (4096 + 4) bytes) in place of bf16's 2 bytes per element; also from a config's strategy."""
+    args = ["plan", "--model", "llama-3.1-8b", "--seq-len", "4096", "--micro-batch", "1", "--offload-inputs"]
+    exact, fp8 = run([*args, "--no-measure"]), run([*args, "--offload-inputs-dtype", "fp8", "--no-measure"])
+    assert exact.host["activations"] == 32 * 4096 * 4096 * 2 and fp8.host["activations"] == 32 * 4096 * 4100
+    assert exact.host_total - fp8.host_total == exact.host["activations"] - fp8.host["activations"]
+    assert "offloaded block inputs (pinned, offload_inputs, fp8)" in capsys.readouterr().out
+    config = tmp_path / "fp32.yaml"
+    config.write_text(
+        "trainer:\n  precision: 32-true\n  strategy:\n    class_path: megatrain_lightning.MegatrainStrategy\n"
+        "    init_args:\n      offload_inputs: true\n      offload_inputs_dtype: bf16\n"
+        "model:\n  model: llama-3.1-8b\ndata:\n  seq_len: 4096\n  batch_size: 1\n"
+    )
+    assert plan_from_config(str(config)).host["activations"] == 32 * 4096 * 4096 * 2  # fp32 stored as bf16
+
+
 def test_plan_of_a_config_takes_its_host_layout_nvme_dir_and_clipping(tmp_path, capsys):
     config = tmp_path / "big.yaml"
     config.write_text(

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from megatrain_lightning import Engine, EngineConfig
+from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin, update_error
 
@@ -106,3 +106,17 @@ def test_auto_slots_grow_on_the_device_and_change_no_result():
     assert runs["auto"][0] == 6 and runs[2][0] == 2
     assert runs["auto"][1] == (6 + 4) + 2 * 6 + 6  # after the first step (2 slots): one upload per block and step
     assert all(torch.equal(runs["auto"][2][k], runs[2][2][k]) for k in runs[2][2])
+
+
+@pytest.mark.parametrize("stored", ["bf16", "fp8"])
+def test_stored_offloaded_inputs_on_cuda(stored):
+    """offload_inputs_dtype through the real copy streams (encoded before the D2H copy, decoded after the H2D
+    copy, on the compute stream): the first loss is exact and the others stay within the CPU test's fp8 bound
+    of the lossless offload (tests/test_saved_inputs.py::test_stored_inputs_train_close_to_ordinary_training)."""
+    a, b = twin(lambda: hf_llama(layers=3))
+    exact, small = CausalLM(a, lr=1e-3), CausalLM(b, lr=1e-3)
+    batches = token_batches(2) * 4
+    gpu_fit(exact, batches, MegatrainStrategy(offload_inputs=True), "32-true")
+    gpu_fit(small, batches, MegatrainStrategy(offload_inputs=True, offload_inputs_dtype=stored), "32-true")
+    assert small.losses[0] == exact.losses[0] and len(small.losses) == 8
+    assert 0 < max(abs(x - y) for x, y in zip(small.losses, exact.losses)) <= 1e-3

@@ -40,10 +40,18 @@ def small_config(layers: int = 4, hidden: int = 64) -> LlamaConfig:
     )
 
 
-def train(model: LlamaForCausalLM, dtype: torch.dtype, accumulate: int, offload_inputs: bool = False) -> Engine:
-    """One optimizer step of `accumulate` micro-batches on the CPU, as the strategy drives the engine."""
+def train(
+    model: LlamaForCausalLM,
+    dtype: torch.dtype,
+    accumulate: int,
+    offload_inputs: bool = False,
+    stored: str | None = None,
+) -> Engine:
+    """One optimizer step of `accumulate` micro-batches on the CPU, as the strategy drives the engine
+    (`stored`: offload_inputs_dtype)."""
     config = model.config
-    engine = Engine(model, EngineConfig(device="cpu", precision=precision_of(dtype), offload_inputs=offload_inputs))
+    options = dict(offload_inputs=offload_inputs, offload_inputs_dtype=stored)
+    engine = Engine(model, EngineConfig(device="cpu", precision=precision_of(dtype), **options))
     opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     tokens = torch.randint(0, config.vocab_size, (1, 32))
     for i in range(accumulate):
@@ -69,16 +77,23 @@ def test_host_estimate_matches_engine_accounting(dtype, accumulate):
     assert (estimate.host["acc"] > 0) == (measured["acc"] > 0) == (accumulate > 1)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_offloaded_inputs_are_planned_as_the_engine_allocates_them(dtype):
-    """offload_inputs: the planner's host bytes for block inputs are the engine's pinned buffers, and the
-    GPU keeps one input at the peak (the block in use; the next is fetched once its recompute is issued,
-    tests/test_measure.py) instead of one per block."""
+@pytest.mark.parametrize(
+    ("dtype", "stored"),
+    [(torch.bfloat16, None), (torch.float32, None), (torch.float32, "fp8"), (torch.bfloat16, "fp8")],
+)
+def test_offloaded_inputs_are_planned_as_the_engine_allocates_them(dtype, stored):
+    """offload_inputs: the planner's host bytes for block inputs are the engine's pinned buffers, also stored
+    as fp8 (offload_inputs_dtype), and the GPU keeps one input at the peak (the block in use; the next is
+    fetched once its recompute is issued, tests/test_measure.py) instead of one per block."""
     config = small_config()
-    engine = train(LlamaForCausalLM(config), dtype, accumulate=1, offload_inputs=True)
-    offloaded = plan(config, seq_len=32, micro_batch=1, precision=PRECISION[dtype], offload_inputs=True)
-    kept = plan(config, seq_len=32, micro_batch=1, precision=PRECISION[dtype])
+    engine = train(LlamaForCausalLM(config), dtype, accumulate=1, offload_inputs=True, stored=stored)
+    kwargs = dict(seq_len=32, micro_batch=1, precision=PRECISION[dtype])
+    offloaded = plan(config, **kwargs, offload_inputs=True, offload_inputs_dtype=stored)
+    kept = plan(config, **kwargs)
     assert offloaded.host["activations"] == engine.saved_inputs.host_bytes() > 0 == kept.host["activations"]
+    if stored == "fp8":  # a byte per element and a 4-byte scale per token, whatever the compute dtype
+        assert offloaded.host["activations"] == config.num_hidden_layers * 32 * (config.hidden_size + 4)
+        offloaded = plan(config, **kwargs, offload_inputs=True)  # the GPU items below are the lossless run's
     per_input = offloaded.host["activations"] // config.num_hidden_layers
     assert (
         kept.gpu["saved_inputs"] == config.num_hidden_layers * per_input and offloaded.gpu["saved_inputs"] == per_input

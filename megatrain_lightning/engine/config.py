@@ -26,6 +26,8 @@ HostLayout = Literal["default", "lean"]
 HOST_LAYOUTS: tuple[str, ...] = get_args(HostLayout)
 NumSlots = int | Literal["auto"]
 OffloadInputs = bool | Literal["auto"]
+OffloadInputsDtype = Literal["bf16", "fp8"] | None
+OFFLOAD_INPUTS_DTYPES: tuple[str, ...] = ("bf16", "fp8")
 CheckpointFormat = Literal["sharded", "torch"]
 CHECKPOINT_FORMATS: tuple[str, ...] = get_args(CheckpointFormat)
 
@@ -70,6 +72,22 @@ def check_offload_inputs(value: Any) -> OffloadInputs:
     if isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
         return value
     raise ValueError(f"offload_inputs={value!r}: choose True (always offload), False (never) or 'auto'")
+
+
+def check_offload_inputs_dtype(value: Any, precision: str | None = None) -> OffloadInputsDtype:
+    """`value` if it is None, "bf16" or "fp8" and, given the run's `precision`, stores the block inputs in
+    fewer bytes than they have; else a ValueError naming it and the fix."""
+    if value is not None and not (isinstance(value, str) and value in OFFLOAD_INPUTS_DTYPES):
+        raise ValueError(
+            f"offload_inputs_dtype={value!r}: choose None (offloaded block inputs stored exactly), 'bf16' (fp32 "
+            "runs: half the bytes, lossy) or 'fp8' (1 byte per element plus one fp32 scale per token, lossy)"
+        )
+    if value == "bf16" and precision is not None and check_precision(precision) != "32-true":
+        raise ValueError(
+            f"offload_inputs_dtype='bf16' with precision={precision!r}: the block inputs are bfloat16 already, so "
+            "nothing is saved; use 'fp8' (half their bytes) or None"
+        )
+    return value
 
 
 def check_host_layout(value: Any, allow_auto: bool = False) -> str:
@@ -137,6 +155,7 @@ _OPTION_CHECKS: dict[str, Callable[[Any], Any]] = {
     "num_slots": check_num_slots,
     "offload_inputs": check_offload_inputs,
     "recompute": check_recompute,
+    "offload_inputs_dtype": check_offload_inputs_dtype,
     "host_layout": check_host_layout,
     "host_threads": check_host_threads,
 }
@@ -171,6 +190,10 @@ class EngineConfig:
     recompute: Recompute = "auto"
     """Recompute each block in backward (True), keep every block's graph from the forward (False), or keep
     the last blocks' graphs while they fit in free device memory ("auto"; engine/recompute.py)."""
+    offload_inputs_dtype: OffloadInputsDtype = None
+    """How offloaded block inputs are stored on the host (engine/input_codec.py). None: exactly, as they are;
+    "bf16" (fp32 runs): as bfloat16, half the bytes; "fp8": float8_e4m3fn with one fp32 scale per token. Lossy
+    but for None; nothing changes while the inputs stay on the device."""
     host_layout: HostLayout = "default"
     """``default``: a pinned compute copy and a gradient slab per unit (16 B/param in bf16); ``lean``: rings
     of staging and gradient buffers instead (12 B/param plus buffers in flight)."""
@@ -202,6 +225,7 @@ class EngineConfig:
         check_num_slots(self.num_slots)
         check_offload_inputs(self.offload_inputs)
         check_recompute(self.recompute)
+        check_offload_inputs_dtype(self.offload_inputs_dtype, self.precision)
         check_host_layout(self.host_layout)
         check_host_threads(self.host_threads)
         check_piece(self.piece)

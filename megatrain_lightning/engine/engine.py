@@ -109,7 +109,14 @@ class Engine:
         self._transient = probes.step_transient_bytes or partial(step_transient_bytes, self.device)
         self._free_device_bytes = free
         self.saved_inputs = SavedInputs(
-            self.streams, self.device, pin, self.stats, config.offload_inputs, free, self._host_room
+            self.streams,
+            self.device,
+            pin,
+            self.stats,
+            config.offload_inputs,
+            free,
+            self._host_room,
+            config.offload_inputs_dtype,
         )
         if training and self.layout.repeated and _kv_cache_configs(model):
             raise ValueError(
@@ -834,7 +841,7 @@ def _new_stats() -> dict[str, float]:
     return {
         "h2d_bytes": 0,  # weights uploaded (blocks and outer parameters)
         "d2h_bytes": 0,  # gradients downloaded
-        "input_offload_bytes": 0,  # saved block inputs to the host and back (offload_inputs)
+        "input_offload_bytes": 0,  # saved block inputs to the host and back, as stored (offload_inputs[_dtype])
         "kept_calls": 0,  # block calls that kept their graph for backward instead of a recompute (recompute)
         "offloaded_passes": 0,  # forward passes whose saved block inputs went to the host
         "host_step_seconds": 0.0,  # worker: Adam steps

@@ -17,6 +17,10 @@ backward has run; the next copy into it waits for the upload that read it.
 ``offload_inputs="auto"`` (the default) decides at the first block of each forward pass, from the size of
 what the pass would save and the device memory free for it (:func:`offload_needed`). Every block of the
 pass follows that decision: each call records where its input went, and its backward looks there.
+
+``offload_inputs_dtype`` stores the inputs in a smaller form (engine/input_codec.py): encoded on the compute
+stream before the D2H copy, decoded on the compute stream after the H2D copy; the buffers, the pool and the
+events below see only the stored form. It does nothing to inputs kept on the device.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from typing import Any
 
 import torch
 
-from megatrain_lightning.engine.config import OffloadInputs, check_offload_inputs
+from megatrain_lightning.engine.config import OffloadInputs, OffloadInputsDtype, check_offload_inputs
 from megatrain_lightning.engine.host import HostMemoryError
+from megatrain_lightning.engine.input_codec import InputCodec
 from megatrain_lightning.engine.pinned import host_empty
 from megatrain_lightning.engine.streams import Streams
 
@@ -55,10 +60,11 @@ def offload_needed(saved_bytes: int, free_bytes: int) -> bool:
 class SavedInput:
     """One block call's input on the host, and its way back to the device."""
 
-    host: torch.Tensor  # flat pinned buffer
+    host: torch.Tensor  # flat pinned buffer, the input in its stored form (InputCodec)
     shape: torch.Size
+    dtype: torch.dtype  # the input's own dtype, which backward gets back
     stored: Any  # event: the D2H copy into `host` finished
-    device: torch.Tensor | None = None  # the input back on the device (after prefetch)
+    device: torch.Tensor | None = None  # the stored form back on the device (after prefetch)
     loaded: Any = None  # event: the H2D copy into `device` finished
     returned: bool = False  # the host buffer is back in the pool
 
@@ -75,9 +81,11 @@ class SavedInputs:
         mode: OffloadInputs = "auto",
         free_bytes: Callable[[], int | None] = lambda: None,
         host_available: Callable[[], int] | None = None,
+        stored_dtype: OffloadInputsDtype = None,
     ) -> None:
         self.streams, self.device, self.pin, self.stats = streams, device, pin, stats
         self.mode = check_offload_inputs(mode)
+        self.codec = InputCodec(stored_dtype)
         self.free_bytes = free_bytes  # device memory free for saved inputs; None where "auto" keeps them there
         self.host_available = host_available  # host memory the OS can still hand out; None: unchecked
         self._pass_offloads: bool | None = None  # the decision of the forward pass under way
@@ -105,18 +113,20 @@ class SavedInputs:
         batch the run will feed (the planner does, and counts them as "activations"). Here the first
         offloading pass of each input shape has the exact bytes; buffers back in the pool are reused, so a
         pass that needs no new buffers (every later step) reads nothing."""
-        pooled = len(self._free.get((hidden.numel(), hidden.dtype), []))
-        need = max(0, calls - pooled) * hidden.numel() * hidden.element_size()
+        numel, dtype = self.codec.stored(hidden)
+        pooled = len(self._free.get((numel, dtype), []))
+        need = max(0, calls - pooled) * numel * dtype.itemsize
         if need == 0 or self.host_available is None:
             return
         have = self.host_available()
         if need > have:
             raise HostMemoryError(
                 f"offload_inputs pins {calls} block inputs of shape {tuple(hidden.shape)} "
-                f"({str(hidden.dtype).removeprefix('torch.')}): {need} bytes ({need / 2**30:.2f} GiB) more host "
-                f"memory, but about {have / 2**30:.2f} GiB is available. Shorten seq_len or the micro-batch, "
-                "set offload_inputs=False (the inputs stay on the device), or use a machine with more host "
-                "memory; `megatrain plan --offload-inputs` sizes a run first"
+                f"({str(hidden.dtype).removeprefix('torch.')}{self._stored_as()}): {need} bytes "
+                f"({need / 2**30:.2f} GiB) more host memory, but about {have / 2**30:.2f} GiB is available. Shorten "
+                "seq_len or the micro-batch, set offload_inputs=False (the inputs stay on the device), store them "
+                "smaller (offload_inputs_dtype='fp8', lossy), or use a machine with more host memory; "
+                "`megatrain plan --offload-inputs` sizes a run first"
             )
 
     def _decide(self, hidden: torch.Tensor, num_blocks: int) -> bool:
@@ -139,6 +149,9 @@ class SavedInputs:
             )
         return offload
 
+    def _stored_as(self) -> str:
+        return "" if self.codec.dtype is None else f", stored as {self.codec.dtype}"
+
     def host_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
@@ -147,14 +160,15 @@ class SavedInputs:
         :meth:`give_back` or until `owner` (the block call's state) is garbage: a graph dropped without
         backward (a skipped step) must not keep its buffers from the pool."""
         s = self.streams
-        buf, last_read = self._take(hidden.numel(), hidden.dtype)
+        buf, last_read = self._take(*self.codec.stored(hidden))
         s.wait(s.d2h, last_read)  # the upload of the buffer's previous content has read it
-        s.wait(s.d2h, s.event())  # the compute producing `hidden`
-        s.copy(s.d2h, buf, hidden.reshape(-1))
+        src = self.codec.encode(hidden)  # on the compute stream; None: a view of `hidden`
+        s.wait(s.d2h, s.event())  # the compute producing `hidden` (and encoding it)
+        s.copy(s.d2h, buf, src)
         if s.is_cuda:
-            hidden.record_stream(s.d2h)  # the device tensor is freed after forward; the copy still reads it
+            src.record_stream(s.d2h)  # the device tensor is freed after forward; the copy still reads it
         self.stats["input_offload_bytes"] += buf.nbytes
-        saved = SavedInput(buf, hidden.shape, stored=s.event(s.d2h))
+        saved = SavedInput(buf, hidden.shape, hidden.dtype, stored=s.event(s.d2h))
         weakref.finalize(owner, self.give_back, saved)
         return saved
 
@@ -163,18 +177,18 @@ class SavedInputs:
         if saved is None or saved.device is not None:
             return
         s = self.streams
-        saved.device = torch.empty(saved.shape, dtype=saved.host.dtype, device=self.device)
+        saved.device = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=self.device)
         s.wait(s.h2d, saved.stored)
         s.wait(s.h2d, s.event())  # the device memory may have just been freed by compute still in flight
-        s.copy(s.h2d, saved.device.view(-1), saved.host)
+        s.copy(s.h2d, saved.device, saved.host)
         saved.loaded = s.event(s.h2d)
         self.stats["input_offload_bytes"] += saved.host.nbytes
 
     def fetch(self, saved: SavedInput) -> torch.Tensor:
-        """The saved input on the device, safe to read on the compute stream."""
+        """The saved input on the device, safe to read on the compute stream (decoded there)."""
         self.prefetch(saved)
         self.streams.wait(None, saved.loaded)
-        return saved.device
+        return self.codec.decode(saved.device, saved.shape, saved.dtype)
 
     def give_back(self, saved: SavedInput) -> None:
         """The block's backward is done with the input: its host buffer can hold another."""
