@@ -38,7 +38,6 @@ from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.commands import (
     convert_command,
     default_precision,
-    env_lines,
     plan_command,
     read_config,
     schedule_command,
@@ -48,6 +47,7 @@ from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.engine.config import check_offload_inputs_dtype, check_options, check_precision
 from megatrain_lightning.engine.host import HostMemoryError
 from megatrain_lightning.engine.nvme import NvmeTierError
+from megatrain_lightning.env_report import env_lines
 from megatrain_lightning.module import CausalLMModule, check_init_from, check_optimizer_args, resolve_config
 from megatrain_lightning.strategy import check_trainer_args
 

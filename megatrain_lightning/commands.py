@@ -1,18 +1,14 @@
-"""``megatrain plan``, ``schedule``, ``convert`` and ``env``: the commands that size, predict, convert and
-report without training (``cli.py`` dispatches them on the first argument; ``fit`` and friends are the
-LightningCLI there). A mistake in the user's input ends in one line, ``megatrain <command>: error: ...``
+"""``megatrain plan``, ``schedule`` and ``convert``: the commands that size, predict and convert without
+training (``cli.py`` dispatches them on the first argument; ``fit`` and friends are the LightningCLI there;
+``env`` is env_report.py). A mistake in the user's input ends in one line, ``megatrain <command>: error: ...``
 (exit status 2), not a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import resource
 import sys
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -465,43 +461,3 @@ def convert_command(argv: list[str]) -> str:
         user_error(str(err), ap.prog)
     print(line)
     return line
-
-
-# -- megatrain env --------------------------------------------------------------------------------
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _devices() -> list[str]:
-    if not torch.cuda.is_available():
-        return ["devices: none (no CUDA GPU visible; training runs on the CPU)"]
-    lines = []
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        lines.append(f"device {i}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
-    return lines
-
-
-def _memlock() -> str:
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
-
-
-def env_lines() -> list[str]:
-    """What ``megatrain env`` prints: versions, devices, memory, CPU cores and the optimizer backend."""
-    from megatrain_lightning.engine.host import available_host_bytes
-    from megatrain_lightning.optim import kernels, native
-
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    versions = [f"{name} {_version(name)}" for name in ("torch", "lightning", "megatrain_lightning", "transformers")]
-    return [
-        f"python {platform.python_version()}, " + ", ".join(versions),
-        *_devices(),
-        f"host memory: {total / 2**30:.1f} GiB total, {available_host_bytes() / 2**30:.1f} GiB available",
-        f"pinned-memory limit (ulimit -l, RLIMIT_MEMLOCK): {_memlock()}",
-        f"CPU cores: {os.cpu_count()} (usable by this process: {len(os.sched_getaffinity(0))})",
-        f"optimizer backend: {kernels.backend()} (native kernel: {native.backend()})",
-    ]
