@@ -16,7 +16,11 @@ A :class:`Recorder` is installed around an engine from outside, without a change
   (``future.done()``) is the live replay's answer;
 - a torch-function mode that logs the host reading a device tensor (``.cpu()``, ``.item()``, ...), which on
   the CPU stand-in runs no op at all;
-- wrappers of ``engine.forward_block``/``backward_block`` that name the block every op belongs to.
+- wrappers of ``engine.forward_block``/``backward_block`` that name the block every op belongs to;
+- measure.py's device-byte counter on the issuing thread (host jobs and host buffers excluded), so that the
+  device memory free the engine reads (:meth:`Recorder.probes`) is the modelled GPU's capacity less what
+  is live now: it shrinks as the slot pool grows and as block calls keep their graphs (``recompute``), as
+  ``torch.cuda.mem_get_info`` plus the allocator's cache would.
 
 On fake tensors the kernels only log (the native kernel cannot read a fake buffer); on real tensors they
 also run, and the copies are done at once, as on the CPU stand-in streams.
@@ -39,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.measure import observe_host_allocations, storage_key, tensors_in
+from megatrain_lightning.measure import DeviceBytes, observe_host_allocations, storage_key, tensors_in
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.replay import LAUNCH_S, Replay
@@ -77,6 +81,7 @@ class Recorder:
         self._local = threading.local()  # .job: the host job running; .quiet: ops not to log
         self._host: set[int] = set()  # storage keys of host buffers
         self._undo: list[Callable[[], None]] = []
+        self.memory = _DeviceMemory(self)  # device bytes live on the issuing thread (module docstring)
 
     @property
     def phase(self) -> str:
@@ -114,8 +119,10 @@ class Recorder:
         with (
             _patched_kernels(self),
             observe_host_allocations(self._host_buffer),
+            observe_host_allocations(self.memory.host_buffer),
             _Ops(self),
             _HostReads(self),
+            self.memory,
         ):
             try:
                 yield self
@@ -124,12 +131,15 @@ class Recorder:
 
     def probes(self, device_memory: tuple[int, int] | None = None) -> Probes:
         """What an engine recorded by this recorder runs on: the recording streams, its host jobs through the
-        recorder, no host-memory limit (fake tensors take none), and `device_memory` = (free, transient
-        bytes) as what ``num_slots="auto"`` reads after the first step."""
-        free, transient = device_memory if device_memory is not None else (None, None)
+        recorder, no host-memory limit (fake tensors take none), and `device_memory` = (capacity, transient
+        bytes): the device memory free is `capacity` (the modelled GPU's memory less the CUDA context) less
+        the device bytes live when it is read (what ``num_slots="auto"`` reads after the first step and
+        ``recompute="auto"`` at each pass's first block), and `transient` what the first step needed beyond
+        the persistent buffers (the planner's figure)."""
+        capacity, transient = device_memory if device_memory is not None else (None, None)
         return Probes(
             host_available_bytes=lambda: 1 << 62,
-            device_free_bytes=None if free is None else lambda: free,
+            device_free_bytes=None if capacity is None else lambda: capacity - self.memory.live,
             step_transient_bytes=None if transient is None else lambda: transient,
             streams=self.streams,
             worker=lambda worker: _Worker(self, worker),
@@ -357,6 +367,20 @@ class _Ops(TorchDispatchMode):
         if not self.recorder.is_quiet():
             self.recorder.op(func, args, kwargs, out)
         return out
+
+
+class _DeviceMemory(DeviceBytes):
+    """Device bytes live on the issuing thread: what a host job computes (it runs on that thread here,
+    :class:`_Worker`) is host memory and not counted."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.recorder.in_job():
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 class _HostReads(TorchFunctionMode):
