@@ -171,6 +171,7 @@ def plan_parser() -> argparse.ArgumentParser:
         help="plan with gradient clipping, which the lean layout pays for with a gradient slab (2 bytes/param "
         "in bf16) (default: the config's trainer.gradient_clip_val, else off)",
     )
+    add_recompute(ap, None)
     ap.add_argument("--devices", type=int, default=1, metavar="N", help="GPUs per node, data parallel (default 1)")
     ap.add_argument("--nodes", type=int, default=1, metavar="M", help="nodes, data parallel (default 1)")
     ap.add_argument(
@@ -194,6 +195,31 @@ def int_or_auto(what: str) -> Callable[[str], int | str]:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what} or auto") from None
 
     return parse
+
+
+def _recompute(text: str) -> bool | str:
+    """--recompute auto|true|false as the strategy's option: "auto", True or False."""
+    choices = {"auto": "auto", "true": True, "false": False}
+    if text.lower() not in choices:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: choose auto (keep the last blocks' graphs while they fit), true (recompute every block "
+            "in backward) or false (keep every block's graph)"
+        )
+    return choices[text.lower()]
+
+
+def add_recompute(ap: argparse.ArgumentParser, default: bool | str | None = "auto") -> None:
+    """--recompute: MegatrainStrategy(recompute=...) (megatrain plan and schedule, bench/schedule.py)."""
+    ap.add_argument(
+        "--recompute",
+        type=_recompute,
+        default=default,
+        metavar="{auto,true,false}",
+        help="MegatrainStrategy(recompute=...): true recomputes every block in backward, false keeps every "
+        "block's graph from the forward, auto (the strategy's default) keeps the last blocks' graphs while "
+        "their activations fit in half the free GPU memory"
+        + (" (default: as the config says, else auto)" if default is None else ""),
+    )
 
 
 _tile = int_or_auto("a number of tokens")
@@ -220,9 +246,10 @@ def plan_from_config(
     nvme_gbps: float = NVME_GBPS,
     devices: int = 1,
     nodes: int = 1,
+    recompute: bool | str | None = None,
 ) -> Plan:
     """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state.
-    `offload_inputs`, `host_layout`, `nvme_dir`, `clipping` and model `overrides` add to (or replace) what
+    `offload_inputs`, `host_layout`, `nvme_dir`, `clipping`, `recompute` and model `overrides` add to (or replace) what
     the config sets; the strategy's own defaults are host_layout "default" and no NVMe directory."""
     cfg = read_config(path)
     model, data, trainer = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("trainer") or {}
@@ -255,6 +282,7 @@ def plan_from_config(
         nvme_gbps=nvme_gbps,
         devices=devices,
         nodes=nodes,
+        recompute=init_args.get("recompute", "auto") if recompute is None else recompute,
     )
 
 
@@ -291,6 +319,7 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
             args.nvme_gbps,
             args.devices,
             args.nodes,
+            args.recompute,
         )
     if not args.model:
         ap.error("give --config FILE or --model NAME")
@@ -315,6 +344,7 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
         nvme_gbps=args.nvme_gbps,
         devices=args.devices,
         nodes=args.nodes,
+        recompute="auto" if args.recompute is None else args.recompute,
     )
 
 
@@ -375,6 +405,7 @@ def schedule_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--steps", type=int, default=3, help="optimizer steps recorded; the last is measured (default 3, at least 2)"
     )
+    add_recompute(ap)
     add_data_parallel(ap)
     return ap
 
@@ -406,6 +437,7 @@ def schedule_command(argv: list[str]) -> ModelledStep:
         name=args.model,
         gpus=args.gpus,
         link=args.link,
+        recompute=args.recompute,
     )
     print("\n".join(step.report()), flush=True)
     return step
