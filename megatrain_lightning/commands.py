@@ -2,6 +2,10 @@
 report without training (``cli.py`` dispatches them on the first argument; ``fit`` and friends are the
 LightningCLI there). A mistake in the user's input ends in one line, ``megatrain <command>: error: ...``
 (exit status 2), not a traceback.
+
+Why one file of about 530 lines: the commands share their option parsers (sizes, "auto or a number",
+``--recompute``, the data-parallel options that bench/schedule.py takes too) and the one-line error path;
+each command is a parser and a short function that calls the planner, the schedule model or the converter.
 """
 
 from __future__ import annotations

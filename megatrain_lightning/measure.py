@@ -183,11 +183,14 @@ def _round_up(x: int, m: int) -> int:
 class DeviceBytes(TorchDispatchMode):
     """Live and peak bytes of the storages created by ops on this thread (module docstring).
 
-    `workspace_of(func, args)` names bytes an op holds internally while it runs, beyond its outputs."""
+    `workspace_of(func, args)` names bytes an op holds internally while it runs, beyond its outputs; while
+    `skip()` is true ops are not counted (the schedule model's host jobs, run on the issuing thread)."""
 
-    def __init__(self, workspace_of: Callable[[Any, tuple], int] | None = None) -> None:
+    def __init__(
+        self, workspace_of: Callable[[Any, tuple], int] | None = None, skip: Callable[[], bool] = lambda: False
+    ) -> None:
         super().__init__()
-        self.workspace_of = workspace_of
+        self.workspace_of, self.skip = workspace_of, skip
         self.live = 0
         self.peak = 0
         self.workspace = 0  # the largest workspace added
@@ -198,7 +201,7 @@ class DeviceBytes(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         outputs = tensors_in(out)
-        if not outputs:
+        if not outputs or self.skip():
             return out  # most ops by count are prim.device queries
         known = {storage_key(t) for t in tensors_in((args, kwargs))}
         created = {}

@@ -106,9 +106,10 @@ class ModelledStep:
         return self.trace.kept_calls[-1] / self.micro_batches if self.trace.kept_calls else 0
 
     def kept_text(self) -> str:
-        """``recompute auto: 30 of 32 blocks keep their graph (forward once)`` for the description."""
+        """``recompute auto: 30 of 32 blocks keep their graph (...)`` for the description."""
         kept = f"{self.kept_blocks:g} of {self.config.num_hidden_layers} blocks keep their graph"
-        return f"recompute {str(self.recompute).lower()}: {kept} (the first step recomputes all)"
+        why = " (the first step recomputes all and measures)" if self.recompute == "auto" else ""
+        return f"recompute {str(self.recompute).lower()}: {kept}{why}"
 
     def _ranks_line(self) -> list[str]:
         """Data parallel: what one rank of how many was modelled (ranks.py)."""

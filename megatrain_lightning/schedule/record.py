@@ -17,10 +17,8 @@ A :class:`Recorder` is installed around an engine from outside, without a change
 - a torch-function mode that logs the host reading a device tensor (``.cpu()``, ``.item()``, ...), which on
   the CPU stand-in runs no op at all;
 - wrappers of ``engine.forward_block``/``backward_block`` that name the block every op belongs to;
-- measure.py's device-byte counter on the issuing thread (host jobs and host buffers excluded), so that the
-  device memory free the engine reads (:meth:`Recorder.probes`) is the modelled GPU's capacity less what
-  is live now: it shrinks as the slot pool grows and as block calls keep their graphs (``recompute``), as
-  ``torch.cuda.mem_get_info`` plus the allocator's cache would.
+- measure.py's device-byte counter (host jobs and buffers excluded): the free memory the engine reads
+  (:meth:`Recorder.probes`) shrinks as the slot pool grows and as block calls keep their graphs.
 
 On fake tensors the kernels only log (the native kernel cannot read a fake buffer); on real tensors they
 also run, and the copies are done at once, as on the CPU stand-in streams.
@@ -81,7 +79,7 @@ class Recorder:
         self._local = threading.local()  # .job: the host job running; .quiet: ops not to log
         self._host: set[int] = set()  # storage keys of host buffers
         self._undo: list[Callable[[], None]] = []
-        self.memory = _DeviceMemory(self)  # device bytes live on the issuing thread (module docstring)
+        self.memory = DeviceBytes(skip=self.in_job)  # device bytes live; a host job's are host memory
 
     @property
     def phase(self) -> str:
@@ -132,10 +130,8 @@ class Recorder:
     def probes(self, device_memory: tuple[int, int] | None = None) -> Probes:
         """What an engine recorded by this recorder runs on: the recording streams, its host jobs through the
         recorder, no host-memory limit (fake tensors take none), and `device_memory` = (capacity, transient
-        bytes): the device memory free is `capacity` (the modelled GPU's memory less the CUDA context) less
-        the device bytes live when it is read (what ``num_slots="auto"`` reads after the first step and
-        ``recompute="auto"`` at each pass's first block), and `transient` what the first step needed beyond
-        the persistent buffers (the planner's figure)."""
+        bytes): free device memory is `capacity` (the GPU's less the CUDA context) less the bytes live when
+        read; `transient` what the first step needed beyond the persistent buffers (the planner's figure)."""
         capacity, transient = device_memory if device_memory is not None else (None, None)
         return Probes(
             host_available_bytes=lambda: 1 << 62,
@@ -367,20 +363,6 @@ class _Ops(TorchDispatchMode):
         if not self.recorder.is_quiet():
             self.recorder.op(func, args, kwargs, out)
         return out
-
-
-class _DeviceMemory(DeviceBytes):
-    """Device bytes live on the issuing thread: what a host job computes (it runs on that thread here,
-    :class:`_Worker`) is host memory and not counted."""
-
-    def __init__(self, recorder: Recorder) -> None:
-        super().__init__()
-        self.recorder = recorder
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.recorder.in_job():
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 class _HostReads(TorchFunctionMode):
