@@ -194,6 +194,7 @@ def print_scaling(args: argparse.Namespace, prof: Profile) -> int:
             args.steps,
             args.model,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
+            recompute=args.recompute,
         )
     except ValueError as err:
         print(f"schedule.py: error: {err}", file=sys.stderr)
