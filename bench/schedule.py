@@ -1,7 +1,7 @@
 """The schedule model of strategy="megatrain" on a modelled GPU: the steady-state step, its bound and MFU.
 
     python bench/schedule.py --model llama-3.1-8b --tokens 32768 [--micro-batches K] [--clip 1.0]
-        [--device h100-sxm] [--num-slots auto] [--png PLOT]
+        [--device h100-sxm] [--num-slots auto] [--recompute auto|true|false] [--png PLOT]
 
 Runs 3 optimizer steps of Engine + this project's LlamaForCausalLM (bf16-mixed; each step K
 micro-batches of 1 x --tokens, accumulated as Trainer(accumulate_grad_batches=K) does) on fake tensors,
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is a folder o
 
 from timeline import draw_lanes  # noqa: E402
 
-from megatrain_lightning.commands import add_data_parallel, int_or_auto
+from megatrain_lightning.commands import add_data_parallel, add_recompute, int_or_auto
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.schedule import (
     PROFILES,
@@ -99,6 +99,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     host = ap.add_mutually_exclusive_group()
     host.add_argument("--measure-host", action="store_true", help="time kernels.adam_step_ on this machine")
     host.add_argument("--host-adam-gparams", type=float, default=None, help="host Adam rate, 10^9 params/s")
+    add_recompute(ap)
     add_data_parallel(ap)
     ap.add_argument(
         "--scaling",
@@ -193,6 +194,7 @@ def print_scaling(args: argparse.Namespace, prof: Profile) -> int:
             args.steps,
             args.model,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
+            recompute=args.recompute,
         )
     except ValueError as err:
         print(f"schedule.py: error: {err}", file=sys.stderr)
@@ -221,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         adam_source=adam,
         gpus=args.gpus,
         link=args.link,
+        recompute=args.recompute,
     )
     *lines, last = step.report()
     print("\n".join(lines))

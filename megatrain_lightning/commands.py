@@ -2,6 +2,10 @@
 training (``cli.py`` dispatches them on the first argument; ``fit`` and friends are the LightningCLI there;
 ``env`` is env_report.py). A mistake in the user's input ends in one line, ``megatrain <command>: error: ...``
 (exit status 2), not a traceback.
+
+Why one file of about 500 lines: the commands share their option parsers (sizes, "auto or a number",
+``--recompute``, the data-parallel options that bench/schedule.py takes too) and the one-line error path;
+each command is a parser and a short function that calls the planner, the schedule model or the converter.
 """
 
 from __future__ import annotations
@@ -173,6 +177,7 @@ def plan_parser() -> argparse.ArgumentParser:
         help="plan with gradient clipping, which the lean layout pays for with a gradient slab (2 bytes/param "
         "in bf16) (default: the config's trainer.gradient_clip_val, else off)",
     )
+    add_recompute(ap, None)
     ap.add_argument("--devices", type=int, default=1, metavar="N", help="GPUs per node, data parallel (default 1)")
     ap.add_argument("--nodes", type=int, default=1, metavar="M", help="nodes, data parallel (default 1)")
     ap.add_argument(
@@ -196,6 +201,31 @@ def int_or_auto(what: str) -> Callable[[str], int | str]:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what} or auto") from None
 
     return parse
+
+
+def _recompute(text: str) -> bool | str:
+    """--recompute auto|true|false as the strategy's option: "auto", True or False."""
+    choices = {"auto": "auto", "true": True, "false": False}
+    if text.lower() not in choices:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: choose auto (keep the last blocks' graphs while they fit), true (recompute every block "
+            "in backward) or false (keep every block's graph)"
+        )
+    return choices[text.lower()]
+
+
+def add_recompute(ap: argparse.ArgumentParser, default: bool | str | None = "auto") -> None:
+    """--recompute: MegatrainStrategy(recompute=...) (megatrain plan and schedule, bench/schedule.py)."""
+    ap.add_argument(
+        "--recompute",
+        type=_recompute,
+        default=default,
+        metavar="{auto,true,false}",
+        help="MegatrainStrategy(recompute=...): true recomputes every block in backward, false keeps every "
+        "block's graph from the forward, auto (the strategy's default) keeps the last blocks' graphs while "
+        "their activations fit in half the free GPU memory"
+        + (" (default: as the config says, else auto)" if default is None else ""),
+    )
 
 
 _tile = int_or_auto("a number of tokens")
@@ -223,10 +253,12 @@ def plan_from_config(
     devices: int = 1,
     nodes: int = 1,
     offload_inputs_dtype: str | None = None,
+    recompute: bool | str | None = None,
 ) -> Plan:
     """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state.
-    `offload_inputs`, `offload_inputs_dtype`, `host_layout`, `nvme_dir`, `clipping` and model `overrides` add to
-    (or replace) what the config sets; the strategy's own defaults are host_layout "default" and no NVMe directory."""
+    `offload_inputs`, `offload_inputs_dtype`, `host_layout`, `nvme_dir`, `clipping`, `recompute` and model
+    `overrides` add to (or replace) what the config sets; the strategy's own defaults are host_layout "default"
+    and no NVMe directory."""
     cfg = read_config(path)
     model, data, trainer = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("trainer") or {}
     if not model.get("model") and not model.get("init_from"):
@@ -259,6 +291,7 @@ def plan_from_config(
         devices=devices,
         nodes=nodes,
         offload_inputs_dtype=offload_inputs_dtype or init_args.get("offload_inputs_dtype"),
+        recompute=init_args.get("recompute", "auto") if recompute is None else recompute,
     )
 
 
@@ -296,6 +329,7 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
             args.devices,
             args.nodes,
             args.offload_inputs_dtype,
+            args.recompute,
         )
     if not args.model:
         ap.error("give --config FILE or --model NAME")
@@ -321,6 +355,7 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
         devices=args.devices,
         nodes=args.nodes,
         offload_inputs_dtype=args.offload_inputs_dtype,
+        recompute="auto" if args.recompute is None else args.recompute,
     )
 
 
@@ -381,6 +416,7 @@ def schedule_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--steps", type=int, default=3, help="optimizer steps recorded; the last is measured (default 3, at least 2)"
     )
+    add_recompute(ap)
     add_data_parallel(ap)
     return ap
 
@@ -412,6 +448,7 @@ def schedule_command(argv: list[str]) -> ModelledStep:
         name=args.model,
         gpus=args.gpus,
         link=args.link,
+        recompute=args.recompute,
     )
     print("\n".join(step.report()), flush=True)
     return step

@@ -18,6 +18,10 @@ What is counted (like ``torch.cuda.max_memory_allocated``, not the CUDA context)
   off again (and the peak is restored to what it was before that allocation).
 - Dispatch modes are thread-local, so what the engine's host worker thread computes is not counted,
   which is right: it works on host memory.
+- With ``recompute`` other than True and a ``capacity``, the engine reads as free device memory the
+  capacity less the live bytes counted, so ``recompute="auto"`` keeps as many graphs as it would on a GPU
+  of that size; its first step recomputes every block and measures their activations, so two steps run
+  and the second is measured (``Measured.kept_calls``: the block calls that kept their graph in it).
 - The model is built before counting starts (its own parameters are host memory and are released
   into the engine's flat host buffers); the engine is constructed while counting, so the weight slots,
   gradient slots and outer parameters it puts on the device make up ``persistent``.
@@ -71,6 +75,7 @@ class Measured:
     backward_peak: int
     workspace: int  # modelled kernel workspace included in the peak (module docstring)
     seconds: float  # wall time of the measurement
+    kept_calls: int = 0  # block calls of the measured step that kept their graph (recompute)
 
 
 def measure_step(
@@ -80,8 +85,12 @@ def measure_step(
     precision: str = "bf16-mixed",
     num_slots: int = 2,
     offload_inputs: bool = False,
+    recompute: bool | str = True,
+    capacity: int | None = None,
 ) -> Measured:
-    """Run one training step of `config` on fake tensors and measure its device memory."""
+    """Run one training step of `config` on fake tensors and measure its device memory; with `recompute`
+    other than True and the device bytes the engine may take (`capacity`), the step after a first one,
+    when kept graphs are decided (module docstring)."""
     if getattr(config, "token_chunk_size", None) == "auto":
         # "auto" sizes tiles from free CUDA memory; on the fake CPU it would pick the CPU's fixed tile.
         raise ValueError("token_chunk_size='auto' depends on the GPU's free memory; measure a fixed tile size")
@@ -92,12 +101,23 @@ def measure_step(
         counter = DeviceBytes(flash_workspace if dtype == torch.bfloat16 else None)
         with counter, observe_host_allocations(counter.host_buffer):
             options = EngineConfig(
-                device="cpu", precision=precision, num_slots=num_slots, offload_inputs=offload_inputs, pin_memory=False
+                device="cpu",
+                precision=precision,
+                num_slots=num_slots,
+                offload_inputs=offload_inputs,
+                pin_memory=False,
+                recompute=recompute,
             )
-            engine = Engine(model, options, Probes(host_available_bytes=lambda: 1 << 62))
+            free = None if capacity is None else (lambda: capacity - counter.live)
+            engine = Engine(model, options, Probes(host_available_bytes=lambda: 1 << 62, device_free_bytes=free))
             try:
                 persistent = counter.live
                 forward, backward = _step(model, engine, counter, micro_batch, seq_len)
+                kept = engine.stats["kept_calls"]
+                if recompute is not True and capacity is not None:  # the first step measured, this one keeps
+                    engine.zero_grad()  # a fresh step, not an accumulation into the first one's gradients
+                    forward, backward = _step(model, engine, counter, micro_batch, seq_len)
+                    kept = engine.stats["kept_calls"] - kept
             finally:
                 release_quietly(engine)
     return Measured(
@@ -107,6 +127,7 @@ def measure_step(
         backward_peak=backward,
         workspace=counter.workspace,
         seconds=time.perf_counter() - t0,
+        kept_calls=kept,
     )
 
 
@@ -162,11 +183,14 @@ def _round_up(x: int, m: int) -> int:
 class DeviceBytes(TorchDispatchMode):
     """Live and peak bytes of the storages created by ops on this thread (module docstring).
 
-    `workspace_of(func, args)` names bytes an op holds internally while it runs, beyond its outputs."""
+    `workspace_of(func, args)` names bytes an op holds internally while it runs, beyond its outputs; while
+    `skip()` is true ops are not counted (the schedule model's host jobs, run on the issuing thread)."""
 
-    def __init__(self, workspace_of: Callable[[Any, tuple], int] | None = None) -> None:
+    def __init__(
+        self, workspace_of: Callable[[Any, tuple], int] | None = None, skip: Callable[[], bool] = lambda: False
+    ) -> None:
         super().__init__()
-        self.workspace_of = workspace_of
+        self.workspace_of, self.skip = workspace_of, skip
         self.live = 0
         self.peak = 0
         self.workspace = 0  # the largest workspace added
@@ -177,7 +201,7 @@ class DeviceBytes(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         outputs = tensors_in(out)
-        if not outputs:
+        if not outputs or self.skip():
             return out  # most ops by count are prim.device queries
         known = {storage_key(t) for t in tensors_in((args, kwargs))}
         created = {}

@@ -50,6 +50,9 @@ part per token of the micro-batch (``elt`` = compute dtype bytes, ``n`` = micro_
                                n x elt x (3A + 2K' + 3H) + c x (elt x (6I + 6H) + 8H)       (a tile's backward)
                                plus block x elt
     chunked loss      min(loss_chunk_size, n) x V x 4 x 3 + V x H x (4 + elt) + 2 n H elt  (transient)
+    kept graphs       kept x n x (elt x (4H + 2A + 2K" + 4I + 2 head_dim) + 8H + 4 heads + 8)   untiled
+                      kept x n x (elt x (H + 2A + 2K" + 2 head_dim) + 4 heads)                   tiled
+                      (recompute: the blocks whose graph stays from the forward to their backward)
     CUDA context      1 GiB fixed allowance for the context and allocator slack
 
 Untiled, the recompute term counts what autograd keeps while one block is recomputed with grad: attention
@@ -67,6 +70,20 @@ its backward (bf16): an fp32 dq accumulator (4A) and, with grouped-query attenti
 to all heads (2A x elt); the fp32 memory-efficient kernel needs none. Or earlier, in a tile's backward:
 q, k, v and the output (3A + 2K' with the output's gradient gathering), the 3H above, and one tile's
 intermediates. These terms were read off the live tensors at the measured peak (``measure.py``).
+
+A kept graph (``recompute``, engine/recompute.py) holds what the block's ops save for backward (read off
+saved-tensor hooks on the model): untiled, each RMSNorm's fp32 input (8H bytes for the two), inverse norm
+(4 bytes, 8) and, in the compute dtype, its output and that output cast for the projections (4H); q and
+the attention output (2A), k and v (2K": K where bf16 kernels share kv heads, A where fp32 repeats them),
+the softmax statistics (4 bytes per head); gate, up, silu and their product (4I); RoPE's cos and sin
+(2 head_dim). Tiled, each tile is recomputed inside the block's backward, so the graph keeps only the
+block's input (H), the concatenated q, k, v, the attention output, the statistics, and cos and sin.
+``kept`` (:func:`kept_blocks`) follows the engine's "auto" rule on the plan's figures: from the last block
+back, while kept x that fits
+:data:`~megatrain_lightning.engine.recompute.KEEP_SHARE` of the memory free at the pass's first block
+(``gpu_mem`` less the persistent items, the context, RoPE and the first block's input) and
+:data:`~megatrain_lightning.engine.recompute.STREAMING_SLOTS` slots stay unpinned; ``False`` keeps every
+block (one slot per block), ``True`` none.
 
 Attention uses the fused SDPA kernels (no T x T scores). The loss term is the chunk's fp32 logits, their
 gradient and a compute-dtype copy, plus the head's fp32 gradient sum and its cast, and the last hidden
@@ -114,6 +131,7 @@ from megatrain_lightning.engine.config import (
 )
 from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
+from megatrain_lightning.engine.recompute import KEEP_SHARE, STREAMING_SLOTS, Recompute, check_recompute
 from megatrain_lightning.engine.ring import piece_numel, ring_counts
 from megatrain_lightning.models.config import LlamaConfig
 from megatrain_lightning.models.tiling import auto_tile, tile_bytes_per_token, untiled_bytes_per_token
@@ -304,23 +322,65 @@ def gpu_items(
     num_slots: int,
     offload_inputs: bool = False,
     gpu_mem: int | None = None,
+    kept: int = 0,
 ) -> dict[str, tuple[int, int]]:
-    """GPU memory per item as (fixed bytes, bytes per token of the micro-batch); see the module docstring."""
+    """GPU memory per item as (fixed bytes, bytes per token of the micro-batch), with `kept` blocks keeping
+    their graph (:func:`kept_blocks`); see the module docstring."""
     elt, block, h, v = compute_bytes(precision), block_numel(config), config.hidden_size, config.vocab_size
     tokens = micro_batch * seq_len
-    kept = 1 if offload_inputs else config.num_hidden_layers  # offloaded: at the peak, the input of the block in use
+    inputs = 1 if offload_inputs else config.num_hidden_layers  # offloaded: at the peak, the input of the block in use
     tile = planned_tile(config, seq_len, micro_batch, elt, gpu_mem)
     per_token, fixed = recompute_terms(config, elt, tile, tokens)
     return {
         "weight_slots": (num_slots * block * elt, 0),
         "grad_slots": (2 * block * elt, 0),
         "outer": (outer_numel(config) * elt, 0),
-        "saved_inputs": (0, kept * h * elt),
+        "saved_inputs": (0, inputs * h * elt),
         "rope": (0, 2 * config.head_dim * elt),
         "recompute": (fixed + block * elt, per_token),
         "loss": (min(config.loss_chunk_size, tokens) * v * 4 * 3 + v * h * (4 + elt), 2 * h * elt),
+        "kept_graphs": (0, kept * kept_bytes_per_token(config, elt, tile)),
         "cuda_context": (CUDA_CONTEXT_BYTES, 0),
     }
+
+
+def kept_bytes_per_token(config: LlamaConfig, elt: int, tile: int | None) -> int:
+    """What one block's kept graph holds per token (module docstring): the bytes its ops save for backward."""
+    h, hd, heads = config.hidden_size, config.head_dim, config.num_attention_heads
+    a, k = heads * hd, config.num_key_value_heads * hd
+    kv = a if elt == 4 and heads > config.num_key_value_heads else k  # fp32 repeats kv heads, bf16 shares them
+    if tile is not None:
+        return elt * (h + 2 * a + 2 * kv + 2 * hd) + 4 * heads
+    return elt * (4 * h + 2 * a + 2 * kv + 4 * config.intermediate_size + 2 * hd) + 8 * h + 4 * heads + 8
+
+
+def kept_blocks(
+    config: LlamaConfig,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    num_slots: int,
+    offload_inputs: bool,
+    gpu_mem: int | None,
+    recompute: Recompute = "auto",
+) -> int:
+    """Blocks per forward pass that keep their graph instead of a recompute (engine/recompute.py): none with
+    True, all with False; "auto" the engine's rule on the plan's figures, from the last block back, while
+    their activations fit :data:`KEEP_SHARE` of the memory free at the pass's first block and
+    :data:`STREAMING_SLOTS` of the `num_slots` stay unpinned (none without `gpu_mem`: no memory measure)."""
+    layers, mode = config.num_hidden_layers, check_recompute(recompute)
+    if mode is True or mode is False:
+        return layers if mode is False else 0
+    room = num_slots - STREAMING_SLOTS
+    if gpu_mem is None or room <= 0:
+        return 0
+    gpu = gpu_breakdown(config, seq_len, micro_batch, precision, num_slots, offload_inputs, gpu_mem)
+    first_input = saved_input_bytes(config, seq_len * micro_batch, precision)  # the embedding's output
+    live = sum(gpu[k] for k in ("weight_slots", "grad_slots", "outer", "rope", "cuda_context")) + first_input
+    tile = planned_tile(config, seq_len, micro_batch, compute_bytes(precision), gpu_mem)
+    per_block = seq_len * micro_batch * kept_bytes_per_token(config, compute_bytes(precision), tile)
+    fit = int(KEEP_SHARE * (gpu_mem - live)) // per_block
+    return max(0, min(layers, room, fit))
 
 
 def gpu_breakdown(
@@ -331,10 +391,11 @@ def gpu_breakdown(
     num_slots: int,
     offload_inputs: bool = False,
     gpu_mem: int | None = None,
+    kept: int = 0,
 ) -> dict[str, int]:
     """GPU bytes per item for a micro-batch of `micro_batch` x `seq_len` tokens."""
     tokens = micro_batch * seq_len
-    items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, gpu_mem)
+    items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, gpu_mem, kept)
     return {key: fixed + per_token * tokens for key, (fixed, per_token) in items.items()}
 
 
@@ -485,6 +546,11 @@ class Plan:
     """GPUs (ranks) per node of a data-parallel run; ``host`` is then per node, ``gpu`` per GPU."""
     nodes: int = 1
     """Nodes of a data-parallel run: each holds 1/nodes of the sharded host state."""
+    recompute: Recompute = True
+    """``recompute`` as asked: True, False or "auto" (engine/recompute.py)."""
+    kept_blocks: int = 0
+    """Blocks per forward pass that keep their graph (:func:`kept_blocks`); their activations are the
+    ``kept_graphs`` GPU item."""
 
     @property
     def ranks(self) -> int:
@@ -666,7 +732,33 @@ class Plan:
             )
         )
         return "\n".join(
-            [title, "", *self._host_lines(), *self._nvme_lines(), "", *self._gpu_lines(), *self._limit_lines()]
+            [
+                title,
+                "",
+                *self._host_lines(),
+                *self._nvme_lines(),
+                "",
+                *self._gpu_lines(),
+                self.recompute_line(),
+                *self._limit_lines(),
+            ]
+        )
+
+    def recompute_line(self) -> str:
+        """How many blocks keep their graph from the forward instead of a recompute, and why that many."""
+        layers, kept = self.config.num_hidden_layers, self.kept_blocks
+        head = f"recompute={self.recompute!r}: {kept} of {layers} blocks keep their graph (forward computed once)"
+        if self.recompute is True:
+            return f"{head}; every block is recomputed in backward"
+        if self.recompute is False:
+            return f"{head}; the slot pool grows to one slot per block"
+        if self.gpu_mem is None:
+            return f"{head}; give --gpu-mem to plan how many fit (the first step recomputes all and measures)"
+        per_block = kept_bytes_per_token(self.config, compute_bytes(self.precision), self.tile)
+        return (
+            f"{head}: the last blocks, while their activations ({per_block / 1024:.1f} KiB/token each, "
+            f"{format_size(per_block * self.seq_len * self.micro_batch)} a block) fit in {KEEP_SHARE:g} of the "
+            f"GPU memory free at the pass's first block and {STREAMING_SLOTS} of {self.num_slots} slots stream"
         )
 
     def _host_lines(self) -> list[str]:
@@ -728,6 +820,7 @@ class Plan:
             t=self.seq_len,
             h=c.hidden_size,
             elt=compute_bytes(self.precision),
+            kept=self.kept_blocks,
         )
         unit, scale = self._unit()
         lines = [f"{'GPU memory':<70}{'KiB/token':>10}{unit:>10}"]
@@ -742,7 +835,9 @@ class Plan:
             )
             lines.append(
                 f"    (allocator peak {format_size(m.peak)}: forward {format_size(m.forward_peak)}, backward "
-                f"{format_size(m.backward_peak)}, of which modelled kernel workspace {format_size(m.workspace)})"
+                f"{format_size(m.backward_peak)}, of which modelled kernel workspace {format_size(m.workspace)}"
+                + (f"; {m.kept_calls} blocks kept their graph" if self.recompute is not True else "")
+                + ")"
             )
         return lines
 
@@ -813,6 +908,7 @@ _GPU_LABELS = {
     "rope": "RoPE cos and sin (all blocks share them)",
     "recompute": "one block's recompute with grad (transient)",
     "loss": "chunked loss + head gradient (transient)",
+    "kept_graphs": "kept graphs ({kept} blocks' activations, recompute)",
     "cuda_context": "CUDA context and allocator slack (allowance)",
     "collectives": "collective library buffers (allowance; collectives in place)",
     "peak": "peak (persistent + larger transient + context)",
@@ -838,6 +934,7 @@ def plan(
     devices: int = 1,
     nodes: int = 1,
     offload_inputs_dtype: OffloadInputsDtype = None,
+    recompute: Recompute = "auto",
 ) -> Plan:
     """Itemized host and GPU bytes of training ``config`` with ``strategy="megatrain"``.
 
@@ -855,12 +952,18 @@ def plan(
 
     ``devices`` and ``nodes`` plan the data-parallel mode to come (module docstring): host bytes per node,
     GPU bytes per GPU, ``host_mem`` a node's limit and ``gpu_mem`` a GPU's.
+
+    ``recompute`` plans ``MegatrainStrategy(recompute=...)``: the blocks that keep their graph
+    (:func:`kept_blocks`, with ``num_slots`` as planned) and their activations (the ``kept_graphs`` item).
+    The largest micro-batch and sequence that fit are those of the recompute, whose memory "auto" never
+    exceeds by more than it finds free; ``False`` plans one slot per block.
     """
     for key, value, least in (("seq_len", seq_len, 1), ("micro_batch", micro_batch, 1), ("accumulate", accumulate, 1)):
         if not isinstance(value, int) or value < least:
             raise ValueError(f"{key}={value!r} must be an integer >= {least}")
     check_num_slots(num_slots)
     check_ranks(devices, nodes)
+    check_recompute(recompute)
     slots_asked, num_slots = num_slots, 2 if num_slots == "auto" else num_slots  # the sizes below: auto's least
     if offload_inputs not in (True, False, "auto"):
         raise ValueError(f"offload_inputs={offload_inputs!r}: choose True, False or 'auto'")
@@ -879,6 +982,9 @@ def plan(
     tokens = seq_len * micro_batch
     if slots_asked == "auto":
         num_slots = planned_slots(config, seq_len, micro_batch, precision, offload_inputs, room)
+    if recompute is False:  # every block pins its slot until its backward: the pool grows to one per block
+        num_slots = max(num_slots, config.num_hidden_layers)
+    kept = kept_blocks(config, seq_len, micro_batch, precision, num_slots, offload_inputs, room, recompute)
 
     def host(layout: str, nvme: bool) -> dict[str, int]:
         one = host_breakdown(
@@ -896,7 +1002,7 @@ def plan(
         return per_node(one, devices, nodes)
 
     layout, nvme = choose_tiers(lambda *t: sum(host(*t).values()), host_layout, nvme_dir, host_mem)
-    items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, room)
+    items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, room, kept)
     if collectives:
         items["collectives"] = (collectives, 0)
     tile = planned_tile(config, seq_len, micro_batch, elt, room)
@@ -910,7 +1016,10 @@ def plan(
             file=sys.stderr,
             flush=True,
         )
-        measured = measure_step(_with_tile(config, tile), seq_len, micro_batch, precision, num_slots, offload_inputs)
+        capacity = None if room is None else room - CUDA_CONTEXT_BYTES
+        measured = measure_step(
+            _with_tile(config, tile), seq_len, micro_batch, precision, num_slots, offload_inputs, recompute, capacity
+        )
     return Plan(
         name=name,
         config=config,
@@ -939,6 +1048,8 @@ def plan(
         devices=devices,
         nodes=nodes,
         offload_inputs_dtype=offload_inputs_dtype,
+        recompute=recompute,
+        kept_blocks=kept,
     )
 
 

@@ -181,6 +181,16 @@ CASES = [
     ("plan-config-a-text", ["RAW", "plan", "--config", "{d}/text.txt"], r"text.txt' holds a str"),
     ("plan-config-no-model", ["RAW", "plan", "--config", "{d}/no_model.yaml"], r"no_model.yaml' names no model"),
     ("schedule-device", ["RAW", "schedule", "--model", "tiny", "--device", "tpu9"], r"tpu9"),
+    (
+        "plan-recompute",
+        ["RAW", "plan", "--model", "tiny", "--recompute", "maybe"],
+        r"--recompute: 'maybe': choose auto",
+    ),
+    (
+        "schedule-recompute",
+        ["RAW", "schedule", "--model", "tiny", "--device", "a100", "--recompute", "1"],
+        r"--recompute: '1': choose auto",
+    ),
     ("plan-devices-0", ["RAW", "plan", "--model", "tiny", "--devices", "0"], r"devices=0 must be an integer >= 1"),
     ("plan-nodes-negative", ["RAW", "plan", "--model", "tiny", "--nodes", "-1"], r"nodes=-1 must be an integer >= 1"),
     ("plan-devices-float", ["RAW", "plan", "--model", "tiny", "--devices", "2.5"], r"--devices: invalid int .*'2.5'"),

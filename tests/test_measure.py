@@ -134,3 +134,20 @@ def test_workspace_only_for_the_flash_backward():
     assert flash_workspace(backward, (q, q, k, k)) == dq_accum + softmax_d + expanded
     assert flash_workspace(backward, (q, q, q, q)) == dq_accum + softmax_d  # no GQA: nothing to expand
     assert flash_workspace(forward, (q, k, k)) == 0
+
+
+def test_kept_graphs_are_measured_on_fake_tensors_as_the_planner_counts_them():
+    """recompute="auto" on fake tensors: the engine measures each block's saved tensors (storages told apart
+    though fake tensors have no data pointer) and, reading as free the capacity less the live bytes, keeps
+    as many graphs as the planner's formula predicts where memory, not the slots, is the limit: here room
+    for 2.5 blocks' activations in half the free memory, with 5 slots (3 could be pinned)."""
+    from megatrain_lightning.planner import CUDA_CONTEXT_BYTES, kept_bytes_per_token, plan
+
+    config, tokens = tiny(4), 256
+    base = plan(config, tokens, 1, gpu_mem=64 * GiB, num_slots=5)
+    live = sum(base.gpu[k] for k in ("weight_slots", "grad_slots", "outer", "rope", "cuda_context"))
+    per_block = kept_bytes_per_token(config, 2, None) * tokens
+    gpu_mem = live + one_input(config, tokens) + 5 * per_block  # half of it: 2.5 blocks
+    assert plan(config, tokens, 1, gpu_mem=gpu_mem, num_slots=5).kept_blocks == 2
+    measured = measure_step(config, tokens, num_slots=5, recompute="auto", capacity=gpu_mem - CUDA_CONTEXT_BYTES)
+    assert measured.kept_calls == 2

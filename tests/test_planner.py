@@ -224,7 +224,9 @@ def test_auto_slots_are_planned_by_the_engines_rule():
     config, gpu = LlamaConfig.from_preset("llama-3.1-8b"), parse_size("80GiB")
     slot = block_numel(config) * 2
     for tokens, slots in [(4096, 32), (32768, 6), (131072, 2)]:
-        auto, two = plan(config, tokens, 1, gpu_mem=gpu), plan(config, tokens, 1, gpu_mem=gpu, num_slots=2)
+        # recompute=True: the slots alone (kept graphs: the test below)
+        auto = plan(config, tokens, 1, gpu_mem=gpu, recompute=True)
+        two = plan(config, tokens, 1, gpu_mem=gpu, num_slots=2, recompute=True)
         persistent = sum(two.gpu[k] for k in ("weight_slots", "grad_slots", "outer", "cuda_context"))
         assert auto.num_slots == auto_slot_count(gpu - persistent, two.gpu_peak - persistent, slot, 32) == slots
         assert auto.gpu["weight_slots"] == slots * slot and auto.fits
@@ -436,3 +438,67 @@ def test_megatrain_plan_devices_and_nodes(capsys):
     assert out[2].startswith("host memory per node") and any(line.startswith("  per node: 1/2") for line in out)
     assert out[-1] == result.host_plan_line() and out[-1].endswith(" devices=4 nodes=2")
     assert (result.devices, result.nodes, result.ranks) == (4, 2, 8)
+
+
+# -- recompute: blocks that keep their graph ------------------------------------------------------------
+@pytest.mark.parametrize(("dtype", "tile"), [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, 16)])
+def test_kept_graph_bytes_are_what_a_block_saves_for_backward(dtype, tile):
+    """The planner's per-token bytes of a kept graph equal what autograd saves in one block's forward with
+    grad (saved-tensor hooks on a real block, each storage once, the weights excluded), as the engine
+    measures it; grouped-query heads, so bf16 shares kv heads and fp32 repeats them."""
+    from megatrain_lightning.models.llama import DecoderLayer, RotaryEmbedding
+    from megatrain_lightning.planner import kept_bytes_per_token
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=160, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    layer, tokens = DecoderLayer(config).to(dtype), 64
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    x = torch.randn(1, tokens, config.hidden_size, dtype=dtype, requires_grad=True)
+    cos, sin = RotaryEmbedding(config)(torch.arange(tokens)[None], dtype)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in weights:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, cos, sin, tile=tile)
+    elt = 2 if dtype == torch.bfloat16 else 4
+    assert kept_bytes_per_token(config, elt, tile) * tokens == sum(saved.values()) > 0
+
+
+def test_auto_keeps_the_last_blocks_whose_activations_fit_half_the_free_memory():
+    """llama-3.1-8b, bf16, untiled: a kept block holds per token 2 x (4H + 2A + 2K + 4I + 2 head_dim) + 8H
+    + 4 heads + 8 = 201352 bytes (worked out here from the shapes). The count is the engine's rule on the
+    plan's figures: the largest k with k blocks' activations within half of what the persistent items, the
+    context, RoPE and the first block's input leave of the GPU memory, and 2 slots unpinned."""
+    config = LlamaConfig.from_preset("llama-3.1-8b", token_chunk_size=None)
+    per_token = 2 * (4 * 4096 + 2 * 4096 + 2 * 1024 + 4 * 14336 + 2 * 128) + 8 * 4096 + 4 * 32 + 8
+    assert per_token == 201352
+    for gpu_mem, tokens, slots in [("80GiB", 4096, "auto"), ("80GiB", 32768, "auto"), ("40GiB", 4096, 8)]:
+        p = plan(config, tokens, 1, gpu_mem=parse_size(gpu_mem), num_slots=slots)
+        live = sum(p.gpu[k] for k in ("weight_slots", "grad_slots", "outer", "rope", "cuda_context"))
+        free = parse_size(gpu_mem) - live - tokens * 4096 * 2
+        expected = min(32, p.num_slots - 2, int(0.5 * free) // (per_token * tokens))
+        assert p.kept_blocks == expected and p.gpu["kept_graphs"] == expected * per_token * tokens
+        assert f"recompute='auto': {expected} of 32 blocks keep their graph" in p.table()
+    assert plan(config, 4096, 1, gpu_mem=parse_size("80GiB")).kept_blocks == 30  # 32 slots, 2 streaming
+    never = plan(config, 4096, 1, gpu_mem=parse_size("80GiB"), recompute=True)
+    always = plan(config, 4096, 1, num_slots=2, recompute=False)
+    assert (never.kept_blocks, never.gpu["kept_graphs"], always.kept_blocks, always.num_slots) == (0, 0, 32, 32)
+    assert plan(config, 4096, 1).kept_blocks == 0  # no GPU memory figure: auto keeps nothing
+
+
+def test_megatrain_plan_recompute(capsys):
+    from megatrain_lightning.cli import run
+
+    args = ["plan", "--model", "llama-3.1-8b", "--gpu-mem", "80GiB", "--no-measure"]
+    assert run([*args, "--recompute", "true"]).recompute is True
+    assert "recompute=True: 0 of 32 blocks keep their graph" in capsys.readouterr().out
+    assert run([*args, "--recompute", "FALSE"]).kept_blocks == 32
+    assert run(args).recompute == "auto" and "recompute='auto': 30 of 32" in capsys.readouterr().out

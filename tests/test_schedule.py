@@ -455,3 +455,22 @@ def test_model_flops_count_the_weight_matrices_and_causal_pairs():
     seq = 4096
     full = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq * seq
     assert model_flops(cfg, seq, seq) == 6 * matmul_params(cfg) * seq + (full + full // seq) // 2
+
+
+def test_kept_blocks_forward_is_recorded_once(capsys):
+    """`megatrain schedule --recompute false` against `true` on the tiny preset: with every graph kept, the
+    blocks' backward records fewer FLOPs, by exactly the FLOPs of their forward in the same step (a kept
+    block's forward is not recomputed), and the description says how many blocks kept their graph."""
+    args = ["schedule", "--model", "tiny", "--device", "a100", "--seq-len", "32", "--steps", "2"]
+    steps = {rc: run([*args, "--recompute", rc]) for rc in ("true", "false")}
+    out = capsys.readouterr().out
+    layers = steps["true"].config.num_hidden_layers
+    assert f"recompute true: 0 of {layers} blocks" in out and f"recompute false: {layers} of {layers} blocks" in out
+
+    def flops(rc: str, label: str) -> int:
+        issue = steps[rc].trace.issue
+        return sum(k.flops for k in issue if isinstance(k, Kernel) and k.step == 2 and k.phase.startswith(label))
+
+    assert steps["false"].trace.kept_calls == [layers, layers] and steps["true"].trace.kept_calls == [0, 0]
+    assert flops("true", "forward block") == flops("false", "forward block") > 0
+    assert flops("true", "backward block") - flops("false", "backward block") == flops("true", "forward block")

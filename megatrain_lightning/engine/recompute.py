@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 Recompute = Literal["auto"] | bool
 
@@ -119,11 +120,12 @@ class KeepPolicy:
 
 
 def _storage_key(t: torch.Tensor) -> Any:
-    """What identifies `t`'s storage (a fake tensor, which the planner measures with, has no data pointer)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return id(t)
+    """What identifies `t`'s storage. A fake tensor (the planner's measurement and the schedule model run
+    the engine on them) has no data pointer (torch answers 0, with a warning); its storage object's address
+    tells storages apart, views of one storage (RoPE's cos and sin, saved by each rotation) counting once."""
+    if isinstance(t, FakeTensor):
+        return ("fake", t.untyped_storage()._cdata)
+    return t.untyped_storage().data_ptr()
 
 
 class KeptGraph:

@@ -41,7 +41,13 @@ What it leaves out:
   of what has been recorded so far on the same profile (``Recorder(profile)``), so they are the ones the
   engine would take there. The NVMe tier's reads and writes are not modelled.
 - Token tiles and input offload are the planner's choices for the profile's GPU memory, not the engine's
-  "auto" choices from the memory free at run time.
+  "auto" choices from the memory free at run time. The choices the engine takes from free memory during
+  the recording (``num_slots="auto"`` after the first step, ``recompute="auto"`` at each pass's first
+  block) read the profile's GPU memory less the CUDA context allowance less the device bytes live at that
+  moment, counted as ``measure.py`` counts them (slots, saved inputs, kept graphs, RoPE): free memory
+  shrinks as the slot pool grows and graphs are kept. What it is not: the caching allocator's
+  fragmentation, and the bytes the first step needed beyond that (the "transient" ``num_slots="auto"``
+  reserves four times over), which is the planner's figure.
 
 Data parallel (``ranks.py``, ``scaling.py``): ``modelled_step(..., gpus=N, link=...)`` records one rank of
 the data-parallel mode the engine does not run yet: shard copies, collectives on the device link, host work

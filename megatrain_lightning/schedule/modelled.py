@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from megatrain_lightning import planner
 from megatrain_lightning.engine.config import check_num_slots
+from megatrain_lightning.engine.recompute import check_recompute
 from megatrain_lightning.flops import attention_flops, model_flops
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.schedule.profiles import PEER_EFFICIENCY, Profile
@@ -54,6 +55,7 @@ class ModelledStep:
     timeline: Timeline
     summary: Summary
     data_parallel: DataParallel = DataParallel()
+    recompute: bool | str = "auto"  # as asked; trace.kept_calls is what the engine kept
 
     @property
     def step_tokens(self) -> int:
@@ -87,7 +89,7 @@ class ModelledStep:
             f"schedule model: {self.name} ({c.num_parameters() / 1e9:.2f}B params, {c.num_hidden_layers} blocks), "
             f"{micro}1 x {self.seq_len} tokens/step, {PRECISION}, clip {clip}, modelled {p.name}",
             f"engine decisions: token tiles {self.tile or 'none'}, block inputs {inputs} (planner, "
-            f"{p.gpu_mem_gib:g} GiB), {slots}; {self.steps} steps recorded on fake tensors in {self.record_s:.1f} s "
+            f"{p.gpu_mem_gib:g} GiB), {slots}, {self.kept_text()}; {self.steps} steps recorded on fake tensors in {self.record_s:.1f} s "
             f"({len(self.trace.issue)} issued items, {len(self.trace.jobs)} host jobs)",
             f"rates: matmul {p.matmul_tflops:g} TFLOP/s, attention {p.attention_tflops:g} (peak {p.bf16_peak_tflops:g}), "
             f"HBM {p.hbm_bytes() / 1e9:.0f} GB/s, link {p.link_bytes() / 1e9:.1f} GB/s each way, "
@@ -97,6 +99,17 @@ class ModelledStep:
             f"backward {attention:.3g}; no recompute",
             *self._ranks_line(),
         ]
+
+    @property
+    def kept_blocks(self) -> float:
+        """Blocks per micro-batch that kept their graph in the measured (last) step."""
+        return self.trace.kept_calls[-1] / self.micro_batches if self.trace.kept_calls else 0
+
+    def kept_text(self) -> str:
+        """``recompute auto: 30 of 32 blocks keep their graph (...)`` for the description."""
+        kept = f"{self.kept_blocks:g} of {self.config.num_hidden_layers} blocks keep their graph"
+        why = " (the first step recomputes all and measures)" if self.recompute == "auto" else ""
+        return f"recompute {str(self.recompute).lower()}: {kept}{why}"
 
     def _ranks_line(self) -> list[str]:
         """Data parallel: what one rank of how many was modelled (ranks.py)."""
@@ -143,18 +156,21 @@ def modelled_step(
     adam_source: str | None = None,
     gpus: int = 1,
     link: str = "nvlink",
+    recompute: bool | str = "auto",
 ) -> ModelledStep:
     """Record `steps` optimizer steps of `config` as the strategy runs them and replay them on `profile`
     (module docstring); with `gpus` > 1, one rank of that many joined by `link`, each step `micro_batches`
     of the rank's own. A ValueError names a bad option."""
     check_options(seq_len, micro_batches, clip, num_slots, steps)
+    check_recompute(recompute)
     dp = DataParallel(gpus, link)
     base, profile = profile, dp.rank_profile(profile)
     gpu_mem = int(profile.gpu_mem_gib * planner.GiB) - (planner.COLLECTIVE_BYTES if gpus > 1 else 0)
     elt = planner.compute_bytes(PRECISION)
     tile = planner.planned_tile(config, seq_len, 1, elt, gpu_mem)
     offload = planner.auto_offloads_inputs(config, seq_len, 1, PRECISION, FIRST_SLOTS, gpu_mem)
-    memory = planner.free_and_transient(config, seq_len, 1, PRECISION, offload, gpu_mem)
+    transient = planner.free_and_transient(config, seq_len, 1, PRECISION, offload, gpu_mem)[1]
+    memory = (gpu_mem - planner.CUDA_CONTEXT_BYTES, transient)  # free = this less what is live (Recorder.probes)
     t0 = time.perf_counter()
     trace = record_steps(
         config,
@@ -169,6 +185,7 @@ def modelled_step(
         memory,
         micro_batches,
         dp if gpus > 1 else None,
+        recompute,
     )
     record_s = time.perf_counter() - t0
     timeline = replay(trace, profile, launch_s)
@@ -194,6 +211,7 @@ def modelled_step(
         timeline=timeline,
         summary=summary,
         data_parallel=dp,
+        recompute=recompute,
     )
 
 

@@ -16,7 +16,9 @@ A :class:`Recorder` is installed around an engine from outside, without a change
   (``future.done()``) is the live replay's answer;
 - a torch-function mode that logs the host reading a device tensor (``.cpu()``, ``.item()``, ...), which on
   the CPU stand-in runs no op at all;
-- wrappers of ``engine.forward_block``/``backward_block`` that name the block every op belongs to.
+- wrappers of ``engine.forward_block``/``backward_block`` that name the block every op belongs to;
+- measure.py's device-byte counter (host jobs and buffers excluded): the free memory the engine reads
+  (:meth:`Recorder.probes`) shrinks as the slot pool grows and as block calls keep their graphs.
 
 On fake tensors the kernels only log (the native kernel cannot read a fake buffer); on real tensors they
 also run, and the copies are done at once, as on the CPU stand-in streams.
@@ -39,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.measure import observe_host_allocations, storage_key, tensors_in
+from megatrain_lightning.measure import DeviceBytes, observe_host_allocations, storage_key, tensors_in
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.replay import LAUNCH_S, Replay
@@ -77,6 +79,7 @@ class Recorder:
         self._local = threading.local()  # .job: the host job running; .quiet: ops not to log
         self._host: set[int] = set()  # storage keys of host buffers
         self._undo: list[Callable[[], None]] = []
+        self.memory = DeviceBytes(skip=self.in_job)  # device bytes live; a host job's are host memory
 
     @property
     def phase(self) -> str:
@@ -114,8 +117,10 @@ class Recorder:
         with (
             _patched_kernels(self),
             observe_host_allocations(self._host_buffer),
+            observe_host_allocations(self.memory.host_buffer),
             _Ops(self),
             _HostReads(self),
+            self.memory,
         ):
             try:
                 yield self
@@ -124,12 +129,13 @@ class Recorder:
 
     def probes(self, device_memory: tuple[int, int] | None = None) -> Probes:
         """What an engine recorded by this recorder runs on: the recording streams, its host jobs through the
-        recorder, no host-memory limit (fake tensors take none), and `device_memory` = (free, transient
-        bytes) as what ``num_slots="auto"`` reads after the first step."""
-        free, transient = device_memory if device_memory is not None else (None, None)
+        recorder, no host-memory limit (fake tensors take none), and `device_memory` = (capacity, transient
+        bytes): free device memory is `capacity` (the GPU's less the CUDA context) less the bytes live when
+        read; `transient` what the first step needed beyond the persistent buffers (the planner's figure)."""
+        capacity, transient = device_memory if device_memory is not None else (None, None)
         return Probes(
             host_available_bytes=lambda: 1 << 62,
-            device_free_bytes=None if free is None else lambda: free,
+            device_free_bytes=None if capacity is None else lambda: capacity - self.memory.live,
             step_transient_bytes=None if transient is None else lambda: transient,
             streams=self.streams,
             worker=lambda worker: _Worker(self, worker),

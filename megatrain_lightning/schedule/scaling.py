@@ -49,10 +49,11 @@ def scaling(
     name: str = "model",
     progress: Callable[[str], None] | None = None,
     modes: Sequence[str] = MODES,
+    recompute: bool | str = "auto",
 ) -> list[ScalingRow]:
     """Strong and weak scaling rows over `gpus` (which starts at 1); each distinct (micro-batches, GPUs)
     is modelled once (the strong row at global_micro_batches / N = per_gpu_micro_batches is the weak one);
-    `modes`: the rows wanted, "strong" and "weak"."""
+    `modes`: the rows wanted, "strong" and "weak"; `recompute`: the engine's option."""
     if not gpus or gpus[0] != 1:
         raise ValueError(f"gpus={list(gpus)!r} must start at 1: speedups are against one GPU")
     for n in gpus:
@@ -68,7 +69,16 @@ def scaling(
             if progress is not None:
                 progress(f"modelling {name}: {n} GPU(s), {micro_batches} micro-batch(es) of {seq_len} tokens each")
             done[micro_batches, n] = modelled_step(
-                config, profile, seq_len, micro_batches, clip, steps=steps, name=name, gpus=n, link=link
+                config,
+                profile,
+                seq_len,
+                micro_batches,
+                clip,
+                steps=steps,
+                name=name,
+                gpus=n,
+                link=link,
+                recompute=recompute,
             )
         return done[micro_batches, n]
 

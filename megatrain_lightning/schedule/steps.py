@@ -44,6 +44,7 @@ def train_steps(
     opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1))
     for step in range(1, steps + 1):
         recorder.begin_step(step)
+        kept = engine.stats["kept_calls"]
         for micro in range(micro_batches - 1):
             _closure(engine, model, batch, opt, recorder, None, autocast, micro == 0, "accumulate", clip is not None)
         opt.step(
@@ -51,6 +52,7 @@ def train_steps(
                 engine, model, batch, opt, recorder, clip, autocast, micro_batches == 1, "step", clip is not None
             )
         )
+        recorder.trace.kept_calls.append(engine.stats["kept_calls"] - kept)
     recorder.stage = "end"
     engine.flush()
 
@@ -99,15 +101,21 @@ def record_steps(
     device_memory: tuple[int, int] | None = None,
     micro_batches: int = 1,
     data_parallel: DataParallel | None = None,
+    recompute: bool | str = "auto",
 ) -> Trace:
     """The trace of `steps` bf16-mixed training steps of `config`, each of `micro_batches` micro-batches of
     1 x `tokens`, on fake tensors (measure.py's way: the engine and model run for real, the tensors have
     shapes but no memory). `tile` and `offload_inputs` are fixed: their "auto" choices read the free memory
     of a device there is not. With a
     `profile` the engine's timing decisions (prefetch a block whose step is done) get that device's answers
-    (a live replay, see Recorder). `device_memory` = (free, transient bytes): what ``num_slots="auto"`` reads
-    after the first step (the planner's figures for the profile's GPU: there is no device to measure).
-    `data_parallel`: record one rank of that many GPUs instead (ranks.py), replayed live on the rank's profile."""
+    (a live replay, see Recorder). `device_memory` = (capacity, transient bytes): the profile's GPU memory
+    less the CUDA context, of which the engine finds free what the recording's live device bytes leave
+    (Recorder.probes; read by ``num_slots="auto"`` after the first step and by ``recompute="auto"`` at each
+    pass's first block), and what the first step needed beyond the persistent buffers (the planner's figure:
+    there is no device to measure). `recompute`: the engine's option (True: every block is recomputed in
+    backward; False or "auto": kept graphs stay in device memory and their blocks' forward is recorded once;
+    without `device_memory` "auto" keeps none, as on a device with no memory measure). `data_parallel`: record one rank of that many GPUs instead (ranks.py), replayed live on
+    the rank's profile."""
     config = dataclasses.replace(config, token_chunk_size=tile)
     recorder = Recorder(profile, launch_s) if data_parallel is None else RankRecorder(data_parallel, profile, launch_s)
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -122,6 +130,7 @@ def record_steps(
                 pin_memory=False,
                 clipping=clip is not None,
                 accumulating=micro_batches > 1,
+                recompute=recompute,
             )
             engine = Engine(model, options, recorder.probes(device_memory))
             recorder.attach(engine)
