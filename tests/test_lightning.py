@@ -395,7 +395,7 @@ def test_rejects_model_without_repeated_blocks():
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters())
 
-    _fit_raises(Flat(), ValueError, r"repeated decoder blocks.*nn\.ModuleList")
+    _fit_raises(Flat(), ValueError, r"repeated blocks.*nn\.ModuleList")
 
 
 def test_rejects_amsgrad():
