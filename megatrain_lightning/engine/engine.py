@@ -90,6 +90,10 @@ class Engine:
         # The stacks, each distinct block once, the parameters blocks share (outer units); what setup logs.
         self.layout = find_blocks(model, config.blocks)
         self.blocks = self.layout.blocks
+        # Per block, (first block, number of blocks) of its stack: a stack's blocks are consecutive, and each
+        # stack's forward pass is decided on anew (offloaded inputs, kept graphs).
+        stack = self.layout.stack_of
+        self._spans = [(stack.index(s), stack.count(s)) for s in stack]
         pin = self.device.type == "cuda" if config.pin_memory is None else config.pin_memory
         shared = self.layout.shared
         block_params = [[(n, p) for n, p in b.named_parameters() if id(p) not in shared] for b in self.blocks]
@@ -264,15 +268,13 @@ class Engine:
         on the copy (and a buffer the forward replaces becomes the copy); :meth:`_buffers_to_host` brings the
         copies back."""
         records: dict[tuple[int, str], list] = {}  # one per buffer: a module shared by blocks has one copy
-        self._block_buffers = [
-            [
-                records.setdefault((id(m), n), [m, n, b, b.to(self.device)])
-                for m in blk.modules()
-                for n, b in m._buffers.items()
-                if b is not None and b.device != self.device
-            ]
-            for blk in self.blocks
-        ]
+        self._block_buffers = []
+        for blk in self.blocks:
+            here = [(m, n, b) for m in blk.modules() for n, b in m._buffers.items()]
+            for m, n, b in here:
+                if b is not None and b.device != self.device and (id(m), n) not in records:
+                    records[id(m), n] = [m, n, b, b.to(self.device)]  # (copied once, however many blocks hold it)
+            self._block_buffers.append([records[id(m), n] for m, n, _ in here if (id(m), n) in records])
 
     def _buffers_to_host(self, idx: int | None = None) -> None:
         """Write block `idx`'s (None: every block's) device buffer copies into its host buffers (before they
@@ -428,18 +430,12 @@ class Engine:
 
     def offloads_call(self, idx: int, hidden: torch.Tensor) -> bool:
         """Whether this call of block `idx` (under grad) saves its input on the host (engine/saved_inputs.py)."""
-        first, count = self._stack_span(idx)
+        first, count = self._spans[idx]
         return self.saved_inputs.offloads_call(idx - first, hidden, count)
 
     def keeps_call(self, idx: int, hidden: torch.Tensor) -> bool:
         """Whether this call of block `idx` (under grad) keeps its graph instead of a recompute (engine/recompute.py)."""
-        return self.keep.keeps(idx, *self._stack_span(idx), hidden)
-
-    def _stack_span(self, idx: int) -> tuple[int, int]:
-        """(first block, number of blocks) of block `idx`'s stack: its blocks are consecutive, and each
-        stack's forward pass is decided on anew."""
-        stack = self.layout.stack_of
-        return stack.index(stack[idx]), stack.count(stack[idx])
+        return self.keep.keeps(idx, *self._spans[idx], hidden)
 
     # -- how many weight slots ("auto") -----------------------------------------------------------------
     def size_slots(self) -> None:
