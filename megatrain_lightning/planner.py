@@ -131,7 +131,7 @@ from megatrain_lightning.engine.config import (
 )
 from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
-from megatrain_lightning.engine.recompute import KEEP_SHARE, STREAMING_SLOTS, Recompute, check_recompute
+from megatrain_lightning.engine.recompute import KEEP_SHARE, STREAMING_SLOTS, Recompute, check_recompute, kept_count
 from megatrain_lightning.engine.ring import piece_numel, ring_counts
 from megatrain_lightning.models.config import LlamaConfig
 from megatrain_lightning.models.tiling import auto_tile, tile_bytes_per_token, untiled_bytes_per_token
@@ -379,8 +379,7 @@ def kept_blocks(
     live = sum(gpu[k] for k in ("weight_slots", "grad_slots", "outer", "rope", "cuda_context")) + first_input
     tile = planned_tile(config, seq_len, micro_batch, compute_bytes(precision), gpu_mem)
     per_block = seq_len * micro_batch * kept_bytes_per_token(config, compute_bytes(precision), tile)
-    fit = int(KEEP_SHARE * (gpu_mem - live)) // per_block
-    return max(0, min(layers, room, fit))
+    return kept_count([per_block] * layers, gpu_mem - live, room)
 
 
 def gpu_breakdown(

@@ -25,7 +25,7 @@ parameters, whose storage moves back to the host masters after every call.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -83,13 +83,8 @@ class KeepPolicy:
         free = self.free_bytes()
         if free is None:
             return keep_from
-        budget, used = KEEP_SHARE * free, 0
-        for j in range(first + count - 1, first - 1, -1):
-            need = self.estimate(j, hidden.numel())
-            if need is None or used + need > budget or first + count - j > room:
-                break
-            used, keep_from = used + need, j
-        return keep_from
+        needs = (self.estimate(j, hidden.numel()) for j in range(first + count - 1, first - 1, -1))
+        return keep_from - kept_count(needs, free, room)
 
     def estimate(self, idx: int, numel: int) -> int | None:
         """Bytes block `idx` saves for backward on a hidden state of `numel` elements (None: not measured)."""
@@ -117,6 +112,19 @@ class KeepPolicy:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
         self._measured[idx] = (total, numel)
+
+
+def kept_count(needs: Iterable[int | None], free: int, room: int) -> int:
+    """The rule "auto" keeps graphs by (the engine at each pass, the planner ahead of a run): how many blocks,
+    from the last one back, keep their graph while the bytes each saves for backward (`needs`, the last
+    block's first; None: not measured) fit :data:`KEEP_SHARE` of `free` together and at most `room` slots
+    are pinned."""
+    budget, used, kept = KEEP_SHARE * free, 0, 0
+    for need in needs:
+        if kept >= room or need is None or used + need > budget:
+            break
+        used, kept = used + need, kept + 1
+    return kept
 
 
 def _storage_key(t: torch.Tensor) -> Any:
