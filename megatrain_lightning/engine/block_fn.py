@@ -259,9 +259,10 @@ class _BlockFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor | None, *grad_side: torch.Tensor | None):
         needs = tuple(ctx.needs_input_grad[3:])  # the hidden state's, then each grad input's
         engine, state = ctx.runner.engine, ctx.state
-        hidden = engine.saved_inputs.fetch(state.saved) if state.saved is not None else None
-        if state.saved is None and not state.keep:
-            hidden = ctx.saved_tensors[0]
+        if state.saved is not None:
+            hidden = engine.saved_inputs.fetch(state.saved)
+        else:  # (a kept graph holds its input itself)
+            hidden = None if state.keep else ctx.saved_tensors[0]
         grads_in = engine.backward_block(ctx.runner.idx, state, hidden, [grad_out, *grad_side], needs)
         if state.saved is not None:
             engine.saved_inputs.give_back(state.saved)

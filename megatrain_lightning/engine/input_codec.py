@@ -50,7 +50,8 @@ class InputCodec:
         return hidden.numel(), hidden.dtype
 
     def encode(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden` as its flat stored form, computed on the current (compute) stream. None: a view of it."""
+        """`hidden` as its flat stored form, computed on the current (compute) stream (stored exactly: a flat
+        view of it, no copy)."""
         flat = hidden.detach().reshape(-1)
         if self.dtype == "bf16":
             return flat.to(torch.bfloat16)
