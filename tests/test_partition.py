@@ -91,6 +91,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        if world == 2:
+            with open(f"{out}/refusals{rank}.json", "w") as f:
+                json.dump(_refusals(dist.group.WORLD), f)
         for run in RUNS:
             params, stats = _train(run, world, rank, dist.group.WORLD)
             with open(f"{out}/{run}{rank}.json", "w") as f:
@@ -99,6 +102,33 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                 save_file(params, f"{out}/{run}.safetensors")
     finally:
         dist.destroy_process_group()
+
+
+def _refusals(group) -> list[str]:
+    """What a partitioned engine refuses, in one line each: the options it does not partition yet, and the
+    calls that need every parameter whole in one process."""
+    said = []
+    for option in ({"host_layout": "lean"}, {"nvme_dir": "/tmp"}):
+        try:
+            Engine(own_llama(layers=2), EngineConfig(device="cpu", group=group, **option))
+        except ValueError as err:
+            said.append(str(err))
+    model = own_llama(layers=2)
+    engine = Engine(model, EngineConfig(device="cpu", group=group))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters()))
+    for call in (
+        engine.master_state_dict,
+        engine.host_view().__enter__,
+        opt.state_dict,
+        model.model.layers[0].state_dict,
+    ):
+        try:
+            call()
+        except RuntimeError as err:
+            said.append(str(err))
+    said.append(str(float(model.model.layers[0].mlp.up_proj.weight.sum())))  # no rank holds it whole: NaN
+    engine.close()
+    return said
 
 
 def _free_port() -> int:
@@ -122,6 +152,15 @@ def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
             else:
                 err = ((params[name] - ref).abs().max() / ref.abs().max()).item()
                 assert err < 1e-6, f"{name}: {err:.2e} relative"
+    if world == 2:
+        with open(f"{tmp_path}/refusals0.json") as f:
+            said = json.load(f)
+        assert [s.split(" ")[0] for s in said[:2]] == ["host_layout='lean'", "nvme_dir"]
+        assert all("not available with 2 data-parallel ranks" in s for s in said[:2])
+        assert len(said) == 7 and all(
+            "each data-parallel rank holds 1/W" in s or "ranks holds 1/W" in s for s in said[2:6]
+        )
+        assert said[6] == "nan"
     # Each rank holds and moves about 1/W of what one process does (a unit's shards are equal up to rounding).
     whole = _train("plain", 1, 0)[1]
     assert whole["allgather_bytes"] == whole["reduce_scatter_bytes"] == 0
