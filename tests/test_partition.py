@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine
+from megatrain_lightning.optim.threads import rank_cpus, usable_cpus
 from tests.helpers import own_llama, own_loss
 
 ROWS, SEQ = 6, 16  # ROWS: the global batch, divisible by 2 and 3
@@ -82,7 +83,7 @@ def _train(run: str, world: int, rank: int | None = None, group=None) -> tuple[d
     stats = {}
     if engine is not None:
         engine.flush()
-        stats = {**engine.stats, **engine.host_bytes()}
+        stats = {**engine.stats, **engine.host_bytes(), "host_cpus": engine.host_cpus}
         engine.close()  # each rank gets the whole trained model back
     return {n: p.detach().clone() for n, p in model.named_parameters()}, stats
 
@@ -174,3 +175,25 @@ def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
         assert stats["allgather_bytes"] >= whole["h2d_bytes"]  # the device gathers the whole of each upload
         assert stats["reduce_scatter_bytes"] >= whole["d2h_bytes"]
     assert sum(s["master"] for s in ranks) == whole["master"]  # one copy of the state between the ranks
+    # The ranks on this machine split its CPUs for their host threads (one each, shared, when there are fewer).
+    cpus = sorted(usable_cpus())
+    assert [s["host_cpus"] for s in ranks] == [rank_cpus(r, world, set(cpus), {}) for r in range(world)]
+    if len(cpus) >= world:
+        assert sorted(c for s in ranks for c in s["host_cpus"]) == cpus
+    assert whole["host_cpus"] is None
+
+
+def test_ranks_split_a_machines_cpus_node_by_node():
+    nodes = {0: list(range(8)), 1: list(range(8, 16))}
+    everything = set(range(16))
+    assert [rank_cpus(r, 4, everything, nodes) for r in range(4)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 10, 11],
+        [12, 13, 14, 15],
+    ]
+    # Interleaved node numbering: each rank's share still lies on one node.
+    odd_even = {0: list(range(0, 16, 2)), 1: list(range(1, 16, 2))}
+    assert rank_cpus(1, 2, everything, odd_even) == list(range(1, 16, 2))
+    assert [len(rank_cpus(r, 4, set(range(6)), {})) for r in range(4)] == [2, 2, 1, 1]
+    assert [rank_cpus(r, 3, {0, 1}, {}) for r in range(3)] == [[0], [1], [0]]
