@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine
+from megatrain_lightning.optim.threads import rank_cpus, usable_cpus
 from tests.helpers import own_llama, own_loss
 
 ROWS, SEQ = 6, 16  # ROWS: the global batch, divisible by 2 and 3
@@ -82,7 +83,7 @@ def _train(run: str, world: int, rank: int | None = None, group=None) -> tuple[d
     stats = {}
     if engine is not None:
         engine.flush()
-        stats = {**engine.stats, **engine.host_bytes()}
+        stats = {**engine.stats, **engine.host_bytes(), "host_cpus": engine.host_cpus}
         engine.close()  # each rank gets the whole trained model back
     return {n: p.detach().clone() for n, p in model.named_parameters()}, stats
 
@@ -91,6 +92,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        if world == 2:
+            with open(f"{out}/refusals{rank}.json", "w") as f:
+                json.dump(_refusals(dist.group.WORLD), f)
         for run in RUNS:
             params, stats = _train(run, world, rank, dist.group.WORLD)
             with open(f"{out}/{run}{rank}.json", "w") as f:
@@ -99,6 +103,33 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                 save_file(params, f"{out}/{run}.safetensors")
     finally:
         dist.destroy_process_group()
+
+
+def _refusals(group) -> list[str]:
+    """What a partitioned engine refuses, in one line each: the options it does not partition yet, and the
+    calls that need every parameter whole in one process."""
+    said = []
+    for option in ({"host_layout": "lean"}, {"nvme_dir": "/tmp"}):
+        try:
+            Engine(own_llama(layers=2), EngineConfig(device="cpu", group=group, **option))
+        except ValueError as err:
+            said.append(str(err))
+    model = own_llama(layers=2)
+    engine = Engine(model, EngineConfig(device="cpu", group=group))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters()))
+    for call in (
+        engine.master_state_dict,
+        engine.host_view().__enter__,
+        opt.state_dict,
+        model.model.layers[0].state_dict,
+    ):
+        try:
+            call()
+        except RuntimeError as err:
+            said.append(str(err))
+    said.append(str(float(model.model.layers[0].mlp.up_proj.weight.sum())))  # no rank holds it whole: NaN
+    engine.close()
+    return said
 
 
 def _free_port() -> int:
@@ -122,6 +153,15 @@ def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
             else:
                 err = ((params[name] - ref).abs().max() / ref.abs().max()).item()
                 assert err < 1e-6, f"{name}: {err:.2e} relative"
+    if world == 2:
+        with open(f"{tmp_path}/refusals0.json") as f:
+            said = json.load(f)
+        assert [s.split(" ")[0] for s in said[:2]] == ["host_layout='lean'", "nvme_dir"]
+        assert all("not available with 2 data-parallel ranks" in s for s in said[:2])
+        assert len(said) == 7 and all(
+            "each data-parallel rank holds 1/W" in s or "ranks holds 1/W" in s for s in said[2:6]
+        )
+        assert said[6] == "nan"
     # Each rank holds and moves about 1/W of what one process does (a unit's shards are equal up to rounding).
     whole = _train("plain", 1, 0)[1]
     assert whole["allgather_bytes"] == whole["reduce_scatter_bytes"] == 0
@@ -135,3 +175,25 @@ def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
         assert stats["allgather_bytes"] >= whole["h2d_bytes"]  # the device gathers the whole of each upload
         assert stats["reduce_scatter_bytes"] >= whole["d2h_bytes"]
     assert sum(s["master"] for s in ranks) == whole["master"]  # one copy of the state between the ranks
+    # The ranks on this machine split its CPUs for their host threads (one each, shared, when there are fewer).
+    cpus = sorted(usable_cpus())
+    assert [s["host_cpus"] for s in ranks] == [rank_cpus(r, world, set(cpus), {}) for r in range(world)]
+    if len(cpus) >= world:
+        assert sorted(c for s in ranks for c in s["host_cpus"]) == cpus
+    assert whole["host_cpus"] is None
+
+
+def test_ranks_split_a_machines_cpus_node_by_node():
+    nodes = {0: list(range(8)), 1: list(range(8, 16))}
+    everything = set(range(16))
+    assert [rank_cpus(r, 4, everything, nodes) for r in range(4)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 10, 11],
+        [12, 13, 14, 15],
+    ]
+    # Interleaved node numbering: each rank's share still lies on one node.
+    odd_even = {0: list(range(0, 16, 2)), 1: list(range(1, 16, 2))}
+    assert rank_cpus(1, 2, everything, odd_even) == list(range(1, 16, 2))
+    assert [len(rank_cpus(r, 4, set(range(6)), {})) for r in range(4)] == [2, 2, 1, 1]
+    assert [rank_cpus(r, 3, {0, 1}, {}) for r in range(3)] == [[0], [1], [0]]

@@ -25,6 +25,8 @@ Collectives on device tensors go through `group` (NCCL on CUDA, gloo on the CPU)
 
 from __future__ import annotations
 
+import socket
+import zlib
 from typing import Any
 
 import torch
@@ -40,6 +42,12 @@ class Partition:
         self.world = dist.get_world_size(group)
         # (new_group is itself collective: every rank builds its engine, so every rank gets here)
         self.cpu_group = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
+        # The ranks on this machine (they split its CPUs: optim/threads.py), found by a hash of the host name.
+        host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
+        hosts = [torch.empty_like(host) for _ in range(self.world)]
+        dist.all_gather(hosts, host, group=self.cpu_group)
+        local = [r for r, h in enumerate(hosts) if int(h) == int(host)]
+        self.local_rank, self.local_world = local.index(self.rank), len(local)
 
     # -- layout ---------------------------------------------------------------------------------
     def chunk(self, numel: int) -> int:
