@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine
+from megatrain_lightning.engine.streams import Streams
 from megatrain_lightning.optim.threads import rank_cpus, usable_cpus
 from tests.helpers import own_llama, own_loss
 
@@ -95,6 +96,8 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         if world == 2:
             with open(f"{out}/refusals{rank}.json", "w") as f:
                 json.dump(_refusals(dist.group.WORLD), f)
+        if world == 2:
+            _late_streams(rank, world, out)
         for run in RUNS:
             params, stats = _train(run, world, rank, dist.group.WORLD)
             with open(f"{out}/{run}{rank}.json", "w") as f:
@@ -103,6 +106,31 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                 save_file(params, f"{out}/{run}.safetensors")
     finally:
         dist.destroy_process_group()
+
+
+def _late_streams(rank: int, world: int, out: str) -> None:
+    """The plain run on copy streams that run late (tests/async_streams.py, everything held until waited
+    for), as issued, and with each all-gather run at once instead of on the H2D stream after the upload of
+    its rank's shard (skipped): that one reads shards not uploaded yet."""
+    from megatrain_lightning.engine import engine as engine_module
+    from tests.async_streams import AsyncStreams
+
+    for name, skip in (("late", ()), ("skipped", (("upload", "run"),))):
+        made: list[AsyncStreams] = []
+
+        def late(device, skip=skip, made=made):
+            made.append(AsyncStreams(device, hold=1.0, skip=skip))
+            return made[-1]
+
+        engine_module.Streams = late
+        try:
+            params, _ = _train("plain", world, rank, dist.group.WORLD)
+        finally:
+            engine_module.Streams = Streams
+        if rank == world - 1:
+            save_file(params, f"{out}/{name}.safetensors")
+        with open(f"{out}/{name}{rank}.json", "w") as f:
+            json.dump(sum(s.skipped[("upload", "run")] for s in made), f)
 
 
 def _refusals(group) -> list[str]:
@@ -154,6 +182,13 @@ def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
                 err = ((params[name] - ref).abs().max() / ref.abs().max()).item()
                 assert err < 1e-6, f"{name}: {err:.2e} relative"
     if world == 2:
+        # Late copy streams change nothing; the all-gather issued off the stream does.
+        plain = load_file(f"{tmp_path}/plain.safetensors")
+        assert all(torch.equal(t, plain[n]) for n, t in load_file(f"{tmp_path}/late.safetensors").items())
+        skipped = load_file(f"{tmp_path}/skipped.safetensors")
+        assert any(not torch.equal(t, plain[n]) for n, t in skipped.items())
+        with open(f"{tmp_path}/skipped0.json") as f:
+            assert json.load(f) > 0
         with open(f"{tmp_path}/refusals0.json") as f:
             said = json.load(f)
         assert [s.split(" ")[0] for s in said[:2]] == ["host_layout='lean'", "nvme_dir"]
