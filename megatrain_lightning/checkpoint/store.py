@@ -37,6 +37,23 @@ that the file is a sharded checkpoint, to be loaded with ``megatrain_lightning.l
 or converted with ``megatrain convert``. The pickle never runs anything (the "module" it names
 cannot be imported). Markers that are bare JSON, as first written, are read all the same.
 
+With several ranks (a partitioned engine, engine/partition.py) :func:`save` and :func:`restore` are
+collective: every rank calls them, in the same order. The files are the ones a single process writes (each
+unit whole), so nothing in a checkpoint depends on the number of ranks: saved with 2 ranks, it resumes with
+1 or 3, and ``megatrain convert`` or ``load_from_checkpoint`` read it in one process. Unit i is written by
+rank i % W, straight to the URL, its shards swapped to it a tensor at a time (ranks.py: no rank holds more
+than one tensor of one unit whole, none the model); rank 0 alone takes the lease, hands the version's name
+to the others, writes buffers, trainer.pt and the index (its file records and per-parameter steps come
+from the other ranks in one all-reduce of integers) and commits only after every rank's writes succeeded.
+A rank that fails makes every rank raise, with no commit: the previous checkpoint stays in force. A
+restore reads on every rank the version rank 0 reads (checked), each rank keeping its own shard of each
+unit file, and raises on every rank when any rank fails; it does not start over on a newer checkpoint,
+which one rank alone might see.
+
+Why one file: saving and restoring, in one process or on W ranks, are one protocol (lease, write, commit;
+pin, read, check), and the flows for W ranks are the same private steps with collectives between them;
+the collectives themselves are in ranks.py.
+
 Reading trusts nothing it has not checked (:mod:`~megatrain_lightning.checkpoint.verify` says what and
 how a failure reads; :mod:`~megatrain_lightning.checkpoint.trust` how ``trainer.pt`` is unpickled).
 """
