@@ -11,13 +11,14 @@ as a group of 2 (which also fails a save on purpose on rank 1), then all 3 resum
 
 from __future__ import annotations
 
+import fsspec
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from megatrain_lightning.checkpoint import store, stream
+from megatrain_lightning.checkpoint import ranks, store, stream
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine
 from tests.helpers import own_llama, own_loss
@@ -154,3 +155,20 @@ def test_a_checkpoint_moves_between_world_sizes_and_a_failed_save_keeps_the_last
     # The files do not depend on W: what 2 and 3 ranks wrote is what one process writes for the same state.
     _assert_same_units(f"{out}/two.ckpt", f"{out}/again.ckpt")
     _assert_same_units(f"{out}/one.ckpt", f"{out}/three.ckpt")
+
+
+def test_a_rank_reads_its_shard_through_a_small_scratch_buffer(tmp_path):
+    """Each rank keeps the elements lo..hi of a unit file's tensors and passes the rest through the scratch
+    buffer, many pieces of it here; every byte is checksummed. A tensor the rank does not keep (the moments
+    when only weights are restored) passes through whole."""
+    fs, numel = fsspec.filesystem("file"), 23
+    master, m = torch.randn(numel), torch.randn(numel)
+    info = stream.write(fs, f"{tmp_path}/unit.safetensors", [("master", master), ("exp_avg", m)])
+    for lo, hi in [(0, 8), (8, 16), (16, 23), (23, 23)]:
+        unit = type("Shard", (), {"lo": lo, "hi": hi, "full_numel": numel})()
+        mine = {"master": torch.full((hi - lo,), float("nan"))}
+        targets = ranks.shard_targets(unit, ["master", "exp_avg"], mine, torch.empty(3))
+        stream.read_into(fs, f"{tmp_path}/unit.safetensors", targets, info)
+        assert torch.equal(mine["master"], master[lo:hi]), (lo, hi)
+    with pytest.raises(stream.ShardError, match="checksum"):  # (the whole file is still checked)
+        stream.read_into(fs, f"{tmp_path}/unit.safetensors", targets, {**info, "crc32": info["crc32"] ^ 1})

@@ -139,18 +139,18 @@ class _Round:
 def write_units(
     part: Any,
     units: list[Any],
-    shards_of: Callable[[Any], dict[str, torch.Tensor]],
+    shards: list[dict[str, torch.Tensor]],
     write: Callable[[int, list[tuple[str, Chunked]]], dict],
 ) -> tuple[dict[int, dict], Exception | None]:
-    """Write this rank's units (rank, rank + W, ...): `shards_of(unit)` names this rank's shard of each
-    tensor of the unit's file, `write(i, tensors)` writes unit i's file and returns its record ({"bytes",
+    """Write this rank's units (rank, rank + W, ...): `shards[i]` names this rank's shard of each tensor of
+    unit i's file (the same names on every rank), `write(i, tensors)` writes unit i's file and returns its record ({"bytes",
     "crc32"}). Every rank calls this with the same units. Returns the records of what this rank wrote and its
     error (after the first one it writes nothing more, but takes part in every swap)."""
     written: dict[int, dict] = {}
     error: Exception | None = None
     for first in range(0, len(units), part.world):
         batch = units[first : first + part.world]
-        work = _Round(part, batch, [shards_of(u) for u in batch])
+        work = _Round(part, batch, shards[first : first + part.world])
         if part.rank < len(batch) and error is None:
             try:
                 written[first + part.rank] = write(first + part.rank, work.tensors())
@@ -189,7 +189,7 @@ def shard_targets(
     unit: Any, names: list[str], mine: dict[str, torch.Tensor], scratch: torch.Tensor
 ) -> dict[str, Chunked]:
     """Targets to read a unit file's tensors `names` into (stream.read_into): the elements lo..hi of each
-    land in `mine`'s tensor of that name (a tensor not in `mine`: nowhere), every other byte passes through
+    land in `mine`'s tensor of that name, every other byte (all of a tensor not in `mine`) passes through
     `scratch`."""
 
     def parts(own: torch.Tensor | None) -> Iterator[torch.Tensor]:

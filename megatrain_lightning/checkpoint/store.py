@@ -205,9 +205,14 @@ def _save_ranks(
         return info
 
     try:
-        engine.flush()
-        units = engine.all_units()
-        steps, files = ranks.settle_books(part, units, *ranks.write_units(part, units, shards_of, write), doing, kept)
+        units, shards = engine.all_units(), []
+        try:
+            engine.flush()  # (a host job's error surfaces here)
+            shards = [shards_of(u) for u in units]
+        except Exception as err:
+            error = err
+        ranks.settle(part, error, doing, kept)  # every rank is ready to swap shards, or every rank raises
+        steps, files = ranks.settle_books(part, units, *ranks.write_units(part, units, shards, write), doing, kept)
         if lease is not None:
             try:
                 records = [
@@ -545,10 +550,10 @@ def _restore_ranks(
     _check_layout(engine, index, url, fs, vdir)  # (the same index on every rank: the same outcome)
     if optimizer and not index["optimizer"]:
         raise CheckpointError(f"{url} holds weights only (save_weights_only=True); it cannot resume training")
-    engine.flush()
     units = engine.all_units()
     scratch = ranks.scratch_for(units)
     try:
+        engine.flush()
         for unit, rec in zip(units, index["units"]):
             names = ["master", "exp_avg", "exp_avg_sq"] if rec["adam"] else ["master"]
             mine = {"master": unit.master}
