@@ -795,6 +795,19 @@ class Engine:
         self.outer.reupload()
         self.pool.invalidate()
 
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """The model's persistent buffers under their state-dict names, as they stand (the blocks' device
+        copies brought back first): what a checkpoint saves beside the masters, read without the model's
+        ``state_dict()``, which a partitioned engine refuses."""
+        self.flush()
+        self._buffers_to_host()
+        out: dict[str, torch.Tensor] = {}
+        for name, module in self.model.named_modules(remove_duplicate=False):
+            for key, buf in module._buffers.items():
+                if buf is not None and key not in module._non_persistent_buffers_set:
+                    out[f"{name}.{key}" if name else key] = buf
+        return out
+
     def qualified_names(self, unit: HostUnit) -> list[str]:
         """The model's own names (``state_dict`` keys) of a unit's parameters, in layout order."""
         prefix = f"{unit.name}." if unit in self.units else ""
