@@ -101,7 +101,6 @@ class Engine:
         # Data parallel (engine/partition.py): this rank holds one shard of every unit's host state.
         self.partition = partition = partition_of(config.group)
         if partition is not None:
-            _check_partitioned(config, partition.world)
             self.host_cpus = rank_cpus(partition.local_rank, partition.local_world, usable_cpus(), numa_nodes())
             self.host_threads = resolve_host_threads(config.host_threads, len(self.host_cpus))
         # Per block, (first block, number of blocks) of its stack: a stack's blocks are consecutive, and each
@@ -912,17 +911,6 @@ def _numel(block_params: list, outer: list, partition: Partition | None = None) 
     if partition is not None:
         sizes = [hi - lo for lo, hi in map(partition.bounds, sizes)]
     return sum(sizes)
-
-
-def _check_partitioned(config: EngineConfig, world: int) -> None:
-    """Refuse what the partitioned engine does not do yet, naming the option and the fix."""
-    if config.host_layout == "lean":
-        raise ValueError(
-            f"host_layout='lean' is not available with {world} data-parallel ranks yet; use host_layout='default' "
-            "(each rank already holds 1/W of the state)"
-        )
-    if config.training and config.nvme_dir:
-        raise ValueError(f"nvme_dir is not available with {world} data-parallel ranks yet; drop nvme_dir")
 
 
 def _least_free(free: Callable[[], int | None], partition: Partition) -> int | None:

@@ -43,10 +43,11 @@ class Partition:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         # (new_group is itself collective: every rank builds its engine, so every rank gets here)
-        self.cpu_group = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
+        ranks = dist.get_process_group_ranks(group)  # (the group's own ranks, not every process's)
+        self.cpu_group = group if dist.get_backend(group) == "gloo" else dist.new_group(ranks, backend="gloo")
         # The weights' all-gathers run on the H2D stream, the gradients' exchange on the compute stream: each
         # on its own communicator, so that neither waits behind the other.
-        self.gather_group = dist.new_group(backend=dist.get_backend(group))
+        self.gather_group = dist.new_group(ranks, backend=dist.get_backend(group))
         # The ranks on this machine (they split its CPUs: optim/threads.py), found by a hash of the host name.
         host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
         hosts = [torch.empty_like(host) for _ in range(self.world)]
