@@ -50,9 +50,12 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
     )
 
 
-def _train(run: str, world: int, rank: int | None = None, group=None, **options) -> tuple[dict, dict]:
+def _train(
+    run: str, world: int, rank: int | None = None, group=None, save: str | None = None, **options
+) -> tuple[dict, dict]:
     """Train `run` on rank `rank`'s rows of each global batch with the engine (`rank` None: ordinary training
-    doing what `world` DDP ranks do, in one process); the final parameters, and the engine's counters."""
+    doing what `world` DDP ranks do, in one process); the final parameters, and the engine's counters.
+    `save`: the engine's checkpoint goes there at the end."""
     steps, micro, clip = RUNS[run]
     model = own_llama(layers=3)
     opt = _optimizer(model)
@@ -86,6 +89,8 @@ def _train(run: str, world: int, rank: int | None = None, group=None, **options)
         sched.step()
     stats = {}
     if engine is not None:
+        if save:
+            engine.save(save)
         engine.flush()
         stats = {**engine.stats, **engine.host_bytes(), "host_cpus": engine.host_cpus}
         engine.close()  # each rank gets the whole trained model back
@@ -104,11 +109,18 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             for name, options in LAYOUTS.items():
                 options = {k: f"{out}/nvme{rank}" if v == "NVME" else v for k, v in options.items()}
                 os.makedirs(options.get("nvme_dir", out), exist_ok=True)
-                params, _ = _train("plain", world, rank, dist.group.WORLD, **options)
+                params, _ = _train("plain", world, rank, dist.group.WORLD, save=f"{out}/{name}.ckpt", **options)
                 if rank == world - 1:
                     save_file(params, f"{out}/{name}.safetensors")
+            # A checkpoint read back into the moments' files, and written again from them.
+            model = own_llama(layers=3)
+            engine = Engine(model, EngineConfig(device="cpu", precision="32-true", group=dist.group.WORLD, **options))
+            engine.optimizer(_optimizer(model))
+            engine.load(f"{out}/nvme.ckpt")
+            engine.save(f"{out}/again.ckpt")
+            engine.close()
         for run in RUNS:
-            params, stats = _train(run, world, rank, dist.group.WORLD)
+            params, stats = _train(run, world, rank, dist.group.WORLD, save=f"{out}/{run}.ckpt" if world == 2 else None)
             with open(f"{out}/{run}{rank}.json", "w") as f:
                 json.dump(stats, f)
             if rank == world - 1:  # (the last rank: its shards are the short ones)
@@ -164,6 +176,21 @@ def _refusals(group) -> list[str]:
     return said
 
 
+def _read_back(url: str) -> dict:
+    """A checkpoint's weights and optimizer state, as an unpartitioned engine in this process reads them."""
+    model = own_llama(layers=3)
+    with Engine(model, EngineConfig(device="cpu", precision="32-true")) as engine:
+        opt = engine.optimizer(_optimizer(model))
+        engine.load(url)
+        return {k: v.clone() for k, v in engine.master_state_dict().items()} | {"opt": opt.state_dict()["state"]}
+
+
+def _tensors(state: dict) -> list[torch.Tensor]:
+    return [v for k, v in state.items() if k != "opt"] + [
+        t for s in state["opt"].values() for t in (s["step"], s["exp_avg"], s["exp_avg_sq"])
+    ]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -191,6 +218,12 @@ def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
         plain = load_file(f"{tmp_path}/plain.safetensors")
         for name in ("late", *LAYOUTS):
             assert all(torch.equal(t, plain[n]) for n, t in load_file(f"{tmp_path}/{name}.safetensors").items()), name
+        # Their checkpoints hold the same state, as one process reads it; and so does the NVMe tier's, read
+        # back into its files and written again.
+        states = [_read_back(f"{tmp_path}/{name}.ckpt") for name in ("plain", *LAYOUTS, "again")]
+        for state in states[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(_tensors(state), _tensors(states[0]), strict=True))
+        assert torch.equal(states[0]["lm_head.weight"], plain["lm_head.weight"])
         skipped = load_file(f"{tmp_path}/skipped.safetensors")
         assert any(not torch.equal(t, plain[n]) for n, t in skipped.items())
         with open(f"{tmp_path}/skipped0.json") as f:
