@@ -101,7 +101,11 @@ class Engine:
         # Data parallel (engine/partition.py): this rank holds one shard of every unit's host state.
         self.partition = partition = partition_of(config.group)
         if partition is not None:
-            self.host_cpus = rank_cpus(partition.local_rank, partition.local_world, usable_cpus(), numa_nodes())
+            self.host_cpus = (
+                rank_cpus(partition.local_rank, partition.local_world, usable_cpus(), numa_nodes())
+                if partition.split_cpus
+                else sorted(usable_cpus())  # (bound apart already: each rank's own CPUs)
+            )
             self.host_threads = resolve_host_threads(config.host_threads, len(self.host_cpus))
         # Per block, (first block, number of blocks) of its stack: a stack's blocks are consecutive, and each
         # stack's forward pass is decided on anew (offloaded inputs, kept graphs).

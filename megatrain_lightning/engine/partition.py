@@ -27,6 +27,7 @@ the same ranks.
 
 from __future__ import annotations
 
+import os
 import socket
 import zlib
 from typing import Any
@@ -43,17 +44,26 @@ class Partition:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         # (new_group is itself collective: every rank builds its engine, so every rank gets here)
-        ranks = dist.get_process_group_ranks(group)  # (the group's own ranks, not every process's)
-        self.cpu_group = group if dist.get_backend(group) == "gloo" else dist.new_group(ranks, backend="gloo")
+        whole = dist.get_world_size(group) == dist.get_world_size()  # (groups of our own need every process)
+        if not whole and dist.get_backend(group) != "gloo":
+            raise ValueError(
+                f"a data-parallel group of {self.world} of the {dist.get_world_size()} processes on "
+                f"{dist.get_backend(group)} needs a gloo group beside it, which only every process together can "
+                "make; pass the whole world (torch.distributed.group.WORLD) or a gloo group"
+            )
+        self.cpu_group = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
         # The weights' all-gathers run on the H2D stream, the gradients' exchange on the compute stream: each
-        # on its own communicator, so that neither waits behind the other.
-        self.gather_group = dist.new_group(ranks, backend=dist.get_backend(group))
-        # The ranks on this machine (they split its CPUs: optim/threads.py), found by a hash of the host name.
-        host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
-        hosts = [torch.empty_like(host) for _ in range(self.world)]
-        dist.all_gather(hosts, host, group=self.cpu_group)
-        local = [r for r, h in enumerate(hosts) if int(h) == int(host)]
+        # on its own communicator (with the whole world), so that neither waits behind the other.
+        self.gather_group = dist.new_group(backend=dist.get_backend(group)) if whole else group
+        # The ranks on this machine (found by a hash of the host name) split its CPUs for their host threads
+        # (optim/threads.py), unless they were given different CPUs already (a launcher's CPU binding).
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), zlib.crc32(str(cpus).encode())])
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.cpu_group)
+        local = [r for r, t in enumerate(every) if int(t[0]) == int(mine[0])]
         self.local_rank, self.local_world = local.index(self.rank), len(local)
+        self.split_cpus = all(int(every[r][1]) == int(mine[1]) for r in local)
 
     # -- layout ---------------------------------------------------------------------------------
     def chunk(self, numel: int) -> int:
