@@ -724,8 +724,8 @@ class Plan:
             + f", host layout {self.host_layout}"
             + (", Adam on NVMe" if self.nvme else "")
             + (
-                f"; data parallel over {self.devices} GPUs x {self.nodes} nodes (W={self.ranks}, not yet run by "
-                "the strategy): host memory per node, GPU memory per GPU"
+                f"; data parallel over {self.devices} GPUs x {self.nodes} nodes (W={self.ranks}): host memory per "
+                "node, GPU memory per GPU"
                 if self.ranks > 1
                 else ""
             )

@@ -218,6 +218,9 @@ class EngineConfig:
     blocks: str | tuple[str, ...] | Callable | None = None
     """The nn.ModuleList to stream: a dotted module name, a callable model -> ModuleList, or None to find it
     (engine/discover.py)."""
+    group: Any = None
+    """The ``torch.distributed`` process group of the data-parallel ranks (None: this process alone). With
+    more than one rank every unit's host state is partitioned among them (engine/partition.py)."""
 
     def __post_init__(self) -> None:
         check_device(self.device)

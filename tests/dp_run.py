@@ -1,0 +1,170 @@
+"""One rank of a data-parallel launch of tests/test_data_parallel.py: train the same tiny model on the same
+global batches with ``strategy="megatrain"`` and with ``strategy="ddp"``, both over every rank of the launch.
+
+Started by ``python -m torch.distributed.run --standalone --nproc-per-node W -m tests.dp_run OUT CASES...``
+(TorchElastic starts the ranks), or by ``python -m tests.dp_run OUT CASES... --devices W`` (Lightning's
+script launcher, in the first Trainer, starts ranks 1..W-1 by running this module again). The megatrain run
+comes first, so that its strategy launches the ranks and sets up the process group; the DDP run finds it.
+
+Per case and strategy, rank 0 writes the final parameters to ``OUT/{case}.{strategy}.safetensors``, and every
+rank its losses to ``OUT/{case}.{strategy}.rank{r}.json``. No rank holds the megatrain run's whole weights, so
+they come from a sharded checkpoint every rank writes at the end of training (read back with
+``lightning_checkpoint``, as ``megatrain convert`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
+from safetensors.torch import save_file
+
+from megatrain_lightning import MegatrainStrategy
+from megatrain_lightning.convert import lightning_checkpoint
+from tests.helpers import CausalLM, loader, own_llama, own_loss, params_of, quiet, token_batches, trainer
+
+LAYERS = 2
+ROWS = 2  # rows per rank's micro-batch (the global micro-batch has W x ROWS rows)
+
+# name: (module kwargs, trainer kwargs, precision, optimizer steps)
+CASES: dict[str, tuple[dict[str, Any], dict[str, Any], str, int]] = {
+    # accumulation, clipping by norm (the engine all-reduces partial norms), an LR schedule, two param groups
+    "accumulate-clip": (
+        dict(split_decay=True, schedule=5),
+        dict(accumulate_grad_batches=2, gradient_clip_val=0.5),
+        "32-true",
+        5,
+    ),
+    "accumulate-clip-bf16": (
+        dict(split_decay=True, schedule=5),
+        dict(accumulate_grad_batches=2, gradient_clip_val=0.5),
+        "bf16-mixed",
+        5,
+    ),
+    # no clipping and no accumulation: every unit steps on the host as its gradient lands (the overlapped step)
+    "overlap": (dict(split_decay=True, schedule=4), dict(), "32-true", 4),
+}
+
+
+def micro_batches(case: str, world: int) -> list[torch.Tensor]:
+    """Every rank's micro-batches in DistributedSampler's order (shuffle off): global micro-batch j is
+    ``batches[j * world : (j + 1) * world]``, the one row block per rank."""
+    _, trainer_kwargs, _, steps = CASES[case]
+    accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
+    return token_batches(steps * accumulate * world, batch=ROWS)
+
+
+def global_batches(case: str, world: int) -> list[torch.Tensor]:
+    """The same data for one process: each global micro-batch's rows concatenated (the loss is a mean over
+    tokens, and every rank's block has the same number of them, so the mean over the concatenation is the
+    mean over ranks that DDP's gradient averaging takes)."""
+    batches = micro_batches(case, world)
+    return [torch.cat(batches[j : j + world]) for j in range(0, len(batches), world)]
+
+
+def module(case: str) -> CausalLM:
+    return CausalLM(own_llama(LAYERS), loss_fn=own_loss, **CASES[case][0])
+
+
+class SaveAtEnd(Callback):
+    """Every rank saves the sharded checkpoint at the end of training, while the engine still holds the state."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def val_batches(world: int) -> list[torch.Tensor]:
+    return token_batches(2 * world, batch=ROWS, seed=7)
+
+
+def run(case: str, strategy: str, out: Path, devices: int) -> L.Trainer:
+    _, trainer_kwargs, precision, _ = CASES[case]
+    lm = module(case)
+    ckpt = out / f"{case}.ckpt"
+    callbacks = [SaveAtEnd(str(ckpt))] if strategy == "megatrain" else []
+    t = trainer(strategy, devices=devices, precision=precision, callbacks=callbacks, **trainer_kwargs)
+    with quiet():  # validation once, at the end of the epoch: the final weights, each rank its share
+        t.fit(lm, loader(micro_batches(case, devices)), loader(val_batches(devices)))
+    rank, world = t.global_rank, t.world_size
+    assert world == devices == dist.get_world_size(), (world, devices)
+    # the ranks' shares: DistributedSampler (shuffle off) gave this rank every world-th micro-batch
+    assert len(lm.losses) == len(micro_batches(case, devices)) // world
+    record = {"losses": lm.losses, "val_loss": float(t.callback_metrics["val_loss"])}
+    (out / f"{case}.{strategy}.rank{rank}.json").write_text(json.dumps(record))
+    if rank == 0:
+        if strategy == "megatrain":
+            state = lightning_checkpoint(str(ckpt), optimizer=False)["state_dict"]
+            params = {
+                k.removeprefix("model."): state[k].contiguous()
+                for k in state
+                if k.removeprefix("model.") in dict(lm.model.named_parameters())
+            }
+        else:
+            params = params_of(lm.model)
+        save_file(params, str(out / f"{case}.{strategy}.safetensors"))
+    dist.barrier()
+    return t
+
+
+class ReadsGradients(CausalLM):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        pass
+
+
+# name: what setup must refuse with several ranks (a module, Trainer kwargs)
+REFUSED: dict[str, tuple[type[CausalLM], dict[str, Any]]] = {
+    "gradient hook": (ReadsGradients, {}),
+    "weight averaging": (CausalLM, dict(callbacks=[EMAWeightAveraging()])),
+    "sync_batchnorm": (CausalLM, dict(sync_batchnorm=True)),
+}
+
+
+def refusals(out: Path, devices: int) -> None:
+    """Fit what setup refuses with several ranks: every rank raises the same ValueError before any collective
+    of the engine; rank 0 writes the messages to OUT/refusals.json."""
+    messages = {}
+    for name, (cls, kwargs) in REFUSED.items():
+        t = trainer(MegatrainStrategy(), devices=devices, **kwargs)
+        try:
+            with quiet():
+                t.fit(cls(own_llama(LAYERS), loss_fn=own_loss), loader(token_batches(devices, batch=ROWS)))
+        except ValueError as e:
+            messages[name] = str(e)
+        else:
+            messages[name] = None
+    if dist.get_rank() == 0:
+        (out / "refusals.json").write_text(json.dumps(messages))
+    dist.barrier()
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("cases", nargs="+", choices=[*CASES, "refusals"])
+    parser.add_argument("--devices", type=int, default=None, help="ranks (default: WORLD_SIZE of torchrun)")
+    args = parser.parse_args(argv)
+    devices = args.devices or int(os.environ["WORLD_SIZE"])
+    cases = [case for case in args.cases if case != "refusals"]
+    trainers = [run(case, strategy, args.out, devices) for case in cases for strategy in ("megatrain", "ddp")]
+    if "refusals" in args.cases:
+        refusals(args.out, devices)
+    # Started by Lightning's launcher (the first trainer's): wait for the ranks it started, failing with them.
+    launcher = trainers[0].strategy.launcher
+    failed = [p.wait() for p in getattr(launcher, "procs", [])]
+    if any(failed):
+        sys.exit(f"a rank started by Lightning's launcher exited with {failed}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
