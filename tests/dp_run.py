@@ -36,29 +36,32 @@ ROWS = 2  # rows per rank's micro-batch (the global micro-batch has W x ROWS row
 
 # name: (module kwargs, trainer kwargs, precision, optimizer steps)
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any], str, int]] = {
-    # accumulation, clipping by norm (the engine all-reduces partial norms), an LR schedule, two param groups
+    # accumulation, clipping by norm (the engine all-reduces partial norms), an LR schedule, two param groups;
+    # the schedule runs over two epochs: the second is the resume's (RESUMED)
     "accumulate-clip": (
-        dict(split_decay=True, schedule=5),
+        dict(split_decay=True, schedule=10),
         dict(accumulate_grad_batches=2, gradient_clip_val=0.5),
         "32-true",
         5,
     ),
     "accumulate-clip-bf16": (
-        dict(split_decay=True, schedule=5),
+        dict(split_decay=True, schedule=10),
         dict(accumulate_grad_batches=2, gradient_clip_val=0.5),
         "bf16-mixed",
         5,
     ),
     # no clipping and no accumulation: every unit steps on the host as its gradient lands (the overlapped step)
     "overlap": (dict(split_decay=True, schedule=4), dict(), "32-true", 4),
+    # manual optimization: manual_backward over 2 micro-batches, clip_gradients by norm, the scheduler by hand
+    "manual": (dict(manual=2, manual_clip=0.5, split_decay=True, schedule=4), dict(), "32-true", 4),
 }
 
 
 def micro_batches(case: str, world: int) -> list[torch.Tensor]:
     """Every rank's micro-batches in DistributedSampler's order (shuffle off): global micro-batch j is
     ``batches[j * world : (j + 1) * world]``, the one row block per rank."""
-    _, trainer_kwargs, _, steps = CASES[case]
-    accumulate = trainer_kwargs.get("accumulate_grad_batches", 1)
+    module_kwargs, trainer_kwargs, _, steps = CASES[case]
+    accumulate = trainer_kwargs.get("accumulate_grad_batches", module_kwargs.get("manual") or 1)
     return token_batches(steps * accumulate * world, batch=ROWS)
 
 
@@ -88,33 +91,60 @@ def val_batches(world: int) -> list[torch.Tensor]:
     return token_batches(2 * world, batch=ROWS, seed=7)
 
 
-def run(case: str, strategy: str, out: Path, devices: int) -> L.Trainer:
+RESUMED = "accumulate-clip"  # the case whose megatrain checkpoint the resume stage continues for a second epoch
+
+
+def checkpoint_params(ckpt: Path, lm: CausalLM) -> dict[str, torch.Tensor]:
+    """The module's parameters as the sharded checkpoint at `ckpt` holds them (read as `megatrain convert` does)."""
+    state = lightning_checkpoint(str(ckpt), optimizer=False)["state_dict"]
+    names = dict(lm.model.named_parameters())
+    return {k.removeprefix("model."): state[k].contiguous() for k in state if k.removeprefix("model.") in names}
+
+
+def run(case: str, strategy: str, out: Path, devices: int, resume: bool = False) -> L.Trainer:
+    """Fit `case` (`resume`: its second epoch, from the first's megatrain checkpoint) and write what it ends with."""
     _, trainer_kwargs, precision, _ = CASES[case]
     lm = module(case)
-    ckpt = out / f"{case}.ckpt"
+    name = f"{case}.resumed" if resume else case
+    ckpt = out / f"{name}.ckpt"
     callbacks = [SaveAtEnd(str(ckpt))] if strategy == "megatrain" else []
-    t = trainer(strategy, devices=devices, precision=precision, callbacks=callbacks, **trainer_kwargs)
+    t = trainer(
+        strategy,
+        devices=devices,
+        precision=precision,
+        callbacks=callbacks,
+        max_epochs=2 if resume else 1,
+        **trainer_kwargs,
+    )
     with quiet():  # validation once, at the end of the epoch: the final weights, each rank its share
-        t.fit(lm, loader(micro_batches(case, devices)), loader(val_batches(devices)))
+        t.fit(
+            lm,
+            loader(micro_batches(case, devices)),
+            loader(val_batches(devices)),
+            ckpt_path=str(out / f"{case}.ckpt") if resume else None,
+        )
     rank, world = t.global_rank, t.world_size
     assert world == devices == dist.get_world_size(), (world, devices)
     # the ranks' shares: DistributedSampler (shuffle off) gave this rank every world-th micro-batch
     assert len(lm.losses) == len(micro_batches(case, devices)) // world
     record = {"losses": lm.losses, "val_loss": float(t.callback_metrics["val_loss"])}
-    (out / f"{case}.{strategy}.rank{rank}.json").write_text(json.dumps(record))
+    (out / f"{name}.{strategy}.rank{rank}.json").write_text(json.dumps(record))
     if rank == 0:
-        if strategy == "megatrain":
-            state = lightning_checkpoint(str(ckpt), optimizer=False)["state_dict"]
-            params = {
-                k.removeprefix("model."): state[k].contiguous()
-                for k in state
-                if k.removeprefix("model.") in dict(lm.model.named_parameters())
-            }
-        else:
-            params = params_of(lm.model)
-        save_file(params, str(out / f"{case}.{strategy}.safetensors"))
+        params = checkpoint_params(ckpt, lm) if strategy == "megatrain" else params_of(lm.model)
+        save_file(params, str(out / f"{name}.{strategy}.safetensors"))
     dist.barrier()
     return t
+
+
+def validate(out: Path, devices: int) -> None:
+    """``trainer.validate`` without fit (the engine built for evaluation only), each strategy: every rank's
+    validation loss on its share, to OUT/validate.{strategy}.rank{r}.json."""
+    for strategy in ("megatrain", "ddp"):
+        t = trainer(strategy, devices=devices)
+        with quiet():
+            (metrics,) = t.validate(module("overlap"), loader(val_batches(devices)), verbose=False)
+        (out / f"validate.{strategy}.rank{t.global_rank}.json").write_text(json.dumps(metrics))
+    dist.barrier()
 
 
 class ReadsGradients(CausalLM):
@@ -151,12 +181,16 @@ def refusals(out: Path, devices: int) -> None:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("cases", nargs="+", choices=[*CASES, "refusals"])
+    parser.add_argument("cases", nargs="+", choices=[*CASES, "refusals", "resume", "validate"])
     parser.add_argument("--devices", type=int, default=None, help="ranks (default: WORLD_SIZE of torchrun)")
     args = parser.parse_args(argv)
     devices = args.devices or int(os.environ["WORLD_SIZE"])
-    cases = [case for case in args.cases if case != "refusals"]
+    cases = [case for case in args.cases if case in CASES]
     trainers = [run(case, strategy, args.out, devices) for case in cases for strategy in ("megatrain", "ddp")]
+    if "resume" in args.cases:  # after RESUMED's first epoch
+        run(RESUMED, "megatrain", args.out, devices, resume=True)
+    if "validate" in args.cases:
+        validate(args.out, devices)
     if "refusals" in args.cases:
         refusals(args.out, devices)
     # Started by Lightning's launcher (the first trainer's): wait for the ranks it started, failing with them.

@@ -4,11 +4,14 @@ the same ranks and global batches, and against ``strategy="megatrain", devices=1
 Two launches of tests/dp_run.py (which trains both, megatrain first, in one process group):
 
 - W=2 by ``python -m torch.distributed.run --standalone`` (TorchElastic): accumulation over 2 micro-batches,
-  clipping by norm, a warm-up + cosine LR schedule, two param groups, in fp32 and in bf16-mixed; and what setup
-  refuses with several ranks.
+  clipping by norm, a warm-up + cosine LR schedule, two param groups, in fp32 and in bf16-mixed; manual
+  optimization; and what setup refuses with several ranks.
 - W=3 by Lightning's own script launcher (the script started once; the megatrain Trainer starts ranks 1 and 2):
   no clipping and no accumulation (each unit steps on the host as its gradient lands), the same schedule and
-  groups, and validation at the end of the epoch.
+  groups.
+
+Every run validates once at the end (each rank its share of the validation batches), and the megatrain runs'
+weights are read back from the sharded checkpoint every rank wrote at the end of training.
 
 fp32 with the torch-op optimizer (``MEGATRAIN_CPU_ADAM=torch``) is within 1e-6 relative per tensor, not
 bitwise: the mean over ranks is reduced in another order. DDP divides each rank's gradient by W in its buckets
@@ -33,7 +36,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatrain_lightning import MegatrainStrategy
-from tests.dp_run import CASES, LAYERS, global_batches, module
+from tests.dp_run import CASES, LAYERS, RESUMED, global_batches, module
 from tests.helpers import fit, own_llama, params_of, trainer, update_error
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,9 +85,10 @@ class Launch:
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> dict[int, Launch]:
+    w2 = ["accumulate-clip", "accumulate-clip-bf16", "manual", "resume", "refusals"]
     started = {
-        2: Launch(tmp_path_factory.mktemp("w2"), 2, ["accumulate-clip", "accumulate-clip-bf16", "refusals"], True),
-        3: Launch(tmp_path_factory.mktemp("w3"), 3, ["overlap"], False),
+        2: Launch(tmp_path_factory.mktemp("w2"), 2, w2, torchrun=True),
+        3: Launch(tmp_path_factory.mktemp("w3"), 3, ["overlap", "validate"], torchrun=False),
     }
     yield started
     for launch in started.values():
@@ -139,6 +143,12 @@ def test_two_ranks_equal_ddp_and_one_device(launches, monkeypatch):
     assert_fp32_equal(launches[2], "accumulate-clip", 2, monkeypatch)
 
 
+def test_two_ranks_manual_optimization_equals_ddp_and_one_device(launches, monkeypatch):
+    """W=2, torchrun: manual_backward over 2 micro-batches, clip_gradients by norm, the scheduler stepped by
+    hand: gradients wait for the step (the mean over ranks of the sum over micro-batches), as DDP's do."""
+    assert_fp32_equal(launches[2], "manual", 2, monkeypatch)
+
+
 def test_three_ranks_equal_ddp_and_one_device(launches, monkeypatch):
     """W=3, Lightning's script launcher: no clipping or accumulation (the overlapped host step), validation."""
     assert_fp32_equal(launches[3], "overlap", 3, monkeypatch)
@@ -168,6 +178,32 @@ def test_two_ranks_bf16_mixed(launches, monkeypatch):
     for m, f in zip(records(w2, "accumulate-clip-bf16", "megatrain", 2), records(w2, "accumulate-clip", "ddp", 2)):
         assert rel(m["losses"], f["losses"]) < 2e-2
     assert update_error(mt, single, start) <= bf16_noise
+
+
+def test_resume_continues_exactly_on_two_ranks_and_on_one(launches, monkeypatch):
+    """The first epoch's checkpoint (2 ranks, every rank writing its shards) resumed for a second epoch on 2
+    ranks and on 1 equals 2 epochs straight on one device: weights, Adam moments, step counts, the schedule."""
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+    _, trainer_kwargs, precision, _ = CASES[RESUMED]
+    batches = global_batches(RESUMED, 2)
+    straight = module(RESUMED)
+    fit(straight, batches, max_epochs=2, precision=precision, **trainer_kwargs)
+    expected = params_of(straight.model)
+    w2 = launches[2].wait()
+    two_ranks = params(w2, f"{RESUMED}.resumed", "megatrain")
+    assert worst(two_ranks, expected)[0] <= FP32_BOUND, worst(two_ranks, expected)
+    one = module(RESUMED)
+    fit(one, batches, max_epochs=2, precision=precision, ckpt_path=str(w2 / f"{RESUMED}.ckpt"), **trainer_kwargs)
+    assert worst(params_of(one.model), expected)[0] <= FP32_BOUND, worst(params_of(one.model), expected)
+
+
+def test_validate_without_fit_equals_ddp(launches):
+    """trainer.validate over 3 ranks (an engine for evaluation only): each rank's loss on its share as DDP's."""
+    w3 = launches[3].wait()
+    for r in range(3):
+        mt, ddp = (json.loads((w3 / f"validate.{s}.rank{r}.json").read_text()) for s in ("megatrain", "ddp"))
+        assert mt.keys() == ddp.keys() == {"val_loss"}
+        assert rel([mt["val_loss"]], [ddp["val_loss"]]) <= FP32_BOUND
 
 
 def test_setup_refuses_what_needs_whole_weights_or_gradients(launches):
