@@ -65,6 +65,7 @@ from megatrain_lightning.engine.host_steps import HostSide, graph_task
 from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
 from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.engine.outer import OuterParams
+from megatrain_lightning.engine.partition import Partition, partition_of
 from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph
 from megatrain_lightning.engine.ring import HostRing, piece_numel, ring_counts
@@ -90,6 +91,10 @@ class Engine:
         # The stacks, each distinct block once, the parameters blocks share (outer units); what setup logs.
         self.layout = find_blocks(model, config.blocks)
         self.blocks = self.layout.blocks
+        # Data parallel (engine/partition.py): this rank holds one shard of every unit's host state.
+        self.partition = partition = partition_of(config.group)
+        if partition is not None:
+            _check_partitioned(config, partition.world)
         # Per block, (first block, number of blocks) of its stack: a stack's blocks are consecutive, and each
         # stack's forward pass is decided on anew (offloaded inputs, kept graphs).
         stack = self.layout.stack_of
@@ -112,6 +117,8 @@ class Engine:
         free = probes.device_free_bytes or partial(free_device_bytes, self.device)
         self._transient = probes.step_transient_bytes or partial(step_transient_bytes, self.device)
         self._free_device_bytes = free
+        # With several ranks, what decides a collective must be decided alike on every rank: the least free memory.
+        keep_free = free if partition is None else partial(_least_free, free, partition)
         self.saved_inputs = SavedInputs(
             self.streams,
             self.device,
@@ -139,12 +146,12 @@ class Engine:
             else None
         )
         grad_ring = HostRing("gradient", grads, self.piece, self.compute_dtype, pin) if lean and training else None
-        self.uploads = Uploader(self.streams, self.stats, self.piece, staging_ring)
+        self.uploads = Uploader(self.streams, self.stats, self.piece, staging_ring, partition)
         self.units: list[HostUnit] = []
         outer_units: list[HostUnit] = []
         try:
             self._build_blocks(block_params, pin)
-            outer_units = [HostUnit(n, [(n, p)], self.compute_dtype, pin, not lean) for n, p in outer]
+            outer_units = [self._unit(n, [(n, p)], pin, not lean) for n, p in outer]
         except BaseException:
             pinned.unregister(
                 self._pinnable(self.units + outer_units, [staging_ring, grad_ring])
@@ -156,9 +163,9 @@ class Engine:
         # Per block, its calls whose backward has not run yet (a graph dropped unused drops its calls too).
         self._open_calls: list[weakref.WeakSet] = [weakref.WeakSet() for _ in self.units]
         slots = 2 if config.num_slots == "auto" else config.num_slots
-        self.pool = SlotPool(self.streams, slots, max(u.numel for u in self.units), self.compute_dtype)
+        self.pool = SlotPool(self.streams, slots, max(u.device_numel for u in self.units), self.compute_dtype)
         self.pool.grow_when_pinned = config.recompute is False
-        self.keep = KeepPolicy(config.recompute, free, self.pool.pinned, lambda: self.pool.num_slots, self.stats)
+        self.keep = KeepPolicy(config.recompute, keep_free, self.pool.pinned, lambda: self.pool.num_slots, self.stats)
         self.grad_anchor = torch.empty(0, requires_grad=True)
         self.input_chain = InputChain()
         # Steps run in the order the next forward needs them, among those whose gradient has landed
@@ -178,6 +185,7 @@ class Engine:
             tier=self.tier,
             overlap_optimizer=config.overlap_optimizer,
             invalidate=self.pool.invalidate,
+            partition=partition,
         )
         self._outer_buffers_to(self.device)
         self.outer = OuterParams(outer_units, self.device, self.streams, self.uploads, self.host)
@@ -188,6 +196,14 @@ class Engine:
             compile_block_calls(self.blocks, self.runners)
 
     # -- construction helpers -------------------------------------------------------------------
+    def _unit(self, name: str, params: list, pin: bool, keep_copy: bool) -> HostUnit:
+        """A host unit over `params`: whole, or partitioned, this rank's shard of it."""
+        if self.partition is None:
+            return HostUnit(name, params, self.compute_dtype, pin, keep_copy)
+        numel = sum(p.numel() for _, p in params)
+        bounds, padded = self.partition.bounds(numel), self.partition.padded(numel)
+        return HostUnit(name, params, self.compute_dtype, pin, keep_copy, bounds=bounds, device_numel=padded)
+
     def _build_blocks(self, block_params: list, pin: bool) -> None:
         """Move each block into a host unit, bind its parameters to the master, route its forward here."""
         self.runners: list[BlockRunner] = []
@@ -195,12 +211,12 @@ class Engine:
         self._state_hooks = []
         for i, (blk, params) in enumerate(zip(self.blocks, block_params)):
             keep_copy = self.config.host_layout != "lean"
-            unit = HostUnit(self.layout.names[i], params, self.compute_dtype, pin, keep_copy)
+            unit = self._unit(self.layout.names[i], params, pin, keep_copy)
             self.units.append(unit)
-            unit.bind(unit.master)  # frees the block's own storage right away
+            unit.bind_host()  # frees the block's own storage right away
             foreign = [p for _, p in blk.named_parameters() if id(p) in self.layout.shared]
             self.runners.append(BlockRunner(self, i, blk, foreign))
-            at = {id(e.param): j for j, e in enumerate(unit.entries)}
+            at = {id(e.param): j for j, e in enumerate(unit.layout)}
             self._param_refs.append(
                 [
                     (m, n, at[id(p)])
@@ -219,7 +235,7 @@ class Engine:
     def _check_host_memory(self, block_params, outer, available_bytes: Callable[[], int]) -> int:
         """Refuse a model whose training state does not fit the host; returns the bytes it counted."""
         c = self.config
-        numel = _numel(block_params, outer)
+        numel = _numel(block_params, outer, self.partition)
         layout, elt = c.host_layout, torch.tensor([], dtype=self.compute_dtype).element_size()
         per_param = host_bytes_per_param(self.compute_dtype, c.training, c.accumulating, layout, c.clipping)
         largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
@@ -242,8 +258,9 @@ class Engine:
             }
             by_kind = host_bytes_by_kind(elt, c.training, c.accumulating, layout, c.clipping)
             kinds = [labels[k] for k, b in by_kind.items() if b and not (nvme and k == "adam")]
+            share = "" if self.partition is None else f" (this rank's 1/{self.partition.world} share of them)"
             raise HostMemoryError(
-                f"the model's {numel / 1e9:.2f}B parameters need {need / 2**30:.1f} GiB of host memory "
+                f"the model's {numel / 1e9:.2f}B parameters{share} need {need / 2**30:.1f} GiB of host memory "
                 f"({per_param} bytes/param: {', '.join(kinds[:-1])} and {kinds[-1]}) but about "
                 f"{have / 2**30:.1f} GiB is available. Use a machine with more host memory, a smaller model"
                 + (
@@ -287,8 +304,17 @@ class Engine:
                 host.data = dev.detach().to(host.device)
 
     def _block_state_read(self, idx: int, *_: Any) -> None:
+        self._whole("a block's state_dict()")
         self.units[idx].wait()
         self._buffers_to_host(idx)
+
+    def _whole(self, what: str) -> None:
+        """Refuse `what` when partitioned: it needs every parameter whole in this process."""
+        if self.partition is not None:
+            raise RuntimeError(
+                f"{what} needs every parameter whole in this process, but each of the {self.partition.world} "
+                "data-parallel ranks holds 1/W of them; save a checkpoint (engine.save) and read it instead"
+            )
 
     def _outer_buffers_to(self, device: torch.device) -> None:
         in_blocks = {id(m) for b in self.blocks for m in b.modules()}
@@ -377,6 +403,7 @@ class Engine:
         agree. What the caller leaves in ``.grad`` (edited in place, assigned, or set to None) is the
         gradient the next step (and a later micro-batch's sum) uses; afterwards ``.grad`` is None again and
         the outer parameters are their device copies."""
+        self._whole("engine.gradients_visible()")
         self.host.expose()
         self.outer.bind_masters()
         units = self.all_units()
@@ -450,6 +477,8 @@ class Engine:
             return
         have, slot = self.pool.num_slots, self.pool.slot_bytes
         want = auto_slot_count(free, transient, slot, len(self.units), have)
+        if self.partition is not None:  # every rank must stream alike: as many slots as the fullest device allows
+            want = self.partition.least(want)
         if want > have and self.device.type == "cuda":
             torch.cuda.empty_cache()  # (once) the freed activations go back, so the slots get whole segments
         try:
@@ -528,7 +557,7 @@ class Engine:
         kept: KeptGraph | None = state.kept
         # Parameters the user froze get no gradient, exactly as in ordinary training (checked now: a
         # parameter may be frozen or unfrozen between steps; a kept graph has the flags of its forward).
-        params = kept.leaves if kept is not None else [e.param for e in unit.entries]
+        params = kept.leaves if kept is not None else [e.param for e in unit.layout]
         trained = [i for i, p in enumerate(params) if p.requires_grad]
         if not trained and not any(needs):
             if kept is not None:
@@ -573,11 +602,12 @@ class Engine:
 
         grads = list(self._run(idx, -1, recompute, kept=kept)[0])
         grads_in = [grads.pop(0) if need else None for need in needs]
-        by_entry: list[torch.Tensor | None] = [None] * len(unit.entries)
+        by_entry: list[torch.Tensor | None] = [None] * len(unit.layout)
         for i, g in zip(trained, grads):
             by_entry[i] = g
         present = [g is not None for g in by_entry]
-        if any(present):
+        # Partitioned, every rank ships (a collective) and a parameter has a gradient if any rank's has one.
+        if any(present) or (self.partition is not None and trained):
             flat, grad_slot = self.host.pack_grads(unit, by_entry)
             self.host.ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot, more=more)
         elif unit.held is not None and not more:
@@ -595,7 +625,7 @@ class Engine:
         (the block's parameters are bound to it too, for a checkpoint inside the block that recomputes)."""
         unit = self.units[idx]
         slot = self._load(idx, {idx}) if kept is None else kept.slot
-        with self._bound(idx, self.pool.acquire(slot, unit.numel), fresh=keep) as leaves:
+        with self._bound(idx, self.pool.acquire(slot, unit.full_numel), fresh=keep) as leaves:
             out = fn()
         self.pool.release(slot)
         if kept is not None:
@@ -626,9 +656,7 @@ class Engine:
         unit = self.units[idx]
         buffers = [(record, record[2].data) for record in self._block_buffers[idx]]
         unit.bind(flat)
-        leaves = (
-            [nn.Parameter(e.param.data, requires_grad=e.param.requires_grad) for e in unit.entries] if fresh else []
-        )
+        leaves = [nn.Parameter(e.param.data, requires_grad=e.param.requires_grad) for e in unit.layout] if fresh else []
         for module, name, i in self._param_refs[idx] if fresh else []:
             module._parameters[name] = leaves[i]
         for (_, _, b, dev), _ in buffers:
@@ -637,8 +665,8 @@ class Engine:
             yield leaves
         finally:
             for module, name, i in self._param_refs[idx] if fresh else []:
-                module._parameters[name] = unit.entries[i].param
-            unit.bind(unit.master)
+                module._parameters[name] = unit.layout[i].param
+            unit.bind_host()
             for record, host in buffers:
                 module, name, b, _ = record
                 now = module._buffers.get(name)
@@ -653,7 +681,8 @@ class Engine:
         unit = self.units[idx]
         slot = self.pool.slot_of(idx)
         if slot is None:
-            if not wait and unit.future is not None and not unit.future.done():
+            # (Partitioned, an upload is a collective: whether it is issued must not depend on timing.)
+            if not wait and self.partition is None and unit.future is not None and not unit.future.done():
                 return None
             self.host.wait(unit)  # a pending optimizer step is still rewriting the master (and copy)
             slot = self.pool.load(idx, protect, lambda dst: self.uploads.upload(unit, dst), optional=not wait)
@@ -681,6 +710,7 @@ class Engine:
         compute dtype, and a block's master may still be being stepped). With `write`, what was written into
         them is the training state from then on: the compute copies, the device copies and the slots are
         rewritten from the masters on the way out. Re-entrant: only the outermost view binds and refreshes."""
+        self._whole("engine.host_view()")
         self._host_views += 1
         self._host_view_writes += int(write)
         if self._host_views == 1:
@@ -756,7 +786,7 @@ class Engine:
     def qualified_names(self, unit: HostUnit) -> list[str]:
         """The model's own names (``state_dict`` keys) of a unit's parameters, in layout order."""
         prefix = f"{unit.name}." if unit in self.units else ""
-        return [prefix + e.name for e in unit.entries]
+        return [prefix + e.name for e in unit.layout]
 
     # -- accounting and teardown -------------------------------------------------------------------
     def device_bytes(self) -> dict[str, int]:
@@ -794,7 +824,7 @@ class Engine:
         ]
 
     def num_parameters(self) -> int:
-        return sum(u.numel for u in self.all_units())
+        return sum(u.full_numel for u in self.all_units())
 
     def close(self) -> None:
         """Give the model back as an ordinary fp32 host model (parameters are views of the masters)."""
@@ -806,6 +836,9 @@ class Engine:
         for handle in self._state_hooks:
             handle.remove()
         self._buffers_to_host()
+        if self.partition is not None:  # each rank gets the whole trained model back, as after DDP training
+            for unit in self.all_units():
+                unit.unpartition(self.partition.gather_host(unit.master, unit.full_numel))
         for config in self._caches_off:
             config.use_cache = True
         self.input_chain.clear()
@@ -814,7 +847,7 @@ class Engine:
             if runner.own is not None:
                 blk.forward = runner.own
         for unit in self.units:
-            unit.bind(unit.master)
+            unit.bind_host()
         self.outer.close()
         self._outer_buffers_to(torch.device("cpu"))
         self.pool.buffers.clear()
@@ -837,6 +870,8 @@ def _new_stats() -> dict[str, float]:
     return {
         "h2d_bytes": 0,  # weights uploaded (blocks and outer parameters)
         "d2h_bytes": 0,  # gradients downloaded
+        "allgather_bytes": 0,  # data parallel: weights all-gathered into device slots (the whole unit each time)
+        "reduce_scatter_bytes": 0,  # data parallel: gradients reduce-scattered on the device (the whole unit)
         "input_offload_bytes": 0,  # saved block inputs to the host and back, as stored (offload_inputs[_dtype])
         "kept_calls": 0,  # block calls that kept their graph for backward instead of a recompute (recompute)
         "offloaded_passes": 0,  # forward passes whose saved block inputs went to the host
@@ -846,8 +881,29 @@ def _new_stats() -> dict[str, float]:
     }
 
 
-def _numel(block_params: list, outer: list) -> int:
-    return sum(p.numel() for params in block_params for _, p in params) + sum(p.numel() for _, p in outer)
+def _numel(block_params: list, outer: list, partition: Partition | None = None) -> int:
+    """Elements of the units' host buffers: of every unit whole, or of this rank's shards."""
+    sizes = [sum(p.numel() for _, p in params) for params in block_params] + [p.numel() for _, p in outer]
+    if partition is not None:
+        sizes = [hi - lo for lo, hi in map(partition.bounds, sizes)]
+    return sum(sizes)
+
+
+def _check_partitioned(config: EngineConfig, world: int) -> None:
+    """Refuse what the partitioned engine does not do yet, naming the option and the fix."""
+    if config.host_layout == "lean":
+        raise ValueError(
+            f"host_layout='lean' is not available with {world} data-parallel ranks yet; use host_layout='default' "
+            "(each rank already holds 1/W of the state)"
+        )
+    if config.training and config.nvme_dir:
+        raise ValueError(f"nvme_dir is not available with {world} data-parallel ranks yet; drop nvme_dir")
+
+
+def _least_free(free: Callable[[], int | None], partition: Partition) -> int | None:
+    """The least free device memory of any rank (None on a device with no measure: every rank alike)."""
+    have = free()
+    return None if have is None else partition.least(have)
 
 
 def _kv_cache_configs(model: nn.Module) -> list[Any]:

@@ -20,11 +20,20 @@ come into working buffers a piece at a time for a step (or a checkpoint), throug
 
 With ``host_layout="lean"`` (engine/ring.py) there is no copy, and a slab only for a gradient that waits
 for a clipped step: uploads and landings go through rings of a few buffers instead.
+
+Partitioned (data parallel over W ranks, engine/partition.py), a unit's buffers hold only this rank's
+contiguous shard ``lo..hi`` of the flat layout. ``layout`` then describes the whole unit (each parameter,
+its offset in the full flat: what a device slot holds and a checkpoint names) and ``entries`` the shard:
+one piece per parameter it cuts, offset from ``lo``, flat, ``start`` elements into the parameter. The host
+code (landing, norms, Adam, moments) reads only ``entries`` and so works on a shard as on a whole unit;
+the device code (binding a slot, packing a gradient) reads ``layout``. Unpartitioned, they are one list.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -54,6 +63,7 @@ class ParamEntry:
     numel: int
     shape: torch.Size
     group: int | None  # optimizer param group, None when the optimizer does not own it
+    start: int = 0  # a piece of a partitioned unit: its first element within the parameter
 
 
 class HostUnit:
@@ -66,23 +76,37 @@ class HostUnit:
         compute_dtype: torch.dtype,
         pin: bool,
         keep_copy: bool = True,
+        bounds: tuple[int, int] | None = None,
+        device_numel: int | None = None,
     ) -> None:
         """`keep_copy=False` (the lean layout, engine/ring.py): no persistent compute-dtype copy; uploads
-        cast the master into a staging ring instead. In fp32 the master is the copy either way."""
+        cast the master into a staging ring instead. In fp32 the master is the copy either way. `bounds`:
+        partitioned, this rank's shard (lo, hi) of the flat layout; `device_numel`: the length of the unit's
+        flat on the device (the layout padded to W equal shards)."""
         self.name = name
         self.compute_dtype = compute_dtype
         self.pin = pin
-        entries, offset = [], 0
+        layout, offset = [], 0
         for pname, p in params:
-            entries.append(ParamEntry(pname, p, offset, p.numel(), p.shape, None))  # groups: set_groups
+            layout.append(ParamEntry(pname, p, offset, p.numel(), p.shape, None))  # groups: set_groups
             offset += p.numel()
-        self.entries: list[ParamEntry] = entries
-        self.numel = offset
+        self.layout: list[ParamEntry] = layout
+        self.full_numel = offset
+        self.partitioned = bounds is not None
+        self.lo, self.hi = (0, offset) if bounds is None else bounds
+        self.device_numel = offset if device_numel is None else device_numel
+        self.entries: list[ParamEntry] = layout
+        if self.partitioned:
+            self.entries = [
+                ParamEntry(e.name, e.param, a - self.lo, b - a, torch.Size([b - a]), None, a - e.offset)
+                for e, a, b in self.overlaps(self.lo, self.hi, layout)
+            ]
+        self.numel = self.hi - self.lo
         fp32_copy = compute_dtype == torch.float32
         # In fp32 the master is the DMA source itself, so it is the one buffer that must be pinned.
         self.master = host_empty(self.numel, torch.float32, pin and fp32_copy)
-        for e in entries:
-            self.master[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+        for e in self.entries:
+            self.master[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1)[e.start : e.start + e.numel])
         self.copy: torch.Tensor | None = self.master
         if not fp32_copy:
             self.copy = host_empty(self.numel, compute_dtype, pin).copy_(self.master) if keep_copy else None
@@ -95,8 +119,8 @@ class HostUnit:
         self.device_norms: list[tuple[torch.Tensor, bool]] | None = None  # (norm, got a gradient), on the device
         # Per parameter, as torch.optim keeps them: a parameter that got no gradient (frozen, or unused by
         # the loss) is skipped by the step and its Adam step count (bias correction) does not advance.
-        self.has_grad = [False] * len(entries)  # got a gradient since the last step / zero_grad
-        self.steps = [0] * len(entries)  # optimizer steps taken
+        self.has_grad = [False] * len(self.entries)  # got a gradient since the last step / zero_grad
+        self.steps = [0] * len(self.entries)  # optimizer steps taken
         self.future: Future | None = None  # last host job touching this unit
         self.held: Any = None  # host_steps.Held: a block called again in this backward sums its gradients in the slab
         self.upload_done: object | None = None  # event: the last H2D read of `copy` finished
@@ -121,9 +145,11 @@ class HostUnit:
 
     def set_groups(self, groups: dict[int, int]) -> None:
         """Re-map parameters to param groups (a new optimizer on an existing layout)."""
-        self.entries = [
-            ParamEntry(e.name, e.param, e.offset, e.numel, e.shape, groups.get(id(e.param))) for e in self.entries
-        ]
+        self.entries = [dataclasses.replace(e, group=groups.get(id(e.param))) for e in self.entries]
+        if self.partitioned:
+            self.layout = [dataclasses.replace(e, group=groups.get(id(e.param))) for e in self.layout]
+        else:
+            self.layout = self.entries
 
     # -- allocation -----------------------------------------------------------------------------
     tier: NvmeTier | None = None  # set by the engine with nvme_dir: the moments live there, not in m, v
@@ -200,10 +226,35 @@ class HostUnit:
             self.future.result()
 
     def bind(self, flat: torch.Tensor) -> None:
-        """Point each parameter of this unit at its slice of `flat` (no copy): the master, a device slot or
-        a device copy."""
-        for e in self.entries:
+        """Point each parameter of this unit at its slice of `flat` (no copy), a whole unit laid out as
+        ``layout``: the master (unpartitioned), a device slot or a device copy."""
+        for e in self.layout:
             e.param.data = flat[e.offset : e.offset + e.numel].view(e.shape)
+
+    def bind_host(self) -> None:
+        """Between calls: each parameter a view of its fp32 master. Partitioned, no rank holds the whole
+        of it: each parameter is then a NaN placeholder of its shape (one element, expanded), so that
+        reading it yields NaN, never a plausible weight."""
+        if not self.partitioned:
+            self.bind(self.master)
+            return
+        nan = torch.full((), math.nan)
+        for e in self.layout:
+            e.param.data = nan.expand(e.shape)
+
+    def unpartition(self, whole: torch.Tensor) -> None:
+        """The whole fp32 master (gathered from every rank's shard) becomes this unit's: at the end of a
+        partitioned run, so that the model's parameters can be views of it again."""
+        self.master, self.entries, self.partitioned = whole, self.layout, False
+        self.lo, self.hi = 0, self.full_numel
+        self.numel = self.full_numel
+
+    def piece_flags(self, flags: list[bool]) -> list[bool]:
+        """Per-parameter flags of the whole unit (``layout``'s order), as this shard's ``entries`` list them."""
+        if not self.partitioned:
+            return flags
+        by_param = {id(e.param): f for e, f in zip(self.layout, flags)}
+        return [by_param[id(e.param)] for e in self.entries]
 
     def refresh_copy(self) -> None:
         """Rewrite the compute copy from the master (after loading weights)."""

@@ -82,13 +82,16 @@ class HostSide:
         tier=None,
         overlap_optimizer: bool = True,
         invalidate: Callable[[int], None] = lambda idx: None,
+        partition=None,
     ) -> None:
-        """`invalidate(i)`: block i's weights on the host changed, so a device slot holding it is stale."""
+        """`invalidate(i)`: block i's weights on the host changed, so a device slot holding it is stale.
+        `partition` (engine/partition.py): each unit holds this rank's shard; gradients are reduce-scattered."""
+        self.partition = partition
         self.blocks, self.outer, self.streams, self.worker, self.stats = blocks, outer, streams, worker, stats
         self.piece, self.tier, self.overlap_optimizer, self.invalidate = piece, tier, overlap_optimizer, invalidate
         self.block_index = {id(u): i for i, u in enumerate(blocks)}
         self.compute_dtype, self.device = blocks[0].compute_dtype, streams.device
-        max_numel = max(u.numel for u in blocks)
+        max_numel = max(u.device_numel for u in blocks)
         self.grad_slots = [torch.empty(max_numel, dtype=self.compute_dtype, device=self.device) for _ in range(2)]
         self.grad_slot_free: list[object | None] = [None, None]
         self.next_grad_slot = 0
@@ -123,12 +126,15 @@ class HostSide:
         k = self.next_grad_slot
         self.next_grad_slot = 1 - k
         self.streams.wait(None, self.grad_slot_free[k])  # its previous download must have finished
-        flat = self.grad_slots[k][: unit.numel]
+        flat = self.grad_slots[k][: unit.full_numel]
         parts = [
             (g if g is not None else torch.zeros(e.shape, dtype=self.compute_dtype, device=self.device)).reshape(-1)
-            for e, g in zip(unit.entries, grads)
+            for e, g in zip(unit.layout, grads)
         ]
         torch.cat([p.to(self.compute_dtype) for p in parts], out=flat)
+        if unit.device_numel > unit.full_numel:  # partitioned: the padding of the last rank's chunk adds nothing
+            self.grad_slots[k][unit.full_numel : unit.device_numel].zero_()
+            flat = self.grad_slots[k][: unit.device_numel]
         return flat, k
 
     def ship(
@@ -142,7 +148,16 @@ class HostSide:
     ) -> None:
         """Download a unit's gradient into its pinned slab and hand it to the host worker. `present` says,
         per parameter, whether autograd produced a gradient (absent ones are zeros in `flat`); `more`: the
-        block has another call still to come back (its gradients are summed first, see :class:`Held`)."""
+        block has another call still to come back (its gradients are summed first, see :class:`Held`).
+
+        Partitioned, `flat` and `present` are the whole unit's: the mean over ranks is reduce-scattered on the
+        device first, and this rank's shard goes down (a parameter has a gradient if any rank's has one)."""
+        if unit.partitioned:
+            present = unit.piece_flags(self.partition.any_rank(present))
+            self.stats["reduce_scatter_bytes"] += unit.device_numel * flat.element_size()
+            flat = self.partition.reduce_scatter(flat, unit.full_numel)
+            if self.streams.is_cuda:
+                flat.record_stream(self.streams.d2h)  # made on the compute stream, read by the download
         if unit in self._eager:
             raise RuntimeError(
                 f"{unit.name} got a second gradient after it was already stepped during this backward; "
@@ -508,7 +523,20 @@ class HostSide:
                 unit.norms = self._norms(unit)
             by_param.update((id(e.param), n) for e, n, g in zip(unit.entries, unit.norms, unit.has_grad) if g)
         # clip_grad_norm_ walks the optimizer's parameters that have a gradient, in group order; so does this.
+        if self.partition is not None:
+            return kernels.clip_coefficient(self._whole_norms(by_param), clip_val)
         return kernels.clip_coefficient([by_param[i] for i in self.param_order if i in by_param], clip_val)
+
+    def _whole_norms(self, by_param: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """Partitioned: each parameter's norm from its pieces' (`by_param`, this rank's), in the optimizer's
+        order: the squares summed over ranks in fp64, then the norms in fp32, as one rank would have them."""
+        order = self.param_order
+        squares = torch.zeros(2, len(order), dtype=torch.float64)  # (sum of squares, whether any rank has it)
+        for j, i in enumerate(order):
+            if i in by_param:
+                squares[0, j], squares[1, j] = float(by_param[i].double() ** 2), 1.0
+        total = self.partition.sum(squares)
+        return [total[0, j].sqrt().float() for j in range(len(order)) if total[1, j]]
 
     def _step_unit(
         self,

@@ -71,7 +71,7 @@ class HostAdamW(torch.optim.Optimizer):
         self._zero_grad_profile_name = "megatrain.HostAdamW.zero_grad"
         self.engine = engine
         groups = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
-        known = {id(e.param) for unit in engine.all_units() for e in unit.entries}
+        known = {id(e.param) for unit in engine.all_units() for e in unit.layout}
         stray = [g for g, group in enumerate(self.param_groups) for p in group["params"] if id(p) not in known]
         if stray:
             raise ValueError(
@@ -125,13 +125,18 @@ class HostAdamW(torch.optim.Optimizer):
         checkpoint that stores the moments itself (gathering them would hold every moment in memory at once,
         and read all of them back from the NVMe tier)."""
         self.engine.flush()
-        where, state, index, groups = self._entries(), {}, 0, []
+        if with_moments and any(u.partitioned for u in self.engine.all_units()):
+            raise RuntimeError(
+                "optimizer.state_dict() gathers every Adam moment into this process, but each data-parallel rank "
+                "holds 1/W of them; save a checkpoint (engine.save) instead"
+            )
+        where, state, index, groups = self._entries() if with_moments else {}, {}, 0, []
         moments = self._stepped_moments() if with_moments else {}
         for group in self.param_groups:
             ids = []
             for p in group["params"]:
-                unit, i, e = where[id(p)]
-                if with_moments and unit.steps[i] > 0:  # torch.optim keeps state only for parameters it has stepped
+                unit, i, _ = where.get(id(p), (None, 0, None))  # (no moments asked for: no lookup)
+                if unit is not None and unit.steps[i] > 0:  # torch.optim keeps state only for parameters it has stepped
                     exp_avg, exp_avg_sq = moments[id(p)]
                     state[index] = {
                         "step": torch.tensor(float(unit.steps[i])),
@@ -184,7 +189,7 @@ class HostAdamW(torch.optim.Optimizer):
         for saved, group in zip(saved_groups, self.param_groups):
             loaded.update((id(p), state_dict["state"].get(idx)) for idx, p in zip(saved["params"], group["params"]))
         self.restore_groups(saved_groups)
-        held = {id(e.param) for unit in self.engine.all_units() for e in unit.entries}
+        held = {id(e.param) for unit in self.engine.all_units() for e in unit.layout}
         if not loaded.keys() <= held:
             raise ValueError(
                 f"the optimizer's param groups name {len(loaded.keys() - held)} parameter(s) the streaming engine "
@@ -221,7 +226,9 @@ class HostAdamW(torch.optim.Optimizer):
                     if entry is None:
                         dst[a - lo : b - lo].zero_()
                     else:
-                        dst[a - lo : b - lo].copy_(entry[key].reshape(-1)[a - e.offset : b - e.offset])
+                        # (e.start: a piece of a partitioned unit begins that far into its parameter)
+                        saved = entry[key].reshape(-1)[e.start + a - e.offset : e.start + b - e.offset]
+                        dst[a - lo : b - lo].copy_(saved)
         for i, e in enumerate(unit.entries):
             if id(e.param) in loaded:
                 entry = loaded[id(e.param)]

@@ -30,7 +30,7 @@ class OuterParams:
     def __init__(self, units: list[HostUnit], device: torch.device, streams, uploads: Uploader, host: HostSide) -> None:
         """Each unit's compute copy goes to the device now; a hook ships each trained parameter's gradient."""
         self.units, self.streams, self.uploads, self.host = units, streams, uploads, host
-        self.device_copies = [torch.empty(u.numel, dtype=u.compute_dtype, device=device) for u in units]
+        self.device_copies = [torch.empty(u.device_numel, dtype=u.compute_dtype, device=device) for u in units]
         for unit, dev in zip(units, self.device_copies):
             self._upload(unit, dev)
         self.stale: set[HostUnit] = set()  # stepped; the device copy is not rewritten yet
@@ -76,7 +76,7 @@ class OuterParams:
     def bind_masters(self) -> None:
         """Point the parameters at their fp32 masters (to read or load a state dict)."""
         for unit in self.units:
-            unit.bind(unit.master)
+            unit.bind_host()
 
     def bind_device(self) -> None:
         for unit, dev in zip(self.units, self.device_copies):

@@ -39,7 +39,7 @@ before it issues the copy.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -90,6 +90,10 @@ class Streams:
         """Block the host until every stream of the device, copies included, has finished its work."""
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+
+    def on(self, stream: torch.cuda.Stream | None) -> AbstractContextManager:
+        """Make `stream` current for the work issued inside (a collective waits for it and ends on it)."""
+        return torch.cuda.stream(stream) if self.is_cuda else nullcontext()
 
     def copy(self, stream: torch.cuda.Stream | None, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy `src` into `dst` on a copy stream: enqueued on CUDA (it runs after the waits issued on `stream`

@@ -20,19 +20,29 @@ from megatrain_lightning.engine.ring import HostRing, pieces
 class Uploader:
     """Issues the H2D copies of units' weights on the engine's H2D stream and counts their bytes."""
 
-    def __init__(self, streams, stats: dict, piece: int, staging: HostRing | None) -> None:
+    def __init__(self, streams, stats: dict, piece: int, staging: HostRing | None, partition=None) -> None:
+        """`partition` (engine/partition.py): each rank uploads its shard, then the ranks all-gather the rest."""
         self.streams, self.stats, self.piece, self.staging = streams, stats, piece, staging
+        self.partition = partition
         self._uploaded = None  # event: the end of the upload issued last (holds its staging buffer)
 
     def upload(self, unit: HostUnit, dst: torch.Tensor) -> object:
         """Issue the H2D copies of `unit`'s weights into `dst` (the caller made the H2D stream wait until
         `dst` may be overwritten). Returns the event of the last copy, which ends them all (one stream,
-        in order)."""
+        in order). Partitioned, this rank's shard goes to its place in `dst` and an all-gather on the same
+        stream brings the other ranks' shards; the event ends that too."""
+        base = unit.lo  # (0 for a whole unit)
         for lo, hi in pieces(unit.numel, unit.numel if unit.copy is not None else self.piece):
             with self._source(unit, lo, hi) as source:
-                self.streams.copy(self.streams.h2d, dst[lo:hi], source)
+                self.streams.copy(self.streams.h2d, dst[base + lo : base + hi], source)
                 self._uploaded = self.streams.event(self.streams.h2d)
         self.stats["h2d_bytes"] += unit.numel * dst.element_size()
+        if unit.partitioned:
+            whole = dst[: unit.device_numel]
+            with self.streams.on(self.streams.h2d):
+                self.partition.gather(whole)
+            self._uploaded = self.streams.event(self.streams.h2d)
+            self.stats["allgather_bytes"] += whole.numel() * whole.element_size()
         return self._uploaded
 
     @contextmanager

@@ -1,0 +1,137 @@
+"""Data parallel in the engine (engine/partition.py): W ranks, each holding 1/W of every unit's host state,
+train as ordinary training does what W DDP ranks do.
+
+Each rank is a process (gloo on the CPU). The oracle is ordinary training of the same model with
+torch.optim.AdamW in one process, whose gradient per micro-batch is what DDP's is: each rank's gradient of
+its rows, divided by W, summed in rank order (the engine sums the W parts of each chunk in rank order, so
+the collective library's own order does not enter), then summed over micro-batches.
+
+- Without clipping that is the same arithmetic: equal bit for bit.
+- With clipping the coefficient comes from each parameter's norm assembled from its pieces' norms (no rank
+  holds a whole gradient), which can differ from the whole tensor's norm in the last bit. Adam turns such
+  a difference into a larger one for elements whose gradient is near eps, so one clipped step is compared,
+  within 1e-6 of each tensor's largest value.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from megatrain_lightning.engine.config import EngineConfig
+from megatrain_lightning.engine.engine import Engine
+from tests.helpers import own_llama, own_loss
+
+ROWS, SEQ = 6, 16  # ROWS: the global batch, divisible by 2 and 3
+RUNS = {"plain": (3, 2, None), "clipped": (1, 2, 1.0)}  # optimizer steps, micro-batches per step, clip
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 256, (ROWS, SEQ), generator=g) for _ in range(n)]
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
+    """Two param groups (no decay for the norms), with a schedule: both must reach every rank's shards alike."""
+    decay = [p for n, p in model.named_parameters() if "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if "norm" in n]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95)
+    )
+
+
+def _train(run: str, world: int, rank: int | None = None, group=None) -> tuple[dict, dict]:
+    """Train `run` on rank `rank`'s rows of each global batch with the engine (`rank` None: ordinary training
+    doing what `world` DDP ranks do, in one process); the final parameters, and the engine's counters."""
+    steps, micro, clip = RUNS[run]
+    model = own_llama(layers=3)
+    opt = _optimizer(model)
+    engine = None
+    if rank is not None:
+        engine = Engine(model, EngineConfig(device="cpu", precision="32-true", group=group, accumulating=True))
+    step = opt if engine is None else engine.optimizer(opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    batches, per = _batches(steps * micro), ROWS // world
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for s in range(steps):
+        for k in range(micro):
+            batch, last = batches[s * micro + k], k == micro - 1
+            if engine is not None:
+                with engine.backward(accumulate=not last, clip=bool(clip) and last):
+                    (own_loss(model, batch[rank * per : (rank + 1) * per]) / micro).backward()
+                continue
+            mean = None  # the micro-batch's gradient: the ranks' parts, each divided by W, summed in rank order
+            for r in range(world):
+                grads = torch.autograd.grad(own_loss(model, batch[r * per : (r + 1) * per]) / micro, params)
+                mean = [g / world for g in grads] if mean is None else [m + g / world for m, g in zip(mean, grads)]
+            for p, g in zip(params, mean):  # then summed over micro-batches, as the engine's accumulator does
+                p.grad = g if p.grad is None else p.grad + g
+        if clip and engine is None:
+            torch.nn.utils.clip_grad_norm_(params, clip)  # (in the optimizer's order, as the engine takes it)
+        elif clip:
+            engine.clip_grad_norm_(clip)
+        step.step()
+        step.zero_grad()
+        sched.step()
+    stats = {}
+    if engine is not None:
+        engine.flush()
+        stats = {**engine.stats, **engine.host_bytes()}
+        engine.close()  # each rank gets the whole trained model back
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, stats
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for run in RUNS:
+            params, stats = _train(run, world, rank, dist.group.WORLD)
+            with open(f"{out}/{run}{rank}.json", "w") as f:
+                json.dump(stats, f)
+            if rank == world - 1:  # (the last rank: its shards are the short ones)
+                save_file(params, f"{out}/{run}.safetensors")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.usefixtures("torch_adam")
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
+    mp.spawn(_rank, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    start = own_llama(layers=3).state_dict()
+    for run in RUNS:
+        params, reference = load_file(f"{tmp_path}/{run}.safetensors"), _train(run, world)[0]
+        assert params.keys() == reference.keys()
+        for name, ref in reference.items():
+            assert not torch.equal(ref, start[name])  # (every tensor moved: the comparison is not vacuous)
+            if run == "plain":
+                assert torch.equal(params[name], ref), name
+            else:
+                err = ((params[name] - ref).abs().max() / ref.abs().max()).item()
+                assert err < 1e-6, f"{name}: {err:.2e} relative"
+    # Each rank holds and moves about 1/W of what one process does (a unit's shards are equal up to rounding).
+    whole = _train("plain", 1, 0)[1]
+    assert whole["allgather_bytes"] == whole["reduce_scatter_bytes"] == 0
+    ranks = []
+    for r in range(world):
+        with open(f"{tmp_path}/plain{r}.json") as f:
+            ranks.append(json.load(f))
+    for stats in ranks:
+        for key in ("master", "adam", "acc", "h2d_bytes", "d2h_bytes"):
+            assert stats[key] == pytest.approx(whole[key] / world, rel=0.03), key
+        assert stats["allgather_bytes"] >= whole["h2d_bytes"]  # the device gathers the whole of each upload
+        assert stats["reduce_scatter_bytes"] >= whole["d2h_bytes"]
+    assert sum(s["master"] for s in ranks) == whole["master"]  # one copy of the state between the ranks
