@@ -58,19 +58,21 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], str, int]] = {
 
 
 def micro_batches(case: str, world: int) -> list[torch.Tensor]:
-    """Every rank's micro-batches in DistributedSampler's order (shuffle off): global micro-batch j is
-    ``batches[j * world : (j + 1) * world]``, the one row block per rank."""
+    """The dataset every rank's train loader reads (Lightning's DistributedSampler picks each rank's share)."""
     module_kwargs, trainer_kwargs, _, steps = CASES[case]
     accumulate = trainer_kwargs.get("accumulate_grad_batches", module_kwargs.get("manual") or 1)
     return token_batches(steps * accumulate * world, batch=ROWS)
 
 
-def global_batches(case: str, world: int) -> list[torch.Tensor]:
-    """The same data for one process: each global micro-batch's rows concatenated (the loss is a mean over
-    tokens, and every rank's block has the same number of them, so the mean over the concatenation is the
-    mean over ranks that DDP's gradient averaging takes)."""
+def global_batches(case: str, world: int, epoch: int = 0) -> list[torch.Tensor]:
+    """The same data for one process. Lightning's DistributedSampler for training always shuffles (seed 0, as
+    PL_GLOBAL_SEED is unset; ``set_epoch`` each epoch): rank r's k-th micro-batch is ``order[k * world + r]``
+    of the epoch's permutation, so global micro-batch k is those `world` micro-batches' rows, concatenated in
+    rank order. The loss is a mean over tokens and every rank's rows hold as many, so the mean over the
+    concatenation is the mean over ranks that DDP's gradient averaging takes."""
     batches = micro_batches(case, world)
-    return [torch.cat(batches[j : j + world]) for j in range(0, len(batches), world)]
+    order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(epoch)).tolist()
+    return [torch.cat([batches[i] for i in order[k : k + world]]) for k in range(0, len(order), world)]
 
 
 def module(case: str) -> CausalLM:
@@ -78,13 +80,21 @@ def module(case: str) -> CausalLM:
 
 
 class SaveAtEnd(Callback):
-    """Every rank saves the sharded checkpoint at the end of training, while the engine still holds the state."""
+    """Every rank saves the sharded checkpoint at the end of training, while the engine still holds the state.
+    A save that fails (on every rank alike) is recorded, not raised: the run's other results still count."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: Path) -> None:
+        self.path, self.error = path, ""
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.save_checkpoint(self.path)
+        try:
+            trainer.save_checkpoint(self.path)
+        except Exception as e:  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {e}"
+        ok = torch.tensor([0 if self.error else 1])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # saved on every rank, or it did not save
+        if not ok.item() and not self.error:
+            self.error = "another rank's save failed"
 
 
 def val_batches(world: int) -> list[torch.Tensor]:
@@ -101,18 +111,20 @@ def checkpoint_params(ckpt: Path, lm: CausalLM) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): state[k].contiguous() for k in state if k.removeprefix("model.") in names}
 
 
-def run(case: str, strategy: str, out: Path, devices: int, resume: bool = False) -> L.Trainer:
-    """Fit `case` (`resume`: its second epoch, from the first's megatrain checkpoint) and write what it ends with."""
+def run(case: str, strategy: str, out: Path, devices: int, resume: bool = False) -> tuple[L.Trainer, str]:
+    """Fit `case` (`resume`: its second epoch, from the first's megatrain checkpoint) and write what it ends
+    with: the module's parameters after fit (the engine gives every rank the whole model back, as DDP leaves
+    it); for RESUMED's megatrain runs also the checkpoint saved at the end, as read back. Returns the Trainer
+    and the checkpoint's save error ("" when saved or not saved)."""
     _, trainer_kwargs, precision, _ = CASES[case]
     lm = module(case)
     name = f"{case}.resumed" if resume else case
-    ckpt = out / f"{name}.ckpt"
-    callbacks = [SaveAtEnd(str(ckpt))] if strategy == "megatrain" else []
+    save = SaveAtEnd(out / f"{name}.ckpt") if strategy == "megatrain" and case == RESUMED else None
     t = trainer(
         strategy,
         devices=devices,
         precision=precision,
-        callbacks=callbacks,
+        callbacks=[save] if save else [],
         max_epochs=2 if resume else 1,
         **trainer_kwargs,
     )
@@ -125,15 +137,18 @@ def run(case: str, strategy: str, out: Path, devices: int, resume: bool = False)
         )
     rank, world = t.global_rank, t.world_size
     assert world == devices == dist.get_world_size(), (world, devices)
-    # the ranks' shares: DistributedSampler (shuffle off) gave this rank every world-th micro-batch
+    # the ranks' shares: DistributedSampler gave this rank every world-th micro-batch of its permutation
     assert len(lm.losses) == len(micro_batches(case, devices)) // world
     record = {"losses": lm.losses, "val_loss": float(t.callback_metrics["val_loss"])}
     (out / f"{name}.{strategy}.rank{rank}.json").write_text(json.dumps(record))
+    if save is not None and save.error:
+        (out / f"{name}.save-error.rank{rank}.txt").write_text(save.error)
     if rank == 0:
-        params = checkpoint_params(ckpt, lm) if strategy == "megatrain" else params_of(lm.model)
-        save_file(params, str(out / f"{name}.{strategy}.safetensors"))
+        save_file(params_of(lm.model), str(out / f"{name}.{strategy}.safetensors"))
+        if save is not None and not save.error:
+            save_file(checkpoint_params(save.path, lm), str(out / f"{name}.checkpoint.safetensors"))
     dist.barrier()
-    return t
+    return t, save.error if save is not None else ""
 
 
 def validate(out: Path, devices: int) -> None:
@@ -186,15 +201,17 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     devices = args.devices or int(os.environ["WORLD_SIZE"])
     cases = [case for case in args.cases if case in CASES]
-    trainers = [run(case, strategy, args.out, devices) for case in cases for strategy in ("megatrain", "ddp")]
-    if "resume" in args.cases:  # after RESUMED's first epoch
+    runs = {
+        (case, strategy): run(case, strategy, args.out, devices) for case in cases for strategy in ("megatrain", "ddp")
+    }
+    if "resume" in args.cases and not runs[RESUMED, "megatrain"][1]:  # RESUMED's first epoch saved its checkpoint
         run(RESUMED, "megatrain", args.out, devices, resume=True)
     if "validate" in args.cases:
         validate(args.out, devices)
     if "refusals" in args.cases:
         refusals(args.out, devices)
     # Started by Lightning's launcher (the first trainer's): wait for the ranks it started, failing with them.
-    launcher = trainers[0].strategy.launcher
+    launcher = next(iter(runs.values()))[0].strategy.launcher
     failed = [p.wait() for p in getattr(launcher, "procs", [])]
     if any(failed):
         sys.exit(f"a rank started by Lightning's launcher exited with {failed}")
@@ -202,3 +219,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # everything is written: skip the interpreter's teardown of torch (seconds per rank)

