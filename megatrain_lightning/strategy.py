@@ -11,6 +11,7 @@ with one process group over the N x M ranks that the engine partitions the host 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import random
 import warnings
@@ -54,6 +55,7 @@ from megatrain_lightning.engine.config import EngineConfig, check_options
 from megatrain_lightning.engine.discover import BlocksOption
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.optimizer import HostAdamW
+from megatrain_lightning.optim.threads import numa_nodes, usable_cpus
 from megatrain_lightning.precision import MegatrainPrecision
 
 log = logging.getLogger("megatrain_lightning")
@@ -153,7 +155,9 @@ class MegatrainStrategy(ParallelStrategy):
         host_threads: threads of the host optimizer (the native Adam kernel and torch's ops on the host
             worker thread); default: the cores this process may use minus one, kept for the thread that
             launches the GPU's kernels. Spread over the NUMA nodes when there are several
-            (:mod:`megatrain_lightning.optim.threads`). Results do not depend on it.
+            (:mod:`megatrain_lightning.optim.threads`). With several ranks on a node that all may use the same
+            CPUs, each rank is first given its own 1/N of them, node by node (so this default becomes the
+            rank's share minus one). Results do not depend on it.
         checkpoint_format: ``"sharded"`` streams per-block shards to any fsspec URL and commits atomically
             (see :mod:`megatrain_lightning.checkpoint`); ``"torch"`` writes Lightning's usual single file,
             which ordinary strategies can also resume from (small models only: it is built in memory).
@@ -304,6 +308,26 @@ class MegatrainStrategy(ParallelStrategy):
             if _TORCH_GREATER_EQUAL_2_3:
                 kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
             _init_dist_connection(self.cluster_environment, backend, **kwargs)  # (nothing if it exists already)
+            self._share_host_cpus()
+
+    def _share_host_cpus(self) -> None:
+        """Give this rank its own share of the node's CPUs when the node's ranks all may run on the same ones
+        (torchrun, Lightning's launcher): otherwise each rank's host optimizer takes all of them but one
+        (``host_threads``' default), N times as many threads as cores, and on a machine with several NUMA
+        nodes every rank pins its threads to the same CPUs. A rank's share is contiguous in the CPUs listed
+        node by node (:func:`cpu_share`), so it lies on one NUMA node when the ranks divide the nodes evenly
+        (nodes of equal size, a multiple of their number of ranks). Masks that differ already (SLURM's
+        ``--cpu-bind``, ``taskset`` per rank) are kept. Collective: every rank calls it (setup_environment)."""
+        mine = sorted(usable_cpus())
+        masks: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(masks, (self.node_rank, mine))
+        peers = [mask for node, mask in masks if node == self.node_rank]
+        if len(peers) != self.num_processes or any(mask != mine for mask in peers):
+            return
+        share = cpu_share(set(mine), numa_nodes(), self.local_rank, self.num_processes)
+        if share is not None:
+            os.sched_setaffinity(0, share)  # this thread and those it starts: the host worker, torch's pool
+            log.info("rank %d: CPUs %s (1/%d of this node's)", self.global_rank, _cpulist(share), self.num_processes)
 
     @property
     @override
@@ -590,9 +614,16 @@ class MegatrainStrategy(ParallelStrategy):
         """A sharded checkpoint: its trainer state, checksummed and read by the restricted unpickler whatever
         `weights_only` says (:mod:`megatrain_lightning.checkpoint.trust`); a damaged one is explained, never
         handed to Lightning. A single file (``checkpoint_format="torch"``): Lightning's loader, with
-        ``weights_only=True`` unless the caller says False (so that no stored object runs code)."""
+        ``weights_only=True`` unless the caller says False (so that no stored object runs code); with several
+        ranks, refused (it holds whole weights, which no rank takes)."""
         path = str(checkpoint_path)
         if not mt_checkpoint.is_checkpoint(path, self.storage_options):
+            if self.ranks > 1:
+                raise ValueError(
+                    f"ckpt_path={path!r} is a single-file checkpoint, which data parallel over {self.ranks} ranks "
+                    "cannot load (no rank holds whole weights): resume from a sharded checkpoint, or load this one "
+                    "with devices=1 and num_nodes=1 and save a sharded one"
+                )
             return self._load_single_file(checkpoint_path, weights_only)
         state, index = mt_checkpoint.store.read_checkpoint(path, self.storage_options)
         state["megatrain_checkpoint"] = path
@@ -664,6 +695,28 @@ class MegatrainStrategy(ParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
             )
+
+
+def cpu_share(cpus: set[int], nodes: dict[int, list[int]], index: int, count: int) -> list[int] | None:
+    """Share `index` of `count` of `cpus`: a contiguous slice of them listed NUMA node by node (`nodes`, as
+    :func:`~megatrain_lightning.optim.threads.numa_nodes` reads them), the slices as equal as they can be.
+    None when there are fewer CPUs than shares (nothing to split)."""
+    if len(cpus) < count:
+        return None
+    ordered = [c for _, listed in sorted(nodes.items()) for c in sorted(listed) if c in cpus]
+    ordered += sorted(cpus - set(ordered))  # CPUs no node lists (no sysfs): in their order
+    return ordered[index * len(ordered) // count : (index + 1) * len(ordered) // count]
+
+
+def _cpulist(cpus: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2,5``."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")

@@ -139,7 +139,11 @@ def run(case: str, strategy: str, out: Path, devices: int, resume: bool = False)
     assert world == devices == dist.get_world_size(), (world, devices)
     # the ranks' shares: DistributedSampler gave this rank every world-th micro-batch of its permutation
     assert len(lm.losses) == len(micro_batches(case, devices)) // world
-    record = {"losses": lm.losses, "val_loss": float(t.callback_metrics["val_loss"])}
+    record = {
+        "losses": lm.losses,
+        "val_loss": float(t.callback_metrics["val_loss"]),
+        "cpus": sorted(os.sched_getaffinity(0)),
+    }
     (out / f"{name}.{strategy}.rank{rank}.json").write_text(json.dumps(record))
     if save is not None and save.error:
         (out / f"{name}.save-error.rank{rank}.txt").write_text(save.error)
@@ -172,6 +176,7 @@ REFUSED: dict[str, tuple[type[CausalLM], dict[str, Any]]] = {
     "gradient hook": (ReadsGradients, {}),
     "weight averaging": (CausalLM, dict(callbacks=[EMAWeightAveraging()])),
     "sync_batchnorm": (CausalLM, dict(sync_batchnorm=True)),
+    "single-file checkpoint": (CausalLM, dict(ckpt_path=True)),
 }
 
 
@@ -179,11 +184,18 @@ def refusals(out: Path, devices: int) -> None:
     """Fit what setup refuses with several ranks: every rank raises the same ValueError before any collective
     of the engine; rank 0 writes the messages to OUT/refusals.json."""
     messages = {}
+    single = out / "single-file.ckpt"  # not a sharded checkpoint: refused before it is read
+    if dist.get_rank() == 0:
+        single.write_bytes(b"")
+    dist.barrier()
     for name, (cls, kwargs) in REFUSED.items():
+        kwargs = dict(kwargs)
+        ckpt_path = str(single) if kwargs.pop("ckpt_path", False) else None
         t = trainer(MegatrainStrategy(), devices=devices, **kwargs)
         try:
             with quiet():
-                t.fit(cls(own_llama(LAYERS), loss_fn=own_loss), loader(token_batches(devices, batch=ROWS)))
+                lm = cls(own_llama(LAYERS), loss_fn=own_loss)
+                t.fit(lm, loader(token_batches(devices, batch=ROWS)), ckpt_path=ckpt_path)
         except ValueError as e:
             messages[name] = str(e)
         else:

@@ -50,6 +50,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatrain_lightning import MegatrainStrategy
+from megatrain_lightning.strategy import cpu_share
 from tests.dp_run import CASES, LAYERS, RESUMED, global_batches, module
 from tests.helpers import fit, own_llama, params_of, trainer, update_error
 
@@ -158,6 +159,31 @@ def test_two_ranks_equal_ddp_and_one_device(launches, monkeypatch):
     assert_fp32_equal(launches[2], "accumulate-clip", 2, monkeypatch)
 
 
+def test_ranks_of_a_node_take_their_own_cpus(launches):
+    """Ranks that may all run on the same CPUs each take their own share (2 ranks on this machine's CPUs);
+    with fewer CPUs than ranks, nothing is split. (The megatrain run sets the ranks' masks; the launch keeps
+    them for its DDP runs.)"""
+    cpus = sorted(os.sched_getaffinity(0))
+    masks = [r["cpus"] for r in records(launches[2].wait(), "accumulate-clip", "megatrain", 2)]
+    if len(cpus) >= 2:
+        assert sorted(masks[0] + masks[1]) == cpus and not set(masks[0]) & set(masks[1])
+    masks = [r["cpus"] for r in records(launches[3].wait(), "overlap", "megatrain", 3)]
+    if len(cpus) < 3:
+        assert masks == [cpus] * 3
+
+
+def test_cpu_share_is_contiguous_node_by_node():
+    """Two NUMA nodes, listed out of order (node 1: CPUs 0-3, node 0: 4-7): 2 or 4 ranks each get CPUs of one
+    node, 3 ranks equal slices of the node-ordered list, a mask's missing CPU is skipped, 9 ranks get nothing."""
+    nodes, cpus = {1: [0, 1, 2, 3], 0: [4, 5, 6, 7]}, set(range(8))
+    assert [cpu_share(cpus, nodes, i, 2) for i in range(2)] == [[4, 5, 6, 7], [0, 1, 2, 3]]
+    assert [cpu_share(cpus, nodes, i, 4) for i in range(4)] == [[4, 5], [6, 7], [0, 1], [2, 3]]
+    assert [cpu_share(cpus, nodes, i, 3) for i in range(3)] == [[4, 5], [6, 7, 0], [1, 2, 3]]
+    assert cpu_share(cpus - {5}, nodes, 0, 2) == [4, 6, 7]
+    assert cpu_share(cpus, {}, 1, 2) == [4, 5, 6, 7]  # no sysfs: in their order
+    assert cpu_share(cpus, nodes, 0, 9) is None
+
+
 def test_two_ranks_manual_optimization_equals_ddp_and_one_device(launches, monkeypatch):
     """W=2, torchrun: manual_backward over 2 micro-batches, clip_gradients by norm, the scheduler stepped by
     hand: gradients wait for the step (the mean over ranks of the sum over micro-batches), as DDP's do."""
@@ -251,18 +277,20 @@ def test_validate_without_fit_equals_ddp(launches):
 
 
 def test_setup_refuses_what_needs_whole_weights_or_gradients(launches):
-    """Hooks reading gradients, weight averaging, sync_batchnorm: refused on every rank at setup, one line
-    naming the value and the fix."""
+    """Hooks reading gradients, weight averaging, sync_batchnorm: refused on every rank at setup; resuming
+    from a single-file checkpoint: refused before it is read. One line naming the value and the fix."""
     messages = json.loads((launches[2].wait() / "refusals.json").read_text())
     expected = {
         "gradient hook": "ReadsGradients.on_before_optimizer_step read or edit gradients",
         "weight averaging": "EMAWeightAveraging averages the whole model's weights",
         "sync_batchnorm": "sync_batchnorm=True is not supported",
+        "single-file checkpoint": "ckpt_path=",
     }
     for name, start in expected.items():
         message = messages[name]
         assert message is not None and message.startswith(start) and "\n" not in message, (name, message)
     assert "devices=1" in messages["gradient hook"] and "devices=1" in messages["weight averaging"]
+    assert "is a single-file checkpoint" in messages["single-file checkpoint"]
 
 
 @pytest.mark.parametrize(
