@@ -1,6 +1,6 @@
 """Host bytes per parameter that strategy='megatrain' actually allocates, by accounting and by RSS.
 
-    python bench/host_memory.py [--layers 20] [--hidden 2048] [--nvme-dir DIR]
+    python bench/host_memory.py [--layers 20] [--hidden 2048] [--nvme-dir DIR] [--devices N]
 
 Builds this project's Llama (about 1B parameters by default) on the CPU, hands it to the engine, runs two
 training steps and prints, per host layout, the engine's own per-buffer accounting next to the growth of
@@ -12,6 +12,16 @@ the process's resident memory, each run in a fresh process:
   slots and outer-parameter copies that a GPU run keeps on the GPU are host memory too, so they are taken
   off to show what the host holds in a GPU run.
 
+With ``--devices N`` (N > 1) the default layout also runs data parallel: N rank processes on this machine
+(gloo), each holding 1/N of every unit's host state (engine/partition.py), each measured as above; the node
+row sums them, to be read against the one-process row: one copy of the state in total, plus each rank's
+own buffers (its gradient slab shard, and on the CPU its device slots).
+
+Every run's process fixes glibc's mmap and trim thresholds (1 MiB): with its default, dynamic threshold a
+freed transient (on the CPU the "device" side's gradient exchange of a data-parallel rank is host memory)
+raises the threshold and later buffers of that size stay resident after they are freed, which adds about
+4 B/param to a rank's RSS that no buffer of the engine holds.
+
 With ``--nvme-dir`` the lean layout also runs with the Adam moments in files there, and the same run
 compares the drive speeds the tier reached while training (bytes over the time its IO threads spent in
 reads and writes) with a dd-style sequential pass and bench/nvme.py's tier pass over that directory.
@@ -20,7 +30,11 @@ reads and writes) with a dd-style sequential pass and bench/nvme.py's tier pass 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
+import os
+import socket
+import tempfile
 
 import torch
 from nvme import measure_sequential, measure_tier
@@ -30,7 +44,9 @@ from megatrain_lightning.callbacks import rss_bytes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 
 
-def measure(layers: int, hidden: int, dtype: torch.dtype, layout: str, nvme_dir: str | None) -> dict:
+def measure(
+    layers: int, hidden: int, dtype: torch.dtype, layout: str, nvme_dir: str | None, group: object = None
+) -> dict:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=32000,
@@ -52,6 +68,7 @@ def measure(layers: int, hidden: int, dtype: torch.dtype, layout: str, nvme_dir:
             precision="32-true" if dtype == torch.float32 else "bf16-true",
             host_layout=layout,
             nvme_dir=nvme_dir,
+            group=group,
         ),
     )
     opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -67,8 +84,53 @@ def measure(layers: int, hidden: int, dtype: torch.dtype, layout: str, nvme_dir:
     acct = {k: v / n for k, v in engine.host_bytes().items()}
     nvme = engine.nvme_bytes() / n
     io = dict(engine.tier.stats, piece=engine.piece) if engine.tier is not None else None
+    if group is not None:  # (close would gather the whole model into every rank: not what is measured)
+        return {"params": n, "acct": acct, "allocated": allocated, "host": allocated - device, "nvme": nvme, "io": io}
     engine.close()
     return {"params": n, "acct": acct, "allocated": allocated, "host": allocated - device, "nvme": nvme, "io": io}
+
+
+def _rank(rank: int, world: int, port: int, args: tuple, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    result = measure(*args, group=dist.group.WORLD)
+    dist.barrier()
+    with open(f"{out}/{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def measure_ranks(world: int, args: tuple) -> list[dict]:
+    """`measure` in `world` rank processes (gloo on this machine), one result per rank."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        ctx = multiprocessing.get_context("spawn")
+        procs = [ctx.Process(target=_rank, args=(r, world, port, args, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+            if p.exitcode != 0:
+                raise SystemExit(f"rank process exited with {p.exitcode}")
+        results = []
+        for r in range(world):
+            with open(f"{out}/{r}.json") as f:
+                results.append(json.load(f))
+    return results
+
+
+def _row(name: str, r: dict) -> str:
+    """A table row: bytes per parameter of the model, by kind."""
+    a = r["acct"]
+    return (
+        f"| {name} | {r['params'] / 1e9:.2f}B | {a['master']:.2f} | {a['adam']:.2f} | {a['copy']:.2f} | "
+        f"{a['slab']:.2f} | {a.get('ring', 0.0):.2f} | {r['nvme']:.2f} | {sum(a.values()):.2f} B/param | "
+        f"{r['allocated']:.2f} B/param | {r['host']:.2f} B/param |"
+    )
 
 
 def main() -> None:
@@ -77,7 +139,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--nvme-dir", help="also run the lean layout with the Adam moments in files here")
+    ap.add_argument("--devices", type=int, default=1, help="also run the default layout with this many ranks")
     args = ap.parse_args()
+    for knob in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):  # read by each spawned run at its start
+        os.environ.setdefault(knob, str(1 << 20))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     runs = [("default", None), ("lean", None)] + ([("lean", args.nvme_dir)] if args.nvme_dir else [])
     print(
@@ -90,13 +155,19 @@ def main() -> None:
         with ctx.Pool(1) as pool:
             r = pool.apply(measure, (args.layers, args.hidden, dtype, layout, nvme))
         io = r["io"] or io
-        a = r["acct"]
-        name = layout + (" + NVMe" if nvme else "")
-        print(
-            f"| {name} ({args.dtype}) | {r['params'] / 1e9:.2f}B | {a['master']:.2f} | {a['adam']:.2f} | {a['copy']:.2f} | "
-            f"{a['slab']:.2f} | {a.get('ring', 0.0):.2f} | {r['nvme']:.2f} | {sum(a.values()):.2f} B/param | "
-            f"{r['allocated']:.2f} B/param | {r['host']:.2f} B/param |"
-        )
+        print(_row(layout + (" + NVMe" if nvme else "") + f" ({args.dtype})", r))
+    if args.devices > 1:
+        ranks = measure_ranks(args.devices, (args.layers, args.hidden, dtype, "default", None))
+        for i, r in enumerate(ranks):
+            print(_row(f"default, rank {i} of {args.devices} ({args.dtype})", r))
+        node = {  # each rank's figures are per parameter of the whole model, so the node's are their sums
+            "params": ranks[0]["params"],
+            "acct": {k: sum(r["acct"][k] for r in ranks) for k in ranks[0]["acct"]},
+            "allocated": sum(r["allocated"] for r in ranks),
+            "host": sum(r["host"] for r in ranks),
+            "nvme": 0.0,
+        }
+        print(_row(f"default, node of {args.devices} ranks ({args.dtype})", node))
 
     if io is not None:
         print_drive(args.nvme_dir, io)

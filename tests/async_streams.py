@@ -15,7 +15,9 @@ behave like CUDA streams:
   ``event.synchronize()``, the compute stream with ``wait(None, event)``, and a wait queued on the other
   copy stream forces once it is forced itself;
 - ``wait(stream, event)`` on a copy stream enqueues the wait: nothing issued on `stream` after it runs
-  before `event` has completed.
+  before `event` has completed;
+- ``run(stream, work)`` (a collective, data parallel) enqueues `work` and forces the stream up to it: the
+  other ranks wait for it, as they would for a GPU stream, which never holds work back.
 
 The compute "stream" is the host thread itself (CPU compute is synchronous), so ``wait(None, event)``
 blocks the host until the event's copies have run, and an event recorded on the compute stream is
@@ -76,7 +78,7 @@ class AsyncEvent:
 
 @dataclass
 class _Item:
-    kind: str  # "copy" | "wait" | "record"
+    kind: str  # "copy" | "wait" | "record" | "run"
     seq: int
     payload: Any
     held: bool
@@ -139,12 +141,14 @@ class _CopyStream:
                         if forced():
                             event.stream.force(event.seq)
                         cv.wait()
-                elif item.kind == "copy":
-                    dst, src = item.payload
+                elif item.kind in ("copy", "run"):
                     cv.release()
                     try:
                         with torch.no_grad():  # a device copy is never recorded by autograd
-                            dst.copy_(src)
+                            if item.kind == "run":
+                                item.payload()
+                            else:
+                                item.payload[0].copy_(item.payload[1])
                     except BaseException as e:  # surfaced to the next waiter
                         self.owner.error = self.owner.error or e
                     finally:
@@ -207,6 +211,19 @@ class AsyncStreams(Streams):
         with self._cv:
             self.copies += 1
             stream.put("copy", (dst, src))
+
+    def run(self, stream: _CopyStream | None, work: Any) -> None:
+        """A collective issued on a copy stream runs there in order, never held: the other ranks wait for it
+        (so the items before it are forced). Skipped (``(function, "run")``), it runs at once on the calling
+        thread, before what was issued on the stream ahead of it."""
+        key = (sys._getframe(1).f_code.co_name, "run")
+        if stream is None or key in self.skip:
+            self.skipped[key] += int(stream is not None)
+            work()
+            return
+        with self._cv:
+            stream.force(stream.put("run", work))
+        self._raise()
 
     def synchronize(self) -> None:
         with self._cv:

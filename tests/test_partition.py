@@ -16,6 +16,7 @@ the collective library's own order does not enter), then summed over micro-batch
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import pytest
@@ -26,10 +27,13 @@ from safetensors.torch import load_file, save_file
 
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine
+from megatrain_lightning.engine.streams import Streams
+from megatrain_lightning.optim.threads import rank_cpus, usable_cpus
 from tests.helpers import own_llama, own_loss
 
 ROWS, SEQ = 6, 16  # ROWS: the global batch, divisible by 2 and 3
 RUNS = {"plain": (3, 2, None), "clipped": (1, 2, 1.0)}  # optimizer steps, micro-batches per step, clip
+LAYOUTS = {"lean": {"host_layout": "lean"}, "nvme": {"nvme_dir": "NVME"}}  # the plain run, stored otherwise
 
 
 def _batches(n: int) -> list[torch.Tensor]:
@@ -46,7 +50,7 @@ def _optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
     )
 
 
-def _train(run: str, world: int, rank: int | None = None, group=None) -> tuple[dict, dict]:
+def _train(run: str, world: int, rank: int | None = None, group=None, **options) -> tuple[dict, dict]:
     """Train `run` on rank `rank`'s rows of each global batch with the engine (`rank` None: ordinary training
     doing what `world` DDP ranks do, in one process); the final parameters, and the engine's counters."""
     steps, micro, clip = RUNS[run]
@@ -54,7 +58,8 @@ def _train(run: str, world: int, rank: int | None = None, group=None) -> tuple[d
     opt = _optimizer(model)
     engine = None
     if rank is not None:
-        engine = Engine(model, EngineConfig(device="cpu", precision="32-true", group=group, accumulating=True))
+        config = EngineConfig(device="cpu", precision="32-true", group=group, accumulating=True, **options)
+        engine = Engine(model, config)
     step = opt if engine is None else engine.optimizer(opt)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     batches, per = _batches(steps * micro), ROWS // world
@@ -82,7 +87,7 @@ def _train(run: str, world: int, rank: int | None = None, group=None) -> tuple[d
     stats = {}
     if engine is not None:
         engine.flush()
-        stats = {**engine.stats, **engine.host_bytes()}
+        stats = {**engine.stats, **engine.host_bytes(), "host_cpus": engine.host_cpus}
         engine.close()  # each rank gets the whole trained model back
     return {n: p.detach().clone() for n, p in model.named_parameters()}, stats
 
@@ -91,6 +96,17 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        if world == 2:
+            with open(f"{out}/refusals{rank}.json", "w") as f:
+                json.dump(_refusals(dist.group.WORLD), f)
+        if world == 2:
+            _late_streams(rank, world, out)
+            for name, options in LAYOUTS.items():
+                options = {k: f"{out}/nvme{rank}" if v == "NVME" else v for k, v in options.items()}
+                os.makedirs(options.get("nvme_dir", out), exist_ok=True)
+                params, _ = _train("plain", world, rank, dist.group.WORLD, **options)
+                if rank == world - 1:
+                    save_file(params, f"{out}/{name}.safetensors")
         for run in RUNS:
             params, stats = _train(run, world, rank, dist.group.WORLD)
             with open(f"{out}/{run}{rank}.json", "w") as f:
@@ -99,6 +115,53 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                 save_file(params, f"{out}/{run}.safetensors")
     finally:
         dist.destroy_process_group()
+
+
+def _late_streams(rank: int, world: int, out: str) -> None:
+    """The plain run on copy streams that run late (tests/async_streams.py, everything held until waited
+    for), as issued, and with each all-gather run at once instead of on the H2D stream after the upload of
+    its rank's shard (skipped): that one reads shards not uploaded yet."""
+    from megatrain_lightning.engine import engine as engine_module
+    from tests.async_streams import AsyncStreams
+
+    for name, skip in (("late", ()), ("skipped", (("upload", "run"),))):
+        made: list[AsyncStreams] = []
+
+        def late(device, skip=skip, made=made):
+            made.append(AsyncStreams(device, hold=1.0, skip=skip))
+            return made[-1]
+
+        engine_module.Streams = late
+        try:
+            params, _ = _train("plain", world, rank, dist.group.WORLD)
+        finally:
+            engine_module.Streams = Streams
+        if rank == world - 1:
+            save_file(params, f"{out}/{name}.safetensors")
+        with open(f"{out}/{name}{rank}.json", "w") as f:
+            json.dump(sum(s.skipped[("upload", "run")] for s in made), f)
+
+
+def _refusals(group) -> list[str]:
+    """What a partitioned engine refuses, in one line each: the calls that need every parameter whole in
+    one process."""
+    said = []
+    model = own_llama(layers=2)
+    engine = Engine(model, EngineConfig(device="cpu", group=group))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters()))
+    for call in (
+        engine.master_state_dict,
+        engine.host_view().__enter__,
+        opt.state_dict,
+        model.model.layers[0].state_dict,
+    ):
+        try:
+            call()
+        except RuntimeError as err:
+            said.append(str(err))
+    said.append(str(float(model.model.layers[0].mlp.up_proj.weight.detach().sum())))  # no rank holds it whole: NaN
+    engine.close()
+    return said
 
 
 def _free_port() -> int:
@@ -122,6 +185,21 @@ def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
             else:
                 err = ((params[name] - ref).abs().max() / ref.abs().max()).item()
                 assert err < 1e-6, f"{name}: {err:.2e} relative"
+    if world == 2:
+        # Late copy streams change nothing, nor the lean layout or the NVMe tier; the all-gather issued off
+        # the stream does.
+        plain = load_file(f"{tmp_path}/plain.safetensors")
+        for name in ("late", *LAYOUTS):
+            assert all(torch.equal(t, plain[n]) for n, t in load_file(f"{tmp_path}/{name}.safetensors").items()), name
+        skipped = load_file(f"{tmp_path}/skipped.safetensors")
+        assert any(not torch.equal(t, plain[n]) for n, t in skipped.items())
+        with open(f"{tmp_path}/skipped0.json") as f:
+            assert json.load(f) > 0
+        with open(f"{tmp_path}/refusals0.json") as f:
+            said = json.load(f)
+        assert len(said) == 5
+        assert all("each data-parallel rank holds 1/W" in s or "ranks holds 1/W" in s for s in said[:4]), said
+        assert said[4] == "nan"
     # Each rank holds and moves about 1/W of what one process does (a unit's shards are equal up to rounding).
     whole = _train("plain", 1, 0)[1]
     assert whole["allgather_bytes"] == whole["reduce_scatter_bytes"] == 0
@@ -135,3 +213,25 @@ def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
         assert stats["allgather_bytes"] >= whole["h2d_bytes"]  # the device gathers the whole of each upload
         assert stats["reduce_scatter_bytes"] >= whole["d2h_bytes"]
     assert sum(s["master"] for s in ranks) == whole["master"]  # one copy of the state between the ranks
+    # The ranks on this machine split its CPUs for their host threads (one each, shared, when there are fewer).
+    cpus = sorted(usable_cpus())
+    assert [s["host_cpus"] for s in ranks] == [rank_cpus(r, world, set(cpus), {}) for r in range(world)]
+    if len(cpus) >= world:
+        assert sorted(c for s in ranks for c in s["host_cpus"]) == cpus
+    assert whole["host_cpus"] is None
+
+
+def test_ranks_split_a_machines_cpus_node_by_node():
+    nodes = {0: list(range(8)), 1: list(range(8, 16))}
+    everything = set(range(16))
+    assert [rank_cpus(r, 4, everything, nodes) for r in range(4)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 10, 11],
+        [12, 13, 14, 15],
+    ]
+    # Interleaved node numbering: each rank's share still lies on one node.
+    odd_even = {0: list(range(0, 16, 2)), 1: list(range(1, 16, 2))}
+    assert rank_cpus(1, 2, everything, odd_even) == list(range(1, 16, 2))
+    assert [len(rank_cpus(r, 4, set(range(6)), {})) for r in range(4)] == [2, 2, 1, 1]
+    assert [rank_cpus(r, 3, {0, 1}, {}) for r in range(3)] == [[0], [1], [0]]

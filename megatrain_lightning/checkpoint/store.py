@@ -37,6 +37,23 @@ that the file is a sharded checkpoint, to be loaded with ``megatrain_lightning.l
 or converted with ``megatrain convert``. The pickle never runs anything (the "module" it names
 cannot be imported). Markers that are bare JSON, as first written, are read all the same.
 
+With several ranks (a partitioned engine, engine/partition.py) :func:`save` and :func:`restore` are
+collective: every rank calls them, in the same order. The files are the ones a single process writes (each
+unit whole), so nothing in a checkpoint depends on the number of ranks: saved with 2 ranks, it resumes with
+1 or 3, and ``megatrain convert`` or ``load_from_checkpoint`` read it in one process. Unit i is written by
+rank i % W, straight to the URL, its shards swapped to it a tensor at a time (ranks.py: no rank holds more
+than one tensor of one unit whole, none the model); rank 0 alone takes the lease, hands the version's name
+to the others, writes buffers, trainer.pt and the index (its file records and per-parameter steps come
+from the other ranks in one all-reduce of integers) and commits only after every rank's writes succeeded.
+A rank that fails makes every rank raise, with no commit: the previous checkpoint stays in force. A
+restore reads on every rank the version rank 0 reads (checked), each rank keeping its own shard of each
+unit file, and raises on every rank when any rank fails; it does not start over on a newer checkpoint,
+which one rank alone might see.
+
+Why one file: saving and restoring, in one process or on W ranks, are one protocol (lease, write, commit;
+pin, read, check), and the flows for W ranks are the same private steps with collectives between them;
+the collectives themselves are in ranks.py.
+
 Reading trusts nothing it has not checked (:mod:`~megatrain_lightning.checkpoint.verify` says what and
 how a failure reads; :mod:`~megatrain_lightning.checkpoint.trust` how ``trainer.pt`` is unpickled).
 """
@@ -58,7 +75,7 @@ from typing import Any, TypeVar
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from megatrain_lightning.checkpoint import stream, trust, versions
+from megatrain_lightning.checkpoint import ranks, stream, trust, versions
 from megatrain_lightning.checkpoint.hf import describe_export
 from megatrain_lightning.checkpoint.rereads import (  # noqa: F401  (READ_ATTEMPTS, reread_if_replaced: this module's API too)
     READ_ATTEMPTS,
@@ -101,24 +118,118 @@ def save(
     """Write the engine's host state (masters, and Adam state when `optimizer`) and `trainer_state`;
     `storage_options` go to fsspec (credentials, endpoint) and are written nowhere. `weights(unit)`: the flat
     fp32 weights to write in place of a unit's master (a weight average that a callback put in the
-    checkpoint's state dict); the Adam state stays the master's."""
+    checkpoint's state dict); the Adam state stays the master's.
+
+    Partitioned (the engine's ``partition``), every rank calls this at once and writes its share (ranks.py);
+    `weights(unit)` is then this rank's shard of the unit's weights, and `after_unit(i)` runs on unit i's
+    writer."""
+    part = getattr(engine, "partition", None)
+    if part is not None:
+        _save_ranks(engine, part, url, trainer_state, optimizer, param_groups, after_unit, storage_options, weights)
+        return
     fs, path = _filesystem(url, storage_options)
+    lease = _begin(fs, path, url)
+    try:
+        index_bytes = _write_version(engine, fs, lease, trainer_state, optimizer, param_groups, after_unit, weights)
+        _commit_version(fs, path, url, lease, index_bytes)
+    except BaseException:
+        _abandon(fs, path, url, lease)
+        raise
+    _committed(fs, path, url, lease)
+
+
+def _begin(fs: Any, path: str, url: str) -> versions.Lease:
+    """The lease of a new version directory, after removing the versions no one needs."""
     if fs.isdir(path):
         raise CheckpointError(f"{url} is a directory; a checkpoint path names a file (its data goes to {url}.d/)")
     versions.remove_unused(fs, path, keep=lambda: _named(fs, path, url))  # all but the current checkpoint
-    lease = versions.Lease(fs, path, url)
-    try:
-        index_bytes = _write_version(engine, fs, lease, trainer_state, optimizer, param_groups, after_unit, weights)
-        replaced = _named(fs, path, url)
-        marker = {"format": FORMAT, "version": VERSION, "data": lease.version, "index_crc32": zlib.crc32(index_bytes)}
-        _commit(fs, path, {**marker, "previous": min(replaced, default=None)})
-    except BaseException:
-        if lease.version not in _named(fs, path, url):  # (a commit whose reply was lost stands)
-            lease.release()
-        raise
+    return versions.Lease(fs, path, url)
+
+
+def _commit_version(fs: Any, path: str, url: str, lease: versions.Lease, index_bytes: bytes) -> None:
+    replaced = _named(fs, path, url)
+    marker = {"format": FORMAT, "version": VERSION, "data": lease.version, "index_crc32": zlib.crc32(index_bytes)}
+    _commit(fs, path, {**marker, "previous": min(replaced, default=None)})
+
+
+def _abandon(fs: Any, path: str, url: str, lease: versions.Lease) -> None:
+    if lease.version not in _named(fs, path, url):  # (a commit whose reply was lost stands)
+        lease.release()
+
+
+def _committed(fs: Any, path: str, url: str, lease: versions.Lease) -> None:
     lease.committed()
     # The checkpoint just replaced stays, for readers that read the marker before this commit.
     versions.remove_unused(fs, path, keep=lambda: _named(fs, path, url, previous=True))
+
+
+def _save_ranks(
+    engine: EngineView,
+    part: Any,
+    url: str,
+    trainer_state: dict,
+    optimizer: bool,
+    param_groups: list[dict] | None,
+    after_unit: Callable[[int], None] | None,
+    storage_options: dict[str, Any] | None,
+    weights: Callable[[Any], torch.Tensor] | None,
+) -> None:
+    """:func:`save` on every rank of a partitioned engine at once: rank 0 takes the lease and hands the
+    others the version's name, every rank writes its units (ranks.py), rank 0 writes the rest and commits
+    once every rank's writes succeeded. Any rank failing: no commit, and every rank raises."""
+    fs, path = _filesystem(url, storage_options)
+    doing, kept = f"saving {url}", "nothing was committed: the previous checkpoint stands"
+    lease, error = None, None
+    if part.rank == 0:
+        try:
+            lease = _begin(fs, path, url)
+        except Exception as err:  # (told to the other ranks by the missing version name)
+            error = err
+    version = ranks.share_text(part, None if lease is None else lease.version)
+    if version is None:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"{doing}: rank 0 could not begin it (its own error says why); {kept}")
+    vdir = f"{path}.d/{version}"
+
+    def shards_of(unit: Any) -> dict[str, torch.Tensor]:
+        moments = {"exp_avg": unit.m, "exp_avg_sq": unit.v} if optimizer and unit.has_moments else {}
+        return {"master": unit.master if weights is None else weights(unit), **moments}
+
+    def write(i: int, tensors: list) -> dict:
+        info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
+        if lease is not None:
+            lease.beat()
+        if after_unit is not None:
+            after_unit(i)
+        return info
+
+    try:
+        units, shards = engine.all_units(), []
+        try:
+            engine.flush()  # (a host job's error surfaces here)
+            shards = [shards_of(u) for u in units]
+        except Exception as err:
+            error = err
+        ranks.settle(part, error, doing, kept)  # every rank is ready to swap shards, or every rank raises
+        steps, files = ranks.settle_books(part, units, *ranks.write_units(part, units, shards, write), doing, kept)
+        if lease is not None:
+            try:
+                records = [
+                    _unit_record(engine, u, i, files[i], optimizer and u.has_moments, steps[i])
+                    for i, u in enumerate(units)
+                ]
+                index_bytes = _write_books(engine, fs, lease, records, trainer_state, optimizer, param_groups)
+                _commit_version(fs, path, url, lease, index_bytes)
+            except Exception as err:  # (told to every rank by the settle below)
+                error = err
+        ranks.settle(part, error, doing, kept)
+    except BaseException:
+        if lease is not None:
+            _abandon(fs, path, url, lease)
+        raise
+    if lease is not None:
+        _committed(fs, path, url, lease)
 
 
 def _write_version(
@@ -147,6 +258,20 @@ def _write_version(
         lease.beat()
         if after_unit is not None:
             after_unit(i)
+    return _write_books(engine, fs, lease, units, trainer_state, optimizer, param_groups)
+
+
+def _write_books(
+    engine: EngineView,
+    fs: Any,
+    lease: versions.Lease,
+    units: list[dict],
+    trainer_state: dict,
+    optimizer: bool,
+    param_groups: list[dict] | None,
+) -> bytes:
+    """Buffers, trainer state, then the index over the unit files' records `units` (returned)."""
+    vdir = lease.vdir
     aliases = _aliases(engine)
     buffers = _buffers(engine, aliases)
     buf_info = stream.write(fs, f"{vdir}/buffers.safetensors", sorted(buffers.items()))
@@ -186,13 +311,19 @@ def _moments(unit: Any, write: bool) -> dict[str, Any]:
     }
 
 
-def _unit_record(engine: EngineView, unit: Any, i: int, info: dict, with_adam: bool) -> dict:
+def _unit_record(
+    engine: EngineView, unit: Any, i: int, info: dict, with_adam: bool, steps: list[int] | None = None
+) -> dict:
+    """The index's record of unit i: its file, and its whole parameters with their optimizer `steps` (by
+    default this process's own, which holds every piece of an unpartitioned unit)."""
     names = engine.qualified_names(unit)
+    steps = ranks.layout_steps(unit) if steps is None else steps
     params = [
         {"name": n, "offset": e.offset, "shape": list(e.shape), "step": step, "group": e.group}
-        for n, e, step in zip(names, unit.entries, unit.steps)
+        for n, e, step in zip(names, unit.layout, steps)
     ]
-    return {"file": f"units/{i:05d}.safetensors", "numel": unit.numel, "adam": with_adam, "params": params, **info}
+    numel = unit.full_numel
+    return {"file": f"units/{i:05d}.safetensors", "numel": numel, "adam": with_adam, "params": params, **info}
 
 
 def _export(engine: EngineView) -> dict | None:
@@ -204,7 +335,7 @@ def _export(engine: EngineView) -> dict | None:
 
 
 def _names_by_id(engine: EngineView) -> dict[int, str]:
-    return {id(e.param): n for u in engine.all_units() for n, e in zip(engine.qualified_names(u), u.entries)}
+    return {id(e.param): n for u in engine.all_units() for n, e in zip(engine.qualified_names(u), u.layout)}
 
 
 def _param_order(engine: EngineView) -> list[str]:
@@ -228,7 +359,8 @@ def _buffers(engine: EngineView, aliases: dict[str, str] | None = None) -> dict[
     """The model's persistent buffers (its state dict less the parameters, under any of their names)."""
     params = {name for unit in engine.all_units() for name in engine.qualified_names(unit)}
     params |= set(_aliases(engine) if aliases is None else aliases)
-    state = engine.model.state_dict()
+    # (partitioned, a block's state_dict() is refused: no rank holds its parameters whole)
+    state = engine.model.state_dict() if getattr(engine, "partition", None) is None else engine.persistent_buffers()
     return {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in params}
 
 
@@ -347,7 +479,6 @@ def read_trainer_state(fs: Any, vdir: str, index: dict) -> dict:
     return state
 
 
-@rereading
 def restore(
     engine: EngineView,
     url: str,
@@ -357,7 +488,25 @@ def restore(
     storage_options: dict[str, Any] | None = None,
 ) -> dict:
     """Stream masters (and Adam state when `optimizer`) into the engine's host buffers; returns the index.
-    `pinned`: the index read with the trainer state (read_checkpoint), whose version to restore."""
+    `pinned`: the index read with the trainer state (read_checkpoint), whose version to restore.
+
+    Partitioned (the engine's ``partition``), every rank calls this at once and reads its shards; a rank
+    failing makes every rank raise (and no read starts over on a newer checkpoint: the ranks would part)."""
+    part = getattr(engine, "partition", None)
+    if part is not None:
+        return _restore_ranks(engine, part, url, optimizer, pinned, storage_options)
+    return _restore(engine, url, optimizer=optimizer, pinned=pinned, storage_options=storage_options)
+
+
+@rereading
+def _restore(
+    engine: EngineView,
+    url: str,
+    *,
+    optimizer: bool,
+    pinned: dict | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> dict:
     if pinned and "data" in pinned:
         fs, vdir, index = _pinned_version(url, pinned, storage_options)
     else:
@@ -373,6 +522,51 @@ def restore(
         if optimizer:
             unit.steps = [param_step(rec, p) if rec["adam"] else 0 for p in rec["params"]]
     _restore_buffers(engine, fs, vdir, index)
+    engine.refresh_from_masters()
+    return index
+
+
+def _restore_ranks(
+    engine: EngineView,
+    part: Any,
+    url: str,
+    optimizer: bool,
+    pinned: dict | None,
+    storage_options: dict[str, Any] | None,
+) -> dict:
+    """:func:`restore` on every rank of a partitioned engine at once: each reads the same version (checked)
+    and keeps its shards; the outer re-upload (refresh_from_masters) is collective, so every rank reaches
+    it, or every rank raises."""
+    doing, state = f"restoring {url}", "this engine's state is not restored"
+    fs, vdir, index, error = None, "", {}, None
+    try:
+        if pinned and "data" in pinned:
+            fs, vdir, index = _pinned_version(url, pinned, storage_options)
+        else:
+            fs, vdir, index = _index(url, storage_options)
+    except Exception as err:  # (told to every rank by the settle below)
+        error = err
+    ranks.settle(part, error, doing, state, tag=zlib.crc32(vdir.rsplit("/", 1)[-1].encode()))
+    _check_layout(engine, index, url, fs, vdir)  # (the same index on every rank: the same outcome)
+    if optimizer and not index["optimizer"]:
+        raise CheckpointError(f"{url} holds weights only (save_weights_only=True); it cannot resume training")
+    units = engine.all_units()
+    scratch = ranks.scratch_for(units)
+    try:
+        engine.flush()
+        for unit, rec in zip(units, index["units"]):
+            names = ["master", "exp_avg", "exp_avg_sq"] if rec["adam"] else ["master"]
+            mine = {"master": unit.master}
+            if optimizer and rec["adam"]:
+                mine.update(exp_avg=unit.m, exp_avg_sq=unit.v)
+            _read_file(fs, vdir, rec["file"], ranks.shard_targets(unit, names, mine, scratch), rec)
+            if optimizer:
+                steps = [param_step(rec, p) if rec["adam"] else 0 for p in rec["params"]]
+                unit.steps = ranks.piece_steps(unit, steps)
+        _restore_buffers(engine, fs, vdir, index)
+    except Exception as err:
+        error = err
+    ranks.settle(part, error, doing, state)
     engine.refresh_from_masters()
     return index
 
@@ -432,7 +626,7 @@ def _check_layout(engine: EngineView, index: dict, url: str, fs: Any, vdir: str)
         )
     for unit, rec in zip(units, index["units"]):
         saved = [(p["name"], list(p["shape"]), p["offset"]) for p in rec["params"]]
-        ours = [(n, list(e.shape), e.offset) for n, e in zip(engine.qualified_names(unit), unit.entries)]
+        ours = [(n, list(e.shape), e.offset) for n, e in zip(engine.qualified_names(unit), unit.layout)]
         for theirs, mine in itertools.zip_longest(saved, ours, fillvalue=("nothing", [], 0)):
             if theirs != mine:
                 raise damaged(

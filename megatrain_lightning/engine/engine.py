@@ -73,7 +73,13 @@ from megatrain_lightning.engine.saved_inputs import SavedInputs
 from megatrain_lightning.engine.streams import SlotPool, Streams
 from megatrain_lightning.engine.uploads import Uploader
 from megatrain_lightning.engine.worker import HostWorker
-from megatrain_lightning.optim.threads import configure_host_threads, resolve_host_threads
+from megatrain_lightning.optim.threads import (
+    configure_host_threads,
+    numa_nodes,
+    rank_cpus,
+    resolve_host_threads,
+    usable_cpus,
+)
 
 log = logging.getLogger("megatrain_lightning")
 
@@ -87,6 +93,7 @@ class Engine:
         self.model, self.device, self.compute_dtype = model, config.torch_device, config.compute_dtype
         self.preserve_rng_state = config.preserve_rng_state
         self.stats = _new_stats()
+        self.host_cpus: list[int] | None = None  # data parallel: this rank's share of the machine's CPUs
         self.host_threads = resolve_host_threads(config.host_threads)
         # The stacks, each distinct block once, the parameters blocks share (outer units); what setup logs.
         self.layout = find_blocks(model, config.blocks)
@@ -94,7 +101,8 @@ class Engine:
         # Data parallel (engine/partition.py): this rank holds one shard of every unit's host state.
         self.partition = partition = partition_of(config.group)
         if partition is not None:
-            _check_partitioned(config, partition.world)
+            self.host_cpus = rank_cpus(partition.local_rank, partition.local_world, usable_cpus(), numa_nodes())
+            self.host_threads = resolve_host_threads(config.host_threads, len(self.host_cpus))
         # Per block, (first block, number of blocks) of its stack: a stack's blocks are consecutive, and each
         # stack's forward pass is decided on anew (offloaded inputs, kept graphs).
         stack = self.layout.stack_of
@@ -171,7 +179,10 @@ class Engine:
         # Steps run in the order the next forward needs them, among those whose gradient has landed
         # (engine/worker.py); with the NVMe tier in the order queued, the order its read-ahead plan names.
         worker = HostWorker(
-            "megatrain-host_0", worker_init, (self.device, self.host_threads), fifo=self.tier is not None
+            "megatrain-host_0",
+            worker_init,
+            (self.device, self.host_threads, self.host_cpus),
+            fifo=self.tier is not None,
         )
         self.host = HostSide(
             self.units,
@@ -783,6 +794,19 @@ class Engine:
         self.outer.reupload()
         self.pool.invalidate()
 
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """The model's persistent buffers under their state-dict names, as they stand (the blocks' device
+        copies brought back first): what a checkpoint saves beside the masters, read without the model's
+        ``state_dict()``, which a partitioned engine refuses."""
+        self.flush()
+        self._buffers_to_host()
+        out: dict[str, torch.Tensor] = {}
+        for name, module in self.model.named_modules(remove_duplicate=False):
+            for key, buf in module._buffers.items():
+                if buf is not None and key not in module._non_persistent_buffers_set:
+                    out[f"{name}.{key}" if name else key] = buf
+        return out
+
     def qualified_names(self, unit: HostUnit) -> list[str]:
         """The model's own names (``state_dict`` keys) of a unit's parameters, in layout order."""
         prefix = f"{unit.name}." if unit in self.units else ""
@@ -889,17 +913,6 @@ def _numel(block_params: list, outer: list, partition: Partition | None = None) 
     return sum(sizes)
 
 
-def _check_partitioned(config: EngineConfig, world: int) -> None:
-    """Refuse what the partitioned engine does not do yet, naming the option and the fix."""
-    if config.host_layout == "lean":
-        raise ValueError(
-            f"host_layout='lean' is not available with {world} data-parallel ranks yet; use host_layout='default' "
-            "(each rank already holds 1/W of the state)"
-        )
-    if config.training and config.nvme_dir:
-        raise ValueError(f"nvme_dir is not available with {world} data-parallel ranks yet; drop nvme_dir")
-
-
 def _least_free(free: Callable[[], int | None], partition: Partition) -> int | None:
     """The least free device memory of any rank (None on a device with no measure: every rank alike)."""
     have = free()
@@ -928,9 +941,9 @@ def _disable_kv_caches(model: nn.Module) -> list[Any]:
     return changed
 
 
-def worker_init(device: torch.device, host_threads: int | None = None) -> None:
+def worker_init(device: torch.device, host_threads: int | None = None, cpus: list[int] | None = None) -> None:
     """The host worker waits on CUDA events: it must use the engine's GPU, not create a context on GPU 0. It
     takes its thread budget (optim/threads.py) before its first torch op."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    configure_host_threads(host_threads)
+    configure_host_threads(host_threads, share=cpus)

@@ -19,12 +19,16 @@ Every rank must make the same engine calls in the same order: each collective is
 compute-issuing thread at a point that does not depend on timing (which block a prefetch loads, how many
 slots, which graphs are kept: decided the same way on every rank, engine.py).
 
-Collectives on device tensors go through `group` (NCCL on CUDA, gloo on the CPU); those on host tensors
-(the flags, the norm, a checkpoint's gathers) through a gloo group over the same ranks.
+Collectives on device tensors go through `group` (NCCL on CUDA, gloo on the CPU), the weights' all-gathers
+through a communicator of their own (they run on the H2D stream, beside the compute stream's gradient
+exchange); those on host tensors (the flags, the norm, a checkpoint's gathers) through a gloo group over
+the same ranks.
 """
 
 from __future__ import annotations
 
+import socket
+import zlib
 from typing import Any
 
 import torch
@@ -39,7 +43,17 @@ class Partition:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         # (new_group is itself collective: every rank builds its engine, so every rank gets here)
-        self.cpu_group = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
+        ranks = dist.get_process_group_ranks(group)  # (the group's own ranks, not every process's)
+        self.cpu_group = group if dist.get_backend(group) == "gloo" else dist.new_group(ranks, backend="gloo")
+        # The weights' all-gathers run on the H2D stream, the gradients' exchange on the compute stream: each
+        # on its own communicator, so that neither waits behind the other.
+        self.gather_group = dist.new_group(ranks, backend=dist.get_backend(group))
+        # The ranks on this machine (they split its CPUs: optim/threads.py), found by a hash of the host name.
+        host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
+        hosts = [torch.empty_like(host) for _ in range(self.world)]
+        dist.all_gather(hosts, host, group=self.cpu_group)
+        local = [r for r, h in enumerate(hosts) if int(h) == int(host)]
+        self.local_rank, self.local_world = local.index(self.rank), len(local)
 
     # -- layout ---------------------------------------------------------------------------------
     def chunk(self, numel: int) -> int:
@@ -62,7 +76,7 @@ class Partition:
         """All-gather a unit's device flat (`padded` long) in place: this rank's chunk holds its shard."""
         chunk = flat.numel() // self.world
         mine = flat[self.rank * chunk : (self.rank + 1) * chunk]
-        dist.all_gather_into_tensor(flat, mine, group=self.group, async_op=True).wait()
+        dist.all_gather_into_tensor(flat, mine, group=self.gather_group, async_op=True).wait()
 
     def reduce_scatter(self, flat: torch.Tensor, numel: int) -> torch.Tensor:
         """The mean over ranks of a unit's gradient (`flat`, whole, `numel` elements), this rank's shard of it,

@@ -39,7 +39,7 @@ before it issues the copy.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 
 import torch
 
@@ -91,9 +91,11 @@ class Streams:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
-    def on(self, stream: torch.cuda.Stream | None) -> AbstractContextManager:
-        """Make `stream` current for the work issued inside (a collective waits for it and ends on it)."""
-        return torch.cuda.stream(stream) if self.is_cuda else nullcontext()
+    def run(self, stream: torch.cuda.Stream | None, work: Callable[[], None]) -> None:
+        """Issue `work` (a collective) on `stream`, after what was issued there so far: it waits for that work
+        and ends on the stream. Done at once on the CPU. A test double can run it late, in stream order."""
+        with torch.cuda.stream(stream) if self.is_cuda else nullcontext():
+            work()
 
     def copy(self, stream: torch.cuda.Stream | None, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy `src` into `dst` on a copy stream: enqueued on CUDA (it runs after the waits issued on `stream`

@@ -39,8 +39,7 @@ class Uploader:
         self.stats["h2d_bytes"] += unit.numel * dst.element_size()
         if unit.partitioned:
             whole = dst[: unit.device_numel]
-            with self.streams.on(self.streams.h2d):
-                self.partition.gather(whole)
+            self.streams.run(self.streams.h2d, lambda: self.partition.gather(whole))
             self._uploaded = self.streams.event(self.streams.h2d)
             self.stats["allgather_bytes"] += whole.numel() * whole.element_size()
         return self._uploaded

@@ -23,6 +23,11 @@ one, kept for the launching thread.
   ``cpus[i * len(cpus) // n]`` of the mask's CPUs listed node by node: the threads spread evenly over
   the nodes, each node's share over its own CPUs. On one node nothing is placed.
 
+Data parallel (engine/partition.py): the ranks on one machine split its CPUs (:func:`rank_cpus`), each
+rank's share contiguous in the node-by-node listing, so with at least as many ranks as NUMA nodes each
+rank's threads stay on one node, next to the memory its shards were first touched from. A rank's budget
+is then its share minus one, and its threads are placed on its share whatever the number of nodes.
+
 Thread counts and placement never change results: the kernel splits work by team size into ranges whose
 arithmetic does not depend on it, and is bitwise equal across thread counts (tests/test_native_adamw.py).
 """
@@ -109,12 +114,31 @@ def kernel_cpus(threads: int, affinity: set[int], nodes: dict[int, list[int]]) -
     return tuple(ordered[i * len(ordered) // threads] for i in range(threads))
 
 
-def configure_host_threads(host_threads: int | None = None, *, sysfs_root: str = SYSFS) -> HostThreads:
+def rank_cpus(local_rank: int, local_world: int, affinity: set[int], nodes: dict[int, list[int]]) -> list[int]:
+    """The CPUs of `affinity` that data-parallel rank `local_rank` of the `local_world` ranks on this machine
+    uses: the CPUs listed node by node, cut into `local_world` contiguous parts (the first parts one CPU
+    longer when they do not divide evenly); with more ranks than CPUs, one CPU each, shared round-robin."""
+    listed = [c for _, cpus in sorted(nodes.items()) for c in sorted(cpus) if c in affinity]
+    listed += sorted(affinity - set(listed))
+    if local_world > len(listed):
+        return [listed[local_rank % len(listed)]]
+    base, extra = divmod(len(listed), local_world)
+    start = local_rank * base + min(local_rank, extra)
+    return listed[start : start + base + (local_rank < extra)]
+
+
+def configure_host_threads(
+    host_threads: int | None = None, *, share: list[int] | None = None, sysfs_root: str = SYSFS
+) -> HostThreads:
     """Give the host work of *this* thread `host_threads` threads (see the module docstring); call it first
-    thing on the engine's host worker thread. ValueError for a budget below 1 or above the usable cores."""
-    affinity = usable_cpus()
+    thing on the engine's host worker thread. ValueError for a budget below 1 or above the usable cores.
+    `share`: a data-parallel rank's CPUs (:func:`rank_cpus`): the budget counts them, and the threads are
+    placed on them."""
+    affinity = usable_cpus() if share is None else set(share)
     threads = resolve_host_threads(host_threads, len(affinity))
     cpus = kernel_cpus(threads, affinity, numa_nodes(sysfs_root))
+    if share is not None:  # spread over the rank's own CPUs, on one node or several
+        cpus = tuple(share[i * len(share) // threads] for i in range(threads))
     from megatrain_lightning.optim import native
 
     if native.available():
