@@ -11,7 +11,6 @@ with one process group over the N x M ranks that the engine partitions the host 
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import random
 import warnings
@@ -55,7 +54,6 @@ from megatrain_lightning.engine.config import EngineConfig, check_options
 from megatrain_lightning.engine.discover import BlocksOption
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.optimizer import HostAdamW
-from megatrain_lightning.optim.threads import numa_nodes, usable_cpus
 from megatrain_lightning.precision import MegatrainPrecision
 
 log = logging.getLogger("megatrain_lightning")
@@ -112,10 +110,11 @@ class MegatrainStrategy(ParallelStrategy):
     (``DistributedSampler``), as with DDP. The engine partitions every unit's host state among the ranks
     (one copy in total) and averages gradients over them, as DDP does. No rank holds whole weights or whole
     gradients, so setup refuses what needs them: hooks that read gradients (``on_after_backward``,
-    ``on_before_optimizer_step``), weight averaging callbacks, ``host_layout="lean"``, ``nvme_dir``,
-    ``checkpoint_format="torch"``, a ``device`` (each rank takes its own), ``sync_batchnorm``. Every rank
-    writes its own shards of a checkpoint and reads them back; only rank 0 deletes one. With one device
-    and one node (the default on a machine with one GPU) there is no process group and no launcher.
+    ``on_before_optimizer_step``), weight averaging callbacks, ``checkpoint_format="torch"`` and resuming
+    from a single file, a ``device`` (each rank takes its own), ``sync_batchnorm``. Every rank writes its
+    own shards of a checkpoint and reads them back; only rank 0 deletes one. After fit every rank holds the
+    whole trained model again, as after DDP. With one device and one node (the default on a machine with one
+    GPU) there is no process group and no launcher.
 
     Args:
         device: the compute device; by default the Trainer's device (the GPU when there is one; with several
@@ -151,13 +150,14 @@ class MegatrainStrategy(ParallelStrategy):
             just before each upload and lands gradients through a ring where the step consumes them at once
             (12 B/param plus buffers in flight; with clipping a per-unit gradient stays, 2 B/param in bf16).
         nvme_dir: a local directory for the Adam moments (8 B/param off host memory), read ahead and
-            written behind per unit by the host worker; scratch only (checkpoints stay the durable copy).
+            written behind per unit by the host worker; scratch only (checkpoints stay the durable copy). With
+            several ranks each writes its own shards' files there. With
+            several ranks each writes its own shards' files there.
         host_threads: threads of the host optimizer (the native Adam kernel and torch's ops on the host
             worker thread); default: the cores this process may use minus one, kept for the thread that
             launches the GPU's kernels. Spread over the NUMA nodes when there are several
-            (:mod:`megatrain_lightning.optim.threads`). With several ranks on a node that all may use the same
-            CPUs, each rank is first given its own 1/N of them, node by node (so this default becomes the
-            rank's share minus one). Results do not depend on it.
+            (:mod:`megatrain_lightning.optim.threads`). With several ranks on a machine, each rank's default is
+            its own share of the machine's CPUs (split node by node) minus one. Results do not depend on it.
         checkpoint_format: ``"sharded"`` streams per-block shards to any fsspec URL and commits atomically
             (see :mod:`megatrain_lightning.checkpoint`); ``"torch"`` writes Lightning's usual single file,
             which ordinary strategies can also resume from (small models only: it is built in memory).
@@ -308,26 +308,6 @@ class MegatrainStrategy(ParallelStrategy):
             if _TORCH_GREATER_EQUAL_2_3:
                 kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
             _init_dist_connection(self.cluster_environment, backend, **kwargs)  # (nothing if it exists already)
-            self._share_host_cpus()
-
-    def _share_host_cpus(self) -> None:
-        """Give this rank its own share of the node's CPUs when the node's ranks all may run on the same ones
-        (torchrun, Lightning's launcher): otherwise each rank's host optimizer takes all of them but one
-        (``host_threads``' default), N times as many threads as cores, and on a machine with several NUMA
-        nodes every rank pins its threads to the same CPUs. A rank's share is contiguous in the CPUs listed
-        node by node (:func:`cpu_share`), so it lies on one NUMA node when the ranks divide the nodes evenly
-        (nodes of equal size, a multiple of their number of ranks). Masks that differ already (SLURM's
-        ``--cpu-bind``, ``taskset`` per rank) are kept. Collective: every rank calls it (setup_environment)."""
-        mine = sorted(usable_cpus())
-        masks: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(masks, (self.node_rank, mine))
-        peers = [mask for node, mask in masks if node == self.node_rank]
-        if len(peers) != self.num_processes or any(mask != mine for mask in peers):
-            return
-        share = cpu_share(set(mine), numa_nodes(), self.local_rank, self.num_processes)
-        if share is not None:
-            os.sched_setaffinity(0, share)  # this thread and those it starts: the host worker, torch's pool
-            log.info("rank %d: CPUs %s (1/%d of this node's)", self.global_rank, _cpulist(share), self.num_processes)
 
     @property
     @override
@@ -434,16 +414,6 @@ class MegatrainStrategy(ParallelStrategy):
             raise ValueError(
                 f"MegatrainStrategy(device={str(self._device_arg)!r}) names one device, but {where} gives each rank "
                 "its own: leave device unset (choose the GPUs with Trainer(devices=[...]))"
-            )
-        if self.host_layout == "lean":
-            raise ValueError(
-                f"host_layout='lean' is not supported with {where} yet: use host_layout='default', or devices=1 "
-                "and num_nodes=1"
-            )
-        if self.nvme_dir is not None:
-            raise ValueError(
-                f"nvme_dir={self.nvme_dir!r} is not supported with {where} yet: leave nvme_dir unset (the ranks "
-                "share the host state, one copy in total), or use devices=1 and num_nodes=1"
             )
         if self.checkpoint_format == "torch":
             raise ValueError(
@@ -695,28 +665,6 @@ class MegatrainStrategy(ParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
             )
-
-
-def cpu_share(cpus: set[int], nodes: dict[int, list[int]], index: int, count: int) -> list[int] | None:
-    """Share `index` of `count` of `cpus`: a contiguous slice of them listed NUMA node by node (`nodes`, as
-    :func:`~megatrain_lightning.optim.threads.numa_nodes` reads them), the slices as equal as they can be.
-    None when there are fewer CPUs than shares (nothing to split)."""
-    if len(cpus) < count:
-        return None
-    ordered = [c for _, listed in sorted(nodes.items()) for c in sorted(listed) if c in cpus]
-    ordered += sorted(cpus - set(ordered))  # CPUs no node lists (no sysfs): in their order
-    return ordered[index * len(ordered) // count : (index + 1) * len(ordered) // count]
-
-
-def _cpulist(cpus: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2,5``."""
-    runs: list[list[int]] = []
-    for c in sorted(cpus):
-        if runs and c == runs[-1][1] + 1:
-            runs[-1][1] = c
-        else:
-            runs.append([c, c])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")

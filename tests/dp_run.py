@@ -57,6 +57,11 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], str, int]] = {
 }
 
 
+# megatrain's options per case (default: none): the overlap case also streams through the lean layout's rings
+# and keeps Adam's moments in the NVMe tier (each rank its shards), bitwise the default layout's arithmetic
+OPTIONS: dict[str, dict[str, Any]] = {"overlap": dict(host_layout="lean", nvme_dir="nvme")}
+
+
 def micro_batches(case: str, world: int) -> list[torch.Tensor]:
     """The dataset every rank's train loader reads (Lightning's DistributedSampler picks each rank's share)."""
     module_kwargs, trainer_kwargs, _, steps = CASES[case]
@@ -76,7 +81,9 @@ def global_batches(case: str, world: int, epoch: int = 0) -> list[torch.Tensor]:
 
 
 def module(case: str) -> CausalLM:
-    return CausalLM(own_llama(LAYERS), loss_fn=own_loss, **CASES[case][0])
+    # lr 1e-3 (helpers' default is 1e-2): a fine-tuning rate, at which Adam's normalization amplifies the
+    # ranks' reduction-order ulps less (tests/test_data_parallel.py: bounds)
+    return CausalLM(own_llama(LAYERS), loss_fn=own_loss, lr=1e-3, **CASES[case][0])
 
 
 class SaveAtEnd(Callback):
@@ -101,7 +108,12 @@ def val_batches(world: int) -> list[torch.Tensor]:
     return token_batches(2 * world, batch=ROWS, seed=7)
 
 
-RESUMED = "accumulate-clip"  # the case whose megatrain checkpoint the resume stage continues for a second epoch
+RESUMED = "accumulate-clip"  # the case whose checkpoints (megatrain's, DDP's) the resume stage continues for an epoch
+
+
+def checkpoint(out: Path, case: str, strategy: str) -> Path:
+    """Where `case`'s run with `strategy` saves its checkpoint at the end (sharded; DDP: Lightning's file)."""
+    return out / f"{case}.ckpt" if strategy == "megatrain" else out / f"{case}.{strategy}.ckpt"
 
 
 def checkpoint_params(ckpt: Path, lm: CausalLM) -> dict[str, torch.Tensor]:
@@ -112,16 +124,20 @@ def checkpoint_params(ckpt: Path, lm: CausalLM) -> dict[str, torch.Tensor]:
 
 
 def run(case: str, strategy: str, out: Path, devices: int, resume: bool = False) -> tuple[L.Trainer, str]:
-    """Fit `case` (`resume`: its second epoch, from the first's megatrain checkpoint) and write what it ends
-    with: the module's parameters after fit (the engine gives every rank the whole model back, as DDP leaves
-    it); for RESUMED's megatrain runs also the checkpoint saved at the end, as read back. Returns the Trainer
-    and the checkpoint's save error ("" when saved or not saved)."""
+    """Fit `case` (`resume`: its second epoch, from the first's checkpoint of the same strategy) and write what
+    it ends with: the module's parameters after fit (the engine gives every rank the whole model back, as DDP
+    leaves it); RESUMED's first epoch also saves a checkpoint at the end (megatrain's read back as
+    `megatrain convert` reads it). Returns the Trainer and the save's error ("" when saved or not saved)."""
     _, trainer_kwargs, precision, _ = CASES[case]
     lm = module(case)
     name = f"{case}.resumed" if resume else case
-    save = SaveAtEnd(out / f"{name}.ckpt") if strategy == "megatrain" and case == RESUMED else None
+    save = SaveAtEnd(checkpoint(out, case, strategy)) if case == RESUMED and not resume else None
+    options = dict(OPTIONS.get(case, {}))
+    if "nvme_dir" in options:
+        (out / options["nvme_dir"]).mkdir(exist_ok=True)
+        options["nvme_dir"] = str(out / options["nvme_dir"])
     t = trainer(
-        strategy,
+        MegatrainStrategy(**options) if strategy == "megatrain" else strategy,
         devices=devices,
         precision=precision,
         callbacks=[save] if save else [],
@@ -133,23 +149,19 @@ def run(case: str, strategy: str, out: Path, devices: int, resume: bool = False)
             lm,
             loader(micro_batches(case, devices)),
             loader(val_batches(devices)),
-            ckpt_path=str(out / f"{case}.ckpt") if resume else None,
+            ckpt_path=str(checkpoint(out, case, strategy)) if resume else None,
         )
     rank, world = t.global_rank, t.world_size
     assert world == devices == dist.get_world_size(), (world, devices)
     # the ranks' shares: DistributedSampler gave this rank every world-th micro-batch of its permutation
     assert len(lm.losses) == len(micro_batches(case, devices)) // world
-    record = {
-        "losses": lm.losses,
-        "val_loss": float(t.callback_metrics["val_loss"]),
-        "cpus": sorted(os.sched_getaffinity(0)),
-    }
+    record = {"losses": lm.losses, "val_loss": float(t.callback_metrics["val_loss"])}
     (out / f"{name}.{strategy}.rank{rank}.json").write_text(json.dumps(record))
     if save is not None and save.error:
         (out / f"{name}.save-error.rank{rank}.txt").write_text(save.error)
     if rank == 0:
         save_file(params_of(lm.model), str(out / f"{name}.{strategy}.safetensors"))
-        if save is not None and not save.error:
+        if save is not None and not save.error and strategy == "megatrain":
             save_file(checkpoint_params(save.path, lm), str(out / f"{name}.checkpoint.safetensors"))
     dist.barrier()
     return t, save.error if save is not None else ""
@@ -216,8 +228,9 @@ def main(argv: list[str]) -> None:
     runs = {
         (case, strategy): run(case, strategy, args.out, devices) for case in cases for strategy in ("megatrain", "ddp")
     }
-    if "resume" in args.cases and not runs[RESUMED, "megatrain"][1]:  # RESUMED's first epoch saved its checkpoint
-        run(RESUMED, "megatrain", args.out, devices, resume=True)
+    for strategy in ("megatrain", "ddp") if "resume" in args.cases else ():
+        if not runs[RESUMED, strategy][1]:  # RESUMED's first epoch saved its checkpoint
+            run(RESUMED, strategy, args.out, devices, resume=True)
     if "validate" in args.cases:
         validate(args.out, devices)
     if "refusals" in args.cases:
