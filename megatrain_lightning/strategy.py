@@ -40,7 +40,8 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -111,7 +112,8 @@ class MegatrainStrategy(ParallelStrategy):
     (one copy in total) and averages gradients over them, as DDP does. No rank holds whole weights or whole
     gradients, so setup refuses what needs them: hooks that read gradients (``on_after_backward``,
     ``on_before_optimizer_step``), weight averaging callbacks, ``checkpoint_format="torch"`` and resuming
-    from a single file, a ``device`` (each rank takes its own), ``sync_batchnorm``. Every rank writes its
+    from a single file, a ``device`` (each rank takes its own), ``sync_batchnorm``; and, since every rank
+    must run the same forwards, prediction data the ranks would not share evenly. Every rank writes its
     own shards of a checkpoint and reads them back; only rank 0 deletes one. After fit every rank holds the
     whole trained model again, as after DDP. With one device and one node (the default on a machine with one
     GPU) there is no process group and no launcher.
@@ -151,7 +153,6 @@ class MegatrainStrategy(ParallelStrategy):
             (12 B/param plus buffers in flight; with clipping a per-unit gradient stays, 2 B/param in bf16).
         nvme_dir: a local directory for the Adam moments (8 B/param off host memory), read ahead and
             written behind per unit by the host worker; scratch only (checkpoints stay the durable copy). With
-            several ranks each writes its own shards' files there. With
             several ranks each writes its own shards' files there.
         host_threads: threads of the host optimizer (the native Adam kernel and torch's ops on the host
             worker thread); default: the cores this process may use minus one, kept for the thread that
@@ -347,6 +348,31 @@ class MegatrainStrategy(ParallelStrategy):
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return decision if self.ranks == 1 else super().reduce_boolean_decision(decision, all=all)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """With several ranks, prediction data the ranks would not share evenly is refused: Lightning does not
+        pad it (as it pads validation's), but every rank must run the same forwards, since the engine
+        all-gathers each block. Collective: every rank processes its dataloaders (before any may skip)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.ranks == 1 or trainer is None or trainer.state.fn != TrainerFn.PREDICTING:
+            return dataloader
+        try:
+            length: float = len(dataloader)  # type: ignore[arg-type]
+        except TypeError:
+            length = float("inf")  # an iterable dataset: the ranks' counts cannot be known in advance
+        counts: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(
+            counts, _parse_num_batches(RunningStage.PREDICTING, length, trainer.limit_predict_batches)
+        )
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"trainer.predict over {self.ranks} ranks: the ranks get {counts} batches (Lightning does not pad "
+                "prediction data), but every rank must run the same forwards with strategy='megatrain': give the "
+                f"ranks as many samples each (a number divisible by {self.ranks}), set limit_predict_batches, or "
+                "predict with devices=1"
+            )
+        return dataloader
 
     # -- device and precision ----------------------------------------------------------------------
     @property

@@ -168,13 +168,24 @@ def run(case: str, strategy: str, out: Path, devices: int, resume: bool = False)
 
 
 def validate(out: Path, devices: int) -> None:
-    """``trainer.validate`` without fit (the engine built for evaluation only), each strategy: every rank's
-    validation loss on its share, to OUT/validate.{strategy}.rank{r}.json."""
+    """``trainer.validate`` and ``trainer.predict`` without fit (the engine built for evaluation only), each
+    strategy: every rank's validation loss and predictions on its share, to
+    OUT/validate.{strategy}.rank{r}.json; and megatrain's refusal of prediction data the ranks do not share
+    evenly (two batches more than a multiple of the ranks), as ``"uneven"``."""
     for strategy in ("megatrain", "ddp"):
         t = trainer(strategy, devices=devices)
         with quiet():
-            (metrics,) = t.validate(module("overlap"), loader(val_batches(devices)), verbose=False)
-        (out / f"validate.{strategy}.rank{t.global_rank}.json").write_text(json.dumps(metrics))
+            (record,) = t.validate(module("overlap"), loader(val_batches(devices)), verbose=False)
+            predictions = t.predict(module("overlap"), loader(val_batches(devices)))
+        record["predictions"] = [float(p) for p in predictions]
+        if strategy == "megatrain":
+            try:
+                with quiet():
+                    t.predict(module("overlap"), loader(val_batches(devices) + val_batches(1)))
+                record["uneven"] = None
+            except ValueError as e:
+                record["uneven"] = str(e)
+        (out / f"validate.{strategy}.rank{t.global_rank}.json").write_text(json.dumps(record))
     dist.barrier()
 
 

@@ -245,13 +245,19 @@ def test_two_ranks_checkpoint_resumes_on_one_device(launches, monkeypatch):
     assert worst(resumed["megatrain"], resumed["ddp"])[0] <= FP32_BOUND, worst(resumed["megatrain"], resumed["ddp"])
 
 
-def test_validate_without_fit_equals_ddp(launches):
-    """trainer.validate over 3 ranks (an engine for evaluation only): each rank's loss on its share as DDP's."""
+def test_validate_and_predict_without_fit_equal_ddp(launches):
+    """trainer.validate and trainer.predict over 3 ranks (an engine for evaluation only): each rank's loss on
+    its share and its predictions as DDP's. Prediction data the ranks would not share evenly (Lightning does
+    not pad it) is refused on every rank, instead of leaving one rank waiting in a collective."""
     w3 = launches[3].wait()
     for r in range(3):
         mt, ddp = (json.loads((w3 / f"validate.{s}.rank{r}.json").read_text()) for s in ("megatrain", "ddp"))
-        assert mt.keys() == ddp.keys() == {"val_loss"}
         assert rel([mt["val_loss"]], [ddp["val_loss"]]) <= FP32_BOUND
+        assert len(mt["predictions"]) == len(ddp["predictions"]) == 2
+        assert rel(mt["predictions"], ddp["predictions"]) <= FP32_BOUND
+        assert mt["uneven"] is not None and mt["uneven"].startswith(
+            "trainer.predict over 3 ranks: the ranks get [3, 3, 2]"
+        )
 
 
 def test_setup_refuses_what_needs_whole_weights_or_gradients(launches):
