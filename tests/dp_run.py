@@ -6,10 +6,12 @@ Started by ``python -m torch.distributed.run --standalone --nproc-per-node W -m 
 script launcher, in the first Trainer, starts ranks 1..W-1 by running this module again). The megatrain run
 comes first, so that its strategy launches the ranks and sets up the process group; the DDP run finds it.
 
-Per case and strategy, rank 0 writes the final parameters to ``OUT/{case}.{strategy}.safetensors``, and every
-rank its losses to ``OUT/{case}.{strategy}.rank{r}.json``. No rank holds the megatrain run's whole weights, so
-they come from a sharded checkpoint every rank writes at the end of training (read back with
-``lightning_checkpoint``, as ``megatrain convert`` does).
+Per case and strategy, rank 0 writes the final parameters (the module's after fit: the engine gives every
+rank the whole model back, as DDP leaves it) to ``OUT/{case}.{strategy}.safetensors``, and every rank its
+losses and validation loss to ``OUT/{case}.{strategy}.rank{r}.json``. Stages beside the cases: ``resume``
+(RESUMED's second epoch from the checkpoint each strategy saved at the end of its first; megatrain's, which
+every rank writes its shards of, is also read back as ``megatrain convert`` reads it), ``validate``
+(validate and predict without fit) and ``refusals``.
 """
 
 from __future__ import annotations
