@@ -91,7 +91,7 @@ host layouts (MegatrainStrategy(host_layout=...)), host bytes per parameter in b
   --nvme-dir moves Adam m + v (8) into files there: 16 bytes/param of drive traffic per optimizer step
   auto (the default with --model) plans default if it fits --host-mem, else lean, else lean + --nvme-dir
 
-data parallel (--devices N --nodes M; planned for a mode the strategy does not run yet): the host state
+data parallel (--devices N --nodes M, as Trainer(devices=N, num_nodes=M) runs it): the host state
 is cut into N x M shards, so a node holds 1/M of it plus each of its N ranks' own rings and offloaded
 inputs (host memory per node); every GPU still holds whole blocks in its slots (GPU memory per GPU)
 
@@ -422,7 +422,7 @@ def schedule_parser() -> argparse.ArgumentParser:
 
 
 def add_data_parallel(ap: argparse.ArgumentParser) -> None:
-    """--gpus and --link: one rank of the data-parallel mode to come (megatrain schedule, bench/schedule.py)."""
+    """--gpus and --link: one rank of the data-parallel mode (megatrain schedule, bench/schedule.py)."""
     ap.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs of one node, data parallel (default 1)")
     ap.add_argument("--link", choices=LINKS, default="nvlink", help="how the GPUs reach each other (default nvlink)")
 

@@ -93,17 +93,19 @@ states with their gradient. The two transients never coexist, so the peak takes 
 engine and the model on fake tensors (``measure.py``): the formulas are checked, not only stated.
 
 Data parallel (``devices`` GPUs on each of ``nodes`` nodes, W = devices x nodes ranks; planned ahead of a
-mode the strategy does not run yet): every unit's flat host buffers that scale with the parameters (master,
+mode built on the CPU, not yet run on GPUs): every unit's flat host buffers that scale with the parameters (master,
 Adam m and v, compute copy, gradient slab, accumulator) are cut into W contiguous shards, one per rank, so
 the W ranks together hold one copy of them and a node 1/nodes of it (``per_node``, rounded up; padding each
 unit to a multiple of W adds at most W elements per unit, not counted). What does not scale with the
 parameters is each rank's own: staging and gradient rings, Adam pieces in flight from NVMe, offloaded
 block inputs of its micro-batch (``PER_RANK_KINDS``): devices times a rank's on a node. GPU memory is per GPU:
-a slot holds a whole block once its shards are all-gathered, so every single-GPU item stays; the rank
-uploads its shard into its own part of the slot and the gradient is reduce-scattered in place in the
-gradient slot (NCCL's in-place forms), so no collective needs a buffer of ours; the collective library's
-own channel buffers get an allowance (``COLLECTIVE_BYTES``, not measured) that everything sized from the
-GPU limit (micro-batch, sequence, slots) leaves free.
+a slot holds a whole block once its shards are all-gathered (in place: the rank uploads its shard into its
+own part of the slot), so every single-GPU item stays. A unit's gradient is exchanged all-to-all into a
+buffer of the unit's size and each rank sums its chunk's W parts in fp32 (engine/partition.py): the
+largest unit (the embedding or head, or a block) adds that buffer and the chunk's sum
+(:func:`collective_bytes`), beside an allowance for the collective library's own channel buffers
+(``COLLECTIVE_BYTES``, not measured); everything sized from the GPU limit (micro-batch, sequence, slots)
+leaves them free.
 
 Why one file of about 900 lines: every figure here (host per buffer kind, drive, GPU per item and per
 token, the tiers "auto" tries, the longest sequence that fits) is read by the one ``plan`` and printed by
@@ -208,6 +210,17 @@ def block_numel(config: LlamaConfig) -> int:
 def outer_numel(config: LlamaConfig) -> int:
     """Parameters outside the blocks: embedding, final norm and (unless tied) the head."""
     return config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2) + config.hidden_size
+
+
+def collective_bytes(config: LlamaConfig, precision: str, ranks: int) -> int:
+    """GPU bytes a data-parallel rank sets aside for collectives (none with one rank): the library's allowance,
+    and the gradient exchange of the largest unit: its parts (the unit, padded to W chunks) and its chunk's
+    fp32 sum and compute-dtype result."""
+    if ranks <= 1:
+        return 0
+    largest = max(block_numel(config), config.vocab_size * config.hidden_size)
+    chunk = -(-largest // ranks)
+    return COLLECTIVE_BYTES + chunk * ranks * compute_bytes(precision) + chunk * (4 + compute_bytes(precision))
 
 
 def compute_bytes(precision: str) -> int:
@@ -949,7 +962,7 @@ def plan(
     the drive's read and its write bandwidth, GB/s, for the NVMe time per step. ``offload_inputs_dtype``
     plans ``MegatrainStrategy(offload_inputs_dtype=...)``: offloaded block inputs stored as bf16 or fp8.
 
-    ``devices`` and ``nodes`` plan the data-parallel mode to come (module docstring): host bytes per node,
+    ``devices`` and ``nodes`` plan the data-parallel mode (module docstring): host bytes per node,
     GPU bytes per GPU, ``host_mem`` a node's limit and ``gpu_mem`` a GPU's.
 
     ``recompute`` plans ``MegatrainStrategy(recompute=...)``: the blocks that keep their graph
@@ -972,7 +985,7 @@ def plan(
         raise ValueError(f"nvme_gbps={nvme_gbps!r} must be a positive number of GB/s, e.g. 6.0 for a PCIe 4.0 drive")
     nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
     elt = compute_bytes(precision)  # validates the precision
-    collectives = COLLECTIVE_BYTES if devices * nodes > 1 else 0
+    collectives = collective_bytes(config, precision, devices * nodes)
     room = None if gpu_mem is None else gpu_mem - collectives  # what everything sized from the GPU limit gets
     if offload_inputs == "auto":
         offload_inputs = auto_offloads_inputs(config, seq_len, micro_batch, precision, num_slots, room)

@@ -68,7 +68,7 @@ import struct
 import uuid
 import warnings
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -192,9 +192,13 @@ def _save_ranks(
         raise CheckpointError(f"{doing}: rank 0 could not begin it (its own error says why); {kept}")
     vdir = f"{path}.d/{version}"
 
-    def shards_of(unit: Any) -> dict[str, torch.Tensor]:
-        moments = {"exp_avg": unit.m, "exp_avg_sq": unit.v} if optimizer and unit.has_moments else {}
-        return {"master": unit.master if weights is None else weights(unit), **moments}
+    def shards_of(unit: Any) -> Mapping[str, torch.Tensor]:
+        master = unit.master if weights is None else weights(unit)
+        if not (optimizer and unit.has_moments):
+            return {"master": master}
+        if unit.tier is not None:
+            return _TierShards(unit, master)
+        return {"master": master, "exp_avg": unit.m, "exp_avg_sq": unit.v}
 
     def write(i: int, tensors: list) -> dict:
         info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
@@ -297,6 +301,32 @@ def _write_books(
     versions.sync_dirs(fs, [f"{vdir}/units", vdir])
     lease.beat()  # last: a lease lost meanwhile stops the commit
     return index_bytes
+
+
+class _TierShards(Mapping):
+    """A partitioned unit's shards for a save (ranks.py) when its moments are on the NVMe tier: each moment
+    read from the unit's file when the swap takes it, so a rank holds one unit's shard of one at a time."""
+
+    def __init__(self, unit: Any, master: torch.Tensor) -> None:
+        self.unit, self.master = unit, master
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name == "master":
+            return self.master
+        k = ("exp_avg", "exp_avg_sq").index(name)
+        out = torch.empty(self.unit.numel)
+        for lo, hi, *mv in self.unit.moment_pieces(write=False):
+            out[lo:hi].copy_(mv[k])
+        return out
+
+    def __contains__(self, name: object) -> bool:  # (without reading anything)
+        return name in ("master", "exp_avg", "exp_avg_sq")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("master", "exp_avg", "exp_avg_sq"))
+
+    def __len__(self) -> int:
+        return 3
 
 
 def _moments(unit: Any, write: bool) -> dict[str, Any]:
@@ -557,9 +587,14 @@ def _restore_ranks(
         for unit, rec in zip(units, index["units"]):
             names = ["master", "exp_avg", "exp_avg_sq"] if rec["adam"] else ["master"]
             mine = {"master": unit.master}
+            tier = optimizer and rec["adam"] and unit.tier is not None  # (read here, then written to its files)
             if optimizer and rec["adam"]:
-                mine.update(exp_avg=unit.m, exp_avg_sq=unit.v)
+                m, v = (torch.empty(unit.numel), torch.empty(unit.numel)) if tier else (unit.m, unit.v)
+                mine.update(exp_avg=m, exp_avg_sq=v)
             _read_file(fs, vdir, rec["file"], ranks.shard_targets(unit, names, mine, scratch), rec)
+            for lo, hi, m, v in unit.moment_pieces(fresh=True) if tier else ():
+                m.copy_(mine["exp_avg"][lo:hi])
+                v.copy_(mine["exp_avg_sq"][lo:hi])
             if optimizer:
                 steps = [param_step(rec, p) if rec["adam"] else 0 for p in rec["params"]]
                 unit.steps = ranks.piece_steps(unit, steps)

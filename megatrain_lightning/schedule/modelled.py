@@ -165,7 +165,7 @@ def modelled_step(
     check_recompute(recompute)
     dp = DataParallel(gpus, link)
     base, profile = profile, dp.rank_profile(profile)
-    gpu_mem = int(profile.gpu_mem_gib * planner.GiB) - (planner.COLLECTIVE_BYTES if gpus > 1 else 0)
+    gpu_mem = int(profile.gpu_mem_gib * planner.GiB) - planner.collective_bytes(config, PRECISION, gpus)
     elt = planner.compute_bytes(PRECISION)
     tile = planner.planned_tile(config, seq_len, 1, elt, gpu_mem)
     offload = planner.auto_offloads_inputs(config, seq_len, 1, PRECISION, FIRST_SLOTS, gpu_mem)
