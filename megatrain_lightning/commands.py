@@ -367,10 +367,10 @@ on the device profile's rates and the last step is measured. Token tiles and inp
 planner's choices for the profile's GPU memory. The table gives each lane's busy time and share of the step;
 the step's bound is its busiest resource, or the optimizer step's chain when that is longer.
 
---gpus N models one rank of N GPUs of one node in the data-parallel mode to come (not yet run by the
-strategy): each rank uploads and downloads 1/N of every unit, the GPUs all-gather and reduce-scatter it over
---link (nvlink: the profile's NVLink; pcie: the same x16 link as the host copies), and the N ranks' host Adam
-share the node's DRAM bandwidth. --micro-batches is then per GPU.
+--gpus N models one rank of N GPUs of one node in the data-parallel mode (Trainer(devices=N)): each rank
+uploads and downloads 1/N of every unit, the GPUs all-gather and reduce-scatter it over --link (nvlink: the
+profile's NVLink; pcie: the same x16 link as the host copies), and the N ranks' host Adam share the node's
+DRAM bandwidth. --micro-batches is then per GPU.
 
 The last line printed is machine-readable:
   schedule: model=NAME tokens_per_step=N clip=C step_s=X bound_s=Y ratio=X/Y bound=LANE mfu=Z
@@ -422,7 +422,7 @@ def schedule_parser() -> argparse.ArgumentParser:
 
 
 def add_data_parallel(ap: argparse.ArgumentParser) -> None:
-    """--gpus and --link: one rank of the data-parallel mode to come (megatrain schedule, bench/schedule.py)."""
+    """--gpus and --link: one rank of the data-parallel mode (megatrain schedule, bench/schedule.py)."""
     ap.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs of one node, data parallel (default 1)")
     ap.add_argument("--link", choices=LINKS, default="nvlink", help="how the GPUs reach each other (default nvlink)")
 

@@ -962,7 +962,7 @@ def plan(
     the drive's read and its write bandwidth, GB/s, for the NVMe time per step. ``offload_inputs_dtype``
     plans ``MegatrainStrategy(offload_inputs_dtype=...)``: offloaded block inputs stored as bf16 or fp8.
 
-    ``devices`` and ``nodes`` plan the data-parallel mode to come (module docstring): host bytes per node,
+    ``devices`` and ``nodes`` plan the data-parallel mode (module docstring): host bytes per node,
     GPU bytes per GPU, ``host_mem`` a node's limit and ``gpu_mem`` a GPU's.
 
     ``recompute`` plans ``MegatrainStrategy(recompute=...)``: the blocks that keep their graph

@@ -1,8 +1,11 @@
 """``Trainer(strategy="megatrain")``: Lightning glue around the streaming engine and the host optimizer.
 
-The strategy is an ordinary single-device strategy whose hooks hand the model to the engine instead of
-moving it to the device, replace the optimizer with :class:`HostAdamW`, tell the engine before each
-backward whether more micro-batches follow, and read/write checkpoints from the host masters.
+The strategy's hooks hand the model to the engine instead of moving it to the device, replace the optimizer
+with :class:`HostAdamW`, tell the engine before each backward whether more micro-batches follow, and
+read/write checkpoints from the host masters. With one device (``devices=1``, one node) it is a single-device
+strategy: one process, no process group. With ``devices=N`` and ``num_nodes=M``, N x M > 1, it is a
+data-parallel strategy launched as ``strategy="ddp"`` is (Lightning's launchers and cluster environments),
+with one process group over the N x M ranks that the engine partitions the host state over.
 """
 
 from __future__ import annotations
@@ -15,13 +18,33 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
+import torch.distributed
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_3
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import (
+    Callback,
+    GradientAccumulationScheduler,
+    StochasticWeightAveraging,
+    WeightAveraging,
+)
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
@@ -67,8 +90,8 @@ def check_trainer_args(
         )
 
 
-class MegatrainStrategy(SingleDeviceStrategy):
-    """Train on one device with parameters, fp32 masters and Adam state in host memory.
+class MegatrainStrategy(ParallelStrategy):
+    """Train with parameters, fp32 masters and Adam state in host memory, on one device or data-parallel.
 
     Gradients leave each parameter for the host as backward produces them, so they do not sit in ``.grad``.
     Hooks that read or edit them: when the LightningModule or a callback overrides ``on_after_backward`` or
@@ -81,8 +104,23 @@ class MegatrainStrategy(SingleDeviceStrategy):
     On resume the optimizer's settings come from the checkpoint, as ``torch.optim.Optimizer.load_state_dict``
     leaves them in ordinary training.
 
+    Data parallel: ``Trainer(devices=N, num_nodes=M)`` with N x M > 1 runs N x M ranks, launched as for
+    ``strategy="ddp"``: the script started once per node (Lightning starts the node's other ranks), or by
+    ``torchrun``, or as SLURM tasks; one process group over them (NCCL on GPUs, gloo on the CPU), set up by
+    Lightning's ``_init_dist_connection``. Lightning gives each rank its share of every global batch
+    (``DistributedSampler``), as with DDP. The engine partitions every unit's host state among the ranks
+    (one copy in total) and averages gradients over them, as DDP does. No rank holds whole weights or whole
+    gradients, so setup refuses what needs them: hooks that read gradients (``on_after_backward``,
+    ``on_before_optimizer_step``), weight averaging callbacks, ``checkpoint_format="torch"`` and resuming
+    from a single file, a ``device`` (each rank takes its own), ``sync_batchnorm``; and, since every rank
+    must run the same forwards, prediction data the ranks would not share evenly. Every rank writes its
+    own shards of a checkpoint and reads them back; only rank 0 deletes one. After fit every rank holds the
+    whole trained model again, as after DDP. With one device and one node (the default on a machine with one
+    GPU) there is no process group and no launcher.
+
     Args:
-        device: the compute device; by default the Trainer's device (the GPU when there is one).
+        device: the compute device; by default the Trainer's device (the GPU when there is one; with several
+            devices, each rank's own).
         num_slots: device weight slots blocks stream through (>= 2: one computing, one loading). ``"auto"``
             (default): 2, then, after the first optimizer step, as many more as the device memory that step
             left free allows beyond four times what it needed (at most one per block; the CPU keeps 2).
@@ -114,11 +152,13 @@ class MegatrainStrategy(SingleDeviceStrategy):
             just before each upload and lands gradients through a ring where the step consumes them at once
             (12 B/param plus buffers in flight; with clipping a per-unit gradient stays, 2 B/param in bf16).
         nvme_dir: a local directory for the Adam moments (8 B/param off host memory), read ahead and
-            written behind per unit by the host worker; scratch only (checkpoints stay the durable copy).
+            written behind per unit by the host worker; scratch only (checkpoints stay the durable copy). With
+            several ranks each writes its own shards' files there.
         host_threads: threads of the host optimizer (the native Adam kernel and torch's ops on the host
             worker thread); default: the cores this process may use minus one, kept for the thread that
             launches the GPU's kernels. Spread over the NUMA nodes when there are several
-            (:mod:`megatrain_lightning.optim.threads`). Results do not depend on it.
+            (:mod:`megatrain_lightning.optim.threads`). With several ranks on a machine, each rank's default is
+            its own share of the machine's CPUs (split node by node) minus one. Results do not depend on it.
         checkpoint_format: ``"sharded"`` streams per-block shards to any fsspec URL and commits atomically
             (see :mod:`megatrain_lightning.checkpoint`); ``"torch"`` writes Lightning's usual single file,
             which ordinary strategies can also resume from (small models only: it is built in memory).
@@ -171,8 +211,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
                 "host_threads": host_threads,  # ValueError for < 1 or more than the cores
             }
         )
-        super().__init__(device=device or "cpu", **kwargs)
+        super().__init__(**kwargs)  # accelerator, parallel_devices, cluster_environment, checkpoint_io, ...
         self._device_arg = device
+        self._num_nodes = 1  # set by Lightning from Trainer(num_nodes=...)
         self.num_slots = num_slots
         self.overlap_optimizer = overlap_optimizer
         self.offload_inputs = offload_inputs
@@ -184,10 +225,154 @@ class MegatrainStrategy(SingleDeviceStrategy):
         self.compile_blocks = compile_blocks
         self.storage_options = storage_options
         self.blocks = blocks
-        self.parallel_devices: list[torch.device] | None = None  # filled in by Lightning from Trainer(devices=...)
         self.engine: Engine | None = None
         self._averaging: AveragingViews | None = None  # set up with the engine (averaging.py)
         self.grad_hooks: list[str] = []  # overridden hooks that see gradients (set at setup): see gradient_hooks
+
+    # -- ranks ---------------------------------------------------------------------------------------
+    # With one device and one node everything below is a single-device strategy's: rank 0 of 1, no launcher,
+    # no process group, collectives the identity, whatever cluster environment Lightning detected.
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Ranks on this node: one per device of ``Trainer(devices=...)``."""
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def ranks(self) -> int:
+        """N x M, the data-parallel ranks the Trainer asks for (1: this process alone)."""
+        return self.num_nodes * self.num_processes
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether Lightning gives each rank a share of the data (``DistributedSampler``) and syncs logs."""
+        return self.ranks > 1
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return super().global_rank if self.ranks > 1 else 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return super().local_rank if self.ranks > 1 else 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return super().node_rank if self.ranks > 1 else 0
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return super().world_size if self.ranks > 1 else 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.ranks, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's rank (as DDP does); nothing with one rank."""
+        if self.ranks == 1:
+            return
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.ranks)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        """Several ranks: Lightning's script launcher (it starts this node's other ranks, unless torchrun or
+        SLURM started them). One: no launcher."""
+        if self.ranks > 1:
+            self._refuse_options()  # before any process starts
+            assert self.cluster_environment is not None
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the accelerator's device (torch.cuda.set_device)
+        if self.ranks > 1:
+            reset_seed()  # the seed of seed_everything, in the ranks Lightning started (as DDP)
+            self.set_world_ranks()
+            backend = _get_default_process_group_backend_for_device(self.root_device)  # nccl, or gloo on the CPU
+            kwargs: dict[str, Any] = {"timeout": default_pg_timeout}
+            if _TORCH_GREATER_EQUAL_2_3:
+                kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
+            _init_dist_connection(self.cluster_environment, backend, **kwargs)  # (nothing if it exists already)
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if self.ranks == 1 or not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self.ranks == 1 or not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=torch.distributed.group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Mean (or ``reduce_op``) over the ranks; with one rank, `tensor` itself."""
+        if self.ranks == 1 or not isinstance(tensor, torch.Tensor):
+            return tensor
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        if self.ranks == 1:
+            return tensor
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision if self.ranks == 1 else super().reduce_boolean_decision(decision, all=all)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """With several ranks, prediction data the ranks would not share evenly is refused: Lightning does not
+        pad it (as it pads validation's), but every rank must run the same forwards, since the engine
+        all-gathers each block. Collective: every rank processes its dataloaders (before any may skip)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.ranks == 1 or trainer is None or trainer.state.fn != TrainerFn.PREDICTING:
+            return dataloader
+        try:
+            length: float = len(dataloader)  # type: ignore[arg-type]
+        except TypeError:
+            length = float("inf")  # an iterable dataset: the ranks' counts cannot be known in advance
+        counts: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(
+            counts, _parse_num_batches(RunningStage.PREDICTING, length, trainer.limit_predict_batches)
+        )
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"trainer.predict over {self.ranks} ranks: the ranks get {counts} batches (Lightning does not pad "
+                "prediction data), but every rank must run the same forwards with strategy='megatrain': give the "
+                f"ranks as many samples each (a number divisible by {self.ranks}), set limit_predict_batches, or "
+                "predict with devices=1"
+            )
+        return dataloader
 
     # -- device and precision ----------------------------------------------------------------------
     @property
@@ -196,7 +381,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         if self._device_arg is not None:
             return torch.device(self._device_arg)
         if self.parallel_devices:
-            return self.parallel_devices[0]
+            return self.parallel_devices[self.local_rank]
         if isinstance(self.accelerator, CUDAAccelerator):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -218,14 +403,12 @@ class MegatrainStrategy(SingleDeviceStrategy):
     def setup(self, trainer: Any) -> None:
         """Build the engine over the module (no ``model.to(device)``) and take the optimizer over."""
         assert self.accelerator is not None and self.lightning_module is not None
-        if self.parallel_devices and len(self.parallel_devices) > 1:
-            raise ValueError(
-                f"strategy='megatrain' trains on one device, got devices={self.parallel_devices}; "
-                "use Trainer(devices=1) (run several trainers for several GPUs, e.g. with ray_jobs)"
-            )
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.grad_hooks = gradient_hooks(trainer) if fitting else []
+        if self.ranks > 1:
+            self._refuse_options()
+            self._refuse_under_ranks(trainer)
         if fitting:
             self.setup_optimizers(trainer)
         plugin = self.precision_plugin
@@ -250,6 +433,44 @@ class MegatrainStrategy(SingleDeviceStrategy):
         # Weight averaging callbacks (EMA, SWA) read and write the module through the engine's host view.
         self._averaging = AveragingViews(trainer.callbacks, self.lightning_module, lambda: self.engine)
 
+    def _refuse_options(self) -> None:
+        """The strategy's options that the partitioned engine cannot honour, refused with several ranks."""
+        where = f"data parallel over {self.ranks} ranks (devices={self.num_processes}, num_nodes={self.num_nodes})"
+        if self._device_arg is not None:
+            raise ValueError(
+                f"MegatrainStrategy(device={str(self._device_arg)!r}) names one device, but {where} gives each rank "
+                "its own: leave device unset (choose the GPUs with Trainer(devices=[...]))"
+            )
+        if self.checkpoint_format == "torch":
+            raise ValueError(
+                f"checkpoint_format='torch' builds the whole model in one process, which no rank holds with {where}: "
+                "use checkpoint_format='sharded' (every rank writes its shards; `megatrain convert` makes a "
+                "single file of it)"
+            )
+
+    def _refuse_under_ranks(self, trainer: Any) -> None:
+        """What the Trainer brings that needs whole weights or gradients in one process, refused with several
+        ranks."""
+        where = f"data parallel over {self.ranks} ranks"
+        if self.grad_hooks:
+            raise ValueError(
+                f"{', '.join(self.grad_hooks)} read or edit gradients, which no rank holds whole with {where} "
+                "(each holds its shard): remove the hook (clipping needs none: gradient_clip_val), or train "
+                "with devices=1 and num_nodes=1"
+            )
+        averaging = [
+            type(cb).__name__
+            for cb in trainer.callbacks
+            if isinstance(cb, (WeightAveraging, StochasticWeightAveraging))
+        ]
+        if averaging:
+            raise ValueError(
+                f"{', '.join(averaging)} averages the whole model's weights, which no rank holds with {where}: "
+                "remove the callback, or train with devices=1 and num_nodes=1"
+            )
+        if self._layer_sync is not None:
+            raise ValueError(f"sync_batchnorm=True is not supported by strategy='megatrain' ({where}): remove it")
+
     def engine_config(self, trainer: Any, precision: str, fitting: bool) -> EngineConfig:
         """The engine's options: this strategy's, with what the Trainer says of the run."""
         clipping = bool(fitting and trainer.gradient_clip_val)
@@ -271,6 +492,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
             # The fp32 accumulator counts too; gradients visible to hooks live in it.
             accumulating=fitting and (_accumulates(trainer) or visible),
             clipping=clipping,
+            group=torch.distributed.group.WORLD if self.ranks > 1 else None,
         )
 
     def _single_optimizer(self) -> torch.optim.Optimizer:
@@ -295,7 +517,10 @@ class MegatrainStrategy(SingleDeviceStrategy):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        super().teardown()
+        if self.ranks > 1:
+            super().teardown()  # and the cluster environment's
+        else:
+            Strategy.teardown(self)  # as a single-device strategy: the environment is not this process's to touch
 
     # -- training hooks -------------------------------------------------------------------------
     @override
@@ -325,8 +550,12 @@ class MegatrainStrategy(SingleDeviceStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The fp32 masters. With several ranks, nothing: no rank holds whole weights, and each rank's shards
+        stream to the (sharded) checkpoint from the engine in :meth:`save_checkpoint`."""
         if self.engine is None:
             return super().lightning_module_state_dict()
+        if self.ranks > 1:
+            return {}
         return self.engine.master_state_dict()
 
     @override
@@ -342,7 +571,8 @@ class MegatrainStrategy(SingleDeviceStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Sharded: stream the host buffers unit by unit; Lightning's tensors in `checkpoint` are not used."""
+        """Sharded: stream the host buffers unit by unit; Lightning's tensors in `checkpoint` are not used.
+        With several ranks every rank calls the store (each writes its own shards), not rank 0 alone."""
         if self.checkpoint_format == "torch":
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.engine is None:
@@ -364,7 +594,7 @@ class MegatrainStrategy(SingleDeviceStrategy):
         options = storage_options if storage_options is not None else self.storage_options
         # A weight average a callback put in the state dict goes to the shards as the weights (as it goes to
         # Lightning's file); the masters it replaced are in the state too, as the callback left them.
-        weights = replaced_weights(self.engine, checkpoint.get("state_dict", {}))
+        weights = replaced_weights(self.engine, checkpoint.get("state_dict", {})) if self.ranks == 1 else None
         mt_checkpoint.save(
             self.engine,
             str(filepath),
@@ -380,9 +610,16 @@ class MegatrainStrategy(SingleDeviceStrategy):
         """A sharded checkpoint: its trainer state, checksummed and read by the restricted unpickler whatever
         `weights_only` says (:mod:`megatrain_lightning.checkpoint.trust`); a damaged one is explained, never
         handed to Lightning. A single file (``checkpoint_format="torch"``): Lightning's loader, with
-        ``weights_only=True`` unless the caller says False (so that no stored object runs code)."""
+        ``weights_only=True`` unless the caller says False (so that no stored object runs code); with several
+        ranks, refused (it holds whole weights, which no rank takes)."""
         path = str(checkpoint_path)
         if not mt_checkpoint.is_checkpoint(path, self.storage_options):
+            if self.ranks > 1:
+                raise ValueError(
+                    f"ckpt_path={path!r} is a single-file checkpoint, which data parallel over {self.ranks} ranks "
+                    "cannot load (no rank holds whole weights): resume from a sharded checkpoint, or load this one "
+                    "with devices=1 and num_nodes=1 and save a sharded one"
+                )
             return self._load_single_file(checkpoint_path, weights_only)
         state, index = mt_checkpoint.store.read_checkpoint(path, self.storage_options)
         state["megatrain_checkpoint"] = path
@@ -414,6 +651,9 @@ class MegatrainStrategy(SingleDeviceStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
+        """Rank 0 deletes (Lightning calls this on every rank)."""
+        if not self.is_global_zero:
+            return
         if mt_checkpoint.is_checkpoint(str(filepath), self.storage_options):
             mt_checkpoint.remove(str(filepath), self.storage_options)
         else:
