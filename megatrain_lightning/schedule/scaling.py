@@ -1,4 +1,4 @@
-"""Scaling of the data-parallel mode to come over the GPUs of one node, from the schedule model.
+"""Scaling of the data-parallel mode over the GPUs of one node, from the schedule model.
 
 Each row is :func:`~megatrain_lightning.schedule.modelled.modelled_step` of one rank (``ranks.py``):
 
