@@ -25,12 +25,13 @@ needs (it imports no Lightning):
      |- KeepPolicy (engine/recompute.py): which block calls keep their graph instead of a recompute
      |- HostSide (engine/host_steps.py): gradients to the host, accumulation, norms, Adam, the worker
      |- OuterParams (engine/outer.py): embedding, final norm, head: device copies rewritten after a step
+ |- Partition (engine/partition.py), data parallel only: this rank's shard of every unit, the collectives
 
 One host worker thread (engine/worker.py) does all host-side arithmetic, a unit's jobs in the order
 submitted and steps in the order the next forward needs them. A unit's ``future`` is its last job;
 nothing reads or overwrites a unit's buffers before that future and the copy events it waits on.
 
-Why one file of about 700 lines: it is the public API (each call a few lines) and the per-block streaming
+Why one file of about 950 lines: it is the public API (each call a few lines) and the per-block streaming
 (forward_block, backward_block, the slot loads they issue), which share the slot pool and the open calls of
 each block; the parts with state of their own live in the files named above.
 """
