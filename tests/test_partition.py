@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.streams import Streams
 from megatrain_lightning.optim.threads import rank_cpus, usable_cpus
 from tests.helpers import own_llama, own_loss
+from tests.s3_server import free_port
 
 ROWS, SEQ = 6, 16  # ROWS: the global batch, divisible by 2 and 3
 # optimizer steps, micro-batches per step, clip; "twice": each micro-batch's loss takes two forwards (the
@@ -220,16 +220,10 @@ def _tensors(state: dict) -> list[torch.Tensor]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.usefixtures("torch_adam")
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
-    mp.spawn(_rank, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
     for run in RUNS:
         params, reference = load_file(f"{tmp_path}/{run}.safetensors"), _train(run, world)[0]
         start = (own_llama(layers=3) if run != "tied" else _tied_llama()).state_dict()

@@ -22,7 +22,8 @@ from megatrain_lightning.checkpoint import ranks, store, stream
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine
 from tests.helpers import own_llama, own_loss
-from tests.test_partition import ROWS, _batches, _free_port, _optimizer
+from tests.s3_server import free_port
+from tests.test_partition import ROWS, _batches, _optimizer
 
 STEPS, SAVED = 4, 2  # optimizer steps of a run; the run is saved after the first SAVED of them
 
@@ -133,7 +134,7 @@ def test_a_checkpoint_moves_between_world_sizes_and_a_failed_save_keeps_the_last
     _train(model, engine, opt, range(SAVED), 1)
     engine.save(f"{out}/one.ckpt", {"step": SAVED})
     engine.close()
-    mp.spawn(_rank, args=(_free_port(), out), nprocs=3, join=True)
+    mp.spawn(_rank, args=(free_port(), out), nprocs=3, join=True)
 
     # The failed save: rank 1 raised its own error, rank 0 one naming rank 1; the marker and the data it
     # names are as the save before left them (the resume below reads and checksums them).

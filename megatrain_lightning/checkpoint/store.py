@@ -537,10 +537,7 @@ def _restore(
     pinned: dict | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> dict:
-    if pinned and "data" in pinned:
-        fs, vdir, index = _pinned_version(url, pinned, storage_options)
-    else:
-        fs, vdir, index = _index(url, storage_options)
+    fs, vdir, index = _version_to_restore(url, pinned, storage_options)
     _check_layout(engine, index, url, fs, vdir)
     if optimizer and not index["optimizer"]:
         raise CheckpointError(f"{url} holds weights only (save_weights_only=True); it cannot resume training")
@@ -554,6 +551,14 @@ def _restore(
     _restore_buffers(engine, fs, vdir, index)
     engine.refresh_from_masters()
     return index
+
+
+def _version_to_restore(url: str, pinned: dict | None, storage_options: dict[str, Any] | None) -> tuple:
+    """(filesystem, version directory, index) of the version a restore reads: the one `pinned` names (the
+    trainer state's), else the one the marker names now."""
+    if pinned and "data" in pinned:
+        return _pinned_version(url, pinned, storage_options)
+    return _index(url, storage_options)
 
 
 def _restore_ranks(
@@ -570,10 +575,7 @@ def _restore_ranks(
     doing, state = f"restoring {url}", "this engine's state is not restored"
     fs, vdir, index, error = None, "", {}, None
     try:
-        if pinned and "data" in pinned:
-            fs, vdir, index = _pinned_version(url, pinned, storage_options)
-        else:
-            fs, vdir, index = _index(url, storage_options)
+        fs, vdir, index = _version_to_restore(url, pinned, storage_options)
     except Exception as err:  # (told to every rank by the settle below)
         error = err
     ranks.settle(part, error, doing, state, tag=zlib.crc32(vdir.rsplit("/", 1)[-1].encode()))
