@@ -33,7 +33,7 @@ from typing import Any, Literal
 import lightning.pytorch as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 Format = Literal["auto", "text", "jsonl", "tokens"]
 TokenDtype = Literal["uint16", "uint32"]
@@ -269,13 +269,21 @@ class PackedWindows(Dataset):
         return torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(positions)
 
 
-class ResumableSampler(Sampler[int]):
-    """Indices in a per-epoch seeded order; after a resume, the first pass skips what was already seen."""
+class ResumableSampler(DistributedSampler):
+    """This rank's indices of a per-epoch seeded order; after a resume, the first pass skips what was already seen.
 
-    def __init__(self, num_samples: int, shuffle: bool, seed: int) -> None:
-        self.num_samples, self.shuffle, self.seed = num_samples, shuffle, seed
+    With W ranks (``num_replicas``) the epoch's order is cut to a multiple of W and rank r takes every W-th index
+    of it from position r, so every rank runs as many batches (the engine's ranks run each forward in lockstep).
+    With one rank that is the whole order. ``skip`` counts positions of the whole order (all ranks together), so a
+    position saved with W ranks resumes with any number of ranks that divides it. It is a ``DistributedSampler``
+    so that Lightning keeps it: the sampler Lightning would put in its place knows nothing of the resume offset.
+    """
+
+    def __init__(self, num_samples: int, shuffle: bool, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(range(num_samples), num_replicas, rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.windows = num_samples  # (the base class's num_samples is this rank's count)
         self.epoch = 0
-        self.skip = 0  # samples to skip at the start of the next pass (set by a resume)
+        self.skip = 0  # positions of the whole order to skip at the start of the next pass (set by a resume)
 
     def set_epoch(self, epoch: int) -> None:
         """Called by Lightning at each epoch start; a resume offset only holds for its own epoch."""
@@ -285,11 +293,11 @@ class ResumableSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
-            order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            order = torch.randperm(self.windows, generator=torch.Generator().manual_seed(self.seed + self.epoch))
         else:
-            order = torch.arange(self.num_samples)
+            order = torch.arange(self.windows)
         skip, self.skip = self.skip, 0
-        return iter(order[skip:].tolist())
+        return iter(order[skip : self.total_size][self.rank :: self.num_replicas].tolist())
 
     def __len__(self) -> int:
         return self.num_samples
@@ -299,7 +307,9 @@ class ResumableLoader(DataLoader):
     """A DataLoader whose position within the epoch survives a checkpoint.
 
     The count is kept where the training loop takes batches (not in the sampler), so batches that loader
-    workers prefetched but the loop never used are not counted as seen.
+    workers prefetched but the loop never used are not counted as seen. The state names the batches one rank
+    took and the number of ranks (every rank takes as many), so it resumes with another number of ranks when
+    the samples seen split into whole batches among them.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, sampler: ResumableSampler, **kwargs: Any) -> None:
@@ -307,7 +317,7 @@ class ResumableLoader(DataLoader):
         self.batches_taken = 0
 
     def __iter__(self) -> Iterator[Any]:
-        self.batches_taken = self.sampler.skip // self.batch_size
+        self.batches_taken = self.sampler.skip // (self.batch_size * self.sampler.num_replicas)
         for batch in super().__iter__():
             self.batches_taken += 1
             yield batch
@@ -317,18 +327,26 @@ class ResumableLoader(DataLoader):
             "epoch": self.sampler.epoch,
             "batches": self.batches_taken,
             "batch_size": self.batch_size,
-            "num_samples": self.sampler.num_samples,
+            "num_samples": self.sampler.windows,
+            "ranks": self.sampler.num_replicas,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        mine = (self.batch_size, self.sampler.num_samples)
+        mine = (self.batch_size, self.sampler.windows)
         if (state["batch_size"], state["num_samples"]) != mine:
             raise ValueError(
                 f"the checkpoint's data position is for batch_size={state['batch_size']} over {state['num_samples']} "
                 f"windows, but the data now has batch_size={mine[0]} over {mine[1]}: resume with the same data, "
                 "seq_len and batch_size"
             )
-        self.sampler.epoch, self.sampler.skip = state["epoch"], state["batches"] * self.batch_size
+        seen, ranks = state["batches"] * self.batch_size * state.get("ranks", 1), self.sampler.num_replicas
+        if seen % (self.batch_size * ranks):
+            raise ValueError(
+                f"the checkpoint stopped after {seen} samples of its epoch ({state.get('ranks', 1)} ranks), which do not "
+                f"split into whole batches of {self.batch_size} over {ranks} ranks: resume with "
+                f"{state.get('ranks', 1)} ranks (or a number of ranks that divides {seen // self.batch_size} batches)"
+            )
+        self.sampler.epoch, self.sampler.skip = state["epoch"], seen
 
 
 def _val_windows(total: int, fraction: float) -> int:
@@ -484,7 +502,9 @@ class TextDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> ResumableLoader:
         hp = self.hparams
-        sampler = ResumableSampler(len(self.train_set), hp.shuffle, hp.seed)
+        trainer = self.trainer  # ranks of a data-parallel run share the windows (none attached: one rank)
+        ranks, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        sampler = ResumableSampler(len(self.train_set), hp.shuffle, hp.seed, ranks, rank)
         return ResumableLoader(
             self.train_set, hp.batch_size, sampler, num_workers=hp.num_workers, pin_memory=torch.cuda.is_available()
         )

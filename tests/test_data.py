@@ -15,7 +15,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from megatrain_lightning.cli import run
-from megatrain_lightning.data import PackedWindows, ResumableLoader, TextDataModule, TokenFile, write_tokens
+from megatrain_lightning.data import (
+    PackedWindows,
+    ResumableLoader,
+    ResumableSampler,
+    TextDataModule,
+    TokenFile,
+    write_tokens,
+)
 from megatrain_lightning.module import CausalLMModule
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
@@ -196,6 +203,32 @@ def test_resume_mid_epoch_continues_with_the_next_batch(tmp_path):
     assert first.seen + rest.seen == whole.seen
     assert sorted(sum(whole.seen[:20], [])) == [8 * i for i in range(40)]  # an epoch visits every window once
     assert whole.seen[20:] != whole.seen[:6]  # the second epoch is shuffled anew
+
+
+def test_ranks_share_the_epoch_and_resume_with_another_number_of_ranks():
+    """W ranks take disjoint strided shares of the one-rank order (cut to a multiple of W, equal counts); a
+    position saved by 2 ranks resumes on 1 or 4 ranks at the same place of the order, and one that does not
+    split into whole batches is refused."""
+    dataset = list(range(21))
+
+    def loader(ranks: int, rank: int) -> ResumableLoader:
+        return ResumableLoader(dataset, 2, ResumableSampler(21, shuffle=True, seed=5, num_replicas=ranks, rank=rank))
+
+    order = [int(i) for b in loader(1, 0) for i in b]
+    shares = [[int(i) for b in loader(2, r) for i in b] for r in range(2)]
+    assert shares == [order[0:20:2], order[1:20:2]] and len(loader(2, 1)) == 5
+    saved = loader(2, 1)
+    it = iter(saved)
+    next(it), next(it)  # two batches of 2 on each of 2 ranks: 8 positions of the order seen
+    state = saved.state_dict()
+    one, four = loader(1, 0), loader(4, 3)
+    one.load_state_dict(state)
+    four.load_state_dict(state)
+    assert [int(i) for b in one for i in b] == order[8:20]
+    assert [int(i) for b in four for i in b] == order[8:20][3::4][:2] and four.state_dict()["batches"] == 2
+    three = loader(3, 0)
+    with pytest.raises(ValueError, match="resume with 2 ranks"):
+        three.load_state_dict(state)
 
 
 def test_loader_refuses_a_state_from_different_data(tmp_path):
