@@ -62,7 +62,11 @@ class BuildExtOpenMPFallback(build_ext):
 
 
 # configs/ (a directory of YAML files, no Python) installed as package data of megatrain_lightning.configs
-CONFIG_PACKAGES = {"megatrain_lightning.configs": "configs", "megatrain_lightning.configs.sweep": "configs/sweep"}
+CONFIG_PACKAGES = {
+    "megatrain_lightning.configs": "configs",
+    "megatrain_lightning.configs.sweep": "configs/sweep",
+    "megatrain_lightning.configs.run": "configs/run",
+}
 
 setup(
     packages=find_namespace_packages(include=["megatrain_lightning*", "ray_jobs*"]) + list(CONFIG_PACKAGES),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import pickle
 import random
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -122,6 +123,13 @@ class MegatrainStrategy(ParallelStrategy):
     own shards of a checkpoint and reads them back; only rank 0 deletes one. After fit every rank holds the
     whole trained model again, as after DDP. With one device and one node (the default on a machine with one
     GPU) there is no process group and no launcher.
+
+    Under Ray Train (a ``TorchTrainer`` worker, without ``prepare_trainer``): pass Ray's cluster environment,
+    ``Trainer(strategy="megatrain", plugins=[ray.train.lightning.RayLightningEnvironment()])``. Each worker is
+    one rank: the ranks are Ray's workers (``ScalingConfig(num_workers=...)``), the process group is the one
+    Ray set up, and each rank computes on ``ray.train.torch.get_device()`` (the Trainer's ``devices`` and
+    ``num_nodes`` are not used). Without that environment a worker of a run of several would train alone, so
+    setup refuses it (``ray_jobs/train.py`` runs such workers).
 
     Args:
         device: the compute device; by default the Trainer's device (the GPU when there is one; with several
@@ -252,7 +260,10 @@ class MegatrainStrategy(ParallelStrategy):
 
     @property
     def ranks(self) -> int:
-        """N x M, the data-parallel ranks the Trainer asks for (1: this process alone)."""
+        """N x M, the data-parallel ranks the Trainer asks for (1: this process alone); under Ray Train, the
+        run's workers."""
+        if _is_ray_environment(self.cluster_environment):
+            return self.cluster_environment.world_size()
         return self.num_nodes * self.num_processes
 
     @property
@@ -298,6 +309,7 @@ class MegatrainStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         """Several ranks: Lightning's script launcher (it starts this node's other ranks, unless torchrun or
         SLURM started them). One: no launcher."""
+        _check_ray_environment(self.cluster_environment)
         if self.ranks > 1:
             self._refuse_options()  # before any process starts
             assert self.cluster_environment is not None
@@ -385,6 +397,10 @@ class MegatrainStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         if self._device_arg is not None:
             return torch.device(self._device_arg)
+        if _is_ray_environment(self.cluster_environment):
+            from ray.train.torch import get_device
+
+            return get_device()
         if self.parallel_devices:
             return self.parallel_devices[self.local_rank]
         if isinstance(self.accelerator, CUDAAccelerator):
@@ -699,6 +715,31 @@ class MegatrainStrategy(ParallelStrategy):
 
 
 GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def _is_ray_environment(environment: Any) -> bool:
+    """Whether `environment` is Ray Train's (``RayLightningEnvironment``; told by its module, to import no Ray)."""
+    return environment is not None and type(environment).__module__.startswith("ray.")
+
+
+def _check_ray_environment(environment: Any) -> None:
+    """Refuse to run as one of several Ray Train workers without Ray's cluster environment: Lightning would find
+    none (Ray sets LOCAL_RANK but not what torchrun sets), take this process for a run of one, and every worker
+    would train alone, each on all the data."""
+    if _is_ray_environment(environment) or "ray.train" not in sys.modules:
+        return
+    try:
+        import ray.train
+
+        workers = ray.train.get_context().get_world_size()
+    except Exception:  # noqa: BLE001  (not in a Ray Train worker: no train context)
+        return
+    if workers > 1:
+        raise ValueError(
+            f"this process is one of {workers} Ray Train workers, but the Trainer's cluster environment is "
+            f"{type(environment).__name__}, so each worker would train alone: pass "
+            "Trainer(plugins=[ray.train.lightning.RayLightningEnvironment()]) to train them as one data-parallel run"
+        )
 
 
 def gradient_hooks(trainer: Any) -> list[str]:

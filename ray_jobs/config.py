@@ -290,6 +290,34 @@ class TrialStrategy:
 
 
 @dataclass(config=_SECTION)
+class Scaling:
+    """One run over several workers (Ray Train): each worker is one data-parallel rank of
+    ``Trainer(strategy="megatrain")``, the ranks together holding one copy of the host state."""
+
+    num_workers: Annotated[Int, Field(ge=1)]
+    """Workers (ranks) of the run, one device each; Ray places them on any nodes that have room."""
+    use_gpu: bool = True
+    """Each worker on a GPU (NCCL); false: on the CPU (gloo), for trying a run anywhere."""
+    cpus_per_worker: Annotated[Number, Field(gt=0)] = 1
+    """CPU cores Ray reserves per worker (its share of the host optimizer and data loading)."""
+    node_resource: Annotated[str, Field(min_length=1)] | None = None
+    """A custom node resource (e.g. `bigmem`) that only the big-memory nodes declare; None: no such filter."""
+    memory_headroom: Annotated[str, AfterValidator(_check_size)] = "4GiB"
+    """Host memory added to the planner's per-worker figure for the Python process, data and allocator slack."""
+
+
+def _check_scaled_trainer(base: dict[str, Any], where: str) -> None:
+    """With `scaling`, Ray decides the ranks and each worker's device: the trainer keys that would say otherwise
+    are refused."""
+    said = sorted(set(base.get("trainer") or {}) & {"devices", "num_nodes", "plugins", "accelerator"})
+    if said:
+        raise ValueError(
+            f"{where}base.trainer sets {said}, but with `scaling` Ray gives each of scaling.num_workers workers its "
+            "device (scaling.use_gpu) and cluster environment: remove them"
+        )
+
+
+@dataclass(config=_SECTION)
 class SweepConfig:
     name: Annotated[str, AfterValidator(_check_name)]
     """Sweep name: its directory under `storage` and Ray's experiment name."""
@@ -310,17 +338,72 @@ class SweepConfig:
     mode: Literal["min", "max"] = "min"
     resources: Resources = field(default_factory=Resources)
     strategy: TrialStrategy = field(default_factory=TrialStrategy)
+    scaling: Scaling | None = None
+    """Each trial a Ray Train run of `scaling.num_workers` workers (then `resources` is not used); None: each
+    trial one single-GPU trainer in one process, as `resources` says."""
 
     def __post_init__(self) -> None:
         """What the types above cannot say (each message names its key)."""
         self.base = _check_base(self.base)
+        if self.scaling is not None:
+            _check_scaled_trainer(self.base, "")
         self.search_space = {key: _check_sampler(key, spec) for key, spec in self.search_space.items()}
         self.scheduler = _check_scheduler(self.scheduler)
-        threads, cpus = self.strategy.host_threads, self.resources.cpus_per_trial
+        threads = self.strategy.host_threads
+        cpus, key = (
+            (self.scaling.cpus_per_worker, "scaling.cpus_per_worker")
+            if self.scaling is not None
+            else (self.resources.cpus_per_trial, "resources.cpus_per_trial")
+        )
         if threads is not None and threads > cpus:
             raise ValueError(
-                f"strategy.host_threads={threads} is more than the {cpus:g} cores Ray reserves per trial "
-                f"(resources.cpus_per_trial): raise cpus_per_trial to {threads} or lower host_threads"
+                f"strategy.host_threads={threads} is more than the {cpus:g} cores Ray reserves per "
+                f"{key.split('.')[0] == 'scaling' and 'worker' or 'trial'} ({key}): raise {key.split('.')[1]} to "
+                f"{threads} or lower host_threads"
+            )
+
+    @property
+    def root(self) -> str:
+        return f"{self.storage.rstrip('/')}/{self.name}"
+
+
+@dataclass(config=_SECTION)
+class TrainConfig:
+    """One run over several workers (``python -m ray_jobs.train``): a sweep file's keys for one trial.
+
+    ```yaml
+    name: tiny-dp                      # the run's directory under `storage`, and Ray Train's run name
+    storage: s3://bucket/runs          # any fsspec URL all nodes reach
+    base: {model: {model: tiny}, data: {path: "builtin:python-docs"}, trainer: {max_steps: 40}}
+    scaling: {num_workers: 2, use_gpu: true, cpus_per_worker: 8, node_resource: bigmem}
+    checkpoint_every: 100              # optimizer steps between checkpoints (and one at the end)
+    num_to_keep: 2                     # checkpoints kept in storage (Ray Train's CheckpointConfig)
+    failure_budget: 3                  # restarts of the workers (Ray Train's FailureConfig.max_failures)
+    strategy: {host_layout: default}
+    ```
+    """
+
+    name: Annotated[str, AfterValidator(_check_name)]
+    """The run's directory under `storage` and Ray Train's run name: resubmitting the same name resumes it."""
+    storage: str
+    """fsspec URL of shared storage (s3://..., or a directory every node mounts)."""
+    base: dict[str, Any]
+    """The training config: `model`, `data`, `trainer` sections as for `megatrain fit`, optional `seed`."""
+    scaling: Scaling
+    checkpoint_every: Annotated[Int, Field(ge=1)] = 100
+    num_to_keep: Annotated[Int, Field(ge=1)] = 2
+    failure_budget: Annotated[Int, Field(ge=0)] = 2
+    """Times the workers are restarted from the last checkpoint after one dies; beyond it the job fails."""
+    strategy: TrialStrategy = field(default_factory=TrialStrategy)
+
+    def __post_init__(self) -> None:
+        self.base = _check_base(self.base)
+        _check_scaled_trainer(self.base, "")
+        threads, cpus = self.strategy.host_threads, self.scaling.cpus_per_worker
+        if threads is not None and threads > cpus:
+            raise ValueError(
+                f"strategy.host_threads={threads} is more than the {cpus:g} cores Ray reserves per worker "
+                f"(scaling.cpus_per_worker): raise cpus_per_worker to {threads} or lower host_threads"
             )
 
     @property
@@ -329,6 +412,7 @@ class SweepConfig:
 
 
 _SWEEP = TypeAdapter(SweepConfig)
+_TRAIN = TypeAdapter(TrainConfig)
 
 
 # ---------------------------------------------------------------------------------------------- finding
@@ -348,8 +432,8 @@ def shipped_config_dirs() -> list[Path]:
     return list(dict.fromkeys(d for d in dirs if d.is_dir()))
 
 
-def resolve(config: str | Path) -> str:
-    """The sweep file `config` names: a URL as is; a path as given (absolute, or relative to the current
+def resolve(config: str | Path, kind: str = "sweep") -> str:
+    """The `kind` file (sweep, or run: see :class:`TrainConfig`) `config` names: a URL as is; a path as given (absolute, or relative to the current
     directory); else a relative path looked up among the shipped configs, with or without its leading
     `configs/` (so `configs/sweep/tiny-lr.yaml` works wherever the driver runs, e.g. in the head node's
     start directory when `ray job submit` has no `--working-dir`)."""
@@ -367,11 +451,11 @@ def resolve(config: str | Path) -> str:
             if candidate.is_file():
                 return str(candidate)
             tried.append(str(candidate))
-    shipped = sorted(f"configs/sweep/{p.name}" for d in shipped_config_dirs()[:1] for p in (d / "sweep").glob("*.yaml"))
+    shipped = sorted(f"configs/{kind}/{p.name}" for d in shipped_config_dirs()[:1] for p in (d / kind).glob("*.yaml"))
     raise SweepConfigError(
-        f"sweep config {text} not found (tried {', '.join(tried)}); pass a path that exists where the driver "
+        f"{kind} config {text} not found (tried {', '.join(tried)}); pass a path that exists where the driver "
         f"runs (`ray job submit --working-dir DIR` ships DIR there), a URL on shared storage, "
-        f"or a shipped sweep: {', '.join(shipped) or 'none found'}"
+        f"or a shipped {kind}: {', '.join(shipped) or 'none found'}"
     )
 
 
@@ -383,9 +467,11 @@ def is_shipped(path: str) -> bool:
 # ---------------------------------------------------------------------------------------------- loading
 
 
-def load(path: str | Path) -> SweepConfig:
-    """Read and check a sweep file (a path, see :func:`resolve`, or an fsspec URL)."""
-    where = resolve(path)
+def load(path: str | Path, schema: type = SweepConfig) -> Any:
+    """Read and check a sweep file, or with ``schema=TrainConfig`` a run file (a path, see :func:`resolve`, or an
+    fsspec URL)."""
+    kind = "run" if schema is TrainConfig else "sweep"
+    where = resolve(path, kind)
     try:
         if "://" in where:
             import fsspec
@@ -395,7 +481,7 @@ def load(path: str | Path) -> SweepConfig:
         else:
             text = Path(where).read_text()
     except Exception as err:  # noqa: BLE001  (any storage backend's error)
-        raise SweepConfigError(f"sweep config {where} cannot be read: {error_line(err)}") from None
+        raise SweepConfigError(f"{kind} config {where} cannot be read: {error_line(err)}") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
@@ -404,19 +490,22 @@ def load(path: str | Path) -> SweepConfig:
         raise SweepConfigError(
             f"{where}: not valid YAML{at}: {getattr(err, 'problem', None) or error_line(err)}"
         ) from None
-    return from_dict(raw if raw is not None else {}, where)
+    return from_dict(raw if raw is not None else {}, where, schema)
 
 
-def from_dict(raw: Any, where: str = "<sweep>") -> SweepConfig:
-    """A checked :class:`SweepConfig` from the parsed YAML mapping `raw`; `where` names it in errors. A key
-    left empty (None) takes its default."""
+def from_dict(raw: Any, where: str = "<sweep>", schema: type = SweepConfig) -> Any:
+    """A checked :class:`SweepConfig` (or `schema`) from the parsed YAML mapping `raw`; `where` names it in
+    errors. A key left empty (None) takes its default."""
     if not isinstance(raw, dict):
         got = type(raw).__name__
-        raise SweepConfigError(f"{where}: a sweep file is a mapping of keys (name, storage, base, ...), got {got}")
+        kind = "run" if schema is TrainConfig else "sweep"
+        raise SweepConfigError(f"{where}: a {kind} file is a mapping of keys (name, storage, base, ...), got {got}")
     try:
-        return _SWEEP.validate_python({k: v for k, v in raw.items() if v is not None})
+        return (_TRAIN if schema is TrainConfig else _SWEEP).validate_python(
+            {k: v for k, v in raw.items() if v is not None}
+        )
     except ValidationError as err:
-        raise SweepConfigError(f"{where}: {_describe(err.errors())}") from None
+        raise SweepConfigError(f"{where}: {_describe(err.errors(), schema)}") from None
 
 
 # Reported first, as a whole: a misspelt or missing key explains the errors that follow from it.
@@ -424,7 +513,7 @@ _FIRST = ("unexpected_keyword_argument", "missing")
 _PHRASES = {"greater_than_equal": "must be an integer >= {ge}", "greater_than": "must be a number above {gt}"}
 
 
-def _describe(errors: list[Any]) -> str:
+def _describe(errors: list[Any], schema: type = SweepConfig) -> str:
     """Pydantic's errors as one line: the first one's dotted key, its value and the fix."""
     errors = sorted(errors, key=lambda e: _FIRST.index(e["type"]) if e["type"] in _FIRST else len(_FIRST))
     first = errors[0]
@@ -439,7 +528,7 @@ def _describe(errors: list[Any]) -> str:
         keys = [e["loc"][-1] for e in errors if e["type"] == kind and e["loc"][:-1] == first["loc"][:-1]]
         if kind == "missing":
             return f"missing {keys} (see ray_jobs/config.py for a complete example)"
-        section = {"": SweepConfig, "resources": Resources, "strategy": TrialStrategy}[parent]
+        section = {"": schema, "resources": Resources, "strategy": TrialStrategy, "scaling": Scaling}[parent]
         known = [f.name for f in dataclasses.fields(section)]
         return f"{parent + ': ' if parent else ''}unknown keys {sorted(keys)}; known keys are {known}"
     phrase = _PHRASES.get(kind)
@@ -458,21 +547,32 @@ def error_line(err: BaseException) -> str:
 
 def as_dict(cfg: SweepConfig) -> dict[str, Any]:
     """The whole sweep file, defaults filled in, as plain YAML values (what `sweep.yaml` stores)."""
-    return yaml.safe_load(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    out = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    if out.get("scaling", True) is None:
+        del out["scaling"]  # a sweep of single-GPU trials: its record as before `scaling` existed
+    return out
 
 
-def changes(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+# Keys of `scaling` that say where a trial's or run's workers may run, not how many: they may change too.
+SCALING_MAY_CHANGE = ("scaling.use_gpu", "scaling.cpus_per_worker", "scaling.node_resource", "scaling.memory_headroom")
+# A run (not a sweep, whose Tune experiment keeps them) may also change these on resubmission.
+RUN_MAY_CHANGE = ("checkpoint_every", "num_to_keep", "failure_budget")
+
+
+def changes(stored: dict[str, Any], current: dict[str, Any], run: bool = False) -> list[str]:
     """What differs between a sweep's stored config and `current`, one `key: old -> new` per leaf.
 
     `name` and `storage` (where the sweep lives), `resources` (where its trials may run) and `strategy`
     (how much memory a trial needs; training is bit-identical across its options) may change, and do apply
     to resumed trials; anything else changes what the trials compute or how Ray schedules them, which
-    restoring the stored sweep would not honour.
+    restoring the stored sweep would not honour. Of `scaling`, the workers' resources may change, not their
+    number (it is the data-parallel world: each global batch is num_workers micro-batches). A `run` (:class:`TrainConfig`)
+    may also change :data:`RUN_MAY_CHANGE`, which Ray Train does not keep with the run.
     """
     a, b = _flatten(stored), _flatten(current)
     out = []
     for key in sorted(set(a) | set(b)):
-        if key.split(".", 1)[0] in RESTORE_MAY_CHANGE:
+        if key.split(".", 1)[0] in RESTORE_MAY_CHANGE or key in SCALING_MAY_CHANGE or (run and key in RUN_MAY_CHANGE):
             continue
         if key not in a:
             out.append(f"{key}: added ({b[key]!r})")

@@ -14,7 +14,7 @@ from typing import Any
 
 from megatrain_lightning.module import resolve_config
 from megatrain_lightning.planner import choose_tiers, format_size, parse_size, plan
-from ray_jobs.config import SweepConfig, apply
+from ray_jobs.config import SweepConfig, TrainConfig, apply
 
 Tier = tuple[str, bool]
 """(host layout, Adam on NVMe) of every trial, as the planner's :data:`~megatrain_lightning.planner.TIERS`."""
@@ -25,15 +25,18 @@ class SweepRefused(RuntimeError):
 
 
 def trial_resources(
-    cfg: SweepConfig, params: dict[str, Any] | None = None, tier: Tier | None = None
+    cfg: SweepConfig | TrainConfig, params: dict[str, Any] | None = None, tier: Tier | None = None
 ) -> dict[str, float]:
-    """{"GPU": 1, "CPU": n, "memory": bytes[, node_resource: 1]} for the base config with `params` applied.
+    """{"GPU": 1, "CPU": n, "memory": bytes[, node_resource: 1]} for the base config with `params` applied: what
+    one trial asks for, or with `scaling` one of its workers (no "GPU" when ``use_gpu`` is false).
 
     Host memory is the planner's figure for that model, sequence length, micro-batch, precision,
     clipping and the trials' `tier` (default: :func:`planned_tier` without a cluster, so "auto" counts as
     "default") plus the configured headroom; it is what lets Ray place trials only on nodes with enough
-    memory.
+    memory. A worker of a run of W holds 1/W of the host state (the data-parallel mode: the planner with W
+    nodes of one device each) beside its own buffers; workers Ray puts on one node each ask for their own.
     """
+    scaling = cfg.scaling
     layout, nvme = planned_tier(cfg) if tier is None else tier
     run = apply(cfg.base, params or {})
     model, data, trainer = run.get("model", {}), run.get("data", {}), run.get("trainer", {})
@@ -47,19 +50,23 @@ def trial_resources(
         host_layout=layout,
         nvme_dir=cfg.strategy.nvme_dir if nvme else None,
         clipping=bool(trainer.get("gradient_clip_val")),  # the lean layout then keeps each gradient until the step
+        nodes=scaling.num_workers if scaling is not None else 1,
     )
-    res = cfg.resources
+    res = scaling if scaling is not None else cfg.resources
+    gpus = (1.0 if scaling.use_gpu else 0.0) if scaling is not None else float(cfg.resources.gpus_per_trial)
     out = {
-        "GPU": float(res.gpus_per_trial),
-        "CPU": float(res.cpus_per_trial),
+        "GPU": gpus,
+        "CPU": float(scaling.cpus_per_worker if scaling is not None else cfg.resources.cpus_per_trial),
         "memory": float(p.host_total + parse_size(res.memory_headroom)),
     }
+    if not gpus:
+        del out["GPU"]
     if res.node_resource:
         out[res.node_resource] = 1.0
     return out
 
 
-def planned_tier(cfg: SweepConfig, nodes: list[dict[str, Any]] | None = None) -> Tier:
+def planned_tier(cfg: SweepConfig | TrainConfig, nodes: list[dict[str, Any]] | None = None) -> Tier:
     """(host layout, Adam on NVMe) every trial runs with. A layout the sweep names is used as given (on NVMe
     when `nvme_dir` is set). "auto" is the planner's own choice (:func:`~megatrain_lightning.planner.choose_tiers`)
     for the host memory of the largest alive node that offers everything else a trial asks for: the first of
@@ -81,12 +88,13 @@ def planned_tier(cfg: SweepConfig, nodes: list[dict[str, Any]] | None = None) ->
     return choose_tiers(request, st.host_layout, st.nvme_dir, host_mem)
 
 
-def strategy_options(cfg: SweepConfig, tier: Tier) -> dict[str, Any]:
+def strategy_options(cfg: SweepConfig | TrainConfig, tier: Tier) -> dict[str, Any]:
     """Keyword arguments of each trial's ``MegatrainStrategy``: the `tier`'s layout, `nvme_dir` when the tier
     puts Adam on NVMe, and `host_threads` (unset: cpus_per_trial minus one, at least 1; a trial caps it at
     its node's cores)."""
     layout, nvme = tier
-    threads = cfg.strategy.host_threads or max(1, int(cfg.resources.cpus_per_trial) - 1)
+    cpus = cfg.scaling.cpus_per_worker if cfg.scaling is not None else cfg.resources.cpus_per_trial
+    threads = cfg.strategy.host_threads or max(1, int(cpus) - 1)
     return {"host_layout": layout, "nvme_dir": cfg.strategy.nvme_dir if nvme else None, "host_threads": threads}
 
 
@@ -105,6 +113,32 @@ def check_fits(request: dict[str, float], nodes: list[dict[str, Any]]) -> None:
         "lean, or nvme_dir for the Adam moments), a smaller model, batch or sequence, or declare the custom node "
         "resource on the big-memory nodes."
     )
+
+
+def check_workers_fit(request: dict[str, float], workers: int, nodes: list[dict[str, Any]]) -> None:
+    """Raise :class:`SweepRefused`, naming every node's size, when the alive nodes together cannot hold `workers`
+    workers of `request` each (a node holds as many as each of its resources covers)."""
+    if workers == 1:
+        return check_fits(request, nodes)
+    alive = _alive(nodes)
+    fit = [_how_many(n, request) for n in alive]
+    if sum(fit) >= workers:
+        return None
+    sizes = "; ".join(
+        f"{n.get('NodeManagerAddress', '?')}: {_describe(n.get('Resources', {}))} ({k} workers)"
+        for n, k in zip(alive, fit)
+    )
+    raise SweepRefused(
+        f"{workers} workers each need {_describe(request)} (a node that runs k of them needs k times that), but the "
+        f"cluster's nodes hold {sum(fit)} (nodes: {sizes or 'none alive'}). Use nodes with more host memory (a worker "
+        "holds 1/num_workers of the state: more workers need less each), a leaner strategy (host_layout: lean, or "
+        "nvme_dir), fewer CPUs per worker, or add nodes."
+    )
+
+
+def _how_many(node: dict[str, Any], request: dict[str, float]) -> int:
+    have = node.get("Resources", {})
+    return min((int(have.get(k, 0.0) // v) for k, v in request.items() if v > 0), default=0)
 
 
 def _alive(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from ray_jobs.config import (
     RECORD,
     SweepConfig,
     SweepConfigError,
+    TrainConfig,
     as_dict,
     changes,
     error_line,
@@ -39,8 +40,11 @@ from ray_jobs.config import (
     param_space,
     resolve,
 )
-from ray_jobs.resources import SweepRefused, Tier, check_fits, planned_tier, strategy_options, trial_resources
-from ray_jobs.trial import tune_trainable
+from ray_jobs.resources import SweepRefused, Tier, check_workers_fit, planned_tier, strategy_options, trial_resources
+from ray_jobs.trial import CHECKPOINT, checkpoint_dir, tune_trainable
+
+TRIAL_CPU = 0.01
+"""CPU a trial of multi-worker trials asks for itself: it only drives its Ray Train run."""
 
 
 class SweepError(RuntimeError):
@@ -51,9 +55,14 @@ class SweepChanged(SweepError):
     """The sweep file differs from the one the stored sweep was started with."""
 
 
-def stored_config(cfg: SweepConfig) -> dict[str, Any] | None:
-    """The sweep file recorded in storage when this sweep started (`<root>/sweep.yaml`); None if none."""
-    url = f"{cfg.root}/{RECORD}"
+def record_url(cfg: SweepConfig | TrainConfig) -> str:
+    """Where the file a sweep (`<root>/sweep.yaml`) or a run (`<root>/run.yaml`) started with is stored."""
+    return f"{cfg.root}/{'run.yaml' if isinstance(cfg, TrainConfig) else RECORD}"
+
+
+def stored_config(cfg: SweepConfig | TrainConfig) -> dict[str, Any] | None:
+    """The sweep (or run) file recorded in storage when it started (:func:`record_url`); None if none."""
+    url = record_url(cfg)
     try:
         fs, path = fsspec.core.url_to_fs(url)
         if not fs.exists(path):
@@ -63,26 +72,27 @@ def stored_config(cfg: SweepConfig) -> dict[str, Any] | None:
         raise SweepError(f"storage {cfg.storage} cannot be read ({error_line(err)}); {_STORAGE_FIX}") from None
 
 
-def check_unchanged(cfg: SweepConfig) -> bool:
-    """Refuse (:class:`SweepChanged`) a sweep whose stored config differs; True when one is stored."""
+def check_unchanged(cfg: SweepConfig | TrainConfig) -> bool:
+    """Refuse (:class:`SweepChanged`) a sweep or run whose stored config differs; True when one is stored."""
     stored = stored_config(cfg)
     if stored is None:
         return False
-    diff = changes(stored, as_dict(cfg))
+    diff = changes(stored, as_dict(cfg), run=isinstance(cfg, TrainConfig))
     if diff:
+        kind = "run" if isinstance(cfg, TrainConfig) else "sweep"
         shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
         raise SweepChanged(
             f"{cfg.root} was started with another config ({shown}), and restoring it would "
-            f"not apply the edits: give the edited sweep a new `name` (or `storage`) to start it fresh, or "
-            f"resubmit with --config {cfg.root}/{RECORD} to continue the stored one"
+            f"not apply the edits: give the edited {kind} a new `name` (or `storage`) to start it fresh, or "
+            f"resubmit with --config {record_url(cfg)} to continue the stored one"
         )
     return True
 
 
-def record_config(cfg: SweepConfig) -> None:
-    """Store the sweep file as `<root>/sweep.yaml` (also proves the driver can write to storage)."""
+def record_config(cfg: SweepConfig | TrainConfig) -> None:
+    """Store the sweep (or run) file at :func:`record_url` (also proves the driver can write to storage)."""
     try:
-        fs, path = fsspec.core.url_to_fs(f"{cfg.root}/{RECORD}")
+        fs, path = fsspec.core.url_to_fs(record_url(cfg))
         if "file" in fs.protocol:  # a local directory must exist; object stores have none (and no bucket is created)
             fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         fs.pipe_file(path, yaml.safe_dump(as_dict(cfg), sort_keys=False).encode())
@@ -96,13 +106,13 @@ _STORAGE_FIX = (
 )
 
 
-def check_data_paths(cfg: SweepConfig) -> None:
+def check_data_paths(cfg: SweepConfig | TrainConfig) -> None:
     """Refuse local data paths (base.data and any data.* path the search space tries) that do not exist where
     the driver runs, before anything starts on the cluster: every trial reads them on its own node, so they
     belong on a mount all nodes share (a URL or builtin: corpus is left to the trials)."""
     data = cfg.base.get("data") or {}
     paths = [(f"base.data.{k}", data.get(k)) for k in ("path", "val_path", "tokenizer")]
-    for key, spec in cfg.search_space.items():
+    for key, spec in getattr(cfg, "search_space", {}).items():
         if key in ("data.path", "data.val_path", "data.tokenizer"):
             paths += [(f"search_space.{key}", v) for values in spec.values() for v in values]
     for key, path in paths:
@@ -137,6 +147,21 @@ def check_reachable(address: str | None, timeout: float) -> None:
         ) from None
 
 
+def connect(address: str | None, timeout: float) -> list[dict[str, Any]]:
+    """Join the Ray cluster at `address` (probed first: :func:`check_reachable`); its nodes (``ray.nodes()``)."""
+    check_reachable(address, timeout)
+    import ray
+
+    try:
+        ray.init(address=address or "auto", ignore_reinit_error=True)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        raise SweepError(
+            f"no Ray cluster at {address or 'auto'} ({error_line(err)}); start one with `ray start --head` "
+            "and submit with `ray job submit`, or pass --address HEAD:6379"
+        ) from None
+    return ray.nodes()
+
+
 def build_tuner(cfg: SweepConfig, tier: Tier | None = None) -> Any:
     """A new Tuner, or the restored one when this sweep's experiment already exists in storage. Every trial
     runs with `tier` (default: :func:`planned_tier` without a cluster); a restored sweep takes the current
@@ -144,10 +169,15 @@ def build_tuner(cfg: SweepConfig, tier: Tier | None = None) -> Any:
     from ray import tune
 
     tier = planned_tier(cfg) if tier is None else tier
-    trainable = tune.with_resources(
-        tune_trainable(cfg.root, cfg.base, cfg.checkpoint_every, strategy_options(cfg, tier)),
-        trial_resources(cfg, tier=tier),
-    )
+    request = trial_resources(cfg, tier=tier)
+    if cfg.scaling is None:
+        trainable = tune.with_resources(
+            tune_trainable(cfg.root, cfg.base, cfg.checkpoint_every, strategy_options(cfg, tier)), request
+        )
+    else:  # the trial only drives its Ray Train run (a sliver of a CPU: Ray needs some); the workers ask for theirs
+        trainable = tune.with_resources(
+            tune_trainable(cfg.root, cfg.base, cfg.checkpoint_every, scaled=(cfg, request, tier)), {"CPU": TRIAL_CPU}
+        )
     if tune.Tuner.can_restore(cfg.root):
         print(f"restoring sweep {cfg.name} from {cfg.root}: finished trials are kept, the others resume", flush=True)
         return tune.Tuner.restore(cfg.root, trainable, resume_unfinished=True, resume_errored=True)
@@ -188,11 +218,19 @@ def results_table(cfg: SweepConfig, results: Any) -> list[dict[str, Any]]:
             {
                 f"best_{cfg.metric}": best,
                 "status": "error" if result.error else "ok",
-                "checkpoint": f"{cfg.root}/trials/{trial_id}/checkpoints/last.ckpt",
+                "checkpoint": f"{cfg.root}/trials/{trial_id}/{_final_checkpoint(cfg, result)}",
             }
         )
         rows.append(row)
     return rows
+
+
+def _final_checkpoint(cfg: SweepConfig, result: Any) -> str:
+    """Where a trial's final checkpoint is, within its directory (a Ray Train run's: the last step's)."""
+    if cfg.scaling is None:
+        return "checkpoints/last.ckpt"
+    step = int((result.metrics or {}).get("step", 0))
+    return f"{checkpoint_dir(step)}/{CHECKPOINT}"
 
 
 def write_table(cfg: SweepConfig, rows: list[dict[str, Any]]) -> str:
@@ -249,17 +287,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SweepConfigError(f"{path}: cannot size a trial: {err}") from None
     check_data_paths(cfg)
     recorded = check_unchanged(cfg)  # before anything touches the cluster
-    check_reachable(args.address, args.connect_timeout)
-    import ray
-
-    try:
-        ray.init(address=args.address or "auto", ignore_reinit_error=True)
-    except (ConnectionError, RuntimeError, ValueError) as err:
-        raise SweepError(
-            f"no Ray cluster at {args.address or 'auto'} ({error_line(err)}); start one with `ray start --head` "
-            "and submit with `ray job submit`, or pass --address HEAD:6379"
-        ) from None
-    nodes = ray.nodes()
+    nodes = connect(args.address, args.connect_timeout)
     tier = planned_tier(cfg, nodes)
     if cfg.strategy.host_layout == "auto":
         request = trial_resources(cfg, tier=tier)
@@ -269,7 +297,7 @@ def _run(args: argparse.Namespace) -> int:
             flush=True,
         )
     try:
-        check_fits(request, nodes)
+        check_workers_fit(request, cfg.scaling.num_workers if cfg.scaling else 1, nodes)
     except SweepRefused as err:
         print(f"sweep {cfg.name} refused: {err}", file=sys.stderr, flush=True)
         return 2

@@ -31,6 +31,12 @@ from megatrain_lightning.optim.threads import usable_cpus
 from megatrain_lightning.strategy import MegatrainStrategy
 
 Report = Callable[[dict[str, Any]], None]
+CHECKPOINT = "model.ckpt"  # a Ray Train run's checkpoint name inside each reported directory (ray_jobs/train.py)
+
+
+def checkpoint_dir(step: int) -> str:
+    """A Ray Train run's reported directory of its checkpoint at optimizer step `step`, within the run's."""
+    return f"checkpoints/step-{step:08d}"
 
 
 class _Report(Callback):
@@ -56,11 +62,12 @@ class _FinalCheckpoint(Callback):
         trainer.save_checkpoint(self.path)
 
 
-class _Attempt(Callback):
-    """Records where each attempt of the trial started (after any resume)."""
+class Attempt(Callback):
+    """Records where each attempt of the trial started (after any resume); with `rank`, of that rank of a run of
+    several workers (``<time_ns>-rank<r>.json``, which also holds the rank)."""
 
-    def __init__(self, trial_dir: str) -> None:
-        self.trial_dir = trial_dir
+    def __init__(self, trial_dir: str, rank: int | None = None) -> None:
+        self.trial_dir, self.rank = trial_dir, rank
         self.recorded = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -70,8 +77,11 @@ class _Attempt(Callback):
         self.recorded = True
         fs, root = fsspec.core.url_to_fs(f"{self.trial_dir}/attempts")
         record = {"pid": os.getpid(), "start_step": trainer.global_step, "time": time.time()}
+        name = f"{time.time_ns()}"
+        if self.rank is not None:
+            record["rank"], name = self.rank, f"{name}-rank{self.rank}"
         fs.makedirs(root, exist_ok=True)  # a local directory must exist; object stores have none
-        fs.pipe_file(f"{root}/{time.time_ns()}.json", json.dumps(record).encode())
+        fs.pipe_file(f"{root}/{name}.json", json.dumps(record).encode())
 
 
 def trial_strategy(options: dict[str, Any] | None, trial_dir: str) -> MegatrainStrategy:
@@ -119,7 +129,7 @@ def run_trial(
     data = TextDataModule(**run.get("data", {"path": "builtin:python-docs"}))
     ckpt_dir = f"{trial_dir}/checkpoints"
     last = f"{ckpt_dir}/last.ckpt"
-    attempt = _Attempt(trial_dir)
+    attempt = Attempt(trial_dir)
     callbacks: list[Callback] = [
         ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=checkpoint_every),
         attempt,
@@ -155,18 +165,34 @@ def resume_from(last: str) -> str | None:
 
 
 def tune_trainable(
-    root: str, base: dict[str, Any], checkpoint_every: int, strategy: dict[str, Any] | None = None
+    root: str,
+    base: dict[str, Any],
+    checkpoint_every: int,
+    strategy: dict[str, Any] | None = None,
+    scaled: tuple[Any, dict[str, float], Any] | None = None,
 ) -> Callable[[dict[str, Any]], None]:
     """The Ray Tune function trainable for a sweep rooted at `root` with base config `base`, each trial with
-    ``MegatrainStrategy(**strategy)``."""
+    ``MegatrainStrategy(**strategy)``. With `scaled` = (sweep config, request per worker, tier), each trial is a
+    Ray Train run of ``scaling.num_workers`` workers (ray_jobs/train.py) named by the trial id under
+    ``<root>/trials``, so its directory is the trial's, and a retried or restored trial resumes from the run's
+    last reported checkpoint; Tune gets each validation's metrics, and the final ones."""
 
     def trainable(params: dict[str, Any]) -> None:
         from ray import tune
 
         from ray_jobs.config import apply
 
-        trial_dir = f"{root}/trials/{tune.get_context().get_trial_id()}"
-        final = run_trial(apply(base, params), trial_dir, checkpoint_every, report=tune.report, strategy=strategy)
+        trial_id = tune.get_context().get_trial_id()
+        if scaled is not None:
+            from ray_jobs.train import absolute_data_paths, torch_trainer, validations_to_tune
+
+            cfg, request, tier = scaled
+            run = absolute_data_paths(apply(base, params))
+            trainer = torch_trainer(run, trial_id, f"{root}/trials", cfg, request, tier, [validations_to_tune()])
+            final = trainer.fit().metrics
+        else:
+            trial_dir = f"{root}/trials/{trial_id}"
+            final = run_trial(apply(base, params), trial_dir, checkpoint_every, report=tune.report, strategy=strategy)
         tune.report({**final, "done": True})
 
     return trainable

@@ -257,9 +257,9 @@ def test_numbers_written_like_1e_5_are_numbers(tmp_path):
 
 
 def test_attempt_files_are_named_by_start_time_as_documented(tmp_path):
-    from ray_jobs.trial import _Attempt
+    from ray_jobs.trial import Attempt
 
-    attempt = _Attempt(str(tmp_path / "trial"))
+    attempt = Attempt(str(tmp_path / "trial"))
     for step in (0, 10):
         attempt.on_train_start(types.SimpleNamespace(global_step=step), None)
     files = sorted((tmp_path / "trial" / "attempts").iterdir())

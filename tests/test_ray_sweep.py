@@ -6,17 +6,15 @@ Jobs are submitted without `--working-dir`, running the installed package: two R
 share one session directory, and the second node unpacking a job's working_dir replaces the directory
 the driver runs in. Nodes of a real cluster each unpack into their own; both modes are documented.
 
-The cluster keeps its files (Ray's session directory, and the temporary files of every process it
-starts: job drivers, trials) in a private temporary directory, removed when the module's tests end.
+The cluster (tests/ray_cluster.py) keeps its files in a private temporary directory, removed when the module's
+tests end.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +22,8 @@ import fsspec
 import pytest
 import yaml
 
-from tests.s3_server import free_port
+from tests.ray_cluster import local_cluster, wait_job, wait_job_running
+from tests.ray_cluster import submit as submit_job
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -64,37 +63,9 @@ def sweep_yaml(
 
 @pytest.fixture(scope="module")
 def cluster(s3_env):
-    """Two Ray nodes, each declaring 1 CPU, 1 (logical) GPU and 3 GiB of memory; the dashboard takes jobs.
-
-    TMPDIR points at a private directory while the cluster runs: Ray puts its session directory in
-    $TMPDIR/ray, and the processes it starts inherit TMPDIR. The directory is short (Ray's socket paths
-    under it must stay below 108 bytes) and removed at the end."""
-    from ray.cluster_utils import Cluster
-
-    tmp = tempfile.mkdtemp(prefix="mt-ray-")
-    port = free_port()
-    head = dict(
-        num_cpus=1,
-        num_gpus=1,
-        memory=3 * 2**30,
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        dashboard_port=port,
-    )
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TMPDIR", tmp)
-            mp.setattr(tempfile, "tempdir", None)  # this process's own temporary files follow TMPDIR too
-            c = Cluster(initialize_head=True, head_node_args=head)
-            try:
-                c.add_node(num_cpus=1, num_gpus=1, memory=3 * 2**30)
-                c.wait_for_nodes()
-                yield c, f"http://127.0.0.1:{port}", tmp
-            finally:
-                ray.shutdown()
-                c.shutdown()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Two Ray nodes, each declaring 1 CPU, 1 (logical) GPU and 3 GiB of memory (tests/ray_cluster.py)."""
+    with local_cluster(num_gpus=1) as c:
+        yield c
 
 
 def test_cluster_keeps_its_files_in_its_private_temp_dir(cluster):
@@ -104,20 +75,7 @@ def test_cluster_keeps_its_files_in_its_private_temp_dir(cluster):
 
 
 def submit(dashboard: str, config: str, s3_env: dict) -> tuple[object, str]:
-    from ray.job_submission import JobSubmissionClient
-
-    client = JobSubmissionClient(dashboard)
-    env = {**s3_env, "MEGATRAIN_CPU_ADAM": "torch", "TUNE_GLOBAL_CHECKPOINT_S": "1"}
-    job = client.submit_job(entrypoint=f"python -m ray_jobs.sweep --config {config}", runtime_env={"env_vars": env})
-    return client, job
-
-
-def wait_job(client, job: str, timeout: float = 420) -> str:
-    deadline = time.monotonic() + timeout
-    while (status := str(client.get_job_status(job)).rsplit(".", 1)[-1]) not in ("SUCCEEDED", "FAILED", "STOPPED"):
-        assert time.monotonic() < deadline, client.get_job_logs(job)[-3000:]
-        time.sleep(1)
-    return status
+    return submit_job(dashboard, f"python -m ray_jobs.sweep --config {config}", s3_env)
 
 
 def s3() -> fsspec.AbstractFileSystem:
@@ -194,10 +152,6 @@ def recorded_statuses(name: str) -> list[str]:
     if not states:
         return []
     return [json.loads(trial)["status"] for trial, _ in json.loads(fs.cat_file(states[-1]))["trial_data"]]
-
-
-def wait_job_running(client, job: str) -> bool:
-    return str(client.get_job_status(job)).rsplit(".", 1)[-1] in ("PENDING", "RUNNING")
 
 
 def final_masters(url: str) -> list[bytes]:

@@ -1,0 +1,72 @@
+"""A local Ray cluster for the Ray tests: two nodes on this machine, the dashboard taking job submissions.
+
+The cluster keeps its files (Ray's session directory, and the temporary files of every process it starts:
+job drivers, trials, workers) in a private temporary directory, removed when the cluster stops: TMPDIR points
+there while the cluster runs (Ray puts its session directory in $TMPDIR/ray, and the processes it starts
+inherit TMPDIR). The directory is short: Ray's socket paths under it must stay below 108 bytes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from tests.s3_server import free_port
+
+
+@contextmanager
+def local_cluster(num_gpus: int = 1) -> Iterator[tuple[object, str, str]]:
+    """Two Ray nodes, each declaring 1 CPU, `num_gpus` (logical) GPUs and 3 GiB of memory; yields the cluster,
+    the dashboard's URL and the private temporary directory."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    tmp = tempfile.mkdtemp(prefix="mt-ray-")
+    port = free_port()
+    node = dict(num_cpus=1, num_gpus=num_gpus, memory=3 * 2**30)
+    head = dict(node, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TMPDIR", tmp)
+            mp.setattr(tempfile, "tempdir", None)  # this process's own temporary files follow TMPDIR too
+            c = Cluster(initialize_head=True, head_node_args=head)
+            try:
+                c.add_node(**node)
+                c.wait_for_nodes()
+                yield c, f"http://127.0.0.1:{port}", tmp
+            finally:
+                ray.shutdown()
+                c.shutdown()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def submit(dashboard: str, entrypoint: str, s3_env: dict) -> tuple[object, str]:
+    """Submit `entrypoint` as a job (the torch optimizer backend: bitwise comparable runs); (client, job id)."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(dashboard)
+    env = {**s3_env, "MEGATRAIN_CPU_ADAM": "torch", "TUNE_GLOBAL_CHECKPOINT_S": "1"}
+    return client, client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env})
+
+
+def job_status(client, job: str) -> str:
+    return str(client.get_job_status(job)).rsplit(".", 1)[-1]
+
+
+def wait_job(client, job: str, timeout: float = 420) -> str:
+    """The job's final status (SUCCEEDED, FAILED, STOPPED); fails the test, with the log's tail, after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while (status := job_status(client, job)) not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        assert time.monotonic() < deadline, client.get_job_logs(job)[-3000:]
+        time.sleep(1)
+    return status
+
+
+def wait_job_running(client, job: str) -> bool:
+    return job_status(client, job) in ("PENDING", "RUNNING")
