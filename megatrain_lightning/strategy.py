@@ -726,12 +726,11 @@ def _check_ray_environment(environment: Any) -> None:
     """Refuse to run as one of several Ray Train workers without Ray's cluster environment: Lightning would find
     none (Ray sets LOCAL_RANK but not what torchrun sets), take this process for a run of one, and every worker
     would train alone, each on all the data."""
-    if _is_ray_environment(environment) or "ray.train" not in sys.modules:
+    train = sys.modules.get("ray.train")  # (a Ray Train worker has imported it; nothing else is imported here)
+    if _is_ray_environment(environment) or train is None:
         return
     try:
-        import ray.train
-
-        workers = ray.train.get_context().get_world_size()
+        workers = train.get_context().get_world_size()
     except Exception:  # noqa: BLE001  (not in a Ray Train worker: no train context)
         return
     if workers > 1:

@@ -24,7 +24,7 @@ that differs from the one it was started with (other than in `strategy`, the res
 Rank 0 prints the step, its micro-batch loss and the run's tokens per second every ``log_every_n_steps``
 (the job's log); each report carries them with the validation metrics, which the job prints at the end
 (Ray's ``Result.metrics``) and writes to ``<storage>/<name>/result.json``. Every worker that starts training
-leaves ``attempts/<time_ns>-rank<r>.json`` (``pid``, ``rank``, ``start_step``, ``time``).
+leaves ``attempts/<time_ns>-rank<r>.json`` (``pid``, ``rank``, ``ranks``, ``start_step``, ``time``).
 """
 
 from __future__ import annotations

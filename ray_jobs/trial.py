@@ -64,7 +64,7 @@ class _FinalCheckpoint(Callback):
 
 class Attempt(Callback):
     """Records where each attempt of the trial started (after any resume); with `rank`, of that rank of a run of
-    several workers (``<time_ns>-rank<r>.json``, which also holds the rank)."""
+    several workers (``<time_ns>-rank<r>.json``, which also holds the rank and the number of ranks)."""
 
     def __init__(self, trial_dir: str, rank: int | None = None) -> None:
         self.trial_dir, self.rank = trial_dir, rank
@@ -79,7 +79,8 @@ class Attempt(Callback):
         record = {"pid": os.getpid(), "start_step": trainer.global_step, "time": time.time()}
         name = f"{time.time_ns()}"
         if self.rank is not None:
-            record["rank"], name = self.rank, f"{name}-rank{self.rank}"
+            record.update(rank=self.rank, ranks=trainer.world_size)  # ranks: the strategy's, Ray's workers
+            name = f"{name}-rank{self.rank}"
         fs.makedirs(root, exist_ok=True)  # a local directory must exist; object stores have none
         fs.pipe_file(f"{root}/{name}.json", json.dumps(record).encode())
 

@@ -581,3 +581,112 @@ def test_a_trial_trains_with_its_strategy(tmp_path, monkeypatch):
     (layout, tier, scratch) = used[0]
     assert layout == "lean" and tier and len(scratch) == 1
     assert list(drive.iterdir()) == []  # the trial's directory went with the engine's scratch
+
+
+# ------------------------------------------------------------------- one run over several workers (Ray Train)
+
+
+def run_cfg(**overrides):
+    from ray_jobs.config import TrainConfig, from_dict
+
+    raw = {"name": "run", "storage": "/tmp/runs", "base": BASE, "scaling": {"num_workers": 4}}
+    raw.update(overrides)
+    return from_dict(raw, "run.yaml", TrainConfig)
+
+
+def test_shipped_runs_pass_the_checks_and_the_docstring_example_parses():
+    from ray_jobs.config import TrainConfig
+
+    shipped = sorted((REPO / "configs/run").glob("*.yaml"))
+    assert {"llama-70b-dp.yaml", "tiny-dp.yaml"} <= {p.name for p in shipped}, shipped
+    for path in shipped:
+        assert load(path, TrainConfig).scaling.num_workers >= 2
+    doc = TrainConfig.__doc__.split("```yaml")[1].split("```")[0]
+    assert config_mod.from_dict(yaml.safe_load(doc), "TrainConfig", TrainConfig).scaling.num_workers == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"scaling": None}, "run.yaml: missing ['scaling']"),
+        ({"scaling": {"num_workers": 0}}, "scaling.num_workers=0 must be an integer >= 1"),
+        ({"scaling": {"num_workers": 2, "gpus": 1}}, "scaling: unknown keys ['gpus']; known keys are ['num_workers',"),
+        ({"search_space": {}}, "unknown keys ['search_space']"),
+        (
+            {"base": {**BASE, "trainer": {"devices": 2}}},
+            "base.trainer sets ['devices'], but with `scaling` Ray gives each of scaling.num_workers workers",
+        ),
+        (
+            {"strategy": {"host_threads": 4}, "scaling": {"num_workers": 2, "cpus_per_worker": 2}},
+            "more than the 2 cores Ray reserves per worker (scaling.cpus_per_worker): raise cpus_per_worker to 4",
+        ),
+    ],
+    ids=["no-scaling", "no-workers", "unknown-key", "sweep-key", "devices", "threads"],
+)
+def test_bad_run_file_is_one_line_naming_the_key(overrides, expected):
+    with pytest.raises(SweepConfigError) as err:
+        run_cfg(**overrides)  # (a key given as None is left out: `scaling: None` is a run file without it)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_worker_asks_for_its_share_of_the_host_state():
+    """A worker of W asks for the planner's figure for one rank of W (W nodes of one device), which shrinks
+    with W; without a GPU none is asked for."""
+    from megatrain_lightning.module import resolve_config
+    from megatrain_lightning.planner import parse_size, plan
+    from ray_jobs.resources import trial_resources
+
+    base = {**BASE, "model": {"model": "llama-3.2-1b"}}
+    asked = {}
+    for workers in (1, 2, 8):
+        cfg = run_cfg(base=base, scaling={"num_workers": workers, "cpus_per_worker": 3, "node_resource": "bigmem"})
+        asked[workers] = trial_resources(cfg)
+        expected = plan(resolve_config("llama-3.2-1b"), seq_len=64, micro_batch=8, precision="32-true", nodes=workers)
+        assert asked[workers]["memory"] == expected.host_total + parse_size("4GiB")
+        assert {k: v for k, v in asked[workers].items() if k != "memory"} == {"GPU": 1.0, "CPU": 3.0, "bigmem": 1.0}
+    assert asked[1]["memory"] > asked[2]["memory"] > asked[8]["memory"]
+    cpu = run_cfg(base=base, scaling={"num_workers": 2, "use_gpu": False})
+    assert "GPU" not in trial_resources(cpu)
+
+
+def test_workers_are_counted_over_all_nodes_before_the_run_starts():
+    from ray_jobs.resources import SweepRefused, check_workers_fit
+
+    gib = 2**30
+    request = {"CPU": 4.0, "GPU": 1.0, "memory": 100.0 * gib}
+    nodes = [_node(250.0 * gib, gpu=8), _node(150.0 * gib, gpu=8)]
+    nodes.append({"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0, "memory": 1e15}})
+    check_workers_fit(request, 3, nodes)  # 2 on the first node (by memory; 8 CPUs), 1 on the second
+    nodes[0]["Resources"]["GPU"] = 1.0
+    with pytest.raises(SweepRefused) as err:
+        check_workers_fit(request, 3, nodes)  # 1 + 1 in all; the dead node counts for nothing
+    assert "3 workers each need CPU 4, GPU 1, memory 100.0 GiB" in str(err.value) and "hold 2" in str(err.value)
+    assert "memory 250.0 GiB (1 workers)" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_resubmitted_run_may_change_where_it_runs_not_what_it_computes():
+    stored = as_dict(run_cfg())
+    moved = as_dict(
+        run_cfg(scaling={"num_workers": 4, "cpus_per_worker": 8, "memory_headroom": "16GiB"}, num_to_keep=5)
+    )
+    assert changes(stored, moved, run=True) == []
+    assert changes(stored, as_dict(run_cfg(scaling={"num_workers": 8})), run=True) == ["scaling.num_workers: 4 -> 8"]
+    assert changes(stored, moved) == ["num_to_keep: 2 -> 5"]  # a sweep's Tune experiment keeps what it started with
+    assert "scaling" not in as_dict(load(sweep_file(Path(tempfile.mkdtemp()))))  # a sweep's record as before
+
+
+def test_a_trainer_in_a_ray_train_worker_without_rays_environment_is_refused(monkeypatch):
+    """Lightning finds no cluster environment under Ray Train (Ray sets LOCAL_RANK, not what torchrun sets) and
+    would take each worker for a run of one: the strategy refuses that in one line."""
+    import lightning.pytorch as L
+
+    context = types.SimpleNamespace(get_world_size=lambda: 2)
+    monkeypatch.setitem(__import__("sys").modules, "ray.train", types.SimpleNamespace(get_context=lambda: context))
+    with pytest.raises(
+        ValueError,
+        match=r"one of 2 Ray Train workers, but the Trainer's cluster environment is "
+        r"LightningEnvironment.*RayLightningEnvironment\(\)",
+    ):
+        L.Trainer(strategy="megatrain", accelerator="cpu", devices=1, logger=False)
+    context.get_world_size = lambda: 1  # a run of one worker trains alone anyway
+    L.Trainer(strategy="megatrain", accelerator="cpu", devices=1, logger=False)
