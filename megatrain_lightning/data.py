@@ -19,7 +19,13 @@ by default into bytes (vocabulary 256, byte 0 as end-of-text), which needs no do
 
 The training loader is resumable mid-epoch: Lightning saves and restores the state of any train loader
 exposing ``state_dict``/``load_state_dict``, and :class:`ResumableLoader` records how many batches the
-training loop has taken, so a run resumed from a checkpoint continues with the very next batch.
+training loop has taken, so a run resumed from a checkpoint continues with the very next batch; with several
+ranks each takes its share of the epoch's order, and the position resumes on another number of ranks that
+divides it.
+
+Why one file of about 500 lines: it is the path from files to batches (formats, tokenizing, packing, the
+validation split, the resumable order, the data module), each step a short function or class the next one
+calls; split, a reader would follow one batch through several modules.
 """
 
 from __future__ import annotations

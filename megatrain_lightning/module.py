@@ -178,7 +178,8 @@ class CausalLMModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True)
+        # sync_dist: with several ranks, each validates its share and val_loss is the mean over ranks (one rank: as is)
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
     def _loss(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
         """Mean loss of ``(inputs, targets)`` or ``(inputs, targets, position_ids)`` (packed documents)."""

@@ -91,10 +91,14 @@ def planned_tier(cfg: SweepConfig | TrainConfig, nodes: list[dict[str, Any]] | N
 def strategy_options(cfg: SweepConfig | TrainConfig, tier: Tier) -> dict[str, Any]:
     """Keyword arguments of each trial's ``MegatrainStrategy``: the `tier`'s layout, `nvme_dir` when the tier
     puts Adam on NVMe, and `host_threads` (unset: cpus_per_trial minus one, at least 1; a trial caps it at
-    its node's cores)."""
+    its node's cores). A worker of a run of several (`scaling`) gets `host_threads` only when the file sets
+    it: unset, the engine takes the worker's share of its node's cores (split among the ranks Ray put there,
+    which it sees, where the driver does not) minus one."""
     layout, nvme = tier
-    cpus = cfg.scaling.cpus_per_worker if cfg.scaling is not None else cfg.resources.cpus_per_trial
-    threads = cfg.strategy.host_threads or max(1, int(cpus) - 1)
+    if cfg.scaling is not None:
+        threads = cfg.strategy.host_threads
+    else:
+        threads = cfg.strategy.host_threads or max(1, int(cfg.resources.cpus_per_trial) - 1)
     return {"host_layout": layout, "nvme_dir": cfg.strategy.nvme_dir if nvme else None, "host_threads": threads}
 
 

@@ -22,8 +22,8 @@ that differs from the one it was started with (other than in `strategy`, the res
 `checkpoint_every`, `num_to_keep` and `failure_budget`) is refused, as for sweeps.
 
 Rank 0 prints the step, its micro-batch loss and the run's tokens per second every ``log_every_n_steps``
-(the job's log); each report carries them with the validation metrics, which the job prints at the end
-(Ray's ``Result.metrics``) and writes to ``<storage>/<name>/result.json``. Every worker that starts training
+(the job's log); each report carries them with the validation metrics, and the job prints rank 0's final
+metrics (Ray's ``Result.return_value``) and writes them to ``<storage>/<name>/result.json``. Every worker that starts training
 leaves ``attempts/<time_ns>-rank<r>.json`` (``pid``, ``rank``, ``ranks``, ``start_step``, ``time``).
 """
 
@@ -157,7 +157,7 @@ def resume_url(root: str) -> str | None:
     return url
 
 
-def worker_loop(config: dict[str, Any]) -> None:
+def worker_loop(config: dict[str, Any]) -> dict[str, float]:
     """One rank of the run (Ray Train's ``train_loop_per_worker``): the training config `config["run"]`,
     checkpointing into `config["root"]`."""
     import ray.train
@@ -178,6 +178,7 @@ def worker_loop(config: dict[str, Any]) -> None:
     trainer.fit(module, data, ckpt_path=resume_url(root))
     if not attempt.recorded:
         attempt.record(trainer)  # resumed at the end: nothing left to train
+    return metrics(trainer)  # rank 0's is the run's ``Result.return_value``: the metrics after the last validation
 
 
 def torch_trainer(
@@ -280,11 +281,12 @@ def _run(args: argparse.Namespace) -> int:
     except TrainingFailedError as err:
         print(f"run {cfg.name} failed beyond failure_budget={cfg.failure_budget}: {error_line(err)}", file=sys.stderr)
         return 1
-    step = int(result.metrics.get("step", -1))
-    summary = {"metrics": result.metrics, "checkpoint": f"{cfg.root}/{checkpoint_dir(step)}/{CHECKPOINT}"}
+    final = result.return_value or result.metrics  # (the last report's: the one at the final checkpoint)
+    step = int(final.get("step", -1))
+    summary = {"metrics": final, "checkpoint": f"{cfg.root}/{checkpoint_dir(step)}/{CHECKPOINT}"}
     fs, where = fsspec.core.url_to_fs(f"{cfg.root}/result.json")
     fs.pipe_file(where, json.dumps(summary, indent=1).encode())
-    shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(result.metrics.items()) if isinstance(v, float))
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(final.items()) if isinstance(v, float))
     print(f"result: step {step}: {shown}; checkpoint {summary['checkpoint']}", flush=True)
     return 0
 

@@ -190,7 +190,8 @@ def tune_trainable(
             cfg, request, tier = scaled
             run = absolute_data_paths(apply(base, params))
             trainer = torch_trainer(run, trial_id, f"{root}/trials", cfg, request, tier, [validations_to_tune()])
-            final = trainer.fit().metrics
+            result = trainer.fit()
+            final = result.return_value or result.metrics
         else:
             trial_dir = f"{root}/trials/{trial_id}"
             final = run_trial(apply(base, params), trial_dir, checkpoint_every, report=tune.report, strategy=strategy)

@@ -1,6 +1,6 @@
 """Ray sweeps end to end on a local two-node cluster (logical GPUs) with SeaweedFS on 127.0.0.1.
 
-Slow (a Ray cluster, five job submissions): `pytest -m slow tests/test_ray_sweep.py` runs them alone.
+Slow (a Ray cluster, three job submissions): `pytest -m slow tests/test_ray_sweep.py` runs them alone.
 
 Jobs are submitted without `--working-dir`, running the installed package: two Ray nodes on one machine
 share one session directory, and the second node unpacking a job's working_dir replaces the directory
@@ -96,34 +96,16 @@ def attempts(trial_dir: str) -> list[dict]:
     return [json.loads(fs.cat_file(f)) for f in files if f.endswith(".json")]
 
 
-def test_two_trial_sweep_through_ray_job_submit(cluster, s3_env, tmp_path):
-    """With the lean layout and the Adam moments on a local directory (both nodes are this machine)."""
+def test_killed_trial_resumes_from_its_checkpoint(cluster, s3_env, tmp_path, monkeypatch):
+    """A trial with the lean layout and the Adam moments on a local directory (both nodes are this machine),
+    killed after a checkpoint: Tune retries it, the retry clears the killed attempt's scratch files and resumes,
+    and the trial ends with the parameters of the same trial run without Ray, without interruption and with the
+    default layout, bit for bit."""
     _, dashboard, _ = cluster
     drive = tmp_path / "nvme"
     drive.mkdir()
-    config = sweep_yaml(
-        tmp_path, "e2e", [1e-3, 3e-3], steps=20, strategy={"host_layout": "lean", "nvme_dir": str(drive)}
-    )
+    config = sweep_yaml(tmp_path, "fault", [2e-3], steps=60, strategy={"host_layout": "lean", "nvme_dir": str(drive)})
     client, job = submit(dashboard, config, s3_env)
-    assert wait_job(client, job) == "SUCCEEDED", client.get_job_logs(job)[-3000:]
-    assert list(drive.iterdir()) == []  # each trial's scratch directory went with its engine
-    rows = s3().cat_file("megatrain/sweeps/e2e/results.csv").decode().strip().splitlines()
-    assert len(rows) == 3 and all(",ok," in r for r in rows[1:])
-    from megatrain_lightning.checkpoint import is_checkpoint
-
-    dirs = trial_dirs("e2e")
-    assert len(dirs) == 2
-    stored = yaml.safe_load(s3().cat_file("megatrain/sweeps/e2e/sweep.yaml"))  # what a resubmission must match
-    assert stored["search_space"] == {"model.lr": {"grid": [1e-3, 3e-3]}}
-    assert stored["strategy"] == {"host_layout": "lean", "nvme_dir": str(drive), "host_threads": None}
-    for d in dirs:
-        assert is_checkpoint(f"s3://{d}/checkpoints/last.ckpt")
-        assert len(attempts(d)) == 1
-
-
-def test_killed_trial_resumes_from_its_checkpoint(cluster, s3_env, tmp_path, monkeypatch):
-    _, dashboard, _ = cluster
-    client, job = submit(dashboard, sweep_yaml(tmp_path, "fault", [2e-3], steps=60), s3_env)
     deadline = time.monotonic() + 300
     while not any(s3().exists(f"{d}/checkpoints/last.ckpt") for d in trial_dirs("fault")):
         assert time.monotonic() < deadline and wait_job_running(client, job), client.get_job_logs(job)[-3000:]
@@ -133,8 +115,13 @@ def test_killed_trial_resumes_from_its_checkpoint(cluster, s3_env, tmp_path, mon
     assert wait_job(client, job) == "SUCCEEDED", client.get_job_logs(job)[-3000:]
     runs = attempts(trial)
     assert len(runs) == 2 and runs[1]["start_step"] >= 10  # resumed from a checkpoint, not from step 0
+    assert list(drive.iterdir()) == []  # the killed attempt's scratch went with the retry, the retry's with its engine
+    rows = s3().cat_file("megatrain/sweeps/fault/results.csv").decode().strip().splitlines()
+    assert len(rows) == 2 and ",ok," in rows[1] and rows[1].endswith(f"s3://{trial}/checkpoints/last.ckpt")
+    stored = yaml.safe_load(s3().cat_file("megatrain/sweeps/fault/sweep.yaml"))  # what a resubmission must match
+    assert stored["search_space"] == {"model.lr": {"grid": [2e-3]}}
+    assert stored["strategy"] == {"host_layout": "lean", "nvme_dir": str(drive), "host_threads": None}
 
-    # The same trial without Ray and without interruption ends with the same parameters, bit for bit.
     monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
     from ray_jobs.config import apply, load
     from ray_jobs.trial import run_trial
@@ -167,7 +154,7 @@ def final_masters(url: str) -> list[bytes]:
     return [u.master.numpy().tobytes() for u in engine.all_units()]
 
 
-def test_restored_sweep_finishes_only_unfinished_trials(cluster, s3_env, tmp_path):
+def test_restored_sweep_finishes_only_unfinished_trials(cluster, s3_env, tmp_path, capsys):
     _, dashboard, _ = cluster
     config = sweep_yaml(tmp_path, "restore", [1e-3, 3e-3], steps=80, concurrent=1)
     client, job = submit(dashboard, config, s3_env)
@@ -191,13 +178,14 @@ def test_restored_sweep_finishes_only_unfinished_trials(cluster, s3_env, tmp_pat
     rows = s3().cat_file("megatrain/sweeps/restore/results.csv").decode().strip().splitlines()
     assert len(rows) == 3 and all(",ok," in r for r in rows[1:])
 
-    # The sweep edited and resubmitted under the same name is refused, not restored with the old space.
+    # The sweep edited and resubmitted under the same name is refused, not restored with the old space (the
+    # driver's own check, before it reaches the cluster: run here, as in the job).
+    from ray_jobs.sweep import main
+
     edited = sweep_yaml(tmp_path, "restore", [1e-3, 3e-3, 1e-2], steps=80, concurrent=1)
-    client, job = submit(dashboard, edited, s3_env)
-    assert wait_job(client, job) == "FAILED"
-    logs = client.get_job_logs(job)
-    assert "search_space.model.lr.grid: [0.001, 0.003] -> [0.001, 0.003, 0.01]" in logs and "new `name`" in logs
-    assert "Traceback" not in logs
+    assert main(["--config", edited]) == 2
+    err = capsys.readouterr().err
+    assert "search_space.model.lr.grid: [0.001, 0.003] -> [0.001, 0.003, 0.01]" in err and "new `name`" in err
     assert sorted(len(attempts(d)) for d in trial_dirs("restore")) == [1, 2]  # nothing ran
 
 
