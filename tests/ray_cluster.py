@@ -20,12 +20,14 @@ from tests.s3_server import free_port
 
 
 @contextmanager
-def local_cluster(num_gpus: int = 1) -> Iterator[tuple[object, str, str]]:
+def local_cluster(tmp_path_factory: pytest.TempPathFactory, num_gpus: int = 1) -> Iterator[tuple[object, str, str]]:
     """Two Ray nodes, each declaring 1 CPU, `num_gpus` (logical) GPUs and 3 GiB of memory; yields the cluster,
-    the dashboard's URL and the private temporary directory."""
+    the dashboard's URL and the private temporary directory. Pytest's own temporary directory is made first,
+    where it belongs: made while TMPDIR points into the cluster's directory, it would go with it."""
     import ray
     from ray.cluster_utils import Cluster
 
+    tmp_path_factory.getbasetemp()
     tmp = tempfile.mkdtemp(prefix="mt-ray-")
     port = free_port()
     node = dict(num_cpus=1, num_gpus=num_gpus, memory=3 * 2**30)

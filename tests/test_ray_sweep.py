@@ -62,9 +62,9 @@ def sweep_yaml(
 
 
 @pytest.fixture(scope="module")
-def cluster(s3_env):
+def cluster(s3_env, tmp_path_factory):
     """Two Ray nodes, each declaring 1 CPU, 1 (logical) GPU and 3 GiB of memory (tests/ray_cluster.py)."""
-    with local_cluster(num_gpus=1) as c:
+    with local_cluster(tmp_path_factory, num_gpus=1) as c:
         yield c
 
 

@@ -34,9 +34,9 @@ LR = 1e-3  # the run file's learning rate, and one of the sweep's
 
 
 @pytest.fixture(scope="module")
-def cluster(s3_env):
+def cluster(s3_env, tmp_path_factory):
     """Two Ray nodes of 1 CPU and 3 GiB each, no GPU: a worker on each."""
-    with local_cluster(num_gpus=0) as c:
+    with local_cluster(tmp_path_factory, num_gpus=0) as c:
         yield c
 
 
