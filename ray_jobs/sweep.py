@@ -21,6 +21,7 @@ import io
 import os
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -251,12 +252,22 @@ def write_table(cfg: SweepConfig, rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="hyper-parameter sweep of megatrain trainers on Ray")
-    ap.add_argument(
-        "--config",
-        required=True,
-        help="sweep YAML: a path where the driver runs, a URL, or a shipped one (configs/sweep/tiny-lr.yaml)",
+    return driver_main(
+        "sweep",
+        "hyper-parameter sweep of megatrain trainers on Ray",
+        "sweep YAML: a path where the driver runs, a URL, or a shipped one (configs/sweep/tiny-lr.yaml)",
+        _run,
+        argv,
     )
+
+
+def driver_main(
+    prog: str, description: str, config_help: str, run: Callable[[argparse.Namespace], int], argv: list[str] | None
+) -> int:
+    """A Ray job's driver (`prog`: sweep, train): --config, --address and --connect-timeout, then `run`; a bad
+    file, storage or cluster ends it with exit code 2 and one line."""
+    ap = argparse.ArgumentParser(prog=f"python -m ray_jobs.{prog}", description=description)
+    ap.add_argument("--config", required=True, help=config_help)
     ap.add_argument("--address", default=None, help="Ray address (default: the cluster this job runs in)")
     ap.add_argument(
         "--connect-timeout",
@@ -267,12 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if not args.connect_timeout > 0:
-        print(f"sweep: error: --connect-timeout={args.connect_timeout} must be above 0 seconds", file=sys.stderr)
+        print(f"{prog}: error: --connect-timeout={args.connect_timeout} must be above 0 seconds", file=sys.stderr)
         return 2
     try:
-        return _run(args)
+        return run(args)
     except (SweepConfigError, SweepError) as err:
-        print(f"sweep: error: {err}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
         return 2
 
 

@@ -47,7 +47,7 @@ from megatrain_lightning.module import CausalLMModule
 from megatrain_lightning.planner import format_size
 from ray_jobs.config import SweepConfigError, TrainConfig, error_line, is_shipped, load, resolve
 from ray_jobs.resources import SweepRefused, Tier, check_workers_fit, planned_tier, strategy_options, trial_resources
-from ray_jobs.sweep import SweepError, check_data_paths, check_unchanged, connect, record_config
+from ray_jobs.sweep import check_data_paths, check_unchanged, connect, driver_main, record_config
 from ray_jobs.trial import CHECKPOINT, Attempt, checkpoint_dir, trial_strategy
 
 # ------------------------------------------------------------------------------------------- the workers
@@ -232,16 +232,13 @@ def absolute_data_paths(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="one megatrain run over several Ray Train workers")
-    ap.add_argument("--config", required=True, help="run YAML: a path, a URL, or a shipped one (configs/run/...)")
-    ap.add_argument("--address", default=None, help="Ray address (default: the cluster this job runs in)")
-    ap.add_argument("--connect-timeout", type=float, default=10.0, metavar="S", help="seconds to wait for --address")
-    args = ap.parse_args(argv)
-    try:
-        return _run(args)
-    except (SweepConfigError, SweepError) as err:
-        print(f"train: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    return driver_main(
+        "train",
+        "one megatrain run over several Ray Train workers",
+        "run YAML: a path where the driver runs, a URL, or a shipped one (configs/run/tiny-dp.yaml)",
+        _run,
+        argv,
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

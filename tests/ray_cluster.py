@@ -63,6 +63,15 @@ def submit(dashboard: str, entrypoint: str, s3_env: dict) -> tuple[object, str]:
     return client, client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env})
 
 
+def s3():
+    """The S3 filesystem of the tests' SeaweedFS, its listings read afresh."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    return fs
+
+
 def job_status(client, job: str) -> str:
     return str(client.get_job_status(job)).rsplit(".", 1)[-1]
 

@@ -18,11 +18,10 @@ import signal
 import time
 from pathlib import Path
 
-import fsspec
 import pytest
 import yaml
 
-from tests.ray_cluster import local_cluster, wait_job, wait_job_running
+from tests.ray_cluster import local_cluster, s3, wait_job, wait_job_running
 from tests.ray_cluster import submit as submit_job
 
 ray = pytest.importorskip("ray")
@@ -76,12 +75,6 @@ def test_cluster_keeps_its_files_in_its_private_temp_dir(cluster):
 
 def submit(dashboard: str, config: str, s3_env: dict) -> tuple[object, str]:
     return submit_job(dashboard, f"python -m ray_jobs.sweep --config {config}", s3_env)
-
-
-def s3() -> fsspec.AbstractFileSystem:
-    fs = fsspec.filesystem("s3")
-    fs.invalidate_cache()
-    return fs
 
 
 def trial_dirs(name: str) -> list[str]:

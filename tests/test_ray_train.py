@@ -20,11 +20,10 @@ import signal
 import time
 from pathlib import Path
 
-import fsspec
 import pytest
 import yaml
 
-from tests.ray_cluster import local_cluster, submit, wait_job, wait_job_running
+from tests.ray_cluster import local_cluster, s3, submit, wait_job, wait_job_running
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -50,12 +49,6 @@ def run_yaml(tmp_path: Path, name: str, steps: int = STEPS, **extra) -> str:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
-
-
-def s3() -> fsspec.AbstractFileSystem:
-    fs = fsspec.filesystem("s3")
-    fs.invalidate_cache()
-    return fs
 
 
 def attempts(name: str) -> list[dict]:
