@@ -348,8 +348,8 @@ class ResumableLoader(DataLoader):
         seen, ranks = state["batches"] * self.batch_size * state.get("ranks", 1), self.sampler.num_replicas
         if seen % (self.batch_size * ranks):
             raise ValueError(
-                f"the checkpoint stopped after {seen} samples of its epoch ({state.get('ranks', 1)} ranks), which do not "
-                f"split into whole batches of {self.batch_size} over {ranks} ranks: resume with "
+                f"the checkpoint stopped after {seen} samples of its epoch ({state.get('ranks', 1)} ranks), which "
+                f"do not split into whole batches of {self.batch_size} over {ranks} ranks: resume with "
                 f"{state.get('ranks', 1)} ranks (or a number of ranks that divides {seen // self.batch_size} batches)"
             )
         self.sampler.epoch, self.sampler.skip = state["epoch"], seen

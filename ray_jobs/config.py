@@ -433,8 +433,8 @@ def shipped_config_dirs() -> list[Path]:
 
 
 def resolve(config: str | Path, kind: str = "sweep") -> str:
-    """The `kind` file (sweep, or run: see :class:`TrainConfig`) `config` names: a URL as is; a path as given (absolute, or relative to the current
-    directory); else a relative path looked up among the shipped configs, with or without its leading
+    """The `kind` file (sweep, or run: see :class:`TrainConfig`) `config` names: a URL as is; a path as given
+    (absolute, or relative to the current directory); else a relative path looked up among the shipped configs, with or without its leading
     `configs/` (so `configs/sweep/tiny-lr.yaml` works wherever the driver runs, e.g. in the head node's
     start directory when `ray job submit` has no `--working-dir`)."""
     text = str(config)
@@ -566,8 +566,8 @@ def changes(stored: dict[str, Any], current: dict[str, Any], run: bool = False) 
     (how much memory a trial needs; training is bit-identical across its options) may change, and do apply
     to resumed trials; anything else changes what the trials compute or how Ray schedules them, which
     restoring the stored sweep would not honour. Of `scaling`, the workers' resources may change, not their
-    number (it is the data-parallel world: each global batch is num_workers micro-batches). A `run` (:class:`TrainConfig`)
-    may also change :data:`RUN_MAY_CHANGE`, which Ray Train does not keep with the run.
+    number (it is the data-parallel world: each global batch is num_workers micro-batches). A `run`
+    (:class:`TrainConfig`) may also change :data:`RUN_MAY_CHANGE`, which Ray Train does not keep with the run.
     """
     a, b = _flatten(stored), _flatten(current)
     out = []

@@ -23,8 +23,9 @@ that differs from the one it was started with (other than in `strategy`, the res
 
 Rank 0 prints the step, its micro-batch loss and the run's tokens per second every ``log_every_n_steps``
 (the job's log); each report carries them with the validation metrics, and the job prints rank 0's final
-metrics (Ray's ``Result.return_value``) and writes them to ``<storage>/<name>/result.json``. Every worker that starts training
-leaves ``attempts/<time_ns>-rank<r>.json`` (``pid``, ``rank``, ``ranks``, ``start_step``, ``time``).
+metrics (Ray's ``Result.return_value``) and writes them to ``<storage>/<name>/result.json``. Every worker
+that starts training leaves ``attempts/<time_ns>-rank<r>.json`` (``pid``, ``rank``, ``ranks``,
+``start_step``, ``time``).
 """
 
 from __future__ import annotations
@@ -113,9 +114,8 @@ class Progress(Callback):
         self.tokens, self.since = 0, now
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if trainer.is_global_zero:  # (not print: Ray Train's patched print would show each line twice)
-            sys.stdout.write(
-                f"step {step}/{trainer.max_steps} loss {float(loss):.4f} tokens/s {self.tokens_per_s:,.0f}\n"
-            )
+            of = f"/{trainer.max_steps}" if trainer.max_steps > 0 else ""
+            sys.stdout.write(f"step {step}{of} loss {float(loss):.4f} tokens/s {self.tokens_per_s:,.0f}\n")
             sys.stdout.flush()
         trainer.callback_metrics["tokens_per_s"] = torch.tensor(self.tokens_per_s)
 

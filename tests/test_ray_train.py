@@ -1,7 +1,8 @@
 """One run over two Ray Train workers end to end, on a local two-node cluster (CPU, gloo) with SeaweedFS as S3.
 
-Slow (a Ray cluster, three job submissions, five Ray Train runs): `pytest -m slow tests/test_ray_train.py` runs them alone. Jobs are
-submitted as in tests/test_ray_sweep.py (without `--working-dir`, running the installed package).
+Slow (a Ray cluster, three job submissions, five Ray Train runs): `pytest -m slow tests/test_ray_train.py` runs
+them alone. Jobs are submitted as in tests/test_ray_sweep.py (without `--working-dir`, running the installed
+package).
 
 The oracle is a 2-worker run of the same config that nothing interrupted (a trial of the sweep test, which runs
 first): a run whose worker is killed after a reported checkpoint, and whose job is then stopped and submitted
