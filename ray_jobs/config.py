@@ -17,6 +17,7 @@ failure_budget: 3                  # retries per trial before it counts as error
 checkpoint_every: 200              # optimizer steps between checkpoints
 resources: {cpus_per_trial: 8, gpus_per_trial: 1, node_resource: bigmem, memory_headroom: 8GiB}
 strategy: {host_layout: lean, nvme_dir: /mnt/nvme, host_threads: 7}   # each trial's MegatrainStrategy
+# scaling: {num_workers: 2, cpus_per_worker: 8}   # instead of `resources`: each trial a Ray Train run of 2 workers
 ```
 
 Numbers may be written ``1e-5``: PyYAML reads that (no dot, or no exponent sign) as a string, and a string

@@ -4,7 +4,8 @@
         python -m ray_jobs.sweep --config configs/sweep/tiny-lr.yaml
 
 Each trial is one Lightning trainer in one process, placed by Ray on a node with a GPU and enough host
-memory (sized by the memory planner). Trials checkpoint to the sweep's storage and a failed trial is
+memory (sized by the memory planner); with a `scaling` section, each trial is instead a Ray Train run of
+several workers (ray_jobs/train.py). Trials checkpoint to the sweep's storage and a failed trial is
 retried, on any node, from its last checkpoint. Submitting the same command again after the driver
 died continues the sweep: finished trials are kept, unfinished ones resume. The sweep file a sweep was
 started with is stored as `<storage>/<name>/sweep.yaml`; a resubmitted sweep file that differs from it
