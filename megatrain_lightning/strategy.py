@@ -129,7 +129,7 @@ class MegatrainStrategy(ParallelStrategy):
     one rank: the ranks are Ray's workers (``ScalingConfig(num_workers=...)``), the process group is the one
     Ray set up, and each rank computes on ``ray.train.torch.get_device()`` (the Trainer's ``devices`` and
     ``num_nodes`` are not used). Without that environment a worker of a run of several would train alone, so
-    setup refuses it (``ray_jobs/train.py`` runs such workers).
+    ``Trainer(...)`` refuses it (``ray_jobs/train.py`` runs such workers).
 
     Args:
         device: the compute device; by default the Trainer's device (the GPU when there is one; with several
