@@ -62,13 +62,19 @@ def settle(part: Any, error: BaseException | None, doing: str, consequence: str,
     otherwise."""
     t = torch.tensor([part.rank + 1 if error is not None else 0, tag, -tag], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=part.cpu_group)
-    if error is not None:
-        raise error
-    failed, most, least = int(t[0]) - 1, int(t[1]), -int(t[2])
-    if failed >= 0:
-        raise CheckpointError(f"{doing}: rank {failed} failed (its own error says why); {consequence}")
+    _raise_failure(error, int(t[0]), doing, consequence)
+    most, least = int(t[1]), -int(t[2])
     if most != least:
         raise CheckpointError(f"{doing}: the ranks read different versions (a save committed meanwhile); {consequence}")
+
+
+def _raise_failure(error: BaseException | None, failed: int, doing: str, consequence: str) -> None:
+    """After an all-reduced failure flag (`failed`: 1 + the highest failed rank, 0 for none): this rank's own
+    `error` where it failed, elsewhere one line naming the failed rank."""
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"{doing}: rank {failed - 1} failed (its own error says why); {consequence}")
 
 
 # -- steps per parameter ----------------------------------------------------------------------------
@@ -173,10 +179,7 @@ def settle_books(
     for i, info in written.items():
         files[i] = torch.tensor([info["bytes"], info["crc32"]])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=part.cpu_group)
-    if error is not None:
-        raise error
-    if t[0]:
-        raise CheckpointError(f"{doing}: rank {int(t[0]) - 1} failed (its own error says why); {consequence}")
+    _raise_failure(error, int(t[0]), doing, consequence)
     steps, at = [], 1
     for n in sizes:
         steps.append(t[at : at + n].tolist())

@@ -538,19 +538,29 @@ def _restore(
     storage_options: dict[str, Any] | None = None,
 ) -> dict:
     fs, vdir, index = _version_to_restore(url, pinned, storage_options)
-    _check_layout(engine, index, url, fs, vdir)
-    if optimizer and not index["optimizer"]:
-        raise CheckpointError(f"{url} holds weights only (save_weights_only=True); it cannot resume training")
+    _check_restorable(engine, index, url, fs, vdir, optimizer)
     engine.flush()
     for unit, rec in zip(engine.all_units(), index["units"]):
         adam = optimizer and rec["adam"]
         targets = {"master": unit.master, **(_moments(unit, write=True) if adam else {})}
         _read_file(fs, vdir, rec["file"], targets, rec)
         if optimizer:
-            unit.steps = [param_step(rec, p) if rec["adam"] else 0 for p in rec["params"]]
+            unit.steps = _saved_steps(rec)
     _restore_buffers(engine, fs, vdir, index)
     engine.refresh_from_masters()
     return index
+
+
+def _check_restorable(engine: EngineView, index: dict, url: str, fs: Any, vdir: str, optimizer: bool) -> None:
+    """The checkpoint's layout is the engine's, and it holds the optimizer state a resume (`optimizer`) needs."""
+    _check_layout(engine, index, url, fs, vdir)
+    if optimizer and not index["optimizer"]:
+        raise CheckpointError(f"{url} holds weights only (save_weights_only=True); it cannot resume training")
+
+
+def _saved_steps(rec: dict) -> list[int]:
+    """The optimizer step of each parameter of a unit's record (layout order; 0 where it holds no Adam state)."""
+    return [param_step(rec, p) if rec["adam"] else 0 for p in rec["params"]]
 
 
 def _version_to_restore(url: str, pinned: dict | None, storage_options: dict[str, Any] | None) -> tuple:
@@ -579,9 +589,7 @@ def _restore_ranks(
     except Exception as err:  # (told to every rank by the settle below)
         error = err
     ranks.settle(part, error, doing, state, tag=zlib.crc32(vdir.rsplit("/", 1)[-1].encode()))
-    _check_layout(engine, index, url, fs, vdir)  # (the same index on every rank: the same outcome)
-    if optimizer and not index["optimizer"]:
-        raise CheckpointError(f"{url} holds weights only (save_weights_only=True); it cannot resume training")
+    _check_restorable(engine, index, url, fs, vdir, optimizer)  # (the same index on every rank: the same outcome)
     units = engine.all_units()
     scratch = ranks.scratch_for(units)
     try:
@@ -598,8 +606,7 @@ def _restore_ranks(
                 m.copy_(mine["exp_avg"][lo:hi])
                 v.copy_(mine["exp_avg_sq"][lo:hi])
             if optimizer:
-                steps = [param_step(rec, p) if rec["adam"] else 0 for p in rec["params"]]
-                unit.steps = ranks.piece_steps(unit, steps)
+                unit.steps = ranks.piece_steps(unit, _saved_steps(rec))
         _restore_buffers(engine, fs, vdir, index)
     except Exception as err:
         error = err

@@ -136,8 +136,9 @@ def configure_host_threads(
     placed on them."""
     affinity = usable_cpus() if share is None else set(share)
     threads = resolve_host_threads(host_threads, len(affinity))
-    cpus = kernel_cpus(threads, affinity, numa_nodes(sysfs_root))
-    if share is not None:  # spread over the rank's own CPUs, on one node or several
+    if share is None:
+        cpus = kernel_cpus(threads, affinity, numa_nodes(sysfs_root))
+    else:  # spread over the rank's own CPUs, on one node or several
         cpus = tuple(share[i * len(share) // threads] for i in range(threads))
     from megatrain_lightning.optim import native
 
