@@ -158,3 +158,49 @@ def test_a_bad_option_is_one_line_naming_it(options, message):
     with pytest.raises(ValueError, match=message) as err:
         EngineConfig(**options)
     assert "\n" not in str(err.value)
+
+
+def test_a_steps_last_micro_batch_lands_with_its_norms_in_one_call(monkeypatch):
+    """Two micro-batches then a global-norm clip: each unit's last landing takes the norms of the sum it
+    completes (`kernels.accumulate_norms_`, one pass over memory in the native kernel) and nothing passes over
+    an accumulator again for them; the weights are ordinary training's, bit for bit (torch backend)."""
+    from megatrain_lightning.optim import kernels
+
+    fused, norms = kernels.accumulate_norms_, kernels.param_norms
+    calls = {"fused": 0, "norms apart": 0}
+    inside = []
+
+    def counted_fused(acc, grad, first, spans):
+        calls["fused"] += 1
+        inside.append(True)  # (the torch backend's fused call is these two calls)
+        try:
+            return fused(acc, grad, first, spans)
+        finally:
+            inside.pop()
+
+    def counted_norms(flat, spans):
+        calls["norms apart"] += not inside
+        return norms(flat, spans)
+
+    monkeypatch.setattr(kernels, "accumulate_norms_", counted_fused)
+    monkeypatch.setattr(kernels, "param_norms", counted_norms)
+    batches = token_batches(4)
+    ref, model = tiny(), tiny()
+    engine, opt = streamed(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for first, second in (batches[:2], batches[2:]):
+        for batch, accumulate in ((first, True), (second, False)):
+            ref(batch, targets=batch).backward()
+            with engine.backward(accumulate=accumulate, clip=True):
+                model(batch, targets=batch).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        engine.clip_grad_norm_(0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    engine.flush()
+    assert calls == {"fused": 2 * len(engine.all_units()), "norms apart": 0}
+    got = weights(engine)
+    assert all(torch.equal(got[name], p.detach()) for name, p in ref.named_parameters())
+    engine.close()
