@@ -572,9 +572,7 @@ MT_EXPORT int grad_accumulate_sq_norms(float* acc, const void* grad, int grad_dt
   }
   const int team_max = nt < 256 ? nt : 256;
   std::vector<double> partial(size_t(team_max) * size_t(nspans), 0.0);
-  parallel_members(n, team_max, [&](int t, int64_t b, int64_t e) {
-    range(b, e, partial.data() + size_t(t) * size_t(nspans));
-  });
+  parallel_members(n, team_max, [&](int t, int64_t b, int64_t e) { range(b, e, partial.data() + size_t(t) * size_t(nspans)); });
   for (int t = 0; t < team_max; ++t)
     for (int i = 0; i < nspans; ++i) out[i] += partial[size_t(t) * size_t(nspans) + size_t(i)];
   return 0;
