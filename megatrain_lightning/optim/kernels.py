@@ -103,12 +103,7 @@ def accumulate_(acc: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
     """acc = grad (first) or acc += grad, in fp32, as autograd accumulates `.grad`."""
     if backend() == "native":
         _native().grad_accumulate_(acc, grad, first)
-    else:
-        _add(acc, grad, first)
-
-
-def _add(acc: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
-    if first:
+    elif first:
         acc.copy_(grad)
     else:
         acc.add_(grad)
@@ -124,17 +119,12 @@ def accumulate_norms_(
     if backend() == "native":
         sums = _native().grad_accumulate_sq_norms_(acc, grad, first, spans)
         return [torch.tensor(math.sqrt(s), dtype=torch.float32) for s in sums]
-    _add(acc, grad, first)
-    return _norms(acc, spans)
+    accumulate_(acc, grad, first)
+    return param_norms(acc, spans)
 
 
 def param_norms(flat: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
     """The fp32 L2 norm of each (offset, numel) span: the per-parameter norms clip_grad_norm_ starts from."""
-    return _norms(flat, spans)
-
-
-def _norms(flat: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
-    # (accumulate_norms_ calls this, not param_norms: a recorder wrapping the public kernels logs each once)
     return [torch.linalg.vector_norm(flat[o : o + n], dtype=torch.float32) for o, n in spans]
 
 
