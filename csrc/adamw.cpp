@@ -347,11 +347,14 @@ void place_member(const std::vector<int>& cpus, int t) {
 }
 #endif  // _OPENMP
 
-// Runs f(t, begin, end) over [0, n) on a team of `nt` threads, member t on one contiguous range. The ranges
-// depend only on n and the team's size, so partials kept per member and summed in member order do not
-// depend on scheduling.
+// Runs f(begin, end) over [0, n): one contiguous range per thread.
 template <class F>
-void parallel_members(int64_t n, int nt, F&& f) {
+void parallel_ranges(int64_t n, F&& f) {
+  const int nt = threads_for(n);
+  if (nt <= 1) {
+    f(int64_t(0), n);
+    return;
+  }
 #ifdef _OPENMP
   const std::vector<int>& cpus = tl_team_cpus;  // the caller's list, read by every member
 #pragma omp parallel num_threads(nt)
@@ -363,23 +366,9 @@ void parallel_members(int64_t n, int nt, F&& f) {
     per = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
     const int64_t b = t * per < n ? t * per : n;
     const int64_t e = b + per < n ? b + per : n;
-    if (b < e) f(int(t), b, e);
+    if (b < e) f(b, e);
   }
-#else
-  (void)nt;
-  f(0, int64_t(0), n);
 #endif
-}
-
-// Runs f(begin, end) over [0, n): one contiguous range per thread.
-template <class F>
-void parallel_ranges(int64_t n, F&& f) {
-  const int nt = threads_for(n);
-  if (nt <= 1) {
-    f(int64_t(0), n);
-    return;
-  }
-  parallel_members(n, nt, [&](int, int64_t b, int64_t e) { f(b, e); });
 }
 
 typedef void (*AdamFn)(const AdamK&, float*, float*, float*, const void*, void*, int64_t, int64_t);
@@ -570,11 +559,24 @@ MT_EXPORT int grad_accumulate_sq_norms(float* acc, const void* grad, int grad_dt
     range(0, n, out);
     return 0;
   }
+#ifdef _OPENMP
   const int team_max = nt < 256 ? nt : 256;
   std::vector<double> partial(size_t(team_max) * size_t(nspans), 0.0);
-  parallel_members(n, team_max, [&](int t, int64_t b, int64_t e) { range(b, e, partial.data() + size_t(t) * size_t(nspans)); });
+  const std::vector<int>& cpus = tl_team_cpus;
+#pragma omp parallel num_threads(team_max)
+  {
+    const int64_t t = omp_get_thread_num();
+    const int64_t team = omp_get_num_threads();
+    place_member(cpus, int(t));
+    int64_t per = (n + team - 1) / team;
+    per = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+    const int64_t b = t * per < n ? t * per : n;
+    const int64_t e = b + per < n ? b + per : n;
+    if (b < e) range(b, e, partial.data() + size_t(t) * size_t(nspans));
+  }
   for (int t = 0; t < team_max; ++t)
     for (int i = 0; i < nspans; ++i) out[i] += partial[size_t(t) * size_t(nspans) + size_t(i)];
+#endif
   return 0;
 }
 
@@ -590,7 +592,20 @@ MT_EXPORT double sq_norm(const void* x, int dtype, int64_t n) {
   // per-thread partials summed in thread order: the result does not depend on scheduling
   double partial[256] = {0};
   const int team_max = nt < 256 ? nt : 256;
-  parallel_members(n, team_max, [&](int t, int64_t b, int64_t e) { partial[t] = fn(x, b, e); });
+#ifdef _OPENMP
+  const std::vector<int>& cpus = tl_team_cpus;
+#pragma omp parallel num_threads(team_max)
+  {
+    const int64_t t = omp_get_thread_num();
+    const int64_t team = omp_get_num_threads();
+    place_member(cpus, int(t));
+    int64_t per = (n + team - 1) / team;
+    per = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+    const int64_t b = t * per < n ? t * per : n;
+    const int64_t e = b + per < n ? b + per : n;
+    if (b < e) partial[t] = fn(x, b, e);
+  }
+#endif
   double s = 0.0;
   for (int t = 0; t < team_max; ++t) s += partial[t];
   return s;
