@@ -78,7 +78,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 2;
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 enum DType : int { kF32 = 0, kBF16 = 1 };
@@ -511,72 +511,6 @@ MT_EXPORT int grad_accumulate(float* acc, const void* grad, int grad_dtype, int6
   const int isa = isa_active();
   const AccFn fn = grad_dtype == kBF16 ? pick_acc<kBF16>(isa) : pick_acc<kF32>(isa);
   parallel_ranges(n, [&](int64_t b, int64_t e) { fn(acc, grad, first, b, e); });
-  return 0;
-}
-
-// Elements a thread accumulates before it reads them back for the norms: small enough that the read-back
-// comes from cache (16 KiB of fp32), so landing a gradient and taking its norms is one pass over memory.
-constexpr int64_t kFuseChunk = 4096;
-
-// acc = grad (first=1) or acc += grad over [0, n), as grad_accumulate; then out[i] = the sum of squares of
-// acc over span i, [off[i], off[i] + len[i]), accumulated in double (the norms a global-norm clip needs,
-// taken from the sum this call completes). Spans must be sorted and disjoint (-5 otherwise); elements
-// outside every span are accumulated too. Per-thread partials are summed in thread order, so the result
-// does not depend on scheduling.
-MT_EXPORT int grad_accumulate_sq_norms(float* acc, const void* grad, int grad_dtype, int64_t n, int first,
-                                       const int64_t* off, const int64_t* len, int nspans, double* out) {
-  if (grad_dtype != kF32 && grad_dtype != kBF16) return -1;
-  if (n < 0 || nspans < 0) return -3;
-  if (nspans > 0 && (!off || !len || !out)) return -4;
-  for (int i = 0; i < nspans; ++i) {
-    if (off[i] < 0 || len[i] < 0 || off[i] + len[i] > n || (i > 0 && off[i] < off[i - 1] + len[i - 1]))
-      return -5;
-    out[i] = 0.0;
-  }
-  if (n == 0) return 0;
-  if (!acc || !grad) return -4;
-  const int isa = isa_active();
-  const AccFn acc_fn = grad_dtype == kBF16 ? pick_acc<kBF16>(isa) : pick_acc<kF32>(isa);
-  const NormFn norm_fn = pick_norm<kF32>(isa);
-  // One thread's range [b, e): chunk by chunk, accumulate, then add each span's part of the chunk
-  // (read back from cache) to that thread's partials.
-  auto range = [&](int64_t b, int64_t e, double* partial) {
-    int i = 0;  // the first span that ends after b
-    while (i < nspans && off[i] + len[i] <= b) ++i;
-    for (int64_t cb = b; cb < e; cb += kFuseChunk) {
-      const int64_t ce = cb + kFuseChunk < e ? cb + kFuseChunk : e;
-      acc_fn(acc, grad, first, cb, ce);
-      for (int j = i; j < nspans && off[j] < ce; ++j) {
-        const int64_t lo = off[j] > cb ? off[j] : cb;
-        const int64_t hi = off[j] + len[j] < ce ? off[j] + len[j] : ce;
-        if (lo < hi) partial[j] += norm_fn(acc, lo, hi);
-      }
-      while (i < nspans && off[i] + len[i] <= ce) ++i;
-    }
-  };
-  const int nt = threads_for(n);
-  if (nt <= 1) {
-    range(0, n, out);
-    return 0;
-  }
-#ifdef _OPENMP
-  const int team_max = nt < 256 ? nt : 256;
-  std::vector<double> partial(size_t(team_max) * size_t(nspans), 0.0);
-  const std::vector<int>& cpus = tl_team_cpus;
-#pragma omp parallel num_threads(team_max)
-  {
-    const int64_t t = omp_get_thread_num();
-    const int64_t team = omp_get_num_threads();
-    place_member(cpus, int(t));
-    int64_t per = (n + team - 1) / team;
-    per = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-    const int64_t b = t * per < n ? t * per : n;
-    const int64_t e = b + per < n ? b + per : n;
-    if (b < e) range(b, e, partial.data() + size_t(t) * size_t(nspans));
-  }
-  for (int t = 0; t < team_max; ++t)
-    for (int i = 0; i < nspans; ++i) out[i] += partial[size_t(t) * size_t(nspans) + size_t(i)];
-#endif
   return 0;
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain_lightning.optim import kernels, native
+from megatrain_lightning.optim import kernels
 from megatrain_lightning.optim.kernels import AdamHyper
 
 SIZES = [1, 7, 22, 4096, 4099]
@@ -47,34 +47,6 @@ def test_clip_coefficient_equals_clip_grad_norm():
     assert coef < 1.0
     assert torch.equal(flat * coef, torch.cat([p.grad for p in params]))
     assert kernels.clip_coefficient(kernels.param_norms(flat, list(zip(offsets, SIZES))), 1e9) == 1.0
-
-
-@pytest.mark.parametrize("backend", ["torch", "native"])
-def test_landing_with_norms_is_the_accumulation_then_its_norms(monkeypatch, backend):
-    """accumulate_norms_ (a step's last micro-batch landing when a clip follows): the sum is autograd's, bit for
-    bit; the norms are param_norms of it, bit for bit with the torch backend and to the last float bits with
-    the native one (summed in double, one pass)."""
-    if backend == "native" and not native.available():
-        pytest.skip("native optimizer not built")
-    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", backend)
-    torch.manual_seed(0)
-    offsets = torch.tensor([0, *SIZES]).cumsum(0).tolist()
-    spans = list(zip(offsets, SIZES))
-    grads = [torch.randn(offsets[-1]).to(torch.bfloat16) for _ in range(3)]
-    acc = torch.empty(offsets[-1])
-    want = grads[0].float()
-    for g in grads[1:]:
-        want = want + g.float()
-    kernels.accumulate_(acc, grads[0], True)
-    kernels.accumulate_(acc, grads[1], False)
-    norms = kernels.accumulate_norms_(acc, grads[2], False, spans)
-    assert torch.equal(acc, want)
-    expected = kernels.param_norms(want, spans)
-    assert all(n.dtype == torch.float32 and n.shape == () for n in norms)
-    if backend == "torch":
-        assert all(torch.equal(a, b) for a, b in zip(norms, expected))
-    else:
-        assert torch.allclose(torch.stack(norms), torch.stack(expected), rtol=1e-6, atol=0.0)
 
 
 def test_backend_choice_is_validated(monkeypatch):

@@ -258,41 +258,6 @@ def test_sq_norm(n, dtype):
 
 
 @requires_native
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=["gf32", "gbf16"])
-def test_grad_accumulate_sq_norms_is_the_sum_then_each_spans_squares(grad_dtype, threads):
-    """The fused landing: the sum bit for bit as grad_accumulate_ makes it (elements between and after the
-    spans too), and each span's sum of squares as sq_norm gives it for that span (both in double, to 1e-12);
-    the spans start and end inside, across and exactly on the kernel's chunk and thread boundaries."""
-    native.set_num_threads(threads)
-    n = BIG
-    half = (n + 1) // 2  # near where the second thread's range starts
-    spans = [(0, 1), (3, 4093), (4096, 4096), (8195, half - 8195 - 7), (half - 5, 70_000), (n - 1, 1)]
-    gen = torch.Generator().manual_seed(11)
-    first = torch.randn(n, generator=gen).to(grad_dtype)
-    second = torch.randn(n, generator=gen).to(grad_dtype)
-    acc, want = torch.full((n,), float("nan")), torch.full((n,), float("nan"))
-    for i, g in enumerate((first, second)):
-        before = acc.clone()
-        native.grad_accumulate_(want, g, first=i == 0)
-        sums = native.grad_accumulate_sq_norms_(acc, g, i == 0, spans)
-        assert torch.equal(acc, want)
-        assert sums == [pytest.approx(native.sq_norm(want[o : o + k]), rel=1e-12, abs=0.0) for o, k in spans]
-    assert native.grad_accumulate_sq_norms_(before, second, False, spans) == sums  # same threads: same bits
-
-
-@requires_native
-@pytest.mark.parametrize(
-    "spans", [[(5, 10), (0, 3)], [(0, 10), (9, 2)], [(10, 7)], [(-1, 2)]], ids=["unsorted", "overlap", "past", "neg"]
-)
-def test_grad_accumulate_sq_norms_refuses_bad_spans(spans):
-    acc, grad = torch.zeros(16), torch.ones(16)
-    with pytest.raises(ValueError, match="spans must be sorted, disjoint and within acc's 16 elements"):
-        native.grad_accumulate_sq_norms_(acc, grad, False, spans)
-    assert torch.equal(acc, torch.zeros(16))  # refused before anything was added
-
-
-@requires_native
 def test_zero_size_is_a_no_op():
     """Empty buffers, each an empty view inside a filled one: every kernel returns and writes nothing."""
     backing = {name: torch.full((8,), float(i + 1)) for i, name in enumerate(("master", "m", "v", "grad", "copy"))}

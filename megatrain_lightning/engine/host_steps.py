@@ -342,7 +342,7 @@ class HostSide:
         clipping coefficient then needs no host pass over the gradients, and waits for no landing."""
         unit.device_norms = None
         if self.want_norms and single:
-            norms = kernels.param_norms(flat, self._spans(unit))
+            norms = kernels.param_norms(flat, [(e.offset, e.numel) for e in unit.entries])
             unit.device_norms = list(zip(norms, present))
 
     def _eager_ok(self) -> bool:
@@ -370,20 +370,16 @@ class HostSide:
             done.synchronize()  # never read pinned memory before its copy has finished
         # As `.grad` in ordinary training: a parameter has a gradient once any micro-batch produced one.
         unit.has_grad = [a or b for a, b in zip(unit.has_grad, present)]
-        norms = None
         if accumulate or unit.grad_state is GradState.ACC:
             first = unit.grad_state is GradState.EMPTY
             if unit.acc is None:
                 unit.acc = host_empty(unit.numel, torch.float32, pin=False)
-            if want_norm:  # the step's last gradient completes the sum: its norms in the same pass
-                norms = kernels.accumulate_norms_(unit.acc, unit.slab, first, self._spans(unit))
-            else:
-                kernels.accumulate_(unit.acc, unit.slab, first)
+            kernels.accumulate_(unit.acc, unit.slab, first)
             unit.grad_state = GradState.ACC
         else:
             unit.grad_state = GradState.SLAB
         # A norm is only meaningful for the complete gradient; a later micro-batch makes it stale.
-        unit.norms = (self._norms(unit) if norms is None else norms) if want_norm else None
+        unit.norms = self._norms(unit) if want_norm else None
         self.stats["host_land_seconds"] += time.perf_counter() - t0
         if hyper is not None:
             self._clamp_and_step(unit, hyper, 1.0, clamp)
@@ -396,11 +392,7 @@ class HostSide:
         unit.grad_state = GradState.ACC
 
     def _norms(self, unit: HostUnit) -> list[torch.Tensor]:
-        return kernels.param_norms(self._grad_of(unit), self._spans(unit))
-
-    @staticmethod
-    def _spans(unit: HostUnit) -> list[tuple[int, int]]:
-        return [(e.offset, e.numel) for e in unit.entries]
+        return kernels.param_norms(self._grad_of(unit), [(e.offset, e.numel) for e in unit.entries])
 
     def _grad_of(self, unit: HostUnit) -> torch.Tensor:
         return unit.acc if unit.grad_state is GradState.ACC else unit.slab

@@ -14,7 +14,6 @@ Two backends compute the same thing:
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -107,20 +106,6 @@ def accumulate_(acc: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
         acc.copy_(grad)
     else:
         acc.add_(grad)
-
-
-def accumulate_norms_(
-    acc: torch.Tensor, grad: torch.Tensor, first: bool, spans: list[tuple[int, int]]
-) -> list[torch.Tensor]:
-    """:func:`accumulate_`, then :func:`param_norms` of the sum: landing a step's last micro-batch when a
-    global-norm clip follows. The native kernel does both in one pass over memory, the norms summed in
-    double (so they round apart from torch's fp32 reductions, as its Adam step does); the torch backend
-    makes the two calls, bitwise as ordinary training."""
-    if backend() == "native":
-        sums = _native().grad_accumulate_sq_norms_(acc, grad, first, spans)
-        return [torch.tensor(math.sqrt(s), dtype=torch.float32) for s in sums]
-    accumulate_(acc, grad, first)
-    return param_norms(acc, spans)
 
 
 def param_norms(flat: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:

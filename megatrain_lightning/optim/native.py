@@ -34,7 +34,6 @@ __all__ = [
     "info",
     "adamw_step_",
     "grad_accumulate_",
-    "grad_accumulate_sq_norms_",
     "sq_norm",
     "set_num_threads",
     "get_num_threads",
@@ -44,7 +43,7 @@ __all__ = [
 
 LIBRARY_MODULE = "megatrain_lightning._adamw_native"
 DISABLE_ENV = "MEGATRAIN_NATIVE_ADAMW"
-_ABI_VERSION = 3
+_ABI_VERSION = 2
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _ISA_LEVELS = {name: level for level, name in _ISA_NAMES.items()}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -77,8 +76,6 @@ def _open_library() -> tuple[ctypes.CDLL, str]:
     lib.adamw_step.argtypes = [p, p, p, p, i, p, i, i64, d, d, d, d, d, d, d, d, i]
     lib.grad_accumulate.restype = i
     lib.grad_accumulate.argtypes = [p, p, i, i64, i]
-    lib.grad_accumulate_sq_norms.restype = i
-    lib.grad_accumulate_sq_norms.argtypes = [p, p, i, i64, i, p, p, i, p]
     lib.sq_norm.restype = d
     lib.sq_norm.argtypes = [p, i, i64]
     for name in ("mt_isa", "mt_isa_supported", "mt_has_openmp", "mt_get_num_threads"):
@@ -369,33 +366,6 @@ def grad_accumulate_(acc: torch.Tensor, grad: torch.Tensor, first: bool) -> None
     rc = lib.grad_accumulate(acc.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], acc.numel(), 1 if first else 0)
     if rc != 0:
         raise RuntimeError(f"{fn}: native grad_accumulate returned {rc}")
-
-
-def grad_accumulate_sq_norms_(
-    acc: torch.Tensor, grad: torch.Tensor, first: bool, spans: list[tuple[int, int]]
-) -> list[float]:
-    """:func:`grad_accumulate_`, and the sum of squares (in double) of the result over each (offset, numel)
-    span, taken chunk by chunk while the chunk is still in cache: one pass over memory where the two calls
-    apart take two. `spans` sorted and disjoint, within ``acc``."""
-    fn = "grad_accumulate_sq_norms_"
-    lib = _require()
-    _check(fn, "acc", acc, _F32)
-    _check(fn, "grad", grad, _F32_BF16)
-    _check_numel(fn, "acc", acc.numel(), "grad", grad)
-    _check_disjoint(fn, [("acc", acc), ("grad", grad)])
-    k = len(spans)
-    offsets = (ctypes.c_int64 * k)(*(o for o, _ in spans))
-    lengths = (ctypes.c_int64 * k)(*(n for _, n in spans))
-    out = (ctypes.c_double * k)()
-    rc = lib.grad_accumulate_sq_norms(
-        acc.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], acc.numel(), 1 if first else 0,
-        offsets, lengths, k, out,
-    )  # fmt: skip
-    if rc == -5:
-        raise ValueError(f"{fn}: spans must be sorted, disjoint and within acc's {acc.numel()} elements: {spans}")
-    if rc != 0:
-        raise RuntimeError(f"{fn}: native grad_accumulate_sq_norms returned {rc}")
-    return list(out)
 
 
 def sq_norm(x: torch.Tensor) -> float:

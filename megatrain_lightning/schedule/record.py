@@ -10,8 +10,7 @@ A :class:`Recorder` is installed around an engine from outside, without a change
   ``torch.utils.flop_counter``'s registry, bytes read and written), or as host work when it touches a host
   buffer (every host buffer comes from ``host_empty``, whose observers name them, as in measure.py);
 - a proxy of the engine's worker pool: each job and what it does (the kernels ``adam_step_``,
-  ``accumulate_``, ``accumulate_norms_`` (one pass), ``param_norms``, wrapped in ``optim.kernels``, with
-  their element counts and bytes, and
+  ``accumulate_``, ``param_norms``, wrapped in ``optim.kernels``, with their element counts and bytes, and
   its waits on copy events), and each place a thread blocks on a job (``future.result()``). Jobs run when
   submitted, on the submitting thread (see :class:`_Worker`); whether one would be done yet
   (``future.done()``) is the live replay's answer;
@@ -390,7 +389,6 @@ _READS = {"cpu", "item", "tolist", "numpy", "__float__", "__int__", "__bool__"}
 def _patched_kernels(rec: Recorder) -> Iterator[None]:
     """Log the host kernels the engine calls (looked up in ``optim.kernels`` at call time)."""
     step, acc, norms, clip = kernels.adam_step_, kernels.accumulate_, kernels.param_norms, kernels.clip_coefficient
-    fused = kernels.accumulate_norms_
 
     def adam_step_(master, m, v, grad, copy, *args, **kwargs):
         written = 0 if copy is None else _nbytes(copy)
@@ -399,13 +397,8 @@ def _patched_kernels(rec: Recorder) -> Iterator[None]:
             with rec.quiet():
                 step(master, m, v, grad, copy, *args, **kwargs)
 
-    def accumulate_(into, grad, first, spans=None):
+    def accumulate_(into, grad, first):
         rec.host_work("accumulate", into.numel(), _nbytes(into) * (1 if first else 2) + _nbytes(grad))
-        if spans is not None:  # accumulate_norms_: one pass (the native kernel's, as Adam is priced)
-            with rec.quiet():
-                out = norms(into, spans) if isinstance(into, FakeTensor) else fused(into, grad, first, spans)
-            rec.mark_host(out)
-            return out
         if not isinstance(into, FakeTensor):
             with rec.quiet():
                 acc(into, grad, first)
@@ -426,16 +419,23 @@ def _patched_kernels(rec: Recorder) -> Iterator[None]:
         with rec.quiet():
             return clip(values, max_norm)
 
-    patches = {"adam_step_": adam_step_, "accumulate_": accumulate_, "accumulate_norms_": accumulate_}
-    patches.update(param_norms=param_norms, clip_coefficient=clip_coefficient)
-    saved = {name: getattr(kernels, name) for name in patches}
-    for name, fn in patches.items():
-        setattr(kernels, name, fn)
+    with (
+        _patched(kernels, "adam_step_", adam_step_),
+        _patched(kernels, "accumulate_", accumulate_),
+        _patched(kernels, "param_norms", param_norms),
+        _patched(kernels, "clip_coefficient", clip_coefficient),
+    ):
+        yield
+
+
+@contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    before = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(kernels, name, fn)
+        setattr(owner, name, before)
 
 
 # -- classifying ops -------------------------------------------------------------------------------------
