@@ -435,9 +435,9 @@ def shipped_config_dirs() -> list[Path]:
 
 def resolve(config: str | Path, kind: str = "sweep") -> str:
     """The `kind` file (sweep, or run: see :class:`TrainConfig`) `config` names: a URL as is; a path as given
-    (absolute, or relative to the current directory); else a relative path looked up among the shipped configs, with or without its leading
-    `configs/` (so `configs/sweep/tiny-lr.yaml` works wherever the driver runs, e.g. in the head node's
-    start directory when `ray job submit` has no `--working-dir`)."""
+    (absolute, or relative to the current directory); else a relative path looked up among the shipped
+    configs, with or without its leading `configs/` (so `configs/sweep/tiny-lr.yaml` works wherever the
+    driver runs, e.g. in the head node's start directory when `ray job submit` has no `--working-dir`)."""
     text = str(config)
     if "://" in text:
         return text
