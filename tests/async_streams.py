@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from megatrain_lightning.engine import engine as engine_module
-from megatrain_lightning.engine.streams import Streams, _DoneEvent
+from megatrain_lightning.engine.streams import Streams, _DoneEvent, issued
 
 IDLE_EXIT_S = 0.5  # a stream thread with nothing queued exits after this long (restarted on demand)
 MAX_HOLD_S = 60.0  # a held item nobody waits for runs after this long, so abandoned engines leak no thread
@@ -197,6 +197,7 @@ class AsyncStreams(Streams):
         if key in self.skip:
             self.skipped[key] += 1
             return
+        event = issued(event)  # an upload the stager still has in hand: once it has issued it
         if event is None or isinstance(event, _DoneEvent):
             return
         if stream is None:

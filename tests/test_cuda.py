@@ -85,12 +85,15 @@ def test_peak_gpu_memory_is_flat_across_depth():
 def test_auto_slots_grow_on_the_device_and_change_no_result():
     """num_slots="auto" adds slots after the first step from the memory the device reports: a slot per block
     for this small model. The training is bit for bit that of 2 fixed slots (the same kernels in the same
-    order; only what is resident changes), and steps after the first upload each block once."""
+    order; only what is resident changes), and steps after the first upload each block once. Both recompute
+    every block: with ``recompute="auto"`` the extra slots would let blocks keep their graph, computed with
+    grad on, where the GPU may pick another attention kernel (test_recompute_auto_is_true_within_rounding)."""
     runs = {}
     for num_slots in ("auto", 2):
         torch.manual_seed(0)
         model = big_llama(6)
-        engine = Engine(model, EngineConfig(device="cuda", precision="bf16-true", num_slots=num_slots))
+        config = EngineConfig(device="cuda", precision="bf16-true", num_slots=num_slots, recompute=True)
+        engine = Engine(model, config)
         opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
         tokens = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(1)).cuda()
         for _ in range(3):
@@ -120,3 +123,84 @@ def test_stored_offloaded_inputs_on_cuda(stored):
     gpu_fit(small, batches, MegatrainStrategy(offload_inputs=True, offload_inputs_dtype=stored), "32-true")
     assert small.losses[0] == exact.losses[0] and len(small.losses) == 8
     assert 0 < max(abs(x - y) for x, y in zip(small.losses, exact.losses)) <= 1e-3
+
+
+def test_recompute_auto_is_true_within_rounding():
+    """``recompute="auto"`` against ``True``: a kept block runs its forward once, with grad on; a recomputed one
+    runs it with grad off and again with grad on. On a GPU the attention backend can differ between the two
+    modes, so the outputs a later block sees may differ in the last bits (on the CPU, and wherever the same
+    kernel runs, they are equal: tests/test_recompute.py). The bound separates rounding from a different
+    computation: in fp32, rounding differences of the attention kernels (~1e-6 relative) move the total
+    update of three Adam steps by far less than 1e-3 of itself; a wrong gradient moves it by O(1)."""
+    runs = {}
+    for recompute in ("auto", True):
+        torch.manual_seed(0)
+        model = big_llama(6)
+        start = params_of(model)
+        config = EngineConfig(device="cuda", precision="32-true", num_slots="auto", recompute=recompute)
+        engine = Engine(model, config)
+        opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        tokens = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(1)).cuda()
+        for _ in range(3):
+            with engine.backward():
+                model(tokens, targets=tokens).backward()
+            opt.step()
+            opt.zero_grad()
+        engine.flush()
+        runs[recompute] = (engine.stats["kept_calls"], params_of(model))
+        engine.close()
+    assert runs["auto"][0] > 0 and runs[True][0] == 0  # blocks did keep their graphs: not vacuous
+    assert update_error(runs["auto"][1], runs[True][1], start) < 1e-3
+
+
+def test_a_prefetched_input_never_fetched_is_not_overwritten_by_its_late_copy():
+    """A saved input prefetched to the device (H2D stream) but never fetched (a partial autograd.grad, an
+    exception) is freed in the compute stream's order: without record_stream its memory could go to a new
+    tensor while the copy still writes it (engine/saved_inputs.py). The CPU cannot show this (no caching
+    allocator, no second stream)."""
+    from megatrain_lightning.engine.saved_inputs import SavedInputs
+    from megatrain_lightning.engine.streams import Streams
+
+    streams = Streams(torch.device("cuda", torch.cuda.current_device()))
+    saved_inputs = SavedInputs(streams, streams.device, True, {"input_offload_bytes": 0}, mode=True)
+    hidden = torch.randn(4096, 1024, device="cuda")
+    owner = type("Call", (), {})()
+    saved = saved_inputs.store(hidden, owner)
+    torch.cuda._sleep(50_000_000)  # the compute stream runs late: the H2D copy overlaps it
+    saved_inputs.prefetch(saved)
+    saved.device = None  # dropped unfetched
+    fresh = torch.zeros(4096 * 1024, device="cuda")  # may reuse the freed memory
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(fresh) == 0
+
+
+def test_a_failed_pinning_leaves_no_error_for_the_next_kernel():
+    """cudaHostRegister on a range already registered fails; its error must not surface at the next kernel
+    launch (engine/pinned.py clears it), so a run retried without pinning works."""
+    from megatrain_lightning.engine import pinned
+
+    t = pinned.pinned_empty(1 << 20, torch.float32)
+    try:
+        code = pinned._host_register(t.data_ptr(), t.numel() * 4, pinned.CUDA_HOST_REGISTER_PORTABLE)
+        assert code != 0  # cudaErrorHostMemoryAlreadyRegistered
+        pinned._clear_last_error()
+        x = torch.ones(8, device="cuda") * 2  # a kernel launch, checked by torch
+        torch.cuda.synchronize()
+        assert float(x.sum()) == 16.0
+    finally:
+        pinned.unregister([t])
+
+
+def test_odd_sized_parameters_are_aligned_in_their_slot_on_the_gpu():
+    """The slot layout's 16-byte alignment on the device itself (tests/test_engine.py checks it on the CPU)."""
+    from tests.test_engine import _odd_loss, _OddLM
+
+    model = _OddLM()
+    engine = Engine(model, EngineConfig(device="cuda", precision="bf16-true"))
+    starts = []
+    for block in model.layers:
+        block.down.register_forward_pre_hook(lambda *_, b=block: starts.extend(p.data_ptr() for p in b.parameters()))
+    ids = torch.randint(0, 11, (2, 6), device="cuda")
+    _odd_loss(model, ids).backward()
+    engine.close()
+    assert starts and all(p % 16 == 0 for p in starts)

@@ -436,3 +436,87 @@ def test_state_dict_waits_for_the_blocks_steps():
     engine.flush()
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     engine.close()
+
+
+class _OddBlock(nn.Module):
+    """Parameters of odd sizes: packed back to back, every one after the first would start off a 16-byte
+    boundary (a 7x7 weight is 49 elements)."""
+
+    def __init__(self, width: int = 7) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, width)
+        self.gain = nn.Parameter(torch.ones(width))
+        self.down = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.tanh(self.up(h)) * self.gain)
+
+
+class _OddLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 7)
+        self.layers = nn.ModuleList(_OddBlock() for _ in range(3))
+        self.head = nn.Linear(7, 11)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _odd_run(precision: str, layout: str, ids: torch.Tensor) -> tuple[nn.Module, list[int], list[int]]:
+    """Train an _OddLM with the engine; the model, where each block parameter started in each call, and
+    the packed host offsets of block 0."""
+    torch.manual_seed(0)
+    model = _OddLM()
+    engine = Engine(model, EngineConfig(device="cpu", precision=precision, host_layout=layout, piece=30))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    starts: list[int] = []
+    for block in model.layers:  # where each parameter the block computes with starts (inside the call)
+        block.down.register_forward_pre_hook(lambda *_, b=block: starts.extend(p.data_ptr() for p in b.parameters()))
+    for batch in ids:
+        with engine.backward():
+            _odd_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    engine.close()
+    return model, starts, [e.offset for e in engine.units[0].layout]
+
+
+def _odd_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch)
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("layout", ["default", "lean"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_odd_sized_parameters_start_aligned_in_their_slot_and_train_exactly(monkeypatch, precision, layout):
+    """In a weight slot every parameter starts on a 16-byte boundary (engine/host.py, slot_layout), though the
+    host buffers stay packed: the upload copies each stretch the padding separates to its place (the lean
+    layout's staging pieces cut here across parameters too). Training is bit for bit the packed slot's, and
+    in fp32 ordinary training's."""
+    from megatrain_lightning.engine import host as host_module
+
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+    ids = torch.randint(0, 11, (4, 2, 6), generator=torch.Generator().manual_seed(3))
+    model, starts, packed = _odd_run(precision, layout, ids)
+    assert len(starts) == 3 * 5 * 2 * len(ids)  # every parameter, in the forward and the recompute
+    assert all(p % 16 == 0 for p in starts)
+    assert any(o * (4 if precision == "32-true" else 2) % 16 for o in packed)  # the host layout is packed
+    monkeypatch.setattr(host_module, "SLOT_ALIGN_BYTES", 1)  # the slot packed like the host buffers
+    unpadded, starts, _ = _odd_run(precision, layout, ids)
+    assert any(p % 16 for p in starts)  # (so the padding above did something)
+    for (name, a), b in zip(unpadded.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+    if precision == "32-true":
+        torch.manual_seed(0)
+        ref = _OddLM()
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for batch in ids:
+            _odd_loss(ref, batch).backward()
+            opt.step()
+            opt.zero_grad()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(a, b), name

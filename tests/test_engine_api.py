@@ -158,3 +158,24 @@ def test_a_bad_option_is_one_line_naming_it(options, message):
     with pytest.raises(ValueError, match=message) as err:
         EngineConfig(**options)
     assert "\n" not in str(err.value)
+
+
+def test_an_index_less_cuda_device_is_the_current_one(monkeypatch):
+    """``device="cuda"`` (a plain loop's usual spelling) resolves to the current GPU's index at once: the host
+    worker pins its thread with ``torch.cuda.set_device``, which refuses a device with no index (the worker
+    would never start). A fake CUDA layer stands in for the GPU."""
+    from megatrain_lightning.engine.engine import worker_init
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for device in ("cuda", torch.device("cuda")):
+        assert EngineConfig(device=device).torch_device == torch.device("cuda", 3)
+    assert EngineConfig(device="cuda:1").torch_device == torch.device("cuda", 1)  # an index given is kept
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr("megatrain_lightning.engine.engine.configure_host_threads", lambda *a, **k: None)
+    worker_init(torch.device("cuda"))  # the last guard, for a device that bypassed the config
+    assert chosen == [3]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device='cuda': no CUDA GPU is visible.*device='cpu'"):
+        EngineConfig(device="cuda")

@@ -165,7 +165,7 @@ def _late_streams(rank: int, world: int, out: str) -> None:
     from megatrain_lightning.engine import engine as engine_module
     from tests.async_streams import AsyncStreams
 
-    for name, skip in (("late", ()), ("skipped", (("upload", "run"),))):
+    for name, skip in (("late", ()), ("skipped", (("collective", "run"),))):
         made: list[AsyncStreams] = []
 
         def late(device, skip=skip, made=made):
@@ -180,7 +180,7 @@ def _late_streams(rank: int, world: int, out: str) -> None:
         if rank == world - 1:
             save_file(params, f"{out}/{name}.safetensors")
         with open(f"{out}/{name}{rank}.json", "w") as f:
-            json.dump(sum(s.skipped[("upload", "run")] for s in made), f)
+            json.dump(sum(s.skipped[("collective", "run")] for s in made), f)
 
 
 def _refusals(group) -> list[str]:
@@ -292,3 +292,87 @@ def test_ranks_split_a_machines_cpus_node_by_node():
     assert rank_cpus(1, 2, everything, odd_even) == list(range(1, 16, 2))
     assert [len(rank_cpus(r, 4, set(range(6)), {})) for r in range(4)] == [2, 2, 1, 1]
     assert [rank_cpus(r, 3, {0, 1}, {}) for r in range(3)] == [[0], [1], [0]]
+
+
+def _cuda_paths(rank: int, world: int, port: int, out: str) -> None:
+    """Decisions of a partitioned engine that only show on GPUs, taken with stand-ins on the CPU: the slot
+    count after ``num_slots="auto"`` when one rank's allocation fails midway, the blocks whose steps a forward
+    waits for before each block runs, and what stays page-locked after close in fp32."""
+    from megatrain_lightning import Probes
+    from megatrain_lightning.engine import pinned
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    said: dict = {}
+    try:
+        model = own_llama(layers=4)
+        probes = Probes(device_free_bytes=lambda: 2**40, step_transient_bytes=lambda: 0)  # room for a slot per block
+        config = EngineConfig(device="cpu", precision="32-true", group=dist.group.WORLD, num_slots="auto")
+        engine = Engine(model, config, probes=probes)
+        if rank == 1:  # this rank's device runs out after one more slot (fragmentation)
+            grow = engine.pool.grow
+
+            def short(n: int) -> None:
+                grow(1)
+                raise torch.OutOfMemoryError("out of memory (stand-in)")
+
+            engine.pool.grow = short
+        opt = engine.optimizer(_optimizer(model))
+        order: list[tuple[str, int]] = []
+        index = {id(u): i for i, u in enumerate(engine.units)}
+        wait = engine.host.wait
+        engine.host.wait = lambda unit: (order.append(("wait", index.get(id(unit), -1))), wait(unit))[1]
+        for i, blk in enumerate(model.model.layers):
+            blk.register_forward_pre_hook(lambda *_, i=i: order.append(("forward", i)))
+        batches = _batches(2)
+        for s, batch in enumerate(batches):
+            with engine.backward():
+                own_loss(model, batch[rank * 3 : rank * 3 + 3]).backward()
+            if s == 1:
+                break
+            order.clear()  # from the first step's optimizer step through the second forward
+            opt.step()
+            opt.zero_grad()
+        said["slots"] = engine.pool.num_slots
+        said["order"] = order
+        engine.close()
+        # fp32 (the master is the pinned DMA source) with page-locking recorded instead of done
+        registered: dict[int, int] = {}
+        pinned_fakes = {
+            "_host_register": lambda ptr, nbytes, flags: registered.setdefault(ptr, nbytes) and 0,
+            "_host_unregister": lambda ptr: 0 if registered.pop(ptr, None) is not None else 713,
+        }
+        for name, fake in pinned_fakes.items():
+            setattr(pinned, name, fake)
+        model = own_llama(layers=2)
+        engine = Engine(model, EngineConfig(device="cpu", precision="32-true", group=dist.group.WORLD, pin_memory=True))
+        said["pinned_while_open"] = pinned.registered_bytes()
+        engine.close()
+        said["pinned_after_close"] = pinned.registered_bytes()
+        with open(f"{out}/cuda_paths{rank}.json", "w") as f:
+            json.dump(said, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_slots_prefetch_one_block_ahead_and_unlock_their_shards(tmp_path):
+    mp.spawn(_cuda_paths, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    said = []
+    for r in range(2):
+        with open(f"{tmp_path}/cuda_paths{r}.json") as f:
+            said.append(json.load(f))
+    # Rank 1 got one slot more than the pool's two, rank 0 one per block: both keep rank 1's three, so they
+    # prefetch the same blocks and issue their all-gathers in the same order.
+    assert [s["slots"] for s in said] == [3, 3]
+    for s in said:
+        # A prefetch is a collective, so it waits for its block's step: in the forward, never for a block
+        # beyond the next one, so the host steps keep overlapping the compute (with a deeper prefetch the
+        # first block would wait for the steps of as many blocks as there are slots).
+        order = [tuple(e) for e in s["order"]]
+        forwards = [i for i, (what, _) in enumerate(order) if what == "forward"]
+        assert [order[i][1] for i in forwards] == [0, 1, 2, 3]
+        for k, at in enumerate(forwards):
+            waited = [b for what, b in order[:at] if what == "wait"]
+            assert waited and max(waited) <= k, (k, order)
+        # In fp32 the master shards were page-locked; none stays locked after close.
+        assert s["pinned_while_open"] > 0 and s["pinned_after_close"] == 0

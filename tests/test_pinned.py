@@ -27,9 +27,11 @@ class FakeCuda:
         self.calls: list[tuple[int, int, int]] = []  # every registration: (ptr, nbytes, flags)
         self.unregistered: list[int] = []
         self.fail_with = 0  # error code the next registrations return (0: succeed)
+        self.last_error = 0  # CUDA's "last error": a failed call leaves it set until cudaGetLastError
 
     def register(self, ptr: int, nbytes: int, flags: int) -> int:
         if self.fail_with:
+            self.last_error = self.fail_with
             return self.fail_with
         assert ptr not in self.registered, "a range was registered twice"
         self.calls.append((ptr, nbytes, flags))
@@ -38,10 +40,15 @@ class FakeCuda:
 
     def unregister(self, ptr: int) -> int:
         if ptr not in self.registered:
+            self.last_error = 713
             return 713  # cudaErrorHostMemoryNotRegistered
         del self.registered[ptr]
         self.unregistered.append(ptr)
         return 0
+
+    def get_last_error(self) -> int:
+        code, self.last_error = self.last_error, 0
+        return code
 
 
 @pytest.fixture
@@ -49,6 +56,7 @@ def cuda(monkeypatch):
     fake = FakeCuda()
     monkeypatch.setattr(pinned, "_host_register", fake.register)
     monkeypatch.setattr(pinned, "_host_unregister", fake.unregister)
+    monkeypatch.setattr(pinned, "_cuda_get_last_error", lambda: fake.get_last_error)
     yield fake
     pinned.unregister_all()  # whatever a failed test left behind, while the fake is still in place
 
@@ -118,6 +126,8 @@ def test_registration_failure_names_the_size_and_the_fix(cuda):
     ):
         Engine(model, EngineConfig(device="cpu", precision="bf16-true", pin_memory=True))
     assert pinned.registered_bytes() == 0
+    # The failure left no error behind for the next kernel launch to raise (the retry without pinning runs).
+    assert cuda.last_error == 0
 
 
 def test_unregister_failure_keeps_the_buffer_alive(cuda):
@@ -126,6 +136,7 @@ def test_unregister_failure_keeps_the_buffer_alive(cuda):
     with pytest.warns(UserWarning, match="cudaHostUnregister.*returned 713"):
         assert pinned.unregister([t]) == 0
     assert pinned.is_registered(t)  # still held, so never freed while (possibly) locked
+    assert cuda.last_error == 0  # and CUDA's error was cleared
     cuda.registered[t.data_ptr()] = 4000
     assert pinned.unregister([t]) == 4000 and not pinned.is_registered(t)
 

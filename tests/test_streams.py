@@ -290,3 +290,86 @@ def test_a_lagging_host_worker_alone_changes_nothing(monkeypatch):
     hold_first_landing(monkeypatch)
     install(monkeypatch, hold=1.0)
     assert same(train("overlapped", "megatrain"), ref)
+
+
+# -- 4. the CUDA-only parts of the streams, with a recording stand-in ---------------------------------------
+
+
+class _RecordingStreams(AsyncStreams):
+    """AsyncStreams that notes the compute-stream events it records and every wait of a copy stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device, hold=1.0)
+        self.compute_events: list[object] = []
+        self.copy_waits: list[tuple[str, object]] = []
+
+    def event(self, stream=None):
+        ev = super().event(stream)
+        if stream is None:
+            self.compute_events.append(ev)
+        return ev
+
+    def wait(self, stream, event) -> None:
+        if stream is not None:
+            self.copy_waits.append((stream.name, event))
+        super().wait(stream, event)
+
+
+def test_a_grown_slot_is_not_uploaded_into_before_the_compute_issued_ahead_of_it():
+    """A slot added mid-forward (``recompute=False`` or auto growth) gets memory the caching allocator may
+    have just taken back from kernels still queued on the compute stream: its `free` event is recorded on
+    the compute stream at allocation, and the first upload into it waits for that event on the H2D stream.
+    (On the CPU compute has run when the event is recorded; what is checked is that the wait is issued.)"""
+    streams = _RecordingStreams(torch.device("cpu"))
+    pool = SlotPool(streams, 2, 16, torch.float32)
+    pool.grow(1)
+    grown = pool.free[2]
+    assert grown is not None and grown is streams.compute_events[-1]
+    pool.load(0, set(), lambda dst: streams.event(streams.h2d))
+    pool.load(1, set(), lambda dst: streams.event(streams.h2d))
+    pool.load(2, {0, 1}, lambda dst: streams.event(streams.h2d))  # slots 0 and 1 hold protected blocks
+    assert pool.slot_of(2) == 2 and ("h2d", grown) in streams.copy_waits
+
+
+def test_device_collectives_run_one_at_a_time_in_issue_order():
+    """The weights' all-gather (H2D stream) and the gradients' exchange (compute stream) use two
+    communicators; two in flight at once can hang NCCL. Each collective waits for the one issued before it,
+    whatever its stream: the exchange, issued second, runs after the all-gather even though the H2D stream
+    runs late."""
+    streams = AsyncStreams(torch.device("cpu"), hold=1.0)
+    ran: list[str] = []
+
+    def gather() -> None:
+        time.sleep(0.05)  # a slow all-gather: an exchange not chained to it would run first
+        ran.append("gather")
+
+    streams.copy(streams.h2d, torch.zeros(4), torch.ones(4))  # held work ahead of it on the H2D stream
+    streams.collective(streams.h2d, gather)
+    streams.collective(None, lambda: ran.append("exchange"))
+    streams.collective(streams.h2d, lambda: ran.append("gather 2"))
+    streams.synchronize()
+    assert ran == ["gather", "exchange", "gather 2"]
+
+
+def test_events_the_host_waits_on_sleep_instead_of_spinning(monkeypatch):
+    """CUDA events default to spin-waiting: a host thread synchronizing on one burns a core the host
+    optimizer's threads need. The engine's events are blocking ones (a fake CUDA layer records how they are
+    made)."""
+    from megatrain_lightning.engine.streams import Streams
+
+    made: list[dict] = []
+
+    class FakeEvent:
+        def __init__(self, **kwargs) -> None:
+            made.append(kwargs)
+
+        def record(self, stream=None) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: object())
+    streams = Streams(torch.device("cuda", 0))
+    streams.event()
+    streams.event(streams.d2h)
+    assert made == [{"blocking": True}, {"blocking": True}]

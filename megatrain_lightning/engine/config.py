@@ -125,13 +125,20 @@ def check_piece(value: Any) -> int | None:
 
 
 def check_device(value: Any) -> torch.device:
-    """None: the current CUDA device when there is one, else the CPU."""
+    """None: the current CUDA device when there is one, else the CPU. A CUDA device without an index
+    ("cuda") is the current one, resolved now: the host worker pins its thread to the engine's GPU with
+    ``torch.cuda.set_device``, which refuses a device with no index."""
     if value is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
-        return torch.device(value)
+        device = torch.device(value)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device={value!r}: give a torch.device or a string such as 'cuda:0' or 'cpu' ({e})") from e
+    if device.type == "cuda" and device.index is None:
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={value!r}: no CUDA GPU is visible to this process; pass device='cpu'")
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def check_blocks(value: Any) -> str | tuple[str, ...] | Callable | None:

@@ -176,7 +176,7 @@ class Engine:
         # Per block, its calls whose backward has not run yet (a graph dropped unused drops its calls too).
         self._open_calls: list[weakref.WeakSet] = [weakref.WeakSet() for _ in self.units]
         slots = 2 if config.num_slots == "auto" else config.num_slots
-        self.pool = SlotPool(self.streams, slots, max(u.device_numel for u in self.units), self.compute_dtype)
+        self.pool = SlotPool(self.streams, slots, max(u.slot_numel for u in self.units), self.compute_dtype)
         self.pool.grow_when_pinned = config.recompute is False
         self.keep = KeepPolicy(config.recompute, keep_free, self.pool.pinned, lambda: self.pool.num_slots, self.stats)
         self.grad_anchor = torch.empty(0, requires_grad=True)
@@ -449,7 +449,7 @@ class Engine:
         self.outer.refresh()
         # Block 0 waits for its step; the blocks after it go up now only if theirs are done already (the
         # next forward's prefetch takes the rest), so more slots never hold this thread back.
-        first = set(range(min(self.pool.num_slots - 1, len(self.units))))
+        first = set(range(min(self._prefetch_depth(+1), len(self.units))))
         for j in sorted(first):
             if self._load(j, first, wait=j == 0) is None:
                 break  # steps finish in forward order: the blocks after it are not ready either
@@ -501,6 +501,10 @@ class Engine:
             self.pool.grow(want - have)
         except torch.cuda.OutOfMemoryError:
             pass  # fragmentation: keep the slots that were allocated
+        if self.partition is not None:
+            # A rank whose allocation failed midway has fewer: all keep the fewest, or they would prefetch
+            # different blocks and issue their all-gathers in different orders (a hang, or wrong weights).
+            self.pool.truncate(self.partition.least(self.pool.num_slots))
         log.info(
             "num_slots='auto': %d weight slots for %d blocks (%.2f GiB each); the first step needed %.2f GiB "
             "beyond the persistent buffers and %.2f GiB was free",
@@ -641,7 +645,7 @@ class Engine:
         (the block's parameters are bound to it too, for a checkpoint inside the block that recomputes)."""
         unit = self.units[idx]
         slot = self._load(idx, {idx}) if kept is None else kept.slot
-        with self._bound(idx, self.pool.acquire(slot, unit.full_numel), fresh=keep) as leaves:
+        with self._bound(idx, self.pool.acquire(slot, unit.slot_numel), fresh=keep) as leaves:
             out = fn()
         self.pool.release(slot)
         if kept is not None:
@@ -655,11 +659,23 @@ class Engine:
             state = earlier() if earlier is not None else None
             # The next block's input, if its call offloaded it (prefetch(None) does nothing).
             self.saved_inputs.prefetch(state.saved if state is not None else None)
-        ahead = [j for j in (idx + direction * k for k in range(1, self.pool.num_slots)) if 0 <= j < len(self.units)]
+        depth = self._prefetch_depth(direction)
+        ahead = [j for j in (idx + direction * k for k in range(1, depth + 1)) if 0 <= j < len(self.units)]
         for j in ahead:
             if self._load(j, {idx, *ahead}, wait=False) is None:
                 break  # steps finish in forward order (or every other slot is pinned): stop here
         return out, (kept if keep else None)
+
+    def _prefetch_depth(self, direction: int) -> int:
+        """How many blocks ahead of the one computing are uploaded now: as many as the other slots hold.
+
+        Partitioned, an upload is a collective, so a prefetch cannot be skipped when its block's optimizer
+        step is still running (whether it is would differ between ranks): it waits for that step. In the
+        forward, which follows the host steps, one block ahead then keeps the steps overlapping the compute;
+        a deeper prefetch (up to one slot per block with ``num_slots="auto"``) would make the first block
+        wait for nearly every step. The backward finds every step done and prefetches as deep as one rank."""
+        others = self.pool.num_slots - 1
+        return min(others, 1) if self.partition is not None and direction > 0 else others
 
     @contextmanager
     def _bound(self, idx: int, flat: torch.Tensor, fresh: bool = False) -> Iterator[list[nn.Parameter]]:
@@ -671,7 +687,7 @@ class Engine:
         stay on the slot when the block's own parameters move back to the masters."""
         unit = self.units[idx]
         buffers = [(record, record[2].data) for record in self._block_buffers[idx]]
-        unit.bind(flat)
+        unit.bind_slot(flat)
         leaves = [nn.Parameter(e.param.data, requires_grad=e.param.requires_grad) for e in unit.layout] if fresh else []
         for module, name, i in self._param_refs[idx] if fresh else []:
             module._parameters[name] = leaves[i]
@@ -858,6 +874,7 @@ class Engine:
     def close(self) -> None:
         """Give the model back as an ordinary fp32 host model (parameters are views of the masters)."""
         self.flush()
+        self.uploads.close()  # (its uploads were waited for by the flush)
         self.streams.synchronize()  # no copy may still read or write a device buffer freed below
         self.host.close()
         if self.tier is not None:
@@ -866,6 +883,9 @@ class Engine:
             handle.remove()
         self._buffers_to_host()
         if self.partition is not None:  # each rank gets the whole trained model back, as after DDP training
+            # The shards are unregistered before the gathered masters replace them (in fp32 the master is a
+            # pinned buffer): afterwards nothing would name them, and they would stay locked for good.
+            pinned.unregister(self._pinnable(self.all_units(), []))
             for unit in self.all_units():
                 unit.unpartition(self.partition.gather_host(unit.master, unit.full_numel))
         for config in self._caches_off:
@@ -950,5 +970,6 @@ def worker_init(device: torch.device, host_threads: int | None = None, cpus: lis
     """The host worker waits on CUDA events: it must use the engine's GPU, not create a context on GPU 0. It
     takes its thread budget (optim/threads.py) before its first torch op."""
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        # (an index-less "cuda" would make set_device raise: EngineConfig resolves it; this is the last guard)
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
     configure_host_threads(host_threads, share=cpus)

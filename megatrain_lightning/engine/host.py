@@ -66,6 +66,33 @@ class ParamEntry:
     start: int = 0  # a piece of a partitioned unit: its first element within the parameter
 
 
+SLOT_ALIGN_BYTES = 16
+"""Where each parameter starts in a weight slot: a multiple of 16 bytes, what vectorized loads (cuBLAS) and
+Inductor's compiled kernels assume of their inputs. A parameter that starts elsewhere (after an odd-sized
+one) gets a slower kernel, or a copy per call."""
+
+
+def slot_layout(
+    layout: list[ParamEntry], dtype: torch.dtype, partitioned: bool, device_numel: int
+) -> tuple[list[int], int]:
+    """Each parameter's offset in a weight slot, and the slot elements the unit takes.
+
+    The host buffers stay packed (their layout is the checkpoint's); in a slot each parameter starts on a
+    :data:`SLOT_ALIGN_BYTES` boundary, which costs an upload one copy per run of parameters the padding
+    separates, and nothing for models whose parameter sizes are multiples of 16 bytes already (most). A
+    partitioned unit keeps the packed layout on the device: its ranks' shards are all-gathered into the slot
+    as contiguous chunks of it."""
+    if partitioned:
+        return [e.offset for e in layout], device_numel
+    align = max(1, SLOT_ALIGN_BYTES // dtype.itemsize)
+    offsets, at = [], 0
+    for e in layout:
+        at = -(-at // align) * align
+        offsets.append(at)
+        at += e.numel
+    return offsets, at
+
+
 class HostUnit:
     """fp32 master, Adam moments, compute copy and gradient slab of one unit, each one flat buffer."""
 
@@ -102,6 +129,7 @@ class HostUnit:
                 for e, a, b in self.overlaps(self.lo, self.hi, layout)
             ]
         self.numel = self.hi - self.lo
+        self.slot_offsets, self.slot_numel = slot_layout(layout, compute_dtype, self.partitioned, self.device_numel)
         fp32_copy = compute_dtype == torch.float32
         # In fp32 the master is the DMA source itself, so it is the one buffer that must be pinned.
         self.master = host_empty(self.numel, torch.float32, pin and fp32_copy)
@@ -230,6 +258,25 @@ class HostUnit:
         ``layout``: the master (unpartitioned), a device slot or a device copy."""
         for e in self.layout:
             e.param.data = flat[e.offset : e.offset + e.numel].view(e.shape)
+
+    def bind_slot(self, flat: torch.Tensor) -> None:
+        """Point each parameter at its place in a weight slot (`flat`, laid out by :func:`slot_layout`)."""
+        for e, at in zip(self.layout, self.slot_offsets):
+            e.param.data = flat[at : at + e.numel].view(e.shape)
+
+    def slot_runs(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(start, end, at): the unit's elements lo..hi (host layout) as runs that go to ``at..`` of a weight
+        slot, one run per stretch of parameters that the slot's alignment padding does not separate."""
+        runs: list[tuple[int, int, int]] = []
+        for e, at in zip(self.layout, self.slot_offsets):
+            a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
+            if a >= b:
+                continue
+            if runs and runs[-1][1] == a and runs[-1][2] + (a - runs[-1][0]) == at + (a - e.offset):
+                runs[-1] = (runs[-1][0], b, runs[-1][2])
+            else:
+                runs.append((a, b, at + a - e.offset))
+        return runs
 
     def bind_host(self) -> None:
         """Between calls: each parameter a view of its fp32 master. Partitioned, no rank holds the whole

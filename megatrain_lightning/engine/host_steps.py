@@ -155,7 +155,9 @@ class HostSide:
         if unit.partitioned:
             present = unit.piece_flags(self.partition.any_rank(present))
             self.stats["reduce_scatter_bytes"] += unit.device_numel * flat.element_size()
-            flat = self.partition.reduce_scatter(flat, unit.full_numel)
+            whole, out = flat, []
+            self.streams.collective(None, lambda: out.append(self.partition.reduce_scatter(whole, unit.full_numel)))
+            flat = out[0]
             if self.streams.is_cuda:
                 flat.record_stream(self.streams.d2h)  # made on the compute stream, read by the download
         if unit in self._eager:

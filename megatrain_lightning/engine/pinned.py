@@ -11,14 +11,17 @@ it is still registered (and letting the allocator hand the pages out again) must
 engine unregisters its own buffers in ``Engine.close()``; afterwards they are ordinary host
 memory (the fp32 masters live on as the model's parameters).
 
-The CUDA calls sit in :func:`_host_register` and :func:`_host_unregister` only, so tests replace them
-on machines without a GPU.
+The CUDA calls sit in :func:`_host_register`, :func:`_host_unregister` and :func:`_clear_last_error`
+only, so tests replace them on machines without a GPU. A failed runtime call leaves its error behind as
+CUDA's "last error", which the next kernel launch's check (torch's) reads and raises as its own: every
+failure here is cleared at once, so that the documented retry with ``pin_memory=False`` runs.
 
 Every host buffer the engine owns, pinned or not, comes from :func:`host_empty` at the end of this file.
 """
 
 from __future__ import annotations
 
+import ctypes
 import resource
 import threading
 import warnings
@@ -48,6 +51,43 @@ def _host_unregister(ptr: int) -> int:
     return int(torch.cuda.cudart().cudaHostUnregister(ptr))
 
 
+def _clear_last_error() -> None:
+    """``cudaGetLastError``, which returns and resets the error the last failed runtime call left behind
+    (torch binds no such call: it is found in the CUDA runtime library the process has loaded)."""
+    fn = _cuda_get_last_error()
+    if fn is not None:
+        fn()
+
+
+_get_last_error: list[Callable[[], int] | None] = []  # looked up once
+
+
+def _cuda_get_last_error() -> Callable[[], int] | None:
+    if not _get_last_error:
+        _get_last_error.append(_find_cuda_symbol("cudaGetLastError"))
+    return _get_last_error[0]
+
+
+def _find_cuda_symbol(name: str) -> Callable[[], int] | None:
+    """`name` from the CUDA runtime this process loaded (torch's), or None where none is loaded."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+    except OSError:
+        paths = set()
+    for path in sorted(paths) + [None]:  # None: the symbols the process itself exports
+        try:
+            fn = getattr(ctypes.CDLL(path), name)
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return fn
+    warnings.warn(
+        f"{name} was not found in a loaded CUDA runtime: a failed pinning's error is not cleared", stacklevel=2
+    )
+    return None
+
+
 def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized host tensor of exactly ``numel`` elements, page-locked for asynchronous copies."""
     t = torch.empty(numel, dtype=dtype)
@@ -59,6 +99,7 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     except (AssertionError, RuntimeError) as e:  # torch without CUDA, no GPU visible
         raise PinnedMemoryError(f"pinned host memory needs a CUDA GPU ({e}); pass pin_memory=False") from e
     if code != 0:
+        _clear_last_error()
         raise PinnedMemoryError(
             f"could not page-lock {nbytes / 2**20:.1f} MiB of host memory ({nbytes} bytes) for transfers to the "
             f"GPU: cudaHostRegister returned {_error_name(code)}, with {registered_bytes() / 2**30:.2f} GiB already "
@@ -108,6 +149,7 @@ def unregister(tensors: list[torch.Tensor | None]) -> int:
                 held = _registry.pop(ptr)
                 done += held.numel() * held.element_size()
         if code != 0:
+            _clear_last_error()
             warnings.warn(
                 f"cudaHostUnregister of a pinned host buffer at {ptr:#x} returned {_error_name(code)}; "
                 "it stays allocated",

@@ -181,6 +181,11 @@ class SavedInputs:
         s.wait(s.h2d, saved.stored)
         s.wait(s.h2d, s.event())  # the device memory may have just been freed by compute still in flight
         s.copy(s.h2d, saved.device, saved.host)
+        if s.is_cuda:
+            # Allocated on the compute stream, written on the H2D stream: a prefetched input never fetched (a
+            # partial autograd.grad, an exception) is freed by the compute stream's order alone, and its memory
+            # could be handed out again while the copy still writes it.
+            saved.device.record_stream(s.h2d)
         saved.loaded = s.event(s.h2d)
         self.stats["input_offload_bytes"] += saved.host.nbytes
 

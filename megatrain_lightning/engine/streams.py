@@ -46,6 +46,13 @@ import torch
 from megatrain_lightning.engine.config import check_num_slots
 
 
+def issued(event: object) -> object:
+    """`event`, or, for an upload the stager still has in hand (engine/uploads.py), the event of its last
+    copy, once the stager has issued it."""
+    resolve = getattr(event, "resolve", None)
+    return resolve() if resolve is not None else event
+
+
 class _DoneEvent:
     """CPU stand-in for a CUDA event: work on the CPU is finished when it has been issued."""
 
@@ -67,6 +74,7 @@ class Streams:
         self.is_cuda = device.type == "cuda"
         self.h2d = torch.cuda.Stream(device) if self.is_cuda else None
         self.d2h = torch.cuda.Stream(device) if self.is_cuda else None
+        self._collective_end: object | None = None  # the end of the device collective issued last
 
     def compute(self) -> torch.cuda.Stream | None:
         # The compute stream is looked up each time: autograd runs a node's backward on the stream its
@@ -77,12 +85,16 @@ class Streams:
         """An event recorded now on `stream` (the compute stream when None)."""
         if not self.is_cuda:
             return _DoneEvent()
-        ev = torch.cuda.Event()
+        # blocking=True: a host thread that waits for it (the worker before reading a slab, a staging buffer's
+        # reuse) sleeps instead of spinning a core that the host optimizer's threads need. A stream's wait for
+        # it is the same either way.
+        ev = torch.cuda.Event(blocking=True)
         ev.record(stream if stream is not None else self.compute())
         return ev
 
     def wait(self, stream: torch.cuda.Stream | None, event: torch.cuda.Event | _DoneEvent | None) -> None:
         """Make `stream` (the compute stream when None) wait for `event` without blocking the host."""
+        event = issued(event)  # (on the CPU too: a staged upload's copies are done once issued)
         if self.is_cuda and event is not None:
             (stream if stream is not None else self.compute()).wait_event(event)
 
@@ -96,6 +108,19 @@ class Streams:
         and ends on the stream. Done at once on the CPU. A test double can run it late, in stream order."""
         with torch.cuda.stream(stream) if self.is_cuda else nullcontext():
             work()
+
+    def collective(self, stream: torch.cuda.Stream | None, work: Callable[[], None]) -> None:
+        """Issue a device collective (`work`) on `stream` (the compute stream when None), after the device
+        collective issued before it has finished, whichever stream that one ran on.
+
+        The weights' all-gathers run on the H2D stream and the gradients' exchange on the compute stream, each
+        on its own communicator. Two NCCL collectives in flight at once on two communicators can hang: each
+        kernel waits for its peers, and the ranks' GPUs may start them in different orders. Chained like this,
+        a rank has one in flight at a time, in the order issued, which every rank shares (engine/partition.py:
+        every collective is issued at a point that does not depend on timing)."""
+        self.wait(stream, self._collective_end)
+        self.run(stream, work)
+        self._collective_end = self.event(stream)
 
     def copy(self, stream: torch.cuda.Stream | None, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy `src` into `dst` on a copy stream: enqueued on CUDA (it runs after the waits issued on `stream`
@@ -141,14 +166,26 @@ class SlotPool:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
     def grow(self, n: int) -> None:
-        """Add `n` empty slots (allocated now; a failed allocation leaves the slots added before it)."""
+        """Add `n` empty slots (allocated now; a failed allocation leaves the slots added before it).
+
+        A new slot's `free` event is recorded on the compute stream as it is allocated: the caching allocator
+        may hand back memory that kernels already queued on the compute stream still read (activations freed
+        mid-forward, when a slot grows with ``recompute=False``), and the first upload into the slot, on the
+        H2D stream, must not overwrite it before they have run."""
         for _ in range(n):
             self.buffers.append(torch.empty(self.numel, dtype=self.dtype, device=self.streams.device))
             self.holder.append(None)
             self.ready.append(None)
-            self.free.append(None)
+            self.free.append(self.streams.event())
             self.last_use.append(0)
             self.pins.append(0)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first `n` slots (the others must be empty and unpinned: slots just grown)."""
+        if any(h is not None or p for h, p in zip(self.holder[n:], self.pins[n:])):
+            raise RuntimeError(f"cannot drop weight slots {n}..{self.num_slots - 1}: a block is in one of them")
+        for field in (self.buffers, self.holder, self.ready, self.free, self.last_use, self.pins):
+            del field[n:]
 
     def slot_of(self, idx: int) -> int | None:
         return self.holder.index(idx) if idx in self.holder else None

@@ -2,19 +2,47 @@
 staging ring where there is none (the lean layout casts the fp32 master into a staging buffer just
 before it goes up; engine/ring.py).
 
-    host     | cast piece 0 | cast piece 1 |  (waits until the copy that read a buffer has finished)
-    H2D      |              | piece 0 ->   | piece 1 -> |
+The cast is host work as long as a memory pass over the unit, so it runs on a thread of its own, the
+stager, not on the thread that issues the kernels: that thread hands the upload over and goes on issuing
+compute, so the GPU's queue does not run dry while a block's master is cast::
+
+    issuing  | fwd i | hand over i+1 | fwd i+1 (waits for i+1's last copy to be issued) |
+    stager   |       | cast piece 0 | cast piece 1 | ...   (each waits for the copy that last read its buffer)
+    H2D      |                      | piece 0 ->   | piece 1 -> |
+
+The stager issues the copies of an upload in order, after the waits the issuing thread put on the H2D
+stream before handing it over; an upload's end is a :class:`Staged` event, which resolves to the CUDA event of
+its last copy once the stager has issued it. A partitioned upload ends in an all-gather, a collective
+that every rank must issue from its compute-issuing thread in the same order: it casts inline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from megatrain_lightning.engine.host import HostUnit
 from megatrain_lightning.engine.ring import HostRing, pieces
+
+
+class Staged:
+    """The end of an upload the stager has yet to issue: an event once it has (:meth:`resolve`)."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def resolve(self) -> object:
+        """The event of the upload's last copy, waiting for the stager to issue it (re-raising its error)."""
+        return self.future.result()
+
+    def synchronize(self) -> None:
+        self.resolve().synchronize()
+
+    def query(self) -> bool:
+        return self.future.done() and self.resolve().query()
 
 
 class Uploader:
@@ -24,37 +52,58 @@ class Uploader:
         """`partition` (engine/partition.py): each rank uploads its shard, then the ranks all-gather the rest."""
         self.streams, self.stats, self.piece, self.staging = streams, stats, piece, staging
         self.partition = partition
-        self._uploaded = None  # event: the end of the upload issued last (holds its staging buffer)
+        self._stager: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     def upload(self, unit: HostUnit, dst: torch.Tensor) -> object:
         """Issue the H2D copies of `unit`'s weights into `dst` (the caller made the H2D stream wait until
         `dst` may be overwritten). Returns the event of the last copy, which ends them all (one stream,
-        in order). Partitioned, this rank's shard goes to its place in `dst` and an all-gather on the same
-        stream brings the other ranks' shards; the event ends that too."""
-        base = unit.lo  # (0 for a whole unit)
-        for lo, hi in pieces(unit.numel, unit.numel if unit.copy is not None else self.piece):
-            with self._source(unit, lo, hi) as source:
-                self.streams.copy(self.streams.h2d, dst[base + lo : base + hi], source)
-                self._uploaded = self.streams.event(self.streams.h2d)
+        in order), or a :class:`Staged` one when the stager casts and issues them. Partitioned, this rank's
+        shard goes to its place in `dst` and an all-gather on the same stream brings the other ranks' shards;
+        the event ends that too."""
         self.stats["h2d_bytes"] += unit.numel * dst.element_size()
+        if unit.copy is None and self.partition is None:
+            return Staged(self._stage(lambda: self._copies(unit, dst)))
+        done = self._copies(unit, dst)
         if unit.partitioned:
             whole = dst[: unit.device_numel]
-            self.streams.run(self.streams.h2d, lambda: self.partition.gather(whole))
-            self._uploaded = self.streams.event(self.streams.h2d)
+            self.streams.collective(self.streams.h2d, lambda: self.partition.gather(whole))
+            done = self.streams.event(self.streams.h2d)
             self.stats["allgather_bytes"] += whole.numel() * whole.element_size()
-        return self._uploaded
+        return done
 
-    @contextmanager
-    def _source(self, unit: HostUnit, lo: int, hi: int) -> Iterator[torch.Tensor]:
-        """The host buffer an upload of `unit`'s elements lo..hi reads: its compute copy, or the next staging
-        buffer with the master just cast into it, held until the upload issued meanwhile has read it."""
-        if unit.copy is not None:
-            yield unit.copy[lo:hi]
-            return
+    def _copies(self, unit: HostUnit, dst: torch.Tensor) -> object:
+        """The H2D copies of `unit` into `dst`, piece by piece; the event of the last."""
+        h2d, base, done = self.streams.h2d, unit.lo, None  # (base: 0 for a whole unit)
+        for lo, hi in pieces(unit.numel, unit.numel if unit.copy is not None else self.piece):
+            buffer, source = (None, unit.copy[lo:hi]) if unit.copy is not None else self._cast(unit, lo, hi)
+            # (one copy, unless the slot's alignment padding separates parameters: engine/host.py)
+            for a, b, at in unit.slot_runs(base + lo, base + hi):
+                self.streams.copy(h2d, dst[at : at + b - a], source[a - base - lo : b - base - lo])
+            done = self.streams.event(h2d)
+            if buffer is not None:
+                self.staging.hold(buffer, done)  # free again once this copy has read it
+        return done
+
+    def _cast(self, unit: HostUnit, lo: int, hi: int) -> tuple[int, torch.Tensor]:
+        """The next staging buffer (once the copy that last read it is done), holding the master's elements
+        lo..hi cast to the compute dtype: the rounding the step's fused cast would do, so the same bits go up."""
         i, staged = self.staging.take(hi - lo)
-        staged.copy_(unit.master[lo:hi])  # the rounding the step's fused cast would do: the same bits go up
-        yield staged
-        self.staging.hold(i, self._uploaded)
+        staged.copy_(unit.master[lo:hi])
+        return i, staged
+
+    def _stage(self, job: Callable[[], object]) -> Future:
+        with self._lock:
+            if self._stager is None:  # (one thread: uploads are issued in the order handed over)
+                self._stager = ThreadPoolExecutor(1, thread_name_prefix="megatrain-stager")
+            return self._stager.submit(job)
 
     def rings(self) -> list[HostRing]:
         return [self.staging] if self.staging is not None else []
+
+    def close(self) -> None:
+        """Let the stager's last uploads be issued, then end its thread."""
+        with self._lock:
+            stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.shutdown(wait=True)
