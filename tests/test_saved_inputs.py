@@ -9,6 +9,10 @@ that figure (engine.free_device_bytes), since a CPU device on its own never offl
 
 offload_inputs_dtype stores the offloaded inputs smaller (bf16, fp8), which is lossy: those trainings stay
 close to ordinary training, within the bounds below; its default (None) is the exact round trip above.
+
+Not shown here: a prefetched input never fetched is freed in the compute stream's order while its copy
+(H2D stream) may still write it, unless the engine records the copy stream on it. The CPU has no caching
+allocator and no second stream to show that; tests/test_cuda.py does, on a GPU.
 """
 
 from __future__ import annotations
