@@ -65,3 +65,12 @@ def test_without_matplotlib_one_line_says_how_to_install_it(tmp_path, monkeypatc
         plots.loss_png(tmp_path / "metrics.csv", tmp_path / "loss.png")
     assert str(err.value) == plots.MISSING and "\n" not in str(err.value) and err.value.__cause__ is None
     assert not (tmp_path / "plan.png").exists() and not (tmp_path / "loss.png").exists()
+
+
+def test_the_architecture_diagram_is_a_committed_picture_the_docs_show():
+    """docs/img/make_architecture.py draws it from the schedule model (minutes: not run here); the PNG it
+    wrote is committed and architecture.md shows it."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    assert "](img/architecture.png)" in (docs / "architecture.md").read_text()
+    assert (docs / "img" / "make_architecture.py").is_file()
+    assert_png(docs / "img" / "architecture.png")
