@@ -208,7 +208,7 @@ def _run_tokenizer(trainer_state: dict) -> tuple[Any, str]:
     except (FileNotFoundError, ImportError, ValueError) as err:
         return None, f"no tokenizer ({err})"
     if tokenizer is None:
-        return None, "no tokenizer (the run's data module names none this can write; save yours beside it)"
+        return None, "no tokenizer (the run had no TextDataModule tokenizing text; save yours into the folder)"
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer, "with its byte tokenizer"
     return tokenizer, f"with its tokenizer {hparams['tokenizer']}"

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from megatrain_lightning import plots
+from megatrain_lightning.callbacks import ExportAndSample
 from megatrain_lightning.cli import run
 
 
@@ -65,6 +67,19 @@ def test_without_matplotlib_one_line_says_how_to_install_it(tmp_path, monkeypatc
         plots.loss_png(tmp_path / "metrics.csv", tmp_path / "loss.png")
     assert str(err.value) == plots.MISSING and "\n" not in str(err.value) and err.value.__cause__ is None
     assert not (tmp_path / "plan.png").exists() and not (tmp_path / "loss.png").exists()
+
+
+def test_the_demos_callback_says_in_one_line_why_it_drew_nothing(tmp_path, monkeypatch):
+    """ExportAndSample at the end of fit: a missing matplotlib or CSV logger is a line, never a failed fit."""
+    logger = CSVLogger(tmp_path)
+    logger.log_metrics({"train_loss": 1.0}, step=0)
+    fit_end = SimpleNamespace(loggers=[logger])
+    assert ExportAndSample._plot(SimpleNamespace(loggers=[]), tmp_path / "loss.png") == (
+        "not drawn: no CSVLogger among the trainer's loggers"
+    )
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert ExportAndSample._plot(fit_end, tmp_path / "loss.png") == f"not drawn: {plots.MISSING}"
+    assert Path(logger.experiment.metrics_file_path).is_file()  # the logger's rows were flushed first
 
 
 def test_the_architecture_diagram_is_a_committed_picture_the_docs_show():
