@@ -194,33 +194,42 @@ class MegatrainMonitor(L.Callback):
 
 
 class ExportAndSample(L.Callback):
-    """At the end of fit: print the validation loss before and after, write a Hugging Face export, sample.
+    """At the end of fit: print the validation loss before and after, write a Hugging Face export, sample,
+    and draw the loss curves.
 
     Needs a LightningModule whose ``model`` is this project's ``LlamaForCausalLM`` (``CausalLMModule``);
-    prompts are encoded with the datamodule's ``tokenizer`` when it has one, else as bytes.
+    prompts are encoded with the datamodule's ``tokenizer`` when it has one, else as bytes. The export
+    holds that tokenizer too (anything with ``save_pretrained``), so ``AutoTokenizer`` reads it from there.
 
     Args:
-        dirpath: where ``hf/`` and ``sample.txt`` go; None: the trainer's ``default_root_dir``.
+        dirpath: where ``hf/``, ``sample.txt`` and ``loss.png`` go; None: the trainer's ``default_root_dir``.
         export: write a ``transformers``-loadable Hugging Face checkpoint.
-        dtype: tensor type of the export (the trained masters are fp32; bf16 is the usual release form).
+        dtype: tensor type of the export; None: the masters' (fp32), as ``megatrain convert --to hf`` writes
+            (bf16 halves the files).
         prompt: text the sample continues.
         max_new_tokens: sample length in tokens (0: no sample).
         temperature: sampling temperature.
         top_k: sample among the k most likely tokens.
+        plot: draw ``loss.png`` (train and validation loss) from the ``CSVLogger``'s metrics.csv; needs
+            matplotlib (``pip install 'megatrain_lightning[plot]'``), else one line says it is skipped.
     """
 
     def __init__(
         self,
         dirpath: str | None = None,
         export: bool = True,
-        dtype: Literal["float32", "bfloat16"] = "bfloat16",
+        dtype: Literal["float32", "bfloat16"] | None = None,
         prompt: str = "The ",
         max_new_tokens: int = 120,
         temperature: float = 0.8,
         top_k: int = 20,
+        plot: bool = True,
     ) -> None:
-        self.dirpath, self.export, self.dtype, self.prompt = dirpath, export, getattr(torch, dtype), prompt
-        self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
+        self.dirpath, self.export, self.prompt = dirpath, export, prompt
+        self.dtype = getattr(torch, dtype) if dtype is not None else None
+        self.max_new_tokens, self.temperature, self.top_k, self.plot = max_new_tokens, temperature, top_k, plot
+        self.plotted: str | None = None
+        """What ``loss.png`` became: the path written, or why it was not drawn."""
         self.val_losses: list[float] = []
         """``val_loss`` after each validation run, the sanity check's first."""
         self.sample: str | None = None
@@ -244,17 +253,37 @@ class ExportAndSample(L.Callback):
         if self.max_new_tokens > 0:
             self.sample = self._generate(trainer, model)
             (out / "sample.txt").write_text(self.sample, encoding="utf-8")
+        if self.plot:
+            self.plotted = self._plot(trainer, out / "loss.png")
         self._report(trainer, out)
 
     def _export(self, trainer: L.Trainer, model: nn.Module, directory: Path) -> None:
         from megatrain_lightning.checkpoint import export_hf
         from megatrain_lightning.models import save_pretrained
 
+        tokenizer = getattr(trainer.datamodule, "tokenizer", None)
+        tokenizer = tokenizer if hasattr(tokenizer, "save_pretrained") else None
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None:  # stream from the fp32 host masters (the module's tensors may be device copies)
-            export_hf(engine, model, directory, dtype=self.dtype)
+            export_hf(engine, model, directory, dtype=self.dtype, tokenizer=tokenizer)
         else:
-            save_pretrained(model, directory, dtype=self.dtype)
+            save_pretrained(model, directory, dtype=self.dtype, tokenizer=tokenizer)
+
+    @staticmethod
+    def _plot(trainer: L.Trainer, out: Path) -> str:
+        """Draw the CSV logger's losses into `out`; returns the path, or why nothing was drawn."""
+        from lightning.pytorch.loggers import CSVLogger
+
+        from megatrain_lightning import plots
+
+        logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
+        if logger is None:
+            return "not drawn: no CSVLogger among the trainer's loggers"
+        logger.save()  # Lightning writes the file only every flush_logs_every_n_steps and at the very end
+        try:
+            return str(plots.loss_png(logger.experiment.metrics_file_path, out))
+        except (ImportError, ValueError, OSError) as err:  # a missing extra or file must not fail the fit
+            return f"not drawn: {err}"
 
     def _generate(self, trainer: L.Trainer, model: nn.Module) -> str:
         from megatrain_lightning.data import ByteTokenizer
@@ -278,5 +307,7 @@ class ExportAndSample(L.Callback):
         print(f"checkpoint: {ckpt}")
         if self.export:
             print(f"Hugging Face export: {out / 'hf'}")
+        if self.plotted is not None:
+            print(f"loss curves: {self.plotted}")
         if self.sample is not None:
             print(f"sample: {self.sample!r}")

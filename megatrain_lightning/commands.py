@@ -20,6 +20,7 @@ import torch
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
+from megatrain_lightning import plots
 from megatrain_lightning.engine.config import OFFLOAD_INPUTS_DTYPES, PRECISIONS
 from megatrain_lightning.module import resolve_config
 from megatrain_lightning.planner import HOST_LAYOUTS, NVME_GBPS, Plan, parse_size, plan
@@ -102,7 +103,8 @@ input (no plan, no host_plan line).
 
 examples:  megatrain plan --model llama-120b --host-mem 1536GiB
            megatrain plan --model llama-120b --host-mem 512GiB --nvme-dir /mnt/nvme
-           megatrain plan --config configs/llama-3.1-8b.yaml --host-mem 512GiB --gpu-mem 80GiB"""
+           megatrain plan --config configs/llama-3.1-8b.yaml --host-mem 512GiB --gpu-mem 80GiB
+           megatrain plan --model llama-3.1-8b --gpu-mem 80GiB --png plan.png   (the breakdown drawn)"""
 
 MODEL_DEFAULTS = {"seq_len": 4096, "micro_batch": 1}
 """What --model plans when --seq-len / --micro-batch are not given."""
@@ -185,6 +187,12 @@ def plan_parser() -> argparse.ArgumentParser:
         dest="measure",
         action="store_false",
         help="skip the check of the GPU formulas by one training step on fake tensors (a few seconds)",
+    )
+    ap.add_argument(
+        "--png",
+        metavar="FILE",
+        help="also draw the host and GPU memory breakdown into the PNG file FILE (needs matplotlib: "
+        "pip install 'megatrain_lightning[plot]')",
     )
     return ap
 
@@ -299,10 +307,17 @@ def plan_command(argv: list[str]) -> Plan:
     ap = plan_parser()
     args = ap.parse_args(argv)
     try:
+        if args.png:
+            plots.require()
         result = _plan_of(args, ap)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, ImportError) as err:
         user_error(str(err), ap.prog)
     print(result.table(), flush=True)
+    if args.png:
+        try:
+            print(f"memory breakdown drawn: {plots.plan_png(result, args.png)}", flush=True)
+        except OSError as err:
+            user_error(f"--png {args.png}: {err.strerror or err}", ap.prog)
     if not result.fits:  # before the summary, so that it stays the last line in a terminal too
         print("\n".join(f"megatrain plan: error: {p}" for p in result.problems()), file=sys.stderr, flush=True)
     print(result.host_plan_line(), flush=True)

@@ -12,7 +12,8 @@ cannot either. Here:
   when the checkpoint holds it, the Adam state in ``torch.optim.AdamW``'s layout, so ordinary strategies
   resume from it.
 - :func:`to_hf` writes a Hugging Face directory (config.json + safetensors) of this project's Llama or
-  of a ``transformers`` model, streamed one shard at a time.
+  of a ``transformers`` model, streamed one shard at a time, with the run's tokenizer when its data module
+  was a :class:`~megatrain_lightning.data.TextDataModule`.
 
 Every file is checked against its checksum on the way, and nothing read is unpickled by an unrestricted
 unpickler (:mod:`megatrain_lightning.checkpoint.trust`). ``storage_options`` (credentials, endpoint) go to
@@ -154,7 +155,9 @@ def to_hf(
     storage_options: dict[str, Any] | None = None,
 ) -> str:
     """Write the model of the sharded checkpoint at `url` as a Hugging Face directory `out` (local; config.json
-    + safetensors), one shard in memory at a time; `dtype` None keeps the fp32 masters, "bf16" casts."""
+    + safetensors), one shard in memory at a time; `dtype` None keeps the fp32 masters, "bf16" casts. The
+    tokenizer the run's TextDataModule read its text with (bytes, or its tokenizer.json) goes beside them, for
+    ``AutoTokenizer``; the summary returned says whether it did and why not."""
     from megatrain_lightning.models import LlamaConfig, save_hf_checkpoint
 
     url = _sharded(url, storage_options)
@@ -189,9 +192,26 @@ def to_hf(
             if name.startswith(prefix) and name not in aliases:
                 yield name[len(prefix) :], t
 
-    save_hf_checkpoint(named(), config, out, max_shard_bytes, dtype)
+    tokenizer, tokenizer_note = _run_tokenizer(store.read_trainer_state(fs, vdir, index))
+    save_hf_checkpoint(named(), config, out, max_shard_bytes, dtype, tokenizer)
     kind = export["config"]["architectures"][0]
-    return f"wrote {out}: Hugging Face {kind} in {str(dtype or torch.float32).removeprefix('torch.')}"
+    return f"wrote {out}: Hugging Face {kind} in {str(dtype or torch.float32).removeprefix('torch.')}, {tokenizer_note}"
+
+
+def _run_tokenizer(trainer_state: dict) -> tuple[Any, str]:
+    """The tokenizer of the run's data module (from its saved hyper-parameters), and a note for the summary."""
+    from megatrain_lightning.data import ByteTokenizer, tokenizer_of
+
+    hparams = trainer_state.get("datamodule_hyper_parameters") or {}
+    try:
+        tokenizer = tokenizer_of(hparams)
+    except (FileNotFoundError, ImportError, ValueError) as err:
+        return None, f"no tokenizer ({err})"
+    if tokenizer is None:
+        return None, "no tokenizer (the run had no TextDataModule tokenizing text; save yours into the folder)"
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer, "with its byte tokenizer"
+    return tokenizer, f"with its tokenizer {hparams['tokenizer']}"
 
 
 # -- assembling Lightning's checkpoint ---------------------------------------------------------------

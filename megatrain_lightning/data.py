@@ -63,6 +63,17 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    @property
+    def token_ids(self) -> dict[str, int | None]:
+        """The ids a Hugging Face config.json gives generation (bytes have no begin-of-text token)."""
+        return {"bos_token_id": None, "eos_token_id": self.eos_id}
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write these byte tokens in the Hugging Face format, for ``AutoTokenizer.from_pretrained``."""
+        from megatrain_lightning.models.hf_tokenizer import save_byte_tokenizer
+
+        save_byte_tokenizer(directory, self.eos_id)
+
 
 class HFTokenizer:
     """A local Hugging Face ``tokenizer.json`` through the ``tokenizers`` package."""
@@ -75,6 +86,7 @@ class HFTokenizer:
         file = Path(path).expanduser()
         file = file / "tokenizer.json" if file.is_dir() else file
         check_exists(str(file), "a Hugging Face tokenizer.json (or a checkpoint directory holding one)")
+        self.file = file
         self.tokenizer = Tokenizer.from_file(str(file))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = eos_token_id if eos_token_id is not None else self._find_eos(file)
@@ -90,6 +102,32 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids])
+
+    @property
+    def token_ids(self) -> dict[str, int | None]:
+        """The ids a Hugging Face config.json gives generation."""
+        return {"eos_token_id": self.eos_id}
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Copy this tokenizer.json and the files that configure it into `directory`."""
+        from megatrain_lightning.models.hf_tokenizer import copy_tokenizer
+
+        copy_tokenizer(self.file, directory, self.tokenizer.id_to_token(self.eos_id))
+
+
+def tokenizer_of(hparams: dict[str, Any]) -> ByteTokenizer | HFTokenizer | None:
+    """The tokenizer a :class:`TextDataModule` with these hyper-parameters (a checkpoint's
+    ``datamodule_hyper_parameters``) read its text with, for an export made after the run; None for other
+    data modules, and for token files read without a tokenizer (their ids are nobody's we know). A
+    tokenizer.json that is gone since raises FileNotFoundError."""
+    if not {"path", "tokenizer", "eos_token_id", "format"} <= set(hparams):
+        return None
+    if hparams["tokenizer"]:
+        return HFTokenizer(hparams["tokenizer"], hparams["eos_token_id"])
+    path, fmt = str(hparams["path"]), hparams["format"]
+    if fmt == "auto" and not path.startswith(BUILTIN):
+        fmt = _files(path, fmt)[1] if Path(path).expanduser().exists() else _EXTENSIONS.get(Path(path).suffix)
+    return None if fmt in ("tokens", None) else ByteTokenizer(hparams["eos_token_id"])
 
 
 # -- files -----------------------------------------------------------------------------------------

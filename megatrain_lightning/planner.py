@@ -773,15 +773,27 @@ class Plan:
             f"GPU memory free at the pass's first block and {STREAMING_SLOTS} of {self.num_slots} slots stream"
         )
 
-    def _host_lines(self) -> list[str]:
-        n, dtype = self.num_parameters, _DTYPE[compute_bytes(self.precision)]
+    def host_items(self) -> list[tuple[str, int]]:
+        """(label, bytes) of each host buffer, as the table names them."""
+        dtype = _DTYPE[compute_bytes(self.precision)]
         copy = "bf16" if dtype == "bf16" else "none: the fp32 master is the copy"
-        unit, scale = self._unit()
-        lines = [f"{'host memory' + (' per node' if self.ranks > 1 else ''):<58}{'bytes/param':>12}{unit:>10}"]
         labels = {**_HOST_LABELS, **(_LEAN_LABELS if self.host_layout == "lean" else {})}
         stored = f", {self.offload_inputs_dtype}" if self.offload_inputs_dtype else ""  # as the host holds inputs
-        for key, value in [*self.host.items(), ("total", self.host_total)]:
-            label = labels.get(key, key).format(dtype=dtype, copy=copy, units=NVME_PIECES_IN_FLIGHT, stored=stored)
+        fields = dict(dtype=dtype, copy=copy, units=NVME_PIECES_IN_FLIGHT, stored=stored)
+        return [(labels.get(key, key).format(**fields), value) for key, value in self.host.items()]
+
+    def gpu_peak_items(self) -> list[tuple[str, int]]:
+        """(label, bytes) of what the GPU peak holds: every persistent item, the larger transient (the two
+        never coexist) and the context allowance; they sum to ``gpu_peak``."""
+        other = "loss" if self.gpu["recompute"] >= self.gpu["loss"] else "recompute"
+        shape = self._gpu_label_fields()
+        return [(_GPU_LABELS[key].format(**shape), value) for key, value in self.gpu.items() if key != other]
+
+    def _host_lines(self) -> list[str]:
+        n = self.num_parameters
+        unit, scale = self._unit()
+        lines = [f"{'host memory' + (' per node' if self.ranks > 1 else ''):<58}{'bytes/param':>12}{unit:>10}"]
+        for label, value in [*self.host_items(), ("total", self.host_total)]:
             lines.append(f"  {label:<56}{_per_param(value / n):>12}{value / scale:>10.2f}")
         return [*lines, f"  {self._layout_note()}", *self._shard_note()]
 
@@ -823,9 +835,9 @@ class Plan:
             f"{self.nvme_gbps:.1f} GB/s read and {self.nvme_gbps:.1f} GB/s write (not overlapped)",
         ]
 
-    def _gpu_lines(self) -> list[str]:
+    def _gpu_label_fields(self) -> dict[str, int]:
         c = self.config
-        shape = dict(
+        return dict(
             s=self.num_slots,
             layers=1 if self.offload_inputs else c.num_hidden_layers,
             b=self.micro_batch,
@@ -834,6 +846,9 @@ class Plan:
             elt=compute_bytes(self.precision),
             kept=self.kept_blocks,
         )
+
+    def _gpu_lines(self) -> list[str]:
+        shape = self._gpu_label_fields()
         unit, scale = self._unit()
         lines = [f"{'GPU memory':<70}{'KiB/token':>10}{unit:>10}"]
         for key, value in [*self.gpu.items(), ("peak", self.gpu_peak)]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -21,9 +23,10 @@ import megatrain_lightning as mt
 from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, is_checkpoint, store, stream
 from megatrain_lightning.cli import run
 from megatrain_lightning.convert import lightning_checkpoint, to_hf
+from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.models import LlamaForCausalLM, save_pretrained
 from megatrain_lightning.module import CausalLMModule, resolve_config
-from tests.helpers import fit, hf_llama, hf_loss, token_batches, warmup_cosine
+from tests.helpers import fit, hf_llama, hf_loss, quiet, token_batches, trainer, warmup_cosine
 
 transformers = pytest.importorskip("transformers")
 
@@ -212,6 +215,44 @@ def test_convert_a_transformers_model_to_hugging_face(hf_run, tmp_path):
     assert all(torch.equal(hf.state_dict()[k], v) for k, v in trained.items())
     with torch.no_grad():
         assert torch.equal(hf(PROBE).logits, torch.load(hf_run / "expected.pt")["logits"])
+
+
+def test_convert_writes_the_runs_tokenizer_and_the_folder_generates(tmp_path):
+    """A CausalLMModule trained on TextDataModule's byte tokens: `--to hf` writes them beside the weights
+    (the end-of-text byte in config.json, ordinary file modes), and transformers alone generates from it."""
+    torch.manual_seed(0)
+    data = TextDataModule("builtin:python-docs", seq_len=16, batch_size=2)
+    model = CausalLMModule("tiny", overrides={"num_hidden_layers": 2}, max_steps=2)
+    cb = ModelCheckpoint(dirpath=str(tmp_path), save_last=True, save_top_k=0)
+    with quiet():
+        trainer(max_steps=2, callbacks=[cb], enable_checkpointing=True, limit_val_batches=0).fit(model, data)
+    umask = os.umask(0o022)
+    try:
+        line = run(["convert", str(tmp_path / "last.ckpt"), "--to", "hf", str(tmp_path / "hf")])
+    finally:
+        os.umask(umask)
+    assert line.endswith("in float32, with its byte tokenizer"), line
+    assert {f.name for f in (tmp_path / "hf").iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in (tmp_path / "hf").iterdir())
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] == 0 and config["bos_token_id"] is None
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    prompt = tokenizer("The ", return_tensors="pt")
+    assert prompt["input_ids"].tolist() == [list(b"The ")]
+    out = hf.generate(**prompt, max_new_tokens=8, do_sample=False)
+    with torch.no_grad():  # greedy: each new token is the arg-max of the trained model's own logits
+        ours = model.model.eval()
+        ids = prompt["input_ids"]
+        for _ in range(8):
+            ids = torch.cat([ids, ours(ids)[:, -1:].argmax(-1)], dim=1)
+    assert out.shape[1] > 4 and out.tolist() == ids[:, : out.shape[1]].tolist()  # shorter only if it ended
+    assert tokenizer.decode(out[0]) == data.tokenizer.decode(out[0].tolist())
 
 
 def make_old(src: Path, dst: Path) -> str:

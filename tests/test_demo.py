@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 
 from megatrain_lightning.callbacks import ExportAndSample
 from megatrain_lightning.cli import run
+from megatrain_lightning.data import ByteTokenizer
 from megatrain_lightning.demo import python_docs
 from megatrain_lightning.models import from_pretrained
 
@@ -36,6 +38,9 @@ def test_demo_trains_and_writes_artifacts(tmp_path, capsys):
             "--data.seq_len=64",
             f"--trainer.default_root_dir={tmp_path}",
             "--trainer.enable_progress_bar=false",
+            '--trainer.logger={"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "'
+            + str(tmp_path)
+            + '"}}',
         ]
     )
     [report] = [c for c in cli.trainer.callbacks if isinstance(c, ExportAndSample)]
@@ -45,7 +50,35 @@ def test_demo_trains_and_writes_artifacts(tmp_path, capsys):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 4
     exported = from_pretrained(tmp_path / "hf").state_dict()
     trained = cli.model.model.state_dict()  # after fit: the fp32 masters, on the CPU
-    assert all(torch.equal(exported[k], trained[k].bfloat16().float()) for k in exported)  # a bf16 export
+    assert all(torch.equal(exported[k], trained[k]) for k in exported)  # the masters' fp32, as convert writes
+    if importlib.util.find_spec("transformers"):  # the test extra has it; the base install need not
+        assert_generates_with_transformers_alone(tmp_path / "hf")
     assert (tmp_path / "sample.txt").read_text().startswith("The ")
     out = capsys.readouterr().out
     assert f"validation loss: {before:.3f} -> {after:.3f}" in out and "checkpoint:" in out and "sample:" in out
+    if importlib.util.find_spec("matplotlib"):
+        assert_png(tmp_path / "loss.png")
+        assert f"loss curves: {tmp_path / 'loss.png'}" in out
+    else:
+        assert "loss curves: not drawn: drawing needs matplotlib" in out
+
+
+def assert_generates_with_transformers_alone(directory: Path) -> None:
+    """The export's own tokenizer and weights, read by transformers, continue a prompt of the demo's bytes."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    prompt = tokenizer("The ", return_tensors="pt")
+    assert prompt["input_ids"].tolist() == [ByteTokenizer().encode(["The "])[0].tolist()]
+    out = model.generate(**prompt, max_new_tokens=20, do_sample=False)
+    assert out.shape[1] > 4 and tokenizer.decode(out[0]).startswith("The ")
+
+
+def assert_png(path: Path) -> None:
+    """A PNG file matplotlib reads back as a picture of some size (not an empty canvas)."""
+    from matplotlib import image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = image.imread(path)
+    assert pixels.shape[0] >= 200 and pixels.shape[1] >= 300 and pixels.std() > 0.05

@@ -6,6 +6,7 @@ import copy
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatrain_lightning import Engine, EngineConfig
@@ -62,6 +63,29 @@ def test_the_plain_loop_example_equals_ordinary_training(tmp_path, monkeypatch):
         engine.load(str(tmp_path / "checkpoints" / "step-4"), optimizer=False)
         state = engine.master_state_dict()
         assert all(torch.equal(state[name], p) for name, p in ref.named_parameters())
+
+
+def test_the_generate_example_runs_on_an_exported_folder(tmp_path, monkeypatch, capsys):
+    """The guide's transformers block, on a folder exported as the demo exports: this project's Llama with
+    byte tokens, saved with its tokenizer. The text it prints is what the model generated, decoded."""
+    pytest.importorskip("transformers")
+    from megatrain_lightning.data import ByteTokenizer
+    from megatrain_lightning.models import save_pretrained
+
+    torch.manual_seed(0)
+    save_pretrained(
+        LlamaForCausalLM(LlamaConfig.from_preset("tiny")), tmp_path / "demo_out" / "hf", tokenizer=ByteTokenizer()
+    )
+    monkeypatch.chdir(tmp_path)
+    text = GUIDE.read_text()
+    found = re.search(r"<!-- generate-example[^>]*-->\n```python\n(.*?)```", text, re.S)
+    assert found, f"{GUIDE}: the generate example block is missing"
+    scope: dict = {}
+    exec(compile(found.group(1), str(GUIDE), "exec"), scope)
+    ids = scope["out"][0].tolist()
+    assert ids[:4] == list(b"The ") and 4 < len(ids) <= 64
+    new = ids[4 : ids.index(0) if 0 in ids else None]  # up to the end-of-text byte, which is left out
+    assert capsys.readouterr().out == "The " + ByteTokenizer().decode(new) + "\n"
 
 
 def test_what_models_work_lists_the_zoo():

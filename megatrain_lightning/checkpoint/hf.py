@@ -21,14 +21,17 @@ def export_hf(
     engine: EngineView,
     model: LlamaForCausalLM,
     directory: str | os.PathLike,
-    dtype: torch.dtype | None = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    tokenizer: Any = None,
 ) -> None:
     """Write config.json + sharded safetensors that ``transformers`` loads, from the masters of `model`
-    (this project's Llama, somewhere inside the module the engine streams). Tensors are cast one at a
-    time, so memory beyond the model stays within one shard."""
+    (this project's Llama, somewhere inside the module the engine streams), in `dtype` (None: the masters'
+    fp32, as ``megatrain convert --to hf`` writes). Tensors are cast one at a time, so memory beyond the
+    model stays within one shard. `tokenizer` (the data module's) is written beside them for
+    ``AutoTokenizer`` (:func:`~megatrain_lightning.models.save_hf_checkpoint`)."""
     prefix = _prefix_of(engine.model, model)
-    save_hf_checkpoint(_named_masters(engine, prefix), model.config, directory, max_shard_bytes, dtype)
+    save_hf_checkpoint(_named_masters(engine, prefix), model.config, directory, max_shard_bytes, dtype, tokenizer)
 
 
 def _prefix_of(root: nn.Module, model: nn.Module) -> str:

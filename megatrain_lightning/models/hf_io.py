@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -180,12 +182,14 @@ def _write_shards(
     current_bytes = total = 0
     seen: set[str] = set()
     saved_dtype = None
+    mode = _ordinary_file_mode(directory)
 
     def flush() -> None:
         nonlocal current, current_bytes
         tmp = directory / f".shard-{len(shards):05d}-{uuid.uuid4().hex[:8]}.tmp"
         shards.append((tmp, list(current)))  # recorded first so a failed write is cleaned up
         save_file(current, str(tmp), metadata={"format": "pt"})
+        os.chmod(tmp, mode)  # safetensors creates its files 0600, whatever the umask
         current, current_bytes = {}, 0  # release the shard's tensors before building the next
 
     for name, tensor in named_tensors:
@@ -235,6 +239,7 @@ def save_hf_checkpoint(
     directory: str | os.PathLike,
     max_shard_bytes: int = 5 * 2**30,
     dtype: torch.dtype | None = None,
+    tokenizer: Any = None,
 ) -> None:
     """Write a HF checkpoint from a lazy stream of (HF name, tensor) pairs.
 
@@ -245,6 +250,11 @@ def save_hf_checkpoint(
     ``model.safetensors`` and no index is written, as HF does. ``lm_head.weight`` is skipped when
     embeddings are tied. ``dtype`` casts every tensor (None keeps each tensor's own dtype). ``config`` is
     a :class:`LlamaConfig`, or the contents of another model's config.json (its dtype is updated).
+
+    ``tokenizer`` (the run's: :class:`~megatrain_lightning.data.ByteTokenizer` or ``HFTokenizer``, anything
+    with ``save_pretrained(dir)`` and ``token_ids``) is written beside the weights for ``AutoTokenizer``, and
+    its end-of-text id goes into config.json where the config names none, so that ``generate`` stops there.
+    Files get the modes of ordinary new files (0644 under umask 022).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -258,14 +268,30 @@ def save_hf_checkpoint(
         for tmp, _ in shards:  # no-op after a successful rename
             tmp.unlink(missing_ok=True)
     _remove_stale(directory, keep)
-    _write_json(_config_json(config, saved_dtype or torch.float32), directory / CONFIG_NAME)
+    token_ids = tokenizer.token_ids if tokenizer is not None else {}
+    _write_json(_config_json(config, saved_dtype or torch.float32, token_ids), directory / CONFIG_NAME)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
 
 
-def _config_json(config: LlamaConfig | dict, dtype: torch.dtype) -> dict:
+def _ordinary_file_mode(directory: Path) -> int:
+    """The permission bits a file created here by ``open`` gets: 0o666 less the umask (read without
+    changing it, which ``os.umask`` cannot do)."""
+    probe = directory / f".mode-{uuid.uuid4().hex[:8]}"
+    probe.touch()
+    try:
+        return stat.S_IMODE(probe.stat().st_mode)
+    finally:
+        probe.unlink()
+
+
+def _config_json(config: LlamaConfig | dict, dtype: torch.dtype, token_ids: dict[str, int | None]) -> dict:
+    """config.json's contents; `token_ids` (the tokenizer's) fill the token ids the config leaves unset."""
     if not isinstance(config, dict):
-        return config.to_hf_dict(dtype=dtype)
+        config = config.to_hf_dict(dtype=dtype)
     name = str(dtype).removeprefix("torch.")
-    return {**config, "dtype": name, **({"torch_dtype": name} if "torch_dtype" in config else {})}
+    unset = {k: v for k, v in token_ids.items() if config.get(k) is None}
+    return {**config, **unset, "dtype": name, **({"torch_dtype": name} if "torch_dtype" in config else {})}
 
 
 def save_pretrained(
@@ -273,6 +299,8 @@ def save_pretrained(
     directory: str | os.PathLike,
     max_shard_bytes: int = 5 * 2**30,
     dtype: torch.dtype | None = None,
+    tokenizer: Any = None,
 ) -> None:
-    """Save ``model`` as a HF checkpoint that ``transformers.AutoModelForCausalLM`` loads."""
-    save_hf_checkpoint(model.state_dict().items(), model.config, directory, max_shard_bytes, dtype)
+    """Save ``model`` (and `tokenizer`, see :func:`save_hf_checkpoint`) as a HF checkpoint that
+    ``transformers.AutoModelForCausalLM`` (and ``AutoTokenizer``) load."""
+    save_hf_checkpoint(model.state_dict().items(), model.config, directory, max_shard_bytes, dtype, tokenizer)
