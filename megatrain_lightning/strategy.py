@@ -124,8 +124,9 @@ class MegatrainStrategy(ParallelStrategy):
     from a single file, a ``device`` (each rank takes its own), ``sync_batchnorm``; and, since every rank
     must run the same forwards, prediction data the ranks would not share evenly. Every rank writes its
     own shards of a checkpoint and reads them back; only rank 0 deletes one. After fit every rank holds the
-    whole trained model again, as after DDP, but only its shard of the Adam state: a save then is refused. With one device and one node (the default on a machine with one
-    GPU) there is no process group and no launcher.
+    whole trained model again, as after DDP, but only its shard of the Adam state: a save then is refused.
+    With one device and one node (the default on a machine with one GPU) there is no process group and no
+    launcher.
 
     Under Ray Train (a ``TorchTrainer`` worker, without ``prepare_trainer``): pass Ray's cluster environment,
     ``Trainer(strategy="megatrain", plugins=[ray.train.lightning.RayLightningEnvironment()])``. Each worker is
