@@ -13,6 +13,10 @@ threads. Three passes over ``--size-gib`` of moments in units of ``--unit-mib``:
 The reference is what ``dd`` measures: one file written in 64 MiB blocks then fsync'ed, its pages
 dropped (``POSIX_FADV_DONTNEED``), then read back in 64 MiB blocks. Numbers are printed, not checked;
 "GB/s" is 1e9 bytes per second. :func:`measure_tier` is importable (bench/host_memory.py can use it).
+
+The tier checksums every piece it writes and checks it after every read (engine/nvme.py's ``checksum``):
+``--checksum-cost`` also prints that function's speed on one unit's moments next to zlib's CRC32, and the
+tier's passes again with the checksum replaced by a constant (what the check costs the tier).
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ import argparse
 import os
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 
+from megatrain_lightning.engine import nvme
 from megatrain_lightning.engine.nvme import BUFFERS, IO_THREADS, NvmeTier
 
 _BLOCK = 64 << 20
@@ -103,6 +110,26 @@ def measure_sequential(directory: str, size_bytes: int) -> dict[str, float]:
         os.unlink(path)
 
 
+def measure_checksum(unit_bytes: int, repeats: int = 5) -> dict[str, float]:
+    """GB/s of the tier's checksum and of zlib.crc32 over one unit's m and v (random fp32), best of `repeats`
+    (each pass reads the bytes from memory: a unit is larger than the caches)."""
+    numel = max(1, unit_bytes // 8)
+    views = (torch.randn(numel), torch.rand(numel))
+    passes = {
+        "checksum": lambda: nvme.checksum(views),
+        "crc32": lambda: zlib.crc32(views[1].numpy(), zlib.crc32(views[0].numpy())),
+    }
+    out = {}
+    for name, run in passes.items():
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = numel * 8 / best / 1e9
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size-gib", type=float, default=4.0)
@@ -110,6 +137,7 @@ def main() -> None:
     ap.add_argument("--unit-mib", type=int, default=256, help="moments (m and v) per unit")
     ap.add_argument("--buffers", type=int, default=BUFFERS)
     ap.add_argument("--io-threads", type=int, default=IO_THREADS)
+    ap.add_argument("--checksum-cost", action="store_true", help="also time the tier's checksum (see above)")
     args = ap.parse_args()
     size = int(args.size_gib * 2**30)
     seq = measure_sequential(args.dir, size)
@@ -127,6 +155,12 @@ def main() -> None:
         f"| NVMe tier (pwrite+fdatasync+DONTNEED / preadv read-ahead) | {tier['write']:.2f} | {tier['read']:.2f} | "
         f"{tier['step']:.2f} |"
     )
+    if args.checksum_cost:
+        with mock.patch.object(nvme, "checksum", lambda views: 0):
+            bare = measure_tier(args.dir, size, args.unit_mib << 20, args.buffers, args.io_threads)
+        print(f"| NVMe tier, checksum off | {bare['write']:.2f} | {bare['read']:.2f} | {bare['step']:.2f} |")
+        speed = measure_checksum(args.unit_mib << 20)
+        print(f"checksum of one unit's moments: {speed['checksum']:.2f} GB/s (zlib.crc32: {speed['crc32']:.2f} GB/s)")
 
 
 if __name__ == "__main__":

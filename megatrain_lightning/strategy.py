@@ -15,7 +15,9 @@ a mixin reading the others' attributes.
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import pickle
 import random
 import sys
@@ -23,6 +25,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import fsspec
 import torch
 import torch.distributed
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -121,8 +124,9 @@ class MegatrainStrategy(ParallelStrategy):
     from a single file, a ``device`` (each rank takes its own), ``sync_batchnorm``; and, since every rank
     must run the same forwards, prediction data the ranks would not share evenly. Every rank writes its
     own shards of a checkpoint and reads them back; only rank 0 deletes one. After fit every rank holds the
-    whole trained model again, as after DDP. With one device and one node (the default on a machine with one
-    GPU) there is no process group and no launcher.
+    whole trained model again, as after DDP, but only its shard of the Adam state: a save then is refused.
+    With one device and one node (the default on a machine with one GPU) there is no process group and no
+    launcher.
 
     Under Ray Train (a ``TorchTrainer`` worker, without ``prepare_trainer``): pass Ray's cluster environment,
     ``Trainer(strategy="megatrain", plugins=[ray.train.lightning.RayLightningEnvironment()])``. Each worker is
@@ -239,6 +243,9 @@ class MegatrainStrategy(ParallelStrategy):
         self.storage_options = storage_options
         self.blocks = blocks
         self.engine: Engine | None = None
+        # The engine as fit left it (closed): after fit its units still hold the masters (the model's parameters)
+        # and the host moments, so a save over a sharded checkpoint writes the same format from them.
+        self._released: Engine | None = None
         self._averaging: AveragingViews | None = None  # set up with the engine (averaging.py)
         self.grad_hooks: list[str] = []  # overridden hooks that see gradients (set at setup): see gradient_hooks
 
@@ -435,6 +442,7 @@ class MegatrainStrategy(ParallelStrategy):
         plugin = self.precision_plugin
         plugin.device_type = self.root_device.type
         if self.engine is None:
+            self._released = None
             self.engine = Engine(self.lightning_module, self.engine_config(trainer, plugin.precision, fitting))
             log.info(self.engine.layout.describe(self.engine.model))
         plugin.engine = self.engine
@@ -537,7 +545,7 @@ class MegatrainStrategy(ParallelStrategy):
             self._averaging = None
         if self.engine is not None:
             self.engine.close()
-            self.engine = None
+            self._released, self.engine = self.engine, None
         if self.ranks > 1:
             super().teardown()  # and the cluster environment's
         else:
@@ -574,6 +582,7 @@ class MegatrainStrategy(ParallelStrategy):
         """The fp32 masters. With several ranks, nothing: no rank holds whole weights, and each rank's shards
         stream to the (sharded) checkpoint from the engine in :meth:`save_checkpoint`."""
         if self.engine is None:
+            self._refuse_save_after_ranks()  # (Lightning asks for this first when it builds a checkpoint)
             return super().lightning_module_state_dict()
         if self.ranks > 1:
             return {}
@@ -583,26 +592,43 @@ class MegatrainStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """For a sharded checkpoint only the param groups: the moments go to the checkpoint's own shards, and
         gathering them here as well would hold every moment in host memory at once (read back from the
-        NVMe tier, too). Once the engine is released a save writes Lightning's single file: the moments go
-        here then."""
+        NVMe tier, too). Once the engine is released a save writes Lightning's single file, or a sharded
+        checkpoint over one already there: the moments go here then (views of the host moments)."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps it
         if self.checkpoint_format == "sharded" and self.engine is not None and isinstance(inner, HostAdamW):
             return inner.state_dict(with_moments=False)
+        if self.engine is None and self._released is not None and self._released.tier is not None:
+            raise RuntimeError(
+                "trainer.save_checkpoint after fit with nvme_dir: the Adam moments were scratch files on the NVMe "
+                "tier and went with the run, so nothing was written; save before fit returns, with "
+                "ModelCheckpoint(save_last=True) or trainer.save_checkpoint in a callback's on_train_end, or save "
+                "the weights alone (weights_only=True)"
+            )
         return super().optimizer_state(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Sharded: stream the host buffers unit by unit; Lightning's tensors in `checkpoint` are not used.
-        With several ranks every rank calls the store (each writes its own shards), not rank 0 alone."""
+        With several ranks every rank calls the store (each writes its own shards), not rank 0 alone.
+
+        After fit (the engine released): over a sharded checkpoint, a sharded checkpoint again, from the
+        units fit left (a single file there would leave the marker's data directory beside it, and neither
+        would load); elsewhere Lightning's single file. With several ranks, refused: no rank holds the whole
+        Adam state any more. Either way with the strategy's `storage_options` unless the call gives its own."""
+        options = storage_options if storage_options is not None else self.storage_options
         if self.checkpoint_format == "torch":
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        if self.engine is None:
-            warnings.warn(
-                f"saving {filepath} outside fit/validate/predict: the host buffers are released, so this writes "
-                "Lightning's single-file format from the ordinary model (it resumes all the same)",
-                stacklevel=2,
-            )
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+            return self._save_single_file(checkpoint, filepath, options)
+        engine = self.engine
+        if engine is None:
+            self._refuse_save_after_ranks()
+            engine = self._released
+            if engine is None or not mt_checkpoint.is_checkpoint(str(filepath), options):
+                warnings.warn(
+                    f"saving {filepath} outside fit/validate/predict: the host buffers are released, so this writes "
+                    "Lightning's single-file format from the ordinary model (it resumes all the same)",
+                    stacklevel=2,
+                )
+                return self._save_single_file(checkpoint, filepath, options)
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         state["megatrain_rng"] = _rng_state()
         with_optimizer = "optimizer_states" in checkpoint
@@ -612,12 +638,11 @@ class MegatrainStrategy(ParallelStrategy):
                 {k: v for k, v in g.items() if k != "params"} for g in checkpoint["optimizer_states"][0]["param_groups"]
             ]
             state["megatrain_param_groups"] = groups  # as they are (the index's JSON turns betas into a list)
-        options = storage_options if storage_options is not None else self.storage_options
         # A weight average a callback put in the state dict goes to the shards as the weights (as it goes to
         # Lightning's file); the masters it replaced are in the state too, as the callback left them.
-        weights = replaced_weights(self.engine, checkpoint.get("state_dict", {})) if self.ranks == 1 else None
+        weights = replaced_weights(engine, checkpoint.get("state_dict", {})) if self.ranks == 1 else None
         mt_checkpoint.save(
-            self.engine,
+            engine,
             str(filepath),
             state,
             optimizer=with_optimizer,
@@ -625,6 +650,31 @@ class MegatrainStrategy(ParallelStrategy):
             storage_options=options,
             weights=weights,
         )
+
+    def _save_single_file(self, checkpoint: dict[str, Any], filepath: Any, options: Any) -> None:
+        """Lightning's single file; with fsspec `options` (which Lightning's own writer refuses), written the
+        way it writes one (in memory, then one write inside an fsspec transaction), on rank 0."""
+        if options is None:
+            return super().save_checkpoint(checkpoint, filepath)
+        if not self.is_global_zero:
+            return None
+        data = io.BytesIO()
+        torch.save(checkpoint, data)
+        fs, path = fsspec.core.url_to_fs(str(filepath), **options)
+        fs.makedirs(os.path.dirname(path), exist_ok=True)
+        with fs.transaction, fs.open(path, "wb") as f:
+            f.write(data.getbuffer())
+        return None
+
+    def _refuse_save_after_ranks(self) -> None:
+        """A save after a data-parallel fit, refused before anything is built or written: the engine is
+        released, each rank's Adam moments are its shard of them and no longer match the whole units."""
+        if self.ranks > 1 and self._released is not None:
+            raise RuntimeError(
+                f"trainer.save_checkpoint after fit over {self.ranks} ranks: each rank holds only its shard of the "
+                "Adam state once fit returns, so nothing was written; save before fit returns, with "
+                "ModelCheckpoint(save_last=True) or trainer.save_checkpoint in a callback's on_train_end"
+            )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -658,10 +708,10 @@ class MegatrainStrategy(ParallelStrategy):
 
     def _load_single_file(self, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any]:
         if weights_only is False:  # the user's explicit choice: they trust this file
-            return super().load_checkpoint(checkpoint_path, weights_only=False)
+            return self._read_single_file(checkpoint_path, weights_only=False)
         try:
             with trust.allowed():
-                return super().load_checkpoint(checkpoint_path, weights_only=True)
+                return self._read_single_file(checkpoint_path, weights_only=True)
         except pickle.UnpicklingError as err:
             name = trust.refused_global(err)
             if name is None:
@@ -670,13 +720,28 @@ class MegatrainStrategy(ParallelStrategy):
                 f"{trust.refusal(str(checkpoint_path), name, 'the checkpoint')}, or pass weights_only=False to trust the whole file"
             ) from None
 
+    def _read_single_file(self, checkpoint_path: Any, weights_only: bool) -> dict[str, Any]:
+        """Lightning's loader; with the strategy's fsspec options (which it does not take), the file's bytes
+        read through fsspec with them and loaded as Lightning loads a file."""
+        if self.storage_options is None:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        fs, path = fsspec.core.url_to_fs(str(checkpoint_path), **self.storage_options)
+        if not fs.isfile(path):
+            raise FileNotFoundError(f"Checkpoint file not found: {checkpoint_path}")
+        raw = io.BytesIO(fs.cat_file(path))
+        return torch.load(raw, map_location=lambda storage, _: storage, weights_only=weights_only)
+
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Rank 0 deletes (Lightning calls this on every rank)."""
+        """Rank 0 deletes (Lightning calls this on every rank), with the strategy's storage options."""
         if not self.is_global_zero:
             return
         if mt_checkpoint.is_checkpoint(str(filepath), self.storage_options):
             mt_checkpoint.remove(str(filepath), self.storage_options)
+        elif self.storage_options is not None:
+            fs, path = fsspec.core.url_to_fs(str(filepath), **self.storage_options)
+            if fs.exists(path):
+                fs.rm(path)
         else:
             super().remove_checkpoint(filepath)
 

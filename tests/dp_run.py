@@ -10,7 +10,8 @@ Per case and strategy, rank 0 writes the final parameters (the module's after fi
 rank the whole model back, as DDP leaves it) to ``OUT/{case}.{strategy}.safetensors``, and every rank its
 losses and validation loss to ``OUT/{case}.{strategy}.rank{r}.json``. Stages beside the cases: ``resume``
 (RESUMED's second epoch from the checkpoint each strategy saved at the end of its first; megatrain's, which
-every rank writes its shards of, is also read back as ``megatrain convert`` reads it), ``validate``
+every rank writes its shards of, is also read back as ``megatrain convert`` reads it, and saved over once more
+after fit, which is refused), ``validate``
 (validate and predict without fit) and ``refusals``.
 """
 
@@ -161,12 +162,27 @@ def run(case: str, strategy: str, out: Path, devices: int, resume: bool = False)
     (out / f"{name}.{strategy}.rank{rank}.json").write_text(json.dumps(record))
     if save is not None and save.error:
         (out / f"{name}.save-error.rank{rank}.txt").write_text(save.error)
+    if save is not None and not save.error and strategy == "megatrain":
+        (out / f"{name}.after-fit.rank{rank}.json").write_text(json.dumps(save_after_fit(t, save.path)))
     if rank == 0:
         save_file(params_of(lm.model), str(out / f"{name}.{strategy}.safetensors"))
         if save is not None and not save.error and strategy == "megatrain":
             save_file(checkpoint_params(save.path, lm), str(out / f"{name}.checkpoint.safetensors"))
     dist.barrier()
     return t, save.error if save is not None else ""
+
+
+def save_after_fit(t: L.Trainer, path: Path) -> dict[str, Any]:
+    """``trainer.save_checkpoint`` after fit over the sharded checkpoint every rank saved at its end (how most
+    scripts end): what it raised, and whether the checkpoint's marker is still the bytes it was."""
+    marker = path.read_bytes()
+    try:
+        t.save_checkpoint(path)
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return {"error": error, "unchanged": path.read_bytes() == marker}
 
 
 def validate(out: Path, devices: int) -> None:

@@ -7,12 +7,13 @@ import subprocess
 import sys
 import textwrap
 import uuid
+import warnings
 
 import fsspec
 import pytest
 import torch
 
-from megatrain_lightning import Engine, EngineConfig
+from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, export_hf, restore, save, store
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM, from_pretrained
 from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin
@@ -278,3 +279,41 @@ def test_save_outside_fit_says_it_writes_the_single_file_format(tmp_path, torch_
     with pytest.warns(UserWarning, match="single-file format"):
         trainer.save_checkpoint(tmp_path / "after.ckpt")
     assert "state_dict" in torch.load(tmp_path / "after.ckpt", weights_only=False)
+
+
+def test_save_after_fit_over_a_sharded_checkpoint_writes_one_that_resumes_exactly(tmp_path, torch_adam):
+    """trainer.save_checkpoint after fit over the sharded last.ckpt ModelCheckpoint wrote: a new sharded
+    version from the units fit left (a single file there would sit beside the marker's data and neither would
+    load), from which the next epoch trains bit for bit as the run would have straight on."""
+    batches = token_batches(4)
+    a, b = twin(hf_llama)
+    c = copy.deepcopy(b)
+    straight = CausalLM(a)
+    fit(straight, batches, max_epochs=2)
+    cb = ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
+    trainer = fit(CausalLM(b), batches, enable_checkpointing=True, callbacks=[cb])
+    path = tmp_path / "last.ckpt"
+    saved_by_fit = store.parse_marker(path.read_bytes())["data"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "single-file format" warning)
+        trainer.save_checkpoint(path)
+    assert store.parse_marker(path.read_bytes())["data"] != saved_by_fit  # a new version, committed
+    resumed = CausalLM(c)
+    fit(resumed, batches, max_epochs=2, ckpt_path=str(path))
+    assert resumed.losses == straight.losses[4:]
+    assert all(torch.equal(x, y) for x, y in zip(params_of(resumed.model).values(), params_of(straight.model).values()))
+
+
+def test_save_after_fit_with_the_moments_on_nvme_is_refused_before_anything_is_written(tmp_path):
+    """The NVMe tier's moments are scratch and go with the run: a save after fit says so in one line and leaves
+    the checkpoint there as it was; the weights alone still save."""
+    cb = ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
+    strategy = MegatrainStrategy(nvme_dir=str(tmp_path))
+    trainer = fit(CausalLM(hf_llama()), token_batches(2), strategy=strategy, enable_checkpointing=True, callbacks=[cb])
+    path = tmp_path / "last.ckpt"
+    marker = path.read_bytes()
+    with pytest.raises(RuntimeError, match=r"after fit with nvme_dir: the Adam moments .* nothing was written") as err:
+        trainer.save_checkpoint(path)
+    assert "\n" not in str(err.value) and path.read_bytes() == marker
+    trainer.save_checkpoint(path, weights_only=True)
+    assert not store.read_index(str(path))[2]["optimizer"]

@@ -481,6 +481,39 @@ def test_storage_options_carry_the_credentials_and_are_written_nowhere(s3_env, m
     assert not [w for w in recwarn if OPTIONS_SECRET in str(w.message)]
 
 
+def test_saves_after_fit_use_the_strategy_storage_options(s3_env, monkeypatch, recwarn):
+    """trainer.save_checkpoint after fit, credentials given only to the strategy: over the sharded checkpoint
+    saved during fit a sharded one again, elsewhere Lightning's single file; both written with the strategy's
+    options, and both resume with them."""
+    import s3fs
+
+    from tests.s3_server import OPTIONS_KEY, OPTIONS_SECRET
+
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    s3fs.S3FileSystem.clear_instance_cache()
+    options = {"key": OPTIONS_KEY, "secret": OPTIONS_SECRET, "endpoint_url": s3_env["AWS_ENDPOINT_URL"]}
+    root = f"s3://megatrain/after-fit-{os.getpid()}"
+    torch.manual_seed(0)
+    with quiet():
+        fitted = trainer(
+            MegatrainStrategy(storage_options=options), max_steps=2, callbacks=[SaveAtEnd(f"{root}/a.ckpt")]
+        )
+        fitted.fit(CausalLMModule(**MODEL), TextDataModule(**DATA))
+    fs = fsspec.filesystem("s3", **options)
+    during_fit = store.parse_marker(fs.cat_file(f"{root}/a.ckpt".removeprefix("s3://")))["data"]
+    fitted.save_checkpoint(f"{root}/a.ckpt")
+    fitted.save_checkpoint(f"{root}/single.ckpt")
+    assert store.parse_marker(fs.cat_file(f"{root}/a.ckpt".removeprefix("s3://")))["data"] != during_fit
+    assert fs.cat_file(f"{root}/single.ckpt".removeprefix("s3://"))[:2] == b"PK"  # torch.save's zip
+    for name in ("a.ckpt", "single.ckpt"):
+        resumed = trainer(MegatrainStrategy(storage_options=options), max_steps=3, max_epochs=-1)
+        with quiet():
+            resumed.fit(CausalLMModule(**MODEL), TextDataModule(**DATA), ckpt_path=f"{root}/{name}")
+        assert resumed.global_step == 3, name
+
+
 def test_what_counts_as_a_sharded_checkpoint(source, tmp_path):
     """Ours even when its marker is cut short or lost beside its data; a trial resumes only from a marker."""
     from ray_jobs.trial import resume_from

@@ -215,6 +215,18 @@ def test_checkpoint_of_every_rank_reads_back_as_the_trained_weights(launches):
     assert all(torch.equal(read[k], trained[k]) for k in trained)
 
 
+def test_save_after_fit_is_refused_in_one_line_on_every_rank(launches):
+    """trainer.save_checkpoint after a 2-rank fit, over the checkpoint saved at its end: each rank holds only its
+    shard of the Adam state then, so every rank refuses in one line before writing anything (the resumes below
+    read that checkpoint)."""
+    w2 = launches[2].wait()
+    saved(w2, RESUMED, 2)
+    for r in range(2):
+        record = json.loads((w2 / f"{RESUMED}.after-fit.rank{r}.json").read_text())
+        assert record["error"].startswith("RuntimeError: trainer.save_checkpoint after fit over 2 ranks"), record
+        assert "\n" not in record["error"] and "on_train_end" in record["error"] and record["unchanged"]
+
+
 def test_resume_on_two_ranks_equals_ddp_resumed(launches):
     """The first epoch's checkpoint (2 ranks, each writing its shards) resumed on 2 ranks for a second epoch
     trains as DDP resumed from its own checkpoint: weights, Adam moments, step counts and the schedule come

@@ -336,3 +336,56 @@ def test_a_failed_write_is_reported(tmp_path, monkeypatch):
         with tier.resident(u):
             pass
     tier.close()
+
+
+# -- a file changed under the run is caught by its checksum, before a step uses it --------------------------
+
+
+@pytest.mark.parametrize("written", [True, False], ids=["after-a-write", "still-zeros"])
+def test_a_piece_changed_in_its_file_is_refused_on_read(written, tmp_path):
+    """Bytes of a piece changed in its file by another writer, after this tier wrote the piece or while it
+    still holds the zeros it was reserved as: the next read raises one line naming the file and the piece,
+    and the buffer is never handed out."""
+    tier = NvmeTier(str(tmp_path), 300, 100)
+    tier.alloc(unit := Unit("u", 300))
+    first, second, _ = tier.pieces(unit)
+    if written:
+        with tier.resident(second) as (m, v):
+            m.copy_(torch.randn(100))
+            v.copy_(torch.rand(100))
+    tier.drain()  # every buffer unbound: the next use reads the file
+    (file,) = [str(p) for p in (tmp_path / os.listdir(tmp_path)[0]).iterdir()]
+    with open(file, "r+b") as f:
+        f.seek(second.lo * 8 + 4 * 100 + 12)  # one element of the piece's v
+        f.write(b"\xff\xff\xff\xff")  # NaN
+    with tier.resident(first, write=False) as (m, v):  # the pieces around it are intact
+        assert not m.any() and not v.any()
+    with pytest.raises(NvmeTierError, match="checksum mismatch") as err:
+        with tier.resident(second, write=False):
+            raise AssertionError("a changed piece was handed out")
+    line = str(err.value)
+    assert line.startswith(f"{file}: the Adam moments of u[100:200] (bytes 800 to 1600)") and "\n" not in line
+    tier.close()
+
+
+def test_training_stops_when_another_writer_changes_the_moments(tmp_path):
+    """Another process overwrites a unit's moments file mid-training: fit stops with the file's one line at
+    the next step that would read it, and no step used the bytes (every weight stays finite)."""
+
+    class Overwrite(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx != 1:
+                return
+            tier = trainer.strategy.engine.tier
+            trainer.strategy.engine.flush()
+            tier.drain()
+            self.file = tier._files[next(iter(tier._files))]
+            with open(self.file, "r+b") as f:
+                f.write(b"\xff" * 4096)  # NaN moments
+
+    overwrite = Overwrite()
+    module = CausalLM(hf_llama(layers=3))
+    with pytest.raises(NvmeTierError, match="checksum mismatch") as err:
+        fit(module, token_batches(4), strategy=MegatrainStrategy(nvme_dir=str(tmp_path)), callbacks=[overwrite])
+    assert str(err.value).startswith(f"{overwrite.file}: the Adam moments of ") and "\n" not in str(err.value)
+    assert all(torch.isfinite(p).all() for p in params_of(module.model).values())

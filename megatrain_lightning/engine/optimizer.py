@@ -125,10 +125,13 @@ class HostAdamW(torch.optim.Optimizer):
         checkpoint that stores the moments itself (gathering them would hold every moment in memory at once,
         and read all of them back from the NVMe tier)."""
         self.engine.flush()
-        if with_moments and any(u.partitioned for u in self.engine.all_units()):
+        # (the engine's partition, not its units': after engine.close() the masters are whole again, the
+        # moments still this rank's shards)
+        part = getattr(self.engine, "partition", None)
+        if with_moments and (part is not None or any(u.partitioned for u in self.engine.all_units())):
             raise RuntimeError(
                 "optimizer.state_dict() gathers every Adam moment into this process, but each data-parallel rank "
-                "holds 1/W of them; save a checkpoint (engine.save) instead"
+                "holds 1/W of them; save a checkpoint (engine.save, before engine.close()) instead"
             )
         where, state, index, groups = self._entries() if with_moments else {}, {}, 0, []
         moments = self._stepped_moments() if with_moments else {}
