@@ -9,6 +9,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 import zlib
 from fractions import Fraction
 from pathlib import Path
@@ -18,11 +19,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping
 
-from megatrain_lightning import MegatrainStrategy, load_from_checkpoint
-from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, store, trust
+from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy, load_from_checkpoint
+from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, store, trust, versions
 from megatrain_lightning.cli import run
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.models import LlamaConfig
+from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.module import CausalLMModule
 from ray_jobs.trial import run_trial
 from tests.helpers import quiet, trainer
@@ -496,3 +497,145 @@ def test_what_counts_as_a_sharded_checkpoint(source, tmp_path):
     lost = copy_to(source, STEP1, tmp_path)
     lost.unlink()  # a first save that never committed: its data alone
     assert store.is_checkpoint(str(lost)) and resume_from(str(lost)) is None
+
+
+# -- the checkpoint directory is a boundary -----------------------------------------------------------------
+def tiny_engine(seed: int = 0) -> Engine:
+    """A two-block engine with Adam state (a checkpoint of it takes milliseconds, no Trainer)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig.from_preset("tiny")
+    config.num_hidden_layers = 2
+    engine = Engine(LlamaForCausalLM(config), EngineConfig(device="cpu", precision="32-true"))
+    for unit in engine.all_units():
+        unit.alloc_optimizer_state()
+        unit.m.normal_()
+        unit.v.uniform_()
+        unit.steps = [3] * len(unit.entries)
+    return engine
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[Engine, Path]:
+    """A tiny engine and the marker of its checkpoint ``run/last.ckpt`` under tmp_path."""
+    engine = tiny_engine()
+    marker = tmp_path / "run" / "last.ckpt"
+    store.save(engine, str(marker), {"epoch": 0}, param_groups=[{"lr": 1e-3, "weight_decay": 0.0}])
+    return engine, marker
+
+
+def tree(root: Path) -> dict[str, object]:
+    """Every entry under `root` (links not followed): a file's bytes, a link's target, or "dir"."""
+    found: dict[str, object] = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder, name)
+            rel = str(path.relative_to(root))
+            if path.is_symlink():
+                found[rel] = f"-> {os.readlink(path)}"
+            elif path.is_dir():
+                found[rel] = "dir"
+            else:
+                found[rel] = path.read_bytes()
+    return found
+
+
+def restores(engine: Engine, marker: Path) -> bool:
+    """Whether the checkpoint at `marker` restores `engine`'s masters, moments and steps into a fresh engine."""
+    fresh = tiny_engine(seed=1)
+    store.restore(fresh, str(marker), optimizer=True)
+    return all(
+        torch.equal(a.master, b.master) and torch.equal(a.m, b.m) and torch.equal(a.v, b.v) and a.steps == b.steps
+        for a, b in zip(engine.all_units(), fresh.all_units())
+    )
+
+
+def user_files(folder: Path) -> None:
+    """Folders of a user's that no save wrote (no lease, as every save's cleanup once saw them)."""
+    (folder / "photos").mkdir(parents=True)
+    (folder / "photos" / "a.jpg").write_bytes(b"jpeg")
+    (folder / "thesis" / "units").mkdir(parents=True)
+    (folder / "thesis" / "units" / "chapter1.tex").write_text("text")
+
+
+def refused_save(engine: Engine, marker: Path) -> str:
+    with pytest.raises(CheckpointError) as err:
+        store.save(engine, str(marker), {"epoch": 1})
+    return one_line(str(err.value))
+
+
+def test_a_data_directory_moved_behind_a_link_is_refused_and_still_restores(saved, tmp_path):
+    """`last.ckpt.d` moved to another disk and linked back: a save refuses in one line before touching anything
+    (its cleanup would delete through the link), and the checkpoint there still restores."""
+    engine, marker = saved
+    disk = tmp_path / "disk"
+    user_files(disk)
+    shutil.move(f"{marker}.d", disk / "last.ckpt.d")
+    os.symlink(disk / "last.ckpt.d", f"{marker}.d")
+    before = tree(tmp_path)
+    line = refused_save(engine, marker)
+    assert f"saving {marker}: {marker}.d is a symbolic link (to {disk / 'last.ckpt.d'})" in line
+    assert "save to another path" in line
+    assert tree(tmp_path) == before
+    assert restores(engine, marker)
+
+
+def test_a_link_to_the_folder_above_deletes_nothing(saved, tmp_path):
+    """A downloaded checkpoint holding `last.ckpt.d -> ..`: the user's folders beside it survive a save (refused in
+    one line), a removal of the checkpoint and its versions' cleanup, none of which follow the link."""
+    engine, marker = saved
+    user_files(tmp_path)  # beside the folder `run` that holds the checkpoint
+    shutil.rmtree(f"{marker}.d")
+    os.symlink("..", f"{marker}.d")
+    before = tree(tmp_path)
+    assert "last.ckpt.d is a symbolic link (to ..)" in refused_save(engine, marker)
+    assert tree(tmp_path) == before
+    fs = fsspec.filesystem("file")
+    versions.remove_unused(fs, str(marker), keep=set)
+    store.remove(str(marker))  # the marker goes; what the link points to stays
+    del before["run/last.ckpt"]
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind", ["file", "folder", "version-named link", "file for .d"])
+def test_what_no_save_wrote_in_the_data_directory_is_refused_and_kept(kind, saved, tmp_path):
+    """A plain file or a folder inside `last.ckpt.d`, a link named like a version, or `last.ckpt.d` a file: the save
+    is one line naming it, nothing anywhere changes, and (where its data is there) the checkpoint restores."""
+    engine, marker = saved
+    user_files(tmp_path / "home")
+    data = Path(f"{marker}.d")
+    stranger, says = {
+        "file": ("notes.txt", "holds 'notes.txt', which no save of this format wrote"),
+        "folder": ("backup", "holds 'backup', which no save of this format wrote"),
+        "version-named link": ("v1-00000000", "holds 'v1-00000000', which no save of this format wrote"),
+        "file for .d": ("", "is a file, not a checkpoint's data directory"),
+    }[kind]
+    if kind == "file":
+        (data / stranger).write_text("mine")
+    elif kind == "folder":
+        (data / stranger / "units").mkdir(parents=True)
+        (data / stranger / "units" / "keep.bin").write_bytes(b"mine")
+    elif kind == "version-named link":
+        os.symlink(tmp_path / "home" / "photos", data / stranger)
+    else:
+        shutil.rmtree(data)
+        data.write_text("mine")
+    before = tree(tmp_path)
+    line = refused_save(engine, marker)
+    assert line.startswith(f"saving {marker}: {data} {says}; ") and "move what is not a save's out" in line, line
+    assert tree(tmp_path) == before
+    if kind != "file for .d":
+        assert restores(engine, marker)
+
+
+def test_a_version_named_folder_without_a_lease_is_deleted_only_if_a_save_could_have_written_it(saved, recwarn):
+    """An old lease-less version directory is an interrupted save's only when it holds what saves write."""
+    engine, marker = saved
+    old = [f"v{time.time_ns() - int(2e12) + i:x}-00000000" for i in range(2)]
+    ours, theirs = (Path(f"{marker}.d") / name for name in old)
+    (ours / "units").mkdir(parents=True)
+    (ours / "units" / "00000.safetensors").write_bytes(b"partial")
+    (theirs / "units").mkdir(parents=True)
+    (theirs / "thesis.tex").write_text("mine")
+    store.save(engine, str(marker), {"epoch": 1})
+    assert not ours.exists() and (theirs / "thesis.tex").read_text() == "mine"
+    assert restores(engine, marker)

@@ -142,6 +142,13 @@ def _begin(fs: Any, path: str, url: str) -> versions.Lease:
     """The lease of a new version directory, after removing the versions no one needs."""
     if fs.isdir(path):
         raise CheckpointError(f"{url} is a directory; a checkpoint path names a file (its data goes to {url}.d/)")
+    stranger = versions.foreign(fs, path)
+    if stranger is not None:  # saves delete versions there: never through a link, never beside others' files
+        raise CheckpointError(
+            f"saving {url}: {url}.d {stranger}; a checkpoint's data directory must be a real directory holding "
+            f"only the version directories its saves write; move what is not a save's out of {url}.d (or "
+            "replace the link with its target), or save to another path"
+        )
     versions.remove_unused(fs, path, keep=lambda: _named(fs, path, url))  # all but the current checkpoint
     return versions.Lease(fs, path, url)
 
