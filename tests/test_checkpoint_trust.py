@@ -695,7 +695,6 @@ HUGE = 2**40
         ("shape beyond its bytes", rf"tensor 'x' is F32\[{HUGE}\] in 4 bytes: the header is damaged"),
         ("bytes beyond the file", r"buffers.safetensors ends early: its header describes \d+ bytes, the file has \d+"),
         ("overlapping tensors", r"byte ranges overlap or leave gaps: the header is damaged"),
-        ("numel beyond its bytes", rf"units\[0\] claims {HUGE} values \({12 * HUGE} bytes\) in a file of \d+ bytes"),
         ("numel beyond the params", rf"units\[0\]: its parameters hold \d+ values, the unit {HUGE}"),
         (
             "numel beyond the file",
@@ -720,9 +719,8 @@ def test_sizes_in_a_header_or_index_are_checked_before_memory_is_spent(kind, say
         index = index_of(marker)
         unit = index["units"][0]
         unit["numel"] = HUGE
-        if kind != "numel beyond its bytes":
-            unit["bytes"] = 12 * HUGE + 4096
         if kind == "numel beyond the file":  # the index made consistent with itself, not with the file
+            unit["bytes"] = 12 * HUGE + 4096
             last = unit["params"][-1]
             last["shape"] = [HUGE - last["offset"]]
         set_index(marker, index)

@@ -141,9 +141,6 @@ def index_invalid(index: dict) -> str | None:
                 return f"{where}.{key} is {_short(rec[key])}, not a non-negative integer"
         if not isinstance(rec["adam"], bool):
             return f"{where}.adam is {_short(rec['adam'])}, not true or false"
-        need = rec["numel"] * 4 * (3 if rec["adam"] else 1)
-        if need > rec["bytes"]:
-            return f"{where} claims {rec['numel']} values ({need} bytes) in a file of {rec['bytes']} bytes"
         if "step" in rec and not _count(rec["step"], MAX_STEP):
             return f"{where}.step is {_short(rec['step'])}, not a step count"
         problem = _params_invalid(rec, where)
