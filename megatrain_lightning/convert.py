@@ -93,7 +93,7 @@ def load_from_checkpoint(
     read = functools.partial(_assemble, url, weights=with_weights, optimizer=False, storage_options=storage_options)
     checkpoint, index = store.reread_if_replaced(url, read, storage_options)  # again if a newer save replaced it
     if with_weights:
-        _skip_init_from(cls, checkpoint, index, kwargs)
+        _skip_init_from(cls, checkpoint, index, kwargs, url)
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     del checkpoint
@@ -158,7 +158,7 @@ def to_hf(
     + safetensors), one shard in memory at a time; `dtype` None keeps the fp32 masters, "bf16" casts. The
     tokenizer the run's TextDataModule read its text with (bytes, or its tokenizer.json) goes beside them, for
     ``AutoTokenizer``; the summary returned says whether it did and why not."""
-    from megatrain_lightning.models import LlamaConfig, save_hf_checkpoint
+    from megatrain_lightning.models import save_hf_checkpoint
 
     url = _sharded(url, storage_options)
     if Path(out).exists() and not Path(out).is_dir():
@@ -169,16 +169,16 @@ def to_hf(
         dtype = HF_EXPORT_DTYPES[dtype]
     fs, vdir, index = store.read_index(url, storage_options)
     export = index.get("export") or _export_from_hparams(fs, vdir, index, url)
-    if export is None or export.get("config") is None:
+    if isinstance(export, dict) and export.get("config") is None:
+        export = None
+    if export is None:
         raise CheckpointError(
             f"{url}: cannot write a Hugging Face directory for this model: supported are this project's "
             "LlamaForCausalLM (e.g. CausalLMModule) and transformers PreTrainedModel models inside the "
             "LightningModule; convert it with --to torch and save the weights from the loaded module instead"
         )
-    if export["library"] == "megatrain":
-        config: Any = LlamaConfig(**export["llama_config"])
-    else:
-        config = export["config"]
+    _check_export(export, url)
+    config: Any = _llama_config(export, url) if export["library"] == "megatrain" else export["config"]
     prefix = export["prefix"]
     aliases = set(index.get("aliases") or {})
 
@@ -308,19 +308,54 @@ def _adamw_state(order: list[str], groups: dict[str, int | None], param_groups: 
     return {"state": state, "param_groups": saved}
 
 
-def _skip_init_from(cls: type, checkpoint: dict, index: dict, kwargs: dict) -> None:
+def _skip_init_from(cls: type, checkpoint: dict, index: dict, kwargs: dict, url: str) -> None:
     """CausalLMModule(init_from=DIR) reads DIR's weights when built; the checkpoint replaces them all."""
-    from megatrain_lightning.models import LlamaConfig
     from megatrain_lightning.module import CausalLMModule
 
     hp = checkpoint.get("hyper_parameters") or {}
     if not (issubclass(cls, CausalLMModule) and hp.get("init_from") and "init_from" not in kwargs):
         return
-    export = index.get("export") or {}
+    export = index.get("export") if isinstance(index.get("export"), dict) else {}
     if hp.get("model") is not None or "model" in kwargs:
         kwargs["init_from"] = None
     elif export.get("library") == "megatrain":
-        kwargs.update(init_from=None, model=LlamaConfig(**export["llama_config"]), overrides=None)
+        _check_export(export, url)
+        kwargs.update(init_from=None, model=_llama_config(export, url), overrides=None)
+
+
+def _check_export(export: Any, url: str) -> None:
+    """The index's description of the model to export is one a save wrote (the index is checksummed, but a
+    deliberate editor reseals it): a CheckpointError line otherwise, before anything is built from it."""
+    bad = None
+    if not isinstance(export, dict) or export.get("library") not in ("megatrain", "transformers"):
+        bad = "does not name a library (megatrain or transformers)"
+    elif not isinstance(export.get("prefix"), str) or not isinstance(export.get("config"), dict):
+        bad = "lacks the prefix or the config"
+    elif not (isinstance(export["config"].get("architectures"), list) and export["config"]["architectures"]):
+        bad = "config lacks 'architectures'"
+    elif export["library"] == "megatrain" and not isinstance(export.get("llama_config"), dict):
+        bad = "lacks 'llama_config'"
+    if bad is not None:
+        raise CheckpointError(f"{url}: the index's 'export' {bad}: the index is damaged or altered")
+
+
+def _llama_config(export: dict, url: str) -> Any:
+    """The LlamaConfig the index's export records; unknown keys and values the config refuses are one line."""
+    import dataclasses
+
+    from megatrain_lightning.models import LlamaConfig
+
+    known = {f.name for f in dataclasses.fields(LlamaConfig)}
+    unknown = sorted(set(export["llama_config"]) - known)
+    if unknown:
+        raise CheckpointError(
+            f"{url}: the index's export.llama_config has keys {unknown[:5]} that LlamaConfig does not have: the "
+            "index is damaged or altered, or was written by a newer version (convert it with that version)"
+        )
+    try:
+        return LlamaConfig(**export["llama_config"])
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{url}: the index's export.llama_config is refused: {trust.first_line(err)}") from None
 
 
 def _export_from_hparams(fs: Any, vdir: str, index: dict, url: str) -> dict | None:

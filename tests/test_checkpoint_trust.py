@@ -9,6 +9,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 import zlib
 from fractions import Fraction
 from pathlib import Path
@@ -18,11 +19,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping
 
-from megatrain_lightning import MegatrainStrategy, load_from_checkpoint
-from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, store, trust
+from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy, load_from_checkpoint
+from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, store, trust, versions
 from megatrain_lightning.cli import run
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.models import LlamaConfig
+from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.module import CausalLMModule
 from ray_jobs.trial import run_trial
 from tests.helpers import quiet, trainer
@@ -529,3 +530,320 @@ def test_what_counts_as_a_sharded_checkpoint(source, tmp_path):
     lost = copy_to(source, STEP1, tmp_path)
     lost.unlink()  # a first save that never committed: its data alone
     assert store.is_checkpoint(str(lost)) and resume_from(str(lost)) is None
+
+
+# -- the checkpoint directory is a boundary -----------------------------------------------------------------
+def tiny_engine(seed: int = 0) -> Engine:
+    """A two-block engine with Adam state (a checkpoint of it takes milliseconds, no Trainer)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig.from_preset("tiny")
+    config.num_hidden_layers = 2
+    engine = Engine(LlamaForCausalLM(config), EngineConfig(device="cpu", precision="32-true"))
+    for unit in engine.all_units():
+        unit.alloc_optimizer_state()
+        unit.m.normal_()
+        unit.v.uniform_()
+        unit.steps = [3] * len(unit.entries)
+    return engine
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[Engine, Path]:
+    """A tiny engine and the marker of its checkpoint ``run/last.ckpt`` under tmp_path."""
+    engine = tiny_engine()
+    marker = tmp_path / "run" / "last.ckpt"
+    store.save(engine, str(marker), {"epoch": 0}, param_groups=[{"lr": 1e-3, "weight_decay": 0.0}])
+    return engine, marker
+
+
+def tree(root: Path) -> dict[str, object]:
+    """Every entry under `root` (links not followed): a file's bytes, a link's target, or "dir"."""
+    found: dict[str, object] = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder, name)
+            rel = str(path.relative_to(root))
+            if path.is_symlink():
+                found[rel] = f"-> {os.readlink(path)}"
+            elif path.is_dir():
+                found[rel] = "dir"
+            else:
+                found[rel] = path.read_bytes()
+    return found
+
+
+def restores(engine: Engine, marker: Path) -> bool:
+    """Whether the checkpoint at `marker` restores `engine`'s masters, moments and steps into a fresh engine."""
+    fresh = tiny_engine(seed=1)
+    store.restore(fresh, str(marker), optimizer=True)
+    return all(
+        torch.equal(a.master, b.master) and torch.equal(a.m, b.m) and torch.equal(a.v, b.v) and a.steps == b.steps
+        for a, b in zip(engine.all_units(), fresh.all_units())
+    )
+
+
+def user_files(folder: Path) -> None:
+    """Folders of a user's that no save wrote (no lease, as every save's cleanup once saw them)."""
+    (folder / "photos").mkdir(parents=True)
+    (folder / "photos" / "a.jpg").write_bytes(b"jpeg")
+    (folder / "thesis" / "units").mkdir(parents=True)
+    (folder / "thesis" / "units" / "chapter1.tex").write_text("text")
+
+
+def refused_save(engine: Engine, marker: Path) -> str:
+    with pytest.raises(CheckpointError) as err:
+        store.save(engine, str(marker), {"epoch": 1})
+    return one_line(str(err.value))
+
+
+def test_a_data_directory_moved_behind_a_link_is_refused_and_still_restores(saved, tmp_path):
+    """`last.ckpt.d` moved to another disk and linked back: a save refuses in one line before touching anything
+    (its cleanup would delete through the link), and the checkpoint there still restores."""
+    engine, marker = saved
+    disk = tmp_path / "disk"
+    user_files(disk)
+    shutil.move(f"{marker}.d", disk / "last.ckpt.d")
+    os.symlink(disk / "last.ckpt.d", f"{marker}.d")
+    before = tree(tmp_path)
+    line = refused_save(engine, marker)
+    assert f"saving {marker}: {marker}.d is a symbolic link (to {disk / 'last.ckpt.d'})" in line
+    assert "save to another path" in line
+    assert tree(tmp_path) == before
+    assert restores(engine, marker)
+
+
+def test_a_link_to_the_folder_above_deletes_nothing(saved, tmp_path):
+    """A downloaded checkpoint holding `last.ckpt.d -> ..`: the user's folders beside it survive a save (refused in
+    one line), a removal of the checkpoint and its versions' cleanup, none of which follow the link."""
+    engine, marker = saved
+    user_files(tmp_path)  # beside the folder `run` that holds the checkpoint
+    shutil.rmtree(f"{marker}.d")
+    os.symlink("..", f"{marker}.d")
+    before = tree(tmp_path)
+    assert "last.ckpt.d is a symbolic link (to ..)" in refused_save(engine, marker)
+    assert tree(tmp_path) == before
+    fs = fsspec.filesystem("file")
+    versions.remove_unused(fs, str(marker), keep=set)
+    store.remove(str(marker))  # the marker goes; what the link points to stays
+    del before["run/last.ckpt"]
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind", ["file", "folder", "version-named link", "file for .d"])
+def test_what_no_save_wrote_in_the_data_directory_is_refused_and_kept(kind, saved, tmp_path):
+    """A plain file or a folder inside `last.ckpt.d`, a link named like a version, or `last.ckpt.d` a file: the save
+    is one line naming it, nothing anywhere changes, and (where its data is there) the checkpoint restores."""
+    engine, marker = saved
+    user_files(tmp_path / "home")
+    data = Path(f"{marker}.d")
+    stranger, says = {
+        "file": ("notes.txt", "holds 'notes.txt', which no save of this format wrote"),
+        "folder": ("backup", "holds 'backup', which no save of this format wrote"),
+        "version-named link": ("v1-00000000", "holds 'v1-00000000', which no save of this format wrote"),
+        "file for .d": ("", "is a file, not a checkpoint's data directory"),
+    }[kind]
+    if kind == "file":
+        (data / stranger).write_text("mine")
+    elif kind == "folder":
+        (data / stranger / "units").mkdir(parents=True)
+        (data / stranger / "units" / "keep.bin").write_bytes(b"mine")
+    elif kind == "version-named link":
+        os.symlink(tmp_path / "home" / "photos", data / stranger)
+    else:
+        shutil.rmtree(data)
+        data.write_text("mine")
+    before = tree(tmp_path)
+    line = refused_save(engine, marker)
+    assert line.startswith(f"saving {marker}: {data} {says}; ") and "move what is not a save's out" in line, line
+    assert tree(tmp_path) == before
+    if kind != "file for .d":
+        assert restores(engine, marker)
+
+
+def test_a_version_named_folder_without_a_lease_is_deleted_only_if_a_save_could_have_written_it(saved, recwarn):
+    """An old lease-less version directory is an interrupted save's only when it holds what saves write."""
+    engine, marker = saved
+    old = [f"v{time.time_ns() - int(2e12) + i:x}-00000000" for i in range(2)]
+    ours, theirs = (Path(f"{marker}.d") / name for name in old)
+    (ours / "units").mkdir(parents=True)
+    (ours / "units" / "00000.safetensors").write_bytes(b"partial")
+    (theirs / "units").mkdir(parents=True)
+    (theirs / "thesis.tex").write_text("mine")
+    store.save(engine, str(marker), {"epoch": 1})
+    assert not ours.exists() and (theirs / "thesis.tex").read_text() == "mine"
+    assert restores(engine, marker)
+
+
+# -- every name in an index stays inside its version directory; every size is checked before it is used ------
+def convert_line(marker: Path, to: str, tmp_path: Path, capsys) -> str:
+    """`megatrain convert` of `marker`: its one error line (after the prefix); nothing may be written."""
+    out = tmp_path / ("hf" if to == "hf" else "out.ckpt")
+    line = one_line(exited(["convert", str(marker), "--to", to, str(out)], capsys))
+    assert line.startswith("megatrain convert: error: ") and not out.exists()
+    return line
+
+
+def restore_line(marker: Path) -> str:
+    with pytest.raises(CheckpointError) as err:
+        store.restore(tiny_engine(seed=1), str(marker), optimizer=True)
+    return one_line(str(err.value))
+
+
+def test_an_index_naming_a_file_outside_its_version_is_refused(saved, tmp_path, capsys):
+    _, marker = saved
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(vdir(marker) / SHARD, outside)  # a valid shard, checksum and all: only its place is wrong
+    index = index_of(marker)
+    index["units"][0]["file"] = "../../outside.safetensors"
+    set_index(marker, index)
+    says = "units[0].file is '../../outside.safetensors', not a unit shard of this version directory"
+    for line in (convert_line(marker, "hf", tmp_path, capsys), restore_line(marker)):
+        assert f"index.json: {says}: the index is damaged or altered; intact earlier checkpoints in" in line, line
+
+
+def test_a_marker_naming_a_version_outside_the_data_directory_is_refused(saved, tmp_path, capsys):
+    _, marker = saved
+    marker.write_bytes(store.marker_bytes({**store.parse_marker(marker.read_bytes()), "data": ".."}))
+    line = convert_line(marker, "torch", tmp_path, capsys)
+    assert "last.ckpt: its commit marker names '..', not a version directory" in line
+
+
+def bomb_buffers(marker: Path, entries: dict, data: bytes, claimed: int | None = None) -> None:
+    """buffers.safetensors replaced by a header of `entries` and `data`; the index records the real file's
+    checksum and its size (or `claimed`, the size its header pretends)."""
+    head = json.dumps(entries).encode()
+    raw = len(head).to_bytes(8, "little") + head + data
+    (vdir(marker) / "buffers.safetensors").write_bytes(raw)
+    index = index_of(marker)
+    index["buffers"] = {"bytes": claimed or len(raw), "crc32": zlib.crc32(raw)}
+    set_index(marker, index)
+
+
+HUGE = 2**40
+
+
+@pytest.mark.parametrize(
+    "kind, says",
+    [
+        ("shape beyond its bytes", rf"tensor 'x' is F32\[{HUGE}\] in 4 bytes: the header is damaged"),
+        ("bytes beyond the file", r"buffers.safetensors ends early: its header describes \d+ bytes, the file has \d+"),
+        ("overlapping tensors", r"byte ranges overlap or leave gaps: the header is damaged"),
+        ("numel beyond the params", rf"units\[0\]: its parameters hold \d+ values, the unit {HUGE}"),
+        (
+            "numel beyond the file",
+            rf"units/00000.safetensors: its header describes \d+ bytes, the index recorded {12 * HUGE + 4096}",
+        ),
+    ],
+)
+def test_sizes_in_a_header_or_index_are_checked_before_memory_is_spent(kind, says, saved, tmp_path, capsys):
+    """Each would allocate terabytes (or read one tensor's bytes as another's); each is one line, and nothing
+    large is allocated (the allocator's error would be a traceback)."""
+    _, marker = saved
+    x = {"dtype": "F32", "shape": [HUGE], "data_offsets": [0, 4 * HUGE]}
+    if kind == "shape beyond its bytes":
+        bomb_buffers(marker, {"x": {**x, "data_offsets": [0, 4]}}, b"\0" * 4)
+    elif kind == "bytes beyond the file":
+        head = len(json.dumps({"x": x}).encode())
+        bomb_buffers(marker, {"x": x}, b"\0" * 4, claimed=8 + head + 4 * HUGE)
+    elif kind == "overlapping tensors":
+        y = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+        bomb_buffers(marker, {"x": y, "y": y}, b"\0" * 8)
+    else:
+        index = index_of(marker)
+        unit = index["units"][0]
+        unit["numel"] = HUGE
+        if kind == "numel beyond the file":  # the index made consistent with itself, not with the file
+            unit["bytes"] = 12 * HUGE + 4096
+            last = unit["params"][-1]
+            last["shape"] = [HUGE - last["offset"]]
+        set_index(marker, index)
+    assert re.search(says, convert_line(marker, "torch", tmp_path, capsys))
+
+
+def test_a_unit_is_allocated_only_once_its_shard_header_vouches_for_its_size(saved):
+    """Behind the index's own checks: a record claiming more values than its shard's header holds is refused
+    before its tensors are allocated."""
+    _, marker = saved
+    fs, version, index = store.read_index(str(marker))
+    with pytest.raises(CheckpointError, match=rf"tensor 'master' is F32\[\d+\], this model needs F32\[{HUGE}\]"):
+        store.read_unit(fs, version, {**index["units"][0], "numel": HUGE}, adam=True)
+
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize("where", ["index", "marker", "header", "lease"])
+def test_json_nested_100k_deep_is_one_line(where, saved, tmp_path, capsys):
+    engine, marker = saved
+    deep = b"[" * DEEP + b"]" * DEEP
+    if where == "index":
+        set_index(marker, b'{"units": ' + deep + b"}")
+        says = "index.json: its JSON nests deeper than 64 levels"
+    elif where == "marker":
+        marker.write_bytes(b'{"format": "megatrain-checkpoint", "x": ' + deep + b"}")
+        says = "last.ckpt: its commit marker is damaged (its JSON nests deeper than 64 levels)"
+    elif where == "header":
+        bomb_buffers(marker, {}, b"")
+        raw = len(deep).to_bytes(8, "little") + deep
+        (vdir(marker) / "buffers.safetensors").write_bytes(raw)
+        reseal(marker, "buffers.safetensors")
+        says = "buffers.safetensors: its header is not safetensors JSON: the header is damaged"
+    else:  # another writer's lease: the save reads it to decide what to delete
+        lapsed = Path(f"{marker}.d") / versions.new_version()
+        lapsed.mkdir()
+        (lapsed / "lease.json").write_bytes(deep)
+        store.save(engine, str(marker), {"epoch": 1})  # (young by its name: kept as a live writer's)
+        assert lapsed.exists() and restores(engine, marker)
+        return
+    assert says in convert_line(marker, "torch", tmp_path, capsys)
+
+
+@pytest.mark.parametrize("where", ["param", "unit"])
+def test_a_negative_step_is_refused_before_training_divides_by_it(where, saved):
+    """Adam's bias correction divides by 1 - beta**step: a step of -1 would reach it as a ZeroDivisionError."""
+    _, marker = saved
+    index = index_of(marker)
+    unit = index["units"][0]
+    if where == "param":
+        unit["params"][0]["step"] = -1
+        says = f"units[0]: parameter {unit['params'][0]['name']} has step -1, not a step count"
+    else:  # indexes of the first format kept one step per unit
+        for p in unit["params"]:
+            del p["step"]
+        unit["step"] = -1
+        says = "units[0].step is -1, not a step count"
+    set_index(marker, index)
+    assert says in restore_line(marker)
+
+
+def export_config_with(marker: Path, edit) -> None:
+    index = index_of(marker)
+    edit(index)
+    set_index(marker, index)
+
+
+def unknown_key(index: dict) -> None:
+    index["export"]["llama_config"]["attention_sinks"] = 4
+
+
+def overlapping(index: dict) -> None:
+    index["units"][3]["params"][1]["offset"] = 0  # the second tensor's bytes would be the first's
+
+
+def out_of_range(index: dict) -> None:
+    index["units"][3]["params"][-1]["offset"] += 10**9
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (unknown_key, r"export.llama_config has keys \['attention_sinks'\] that LlamaConfig does not have"),
+        (overlapping, r"units\[3\]: parameter .* starts at offset 0, where the parameters before it end at \d+"),
+        (out_of_range, r"units\[3\]: parameter .* starts at offset \d+, where the parameters before it end at \d+"),
+    ],
+    ids=["unknown config key", "overlapping offsets", "offset out of range"],
+)
+def test_convert_checks_the_config_keys_and_that_params_tile_their_unit(edit, says, saved, tmp_path, capsys):
+    _, marker = saved
+    export_config_with(marker, edit)
+    assert re.search(says, convert_line(marker, "hf", tmp_path, capsys))

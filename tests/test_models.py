@@ -434,6 +434,18 @@ def test_bad_checkpoint_raises_before_touching_model(tmp_path, mutate, needles):
         assert torch.equal(v, before[k]), f"{k} was modified by a failed load"
 
 
+def test_an_index_naming_a_file_outside_its_directory_is_refused(tmp_path):
+    model = _tampered_checkpoint(tmp_path / "ckpt", lambda t: None)
+    index_file = tmp_path / "ckpt" / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    key, shard = next(iter(index["weight_map"].items()))
+    (tmp_path / "outside.safetensors").write_bytes((tmp_path / "ckpt" / shard).read_bytes())  # valid, misplaced
+    index["weight_map"][key] = "../outside.safetensors"
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"maps .* to '\.\./outside\.safetensors', which is not a file name in"):
+        load_hf_weights(model, tmp_path / "ckpt")
+
+
 def test_save_streams_shards_and_casts(tmp_path):
     model = LlamaForCausalLM(_config("llama_gqa_rope"))
     names_written = []

@@ -91,9 +91,12 @@ from megatrain_lightning.checkpoint.verify import (  # noqa: F401  (REFUSAL, par
     FORMAT,
     REFUSAL,
     VERSION,
+    VERSION_NAME,
     CheckpointError,
     damaged,
+    index_invalid,
     index_lacks,
+    load_json,
     looks_like_marker,
     marker_bytes,
     parse_marker,
@@ -142,6 +145,13 @@ def _begin(fs: Any, path: str, url: str) -> versions.Lease:
     """The lease of a new version directory, after removing the versions no one needs."""
     if fs.isdir(path):
         raise CheckpointError(f"{url} is a directory; a checkpoint path names a file (its data goes to {url}.d/)")
+    stranger = versions.foreign(fs, path)
+    if stranger is not None:  # saves delete versions there: never through a link, never beside others' files
+        raise CheckpointError(
+            f"saving {url}: {url}.d {stranger}; a checkpoint's data directory must be a real directory holding "
+            f"only the version directories its saves write; move what is not a save's out of {url}.d (or "
+            "replace the link with its target), or save to another path"
+        )
     versions.remove_unused(fs, path, keep=lambda: _named(fs, path, url))  # all but the current checkpoint
     return versions.Lease(fs, path, url)
 
@@ -459,12 +469,16 @@ def _index(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any
             fs, vdir, f"{shown(fs, file)} does not match the checksum in its commit marker (altered or damaged)"
         )
     try:
-        index = json.loads(raw)
-    except ValueError:
-        raise damaged(fs, vdir, f"{shown(fs, file)} is not JSON") from None
+        index = load_json(raw)
+    except ValueError as err:
+        why = f": {err}" if "nests deeper" in str(err) else " is not JSON"
+        raise damaged(fs, vdir, f"{shown(fs, file)}{why}") from None
     lacking = index_lacks(index)
     if lacking:
         raise damaged(fs, vdir, f"{shown(fs, file)} lacks {lacking}: it is not an index this version can read")
+    invalid = index_invalid(index)
+    if invalid:
+        raise damaged(fs, vdir, f"{shown(fs, file)}: {invalid}: the index is damaged or altered")
     return fs, vdir, index
 
 
@@ -637,11 +651,10 @@ def _read_file(fs: Any, vdir: str, name: str, targets: dict[str, Any], expect: d
 def read_unit(fs: Any, vdir: str, rec: dict, *, adam: bool = False) -> dict[str, torch.Tensor]:
     """One unit's flat fp32 tensors, fresh: ``master``, plus ``exp_avg``/``exp_avg_sq`` when `adam` and
     the unit holds them; the whole shard is checksummed (tensors not asked for are read and dropped)."""
-    targets = {"master": torch.empty(rec["numel"], dtype=torch.float32)}
-    if adam and rec["adam"]:
-        targets.update(exp_avg=torch.empty(rec["numel"]), exp_avg_sq=torch.empty(rec["numel"]))
-    _read_file(fs, vdir, rec["file"], targets, rec)
-    return targets
+    names = ["master", "exp_avg", "exp_avg_sq"] if adam and rec["adam"] else ["master"]
+    file = f"{vdir}/{rec['file']}"
+    with _explained(fs, vdir, file):  # (allocated once the shard's header vouches for the index's numel)
+        return stream.read_new(fs, file, {name: [rec["numel"]] for name in names}, rec)
 
 
 def read_buffers(fs: Any, vdir: str, index: dict) -> dict[str, torch.Tensor]:
@@ -705,12 +718,12 @@ def _pointer(fs: Any, path: str, url: str) -> dict:
             f"reads {FORMAT} v{VERSION})",
             path,
         )
-    if (
-        not isinstance(marker.get("data"), str)
-        or "/" in marker["data"]
-        or not isinstance(marker.get("index_crc32"), int)
-    ):
+    if not isinstance(marker.get("data"), str) or not isinstance(marker.get("index_crc32"), int):
         raise damaged(fs, None, f"{url}: its commit marker lacks the version or the index checksum", path)
+    if not VERSION_NAME.fullmatch(marker["data"]):  # (a name such as "../x" would read outside {url}.d)
+        raise damaged(
+            fs, None, f"{url}: its commit marker names {marker['data'][:80]!r}, not a version directory", path
+        )
     return marker
 
 

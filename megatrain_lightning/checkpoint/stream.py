@@ -23,6 +23,8 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 
+from megatrain_lightning.checkpoint.verify import load_json
+
 
 class EngineView(Protocol):
     """What a checkpoint reads and writes of the engine (engine.py's ``Engine``, whose save/load come here)."""
@@ -127,27 +129,70 @@ def read_header(f: Any, path: str = "shard", size: int | None = None) -> tuple[d
     if len(raw_len) != 8:
         raise ShardError(f"{path} is shorter than a safetensors header: the file is truncated")
     (n,) = struct.unpack("<Q", raw_len)
-    if n > (MAX_HEADER if size is None else size - 8):
+    if n > (MAX_HEADER if size is None else min(MAX_HEADER, size - 8)):
         raise ShardError(f"{path}: its first 8 bytes claim a {n}-byte header: the header is damaged")
     raw = f.read(n)
     if len(raw) != n:
         raise ShardError(f"{path} ends inside its {n}-byte header: the file is truncated")
     try:
-        header = json.loads(raw)
-    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
+        header = load_json(raw)
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike, and nesting past any header's
         raise ShardError(f"{path}: its header is not safetensors JSON: the header is damaged") from None
     entries = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
     if entries is None or not all(_valid_entry(v) for v in entries.values()):
         raise ShardError(f"{path}: its header does not describe safetensors tensors: the header is damaged")
+    bad = next((k for k, v in entries.items() if not _sized(v)), None)
+    if bad is not None:
+        meta = entries[bad]
+        raise ShardError(
+            f"{path}: tensor {bad!r} is {meta['dtype']}{meta['shape']} in {_span(meta)} bytes: the header is damaged"
+        )
+    if not _tiled(entries.values()):
+        raise ShardError(f"{path}: its tensors' byte ranges overlap or leave gaps: the header is damaged")
     data = sum(_span(v) for v in entries.values())
     if size is not None and 8 + n + data != size:
         raise ShardError(
             f"{path}: its header describes {8 + n + data} bytes, the index recorded {size}: the header is damaged"
         )
+    actual = _size_of(f)
+    if 8 + n + data > actual:  # before anything is allocated by these sizes
+        raise ShardError(
+            f"{path} ends early: its header describes {8 + n + data} bytes, the file has {actual}: the file is "
+            "truncated or its header damaged"
+        )
     return header, raw_len + raw
 
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit on a header
+
+
+def _sized(meta: dict) -> bool:
+    """Whether a tensor's byte range holds exactly its shape in its dtype (unknown dtypes: read as bytes)."""
+    dtype = _DTYPE_OF_CODE.get(meta["dtype"])
+    if dtype is None:
+        return True
+    n = 1
+    for d in meta["shape"]:
+        n *= d
+    return n * torch.tensor([], dtype=dtype).element_size() == _span(meta)
+
+
+def _tiled(metas: Any) -> bool:
+    """Whether the tensors' byte ranges follow one another from 0, as every writer of the format lays them."""
+    end = 0
+    for start, stop in sorted(m["data_offsets"] for m in metas):
+        if start != end:
+            return False
+        end = stop
+    return True
+
+
+def _size_of(f: Any) -> int:
+    """The size of the open file `f`, its position kept (fsspec's files know it without a read)."""
+    here = f.tell()
+    size = f.seek(0, os.SEEK_END)
+    f.seek(here)
+    return size
 
 
 def _valid_entry(meta: Any) -> bool:
@@ -171,7 +216,7 @@ def read_into(fs: Any, path: str, targets: dict[str, Any], expect: dict) -> None
         for name, meta in entries:
             dst = targets.get(name)
             _check_entry(path, name, meta, dst)
-            for part in _parts(dst) if dst is not None else iter((torch.empty(_span(meta), dtype=torch.uint8),)):
+            for part in _parts(dst) if dst is not None else _skipped(_span(meta)):
                 view = _bytes(part)
                 _readinto_fully(f, view, path)
                 crc = zlib.crc32(view, crc)
@@ -182,6 +227,21 @@ def read_into(fs: Any, path: str, targets: dict[str, Any], expect: dict) -> None
         raise ShardError(
             f"{path} has checksum {crc:#010x}, the index recorded {expect['crc32']:#010x}: the file is damaged"
         )
+
+
+def read_new(fs: Any, path: str, shapes: dict[str, list[int]], expect: dict) -> dict[str, torch.Tensor]:
+    """The file's fp32 tensors of these names and `shapes`, in fresh CPU tensors allocated only once its header
+    (checked against the file's real size) says it holds them so, then read as :func:`read_into` does."""
+    with fs.open(path, "rb") as f:
+        header, _ = read_header(f, path, expect.get("bytes"))
+    missing = sorted(set(shapes) - set(header))
+    if missing:
+        raise ShardError(f"{path} lacks tensors {missing}: it is not the shard the index names")
+    for name, shape in shapes.items():  # (meta tensors: the shapes compared, nothing allocated)
+        _check_entry(path, name, header[name], torch.empty(shape, dtype=torch.float32, device="meta"))
+    targets = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
+    read_into(fs, path, targets, expect)
+    return targets
 
 
 def read_tensors(fs: Any, path: str, expect: dict) -> dict[str, torch.Tensor]:
@@ -198,6 +258,13 @@ def read_tensors(fs: Any, path: str, expect: dict) -> dict[str, torch.Tensor]:
         targets[name] = torch.empty(meta["shape"], dtype=_DTYPE_OF_CODE[meta["dtype"]])
     read_into(fs, path, targets, expect)
     return targets
+
+
+def _skipped(nbytes: int, chunk: int = 16 * 2**20) -> Iterator[torch.Tensor]:
+    """Scratch to read (and checksum) `nbytes` not asked for, a bounded chunk at a time."""
+    scratch = torch.empty(min(nbytes, chunk), dtype=torch.uint8)
+    for lo in range(0, nbytes, chunk):
+        yield scratch[: min(chunk, nbytes - lo)]
 
 
 def _span(meta: dict) -> int:

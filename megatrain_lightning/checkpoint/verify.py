@@ -12,6 +12,7 @@ checksums; their shards are not read, so this stays cheap), or "none".
 from __future__ import annotations
 
 import json
+import re
 import struct
 import zlib
 from typing import Any
@@ -24,6 +25,28 @@ VERSION = 1
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, damaged or of another model; the message names path and fix."""
+
+
+MAX_JSON_DEPTH = 64
+"""How deeply the JSON of a marker, index or shard header may nest (the format's own nests 5 levels; a Hugging
+Face config within the index a few more). Deeper is refused before anything recurses through it."""
+
+
+def load_json(raw: bytes | str) -> Any:
+    """``json.loads(raw)``; ValueError for nesting deeper than :data:`MAX_JSON_DEPTH` (json itself recurses:
+    a file nested 100,000 deep would raise RecursionError there, or in whatever walks the result later)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"its JSON nests deeper than {MAX_JSON_DEPTH} levels") from None
+    stack = [(value, 1)]
+    while stack:  # (iterative: the check itself must not recurse)
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"its JSON nests deeper than {MAX_JSON_DEPTH} levels")
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return value
 
 
 # What torch.load shows for a marker (no dots: a plain unpickler shows the text up to the first dot).
@@ -47,7 +70,7 @@ def parse_marker(raw: bytes) -> dict:
     """The JSON of a commit marker (framed as :func:`marker_bytes` writes it, or bare); ValueError naming
     what is wrong if it is neither (never unpickled: the frame is taken apart by hand)."""
     if raw.lstrip().startswith(b"{"):
-        marker = json.loads(raw)
+        marker = load_json(raw)
     elif not raw.startswith(_PICKLE_HEAD + _TAG.encode()):
         raise ValueError("not a commit marker of this format")
     else:
@@ -58,7 +81,7 @@ def parse_marker(raw: bytes) -> dict:
         body = raw[name_end + 6 : name_end + 6 + n]
         if len(body) != n or raw[name_end + 6 + n :] != b"\x85R.":
             raise ValueError(f"its frame holds {len(body)} of {n} bytes of JSON: truncated or altered")
-        marker = json.loads(body)
+        marker = load_json(body)
     if not isinstance(marker, dict):
         raise ValueError("its JSON is not an object")
     return marker
@@ -86,9 +109,100 @@ def index_lacks(index: Any) -> str | None:
         for key in ("file", "numel", "adam", "params", "crc32", "bytes"):
             if not isinstance(rec, dict) or key not in rec:
                 return f"key 'units[{i}].{key}'"
-        if not all(isinstance(p, dict) and {"name", "offset", "shape"} <= set(p) for p in rec["params"]):
+        if not isinstance(rec["params"], list) or not all(
+            isinstance(p, dict) and {"name", "offset", "shape"} <= set(p) for p in rec["params"]
+        ):
             return f"the name, offset or shape of a parameter of units[{i}]"
     return None
+
+
+VERSION_NAME = re.compile(r"v[0-9a-f]+-[0-9a-f]+")
+"""A version directory's name (versions.new_version): a marker or index naming anything else is refused."""
+UNIT_FILE = re.compile(r"units/[0-9]+\.safetensors")
+"""A unit shard's name inside its version directory: an index naming anything else is refused."""
+MAX_STEP = 2**53  # (exact as a float, as torch.optim keeps it)
+
+
+def index_invalid(index: dict) -> str | None:
+    """What in an index (that :func:`index_lacks` passed) cannot be what a save wrote, or None: names
+    leaving the version directory, sizes, steps and offsets out of range, parameters that do not tile
+    their unit exactly (each offset where the one before ends, the last ending at the unit's numel, so no
+    parameter's values can be read as another's). Every number a reader allocates or indexes by is here."""
+    if "data" in index and not _is_name(index["data"], VERSION_NAME):
+        return f"'data' is {_short(index['data'])}, not a version directory's name"
+    if not _count(index["buffers"].get("bytes", 0)):
+        return f"'buffers.bytes' is {_short(index['buffers'].get('bytes'))}, not a size"
+    for i, rec in enumerate(index["units"]):
+        where = f"units[{i}]"
+        if not _is_name(rec["file"], UNIT_FILE):
+            return f"{where}.file is {_short(rec['file'])}, not a unit shard of this version directory"
+        for key in ("numel", "bytes", "crc32"):
+            if not _count(rec[key]):
+                return f"{where}.{key} is {_short(rec[key])}, not a non-negative integer"
+        if not isinstance(rec["adam"], bool):
+            return f"{where}.adam is {_short(rec['adam'])}, not true or false"
+        if "step" in rec and not _count(rec["step"], MAX_STEP):
+            return f"{where}.step is {_short(rec['step'])}, not a step count"
+        problem = _params_invalid(rec, where)
+        if problem is not None:
+            return problem
+    aliases = index.get("aliases") or {}
+    names = {p["name"] for rec in index["units"] for p in rec["params"]}
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and v in names for k, v in aliases.items()):
+        return "'aliases' do not map names to parameters of the index"
+    groups = index.get("param_groups")
+    if groups is not None and not (isinstance(groups, list) and all(isinstance(g, dict) for g in groups)):
+        return "'param_groups' is not a list of settings"
+    order = index.get("param_order")
+    if order is not None and not (isinstance(order, list) and all(isinstance(n, str) for n in order)):
+        return "'param_order' is not a list of parameter names"
+    return None
+
+
+def _params_invalid(rec: dict, where: str) -> str | None:
+    end = 0
+    for p in sorted(rec["params"], key=lambda p: p["offset"] if _count(p["offset"]) else -1):
+        name, shape = p["name"], p["shape"]
+        if not isinstance(name, str):
+            return f"{where} has a parameter named {_short(name)}"
+        if not (isinstance(shape, list) and all(_count(d) for d in shape)):
+            return f"{where}: parameter {name} has shape {_short(shape)}"
+        if "step" in p and not _count(p["step"], MAX_STEP):
+            return f"{where}: parameter {name} has step {_short(p['step'])}, not a step count"
+        if p.get("group") is not None and not _count(p["group"]):
+            return f"{where}: parameter {name} has group {_short(p['group'])}"
+        if not _count(p["offset"]) or p["offset"] != end:
+            return (
+                f"{where}: parameter {name} starts at offset {_short(p['offset'])}, where the parameters before it "
+                f"end at {end}: parameters must tile their unit without gaps or overlap"
+            )
+        end += _numel(shape)
+        if end > rec["numel"]:
+            return f"{where}: parameter {name} ends at {end}, past the unit's {rec['numel']} values"
+    if end != rec["numel"]:
+        return f"{where}: its parameters hold {end} values, the unit {rec['numel']}"
+    return None
+
+
+def _count(value: Any, limit: int = 2**62) -> bool:
+    """Whether `value` is a JSON integer in [0, limit) (true and false are not numbers here)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < limit
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _is_name(value: Any, pattern: re.Pattern) -> bool:
+    return isinstance(value, str) and pattern.fullmatch(value) is not None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def damaged(fs: Any, vdir: str | None, why: str, path: str | None = None) -> CheckpointError:

@@ -19,6 +19,12 @@ of no use:
   while the marker names it or names it as the version it replaced (``previous``); older ones are
   deleted.
 
+Nothing else in ``<url>.d`` is touched. Only entries this format names (``v<hex>-<hex>``) that are real
+directories (never a symbolic link, checked with lstat) count as versions; a directory without a lease is
+deleted only when it holds nothing but the names a save writes. A save refuses a ``<url>.d`` that is a
+symbolic link, a file, or holds anything else (:func:`foreign`): deleting through a link, or beside a
+stranger's files, could reach data that no save wrote.
+
 So the checkpoint that was current when a newer save committed stays whole until the save after that
 starts, in case a reader had read the old marker just before the commit. Storage: two versions between
 saves, and during a save the current one and the one being written (the kept one goes at the start).
@@ -35,6 +41,7 @@ import json
 import os
 import re
 import socket
+import stat
 import time
 import uuid
 import warnings
@@ -51,14 +58,63 @@ shard takes to write; tests lower it."""
 LEASE = "lease.json"
 
 
+VERSION_NAME = re.compile(r"v([0-9a-f]+)-[0-9a-f]+")
+"""The names of version directories (:func:`new_version`): the only entries of ``<url>.d`` a save touches."""
+
+WRITTEN = ("units", "index.json", "buffers.safetensors", "trainer.pt", LEASE)
+"""What a save writes in its version directory (and ``lease.json.tmp-*`` while renewing the lease)."""
+
+
 def new_version() -> str:
     """A version name that sorts by start time and says when its save started."""
     return f"v{time.time_ns():x}-{uuid.uuid4().hex[:8]}"
 
 
 def _started_s(name: str) -> float:
-    found = re.fullmatch(r"v([0-9a-f]+)-[0-9a-f]+", name)
+    found = VERSION_NAME.fullmatch(name)
     return int(found.group(1), 16) / 1e9 if found else 0.0
+
+
+def foreign(fs: Any, path: str) -> str | None:
+    """Why ``<path>.d`` is no data directory that only this format's saves wrote ("is a symbolic link ...",
+    "holds 'x' ..."), or None (also when it does not exist yet)."""
+    root = f"{path}.d"
+    if isinstance(fs, LocalFileSystem):
+        try:
+            mode = os.lstat(root).st_mode
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(mode):
+            return f"is a symbolic link (to {os.readlink(root)})"
+        if not stat.S_ISDIR(mode):
+            return "is a file, not a checkpoint's data directory"
+    fs.invalidate_cache(root)  # (object store listings are cached per filesystem object)
+    if not isinstance(fs, LocalFileSystem) and not fs.isdir(root):
+        return "is a file, not a checkpoint's data directory" if fs.exists(root) else None
+    for name, _, ours in _entries(fs, root):
+        if not ours:
+            return f"holds {name!r}, which no save of this format wrote"
+    return None
+
+
+def _entries(fs: Any, root: str) -> list[tuple[str, str, bool]]:
+    """(name, path, whether it is a version directory) of each entry of `root`; links are never followed."""
+    if isinstance(fs, LocalFileSystem):
+        try:
+            with os.scandir(root) as listing:
+                found = [(e.name, f"{root}/{e.name}", e.is_dir(follow_symlinks=False)) for e in listing]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+    else:
+        found = []
+        for info in fs.ls(root, detail=True):
+            entry = info["name"].rstrip("/")
+            found.append((entry.rsplit("/", 1)[-1], entry, info.get("type") == "directory"))
+    return [(name, entry, is_dir and VERSION_NAME.fullmatch(name) is not None) for name, entry, is_dir in found]
+
+
+def _is_link(fs: Any, root: str) -> bool:
+    return isinstance(fs, LocalFileSystem) and os.path.islink(root)
 
 
 def _machine() -> str:
@@ -108,7 +164,7 @@ class Lease:
             held = json.loads(self.fs.cat_file(f"{self.vdir}/{LEASE}"))
         except FileNotFoundError:
             held = None
-        if not held or held.get("token") != self._me["token"]:
+        if not isinstance(held, dict) or held.get("token") != self._me["token"]:
             raise RuntimeError(
                 f"saving {self.url}: another writer removed this save's data {self.vdir} as abandoned: its "
                 f"lease was not renewed for {LEASE_TIMEOUT_S:g} s; raise "
@@ -135,21 +191,29 @@ class Lease:
 
 
 def state_of(fs: Any, entry: str, now: float) -> str:
-    """``live``, ``abandoned``, ``committed`` or ``empty`` (a listing entry with no files: object stores
-    may list an emptied prefix)."""
+    """``live``, ``abandoned``, ``committed``, ``empty`` (a listing entry with no files: object stores may
+    list an emptied prefix) or ``foreign`` (no lease, and holding what no save writes: never deleted)."""
     try:
         lease = json.loads(fs.cat_file(f"{entry}/{LEASE}"))
-    except (FileNotFoundError, ValueError):  # no lease yet (or from before leases), or a torn local write
+    except (FileNotFoundError, ValueError, RecursionError):  # no lease yet (or from before leases), or torn
+        lease = None
+    if not isinstance(lease, dict):
         lease = None
     if lease is None:
         if now - _started_s(entry.rstrip("/").rsplit("/", 1)[-1]) < LEASE_TIMEOUT_S:
             return "live"  # its writer is between creating the directory and writing the lease
+        inside = [name for name, _, _ in _entries(fs, entry.rstrip("/")) if name != LEASE]
+        if any(name not in WRITTEN and not name.startswith(f"{LEASE}.tmp-") for name in inside):
+            return "foreign"  # not what a save writes: kept, whatever its name says
         has_files = [f for f in fs.find(entry) if f.rstrip("/") != entry.rstrip("/")]
         return "abandoned" if has_files else "empty"
     if lease.get("state") == "committed":
         return "committed"
-    dead_here = lease.get("machine") == _machine() and _process_gone(int(lease.get("pid", -1)))
-    if dead_here or now - float(lease.get("heartbeat", 0)) > LEASE_TIMEOUT_S:
+    pid, heartbeat = lease.get("pid", -1), lease.get("heartbeat", 0)
+    if not (isinstance(pid, int) and isinstance(heartbeat, (int, float))):
+        return "abandoned"  # no writer of this format wrote that lease: it renews nothing
+    dead_here = lease.get("machine") == _machine() and pid > 0 and _process_gone(pid)
+    if dead_here or now - heartbeat > LEASE_TIMEOUT_S:
         return "abandoned"
     return "live"
 
@@ -157,19 +221,20 @@ def state_of(fs: Any, entry: str, now: float) -> str:
 def remove_unused(fs: Any, path: str, keep: Callable[[], set[str]], warn: bool = True) -> None:
     """Delete the versions of ``<path>`` that are not live and not in `keep()`, which is called after every
     lease was read (so that a version whose lease said ``committed`` was named by the marker before that
-    read: `keep` sees it, or sees the marker past it)."""
+    read: `keep` sees it, or sees the marker past it). Only version directories are looked at, and a
+    symbolic link ``<path>.d`` is not followed (see :func:`foreign`)."""
     root = f"{path}.d"
     fs.invalidate_cache(root)  # listings are cached per filesystem object; other processes write here
-    if not fs.isdir(root):
+    if _is_link(fs, root) or not fs.isdir(root):
         return
     now = time.time()
     states = {}
-    for entry in fs.ls(root, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        states[name] = (entry, state_of(fs, entry, now))
+    for name, entry, ours in _entries(fs, root):
+        if ours:
+            states[name] = (entry, state_of(fs, entry, now))
     kept = keep()
     for name, (entry, state) in states.items():
-        if state == "live" or name in kept:
+        if state in ("live", "foreign") or name in kept:
             continue
         if state == "abandoned" and warn:
             warnings.warn(f"removing {root}/{name}: data of an interrupted save, never committed", stacklevel=4)

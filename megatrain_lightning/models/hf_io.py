@@ -54,6 +54,9 @@ def _weight_files(directory: Path) -> dict[str, list[str]]:
             weight_map: dict[str, str] = json.load(f)["weight_map"]
         files: dict[str, list[str]] = {}
         for key, file in weight_map.items():
+            if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+                # (a shard is a file of this directory: a path such as ../../x would read outside it)
+                raise ValueError(f"{index} maps {key!r} to {file!r}, which is not a file name in {directory}.")
             files.setdefault(file, []).append(key)
         return files
     if (directory / SINGLE_FILE).is_file():
