@@ -96,14 +96,27 @@ def compute_alone(
     one_layer: nn.Module, layers: int, micro_batch: int, seq_len: int, device: torch.device, reps: int
 ) -> dict:
     """Device seconds of one micro-batch with nothing streaming, from `one_layer` (the model with one
-    block, bf16, on the device): that block's forward, recompute-forward and backward (as the engine runs
-    them, under autocast) times `layers`, plus embedding, final norm, head and loss forward and backward.
-    Packing gradients is not counted."""
+    block, bf16, on the device): that block's calls as the engine runs them, under autocast, plus
+    embedding, final norm, head and loss forward and backward. Packing gradients is not counted.
+
+    A recomputed block runs a forward without a graph, then in backward its forward again with one and
+    that graph's backward; a block that keeps its graph (``recompute``: False, or "auto"'s last blocks)
+    runs one forward with a graph and, in backward, only that graph's backward. ``micro_batch_s`` is the
+    micro-batch with every block recomputed; :func:`micro_batch_seconds` gives it for `kept` blocks."""
     out = _time_pieces(one_layer, micro_batch, seq_len, device, reps)
-    per_block = out["block_forward_s"] + out["block_recompute_backward_s"]
-    out["micro_batch_s"] = layers * per_block + out["outer_s"]
+    out["micro_batch_s"] = micro_batch_seconds(out, layers, kept=0)
     out["timer"] = "CUDA events" if device.type == "cuda" else "perf_counter"
     return out
+
+
+def micro_batch_seconds(compute: dict, layers: int, kept: float) -> float:
+    """One micro-batch's compute alone (:func:`compute_alone`'s pieces) with `kept` of its `layers` blocks
+    keeping their graph per forward pass (a mean over passes may be fractional) and the rest recomputed."""
+    if not 0 <= kept <= layers:
+        raise ValueError(f"kept={kept} blocks per pass: must be between 0 and the model's {layers} blocks")
+    recomputed = compute["block_forward_s"] + compute["block_recompute_backward_s"]
+    keeping = compute["block_keep_forward_s"] + compute["block_kept_backward_s"]
+    return (layers - kept) * recomputed + kept * keeping + compute["outer_s"]
 
 
 def _time_pieces(model: nn.Module, micro_batch: int, seq_len: int, device: torch.device, reps: int) -> dict:
@@ -119,6 +132,10 @@ def _time_pieces(model: nn.Module, micro_batch: int, seq_len: int, device: torch
             with torch.no_grad():
                 block(x, cos, sin)
 
+        def keep_forward() -> tuple[torch.Tensor, torch.Tensor]:
+            xx = x.detach().requires_grad_(True)
+            return xx, block(xx, cos, sin)
+
         def recompute_backward() -> None:
             xx = x.detach().requires_grad_(True)
             torch.autograd.grad(block(xx, cos, sin), [xx, *params], grad_out)
@@ -127,15 +144,46 @@ def _time_pieces(model: nn.Module, micro_batch: int, seq_len: int, device: torch
             model.loss_from_hidden(trunk.norm(trunk.embed_tokens(ids)), ids).backward()
             model.zero_grad(set_to_none=True)
 
-        pieces = (("block_forward_s", forward), ("block_recompute_backward_s", recompute_backward), ("outer_s", outer))
-        return {name: clock.time(fn, reps) for name, fn in pieces}
+        pieces = (
+            ("block_forward_s", forward),
+            ("block_keep_forward_s", keep_forward),
+            ("block_recompute_backward_s", recompute_backward),
+            ("outer_s", outer),
+        )
+        out = {name: clock.time(fn, reps) for name, fn in pieces}
+        out["block_kept_backward_s"] = _kept_backward(clock, keep_forward, params, grad_out, reps)
+        return out
+
+
+def _kept_backward(
+    clock: Clock,
+    forward: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    params: list,
+    grad_out: torch.Tensor,
+    reps: int,
+) -> float:
+    """Best of `reps` backwards through a graph a forward kept (the forward itself is not timed: on a GPU
+    its kernels are queued before the start event)."""
+    best = math.inf
+    for rep in range(reps + 1):  # the first is a warm-up
+        x, out = forward()
+        start = clock.mark()
+        torch.autograd.grad(out, [x, *params], grad_out)
+        took = clock.seconds(start, clock.mark())
+        best = best if rep == 0 else min(best, took)
+    return best
 
 
 # -- transfers alone --------------------------------------------------------------------------------
 def uploaded_blocks(layers: int, slots: int, accumulate: int) -> list[int]:
     """Block indices one optimizer step uploads. After a step every block is stale: the first forward
     uploads all L, its backward skips the S still resident from forward's end. A later micro-batch's
-    forward also finds blocks 0..S-1 resident from the previous backward: 2·(L - S) each."""
+    forward also finds blocks 0..S-1 resident from the previous backward: 2·(L - S) each.
+
+    Blocks that keep their graph (``recompute`` False or "auto") change none of this: a kept block is one
+    of the last of the pass, its slot pinned until its backward, so the S blocks resident at forward's end
+    are still the last S (the kept ones and, in the unpinned slots, those just before them). S is the
+    pool's size after the run (``recompute=False`` grows it to one slot per block)."""
     kept = min(slots, layers)
     first = list(range(layers)) + list(range(layers - kept))
     later = list(range(kept, layers)) + list(range(layers - kept))

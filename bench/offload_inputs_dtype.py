@@ -2,6 +2,7 @@
 as bf16 and as fp8, the same seeds, each to the end; its final validation loss and perplexity.
 
     python bench/offload_inputs_dtype.py [--seeds 0 1 2] [--max-steps 300] [--dtypes none bf16 fp8]
+                                         [--accelerator auto|gpu|cpu] [--val-batches N]
 
 Each run is ``megatrain fit --config configs/demo.yaml`` in its own process, in fp32 (``32-true``, where
 all three stored forms apply) with ``offload_inputs: true`` forced, so every block's input makes the round
@@ -26,8 +27,16 @@ from pathlib import Path
 STORED_BYTES = {"none": "4", "bf16": "2", "fp8": "1 + 4/hidden"}  # per element of an fp32 block input
 
 
-def run(dtype: str, seed: int, max_steps: int, root: Path) -> tuple[float, float]:
-    """One training run: (final validation loss, wall seconds)."""
+def run(
+    dtype: str, seed: int, max_steps: int, root: Path, accelerator: str = "auto", val_batches: int | None = None
+) -> tuple[float, float]:
+    """One training run: (final validation loss, wall seconds). `val_batches`: validate on that many batches
+    only, with no sanity pass before training (a smoke run; its loss is not the demo's)."""
+    quick = (
+        []
+        if val_batches is None
+        else ["--trainer.num_sanity_val_steps=0", f"--trainer.limit_val_batches={val_batches}"]
+    )
     out = root / f"{dtype}-{seed}"
     strategy = "--trainer.strategy.init_args."
     cmd = [
@@ -39,6 +48,8 @@ def run(dtype: str, seed: int, max_steps: int, root: Path) -> tuple[float, float
         "configs/demo.yaml",
         f"--seed_everything={seed}",
         f"--trainer.max_steps={max_steps}",
+        f"--trainer.accelerator={accelerator}",
+        f"--trainer.val_check_interval={min(100, max_steps)}",  # a run shorter than 100 steps validates too
         "--trainer.precision=32-true",
         "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={out}",
@@ -46,6 +57,7 @@ def run(dtype: str, seed: int, max_steps: int, root: Path) -> tuple[float, float
         f"--trainer.logger.init_args.save_dir={out}",
         "--trainer.strategy=megatrain_lightning.MegatrainStrategy",
         f"{strategy}offload_inputs=true",
+        *quick,
         *([] if dtype == "none" else [f"{strategy}offload_inputs_dtype={dtype}"]),
     ]
     t0 = time.perf_counter()
@@ -62,13 +74,20 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--max-steps", type=int, default=300, help="the demo's own: 300")
     ap.add_argument("--dtypes", nargs="+", default=["none", "bf16", "fp8"], choices=list(STORED_BYTES))
+    ap.add_argument("--accelerator", default="auto", help="Trainer(accelerator=): auto (default), gpu or cpu")
+    ap.add_argument(
+        "--val-batches",
+        type=int,
+        help="validate on this many batches, without the sanity pass (a quick check; default: the demo's whole "
+        "validation set)",
+    )
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="offload_dtype_"))
     results: dict[str, list[float]] = {d: [] for d in args.dtypes}
     print("| offload_inputs_dtype | seed | val loss | perplexity | wall s |\n|---|---|---|---|---|", flush=True)
     for seed in args.seeds:  # seeds outermost: a run cut short still leaves whole comparisons
         for dtype in args.dtypes:
-            loss, seconds = run(dtype, seed, args.max_steps, root)
+            loss, seconds = run(dtype, seed, args.max_steps, root, args.accelerator, args.val_batches)
             results[dtype].append(loss)
             print(f"| {dtype} | {seed} | {loss:.4f} | {math.exp(loss):.3f} | {seconds:.0f} |", flush=True)
     base = results.get("none")

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
+from alone import micro_batch_seconds
 from peers import COMPETITORS
 
 from megatrain_lightning import flops
@@ -33,6 +34,10 @@ MAIN_COLUMNS = (
     "D2H % peak",
     "CPU opt s/step",
     "peak GPU GiB",
+    "planner GPU GiB",
+    "slots",
+    "kept blocks",
+    "offloaded blocks",
     "host B/param",
     "overlap",
 )
@@ -48,6 +53,10 @@ _KEYS = (
     "d2h_pct",
     "cpu_opt_s",
     "peak_gib",
+    "planner_gib",
+    "slots",
+    "kept",
+    "offloaded",
     "host_bpp",
     "overlap",
 )
@@ -70,6 +79,11 @@ def depth_name(shape: str, layers: int, preset_layers: int) -> str:
 def clip_text(clip: float) -> str:
     """A row's gradient_clip_val: '1' or 'off'."""
     return f"{clip:g}" if clip else "off"
+
+
+def recompute_text(mode: bool | str | None) -> str:
+    """What a run's name adds for its recompute: nothing for the strategy's default ("auto"; a peer: None)."""
+    return "" if mode in ("auto", None) else f" recompute={mode}"
 
 
 def overlap_figure(step_s: float, alone: dict[str, float]) -> float:
@@ -102,7 +116,12 @@ def figures(state: dict, entry: dict) -> dict[str, Any] | None:
     if engine is None:
         return f
     up, down = per["h2d_bytes"] / step, per["d2h_bytes"] / step
+    kept = engine.get("kept_blocks", 0.0)
     f.update(
+        planner_gib=planned(state, entry).gpu_peak / GiB,
+        slots=str(engine["slots"]),  # a count: no decimals
+        kept=kept,
+        offloaded=engine.get("offloaded_blocks", 0.0),
         h2d_gbps=up / 1e9,
         d2h_gbps=down / 1e9,
         h2d_pct=100 * up / copy["h2d"],
@@ -112,7 +131,7 @@ def figures(state: dict, entry: dict) -> dict[str, Any] | None:
     )
     if "compute" in state:
         alone = {
-            "GPU compute": entry["accumulate"] * state["compute"]["micro_batch_s"],
+            "GPU compute": entry["accumulate"] * micro_batch_seconds(state["compute"], entry["layers"], kept),
             "transfer": engine["transfer_alone"]["both_s"],
             "CPU worker": engine["cpu_alone"]["total_s"],
         }
@@ -125,12 +144,34 @@ def figures(state: dict, entry: dict) -> dict[str, Any] | None:
     return f
 
 
+def planned(state: dict, entry: dict) -> Any:
+    """The planner's Plan of a megatrain run: its shape, batch, slots and recompute, on this device's memory
+    (none on the CPU: the plan then keeps no graph and sizes "auto" slots at their least)."""
+    shape = dataclasses.replace(state["config"], num_hidden_layers=entry["layers"])
+    return plan(
+        shape,
+        state["seq_len"],
+        state["micro_batch"],
+        PRECISION,
+        entry["accumulate"],
+        state["num_slots"],
+        gpu_mem=state.get("gpu_mem"),
+        clipping=bool(entry["clip"]),
+        recompute="auto" if entry.get("recompute") is None else entry["recompute"],  # (False is a value)
+    )
+
+
 def at_compare_point(state: dict, entries: list[dict], kind: str) -> dict | None:
-    """`kind`'s run at the comparison point: the peers' tokens per step and clipping."""
+    """`kind`'s run at the comparison point: the peers' tokens per step and clipping (megatrain's with the
+    first --recompute value)."""
+    first = state.get("recompute", ["auto"])[0]
     hits = [
         e
         for e in entries
-        if e["kind"] == kind and e["tokens"] == state["compare_at"] and e["clip"] == state["peer_clip"]
+        if e["kind"] == kind
+        and e["tokens"] == state["compare_at"]
+        and e["clip"] == state["peer_clip"]
+        and (kind != "megatrain" or e.get("recompute", "auto") == first)
     ]
     return hits[0] if hits else None
 
@@ -154,7 +195,8 @@ def main_table(state: dict) -> list[str]:
         f = figures(state, entry)
         failed = [entry["result"].get("error", "not run")] + ["na"] * (len(_KEYS) - 1)
         cells = [fmt(f.get(key)) for key in _KEYS] if f else failed
-        rows.append([COMPETITORS.get(entry["kind"], entry["kind"]), entry["tokens"], clip_text(entry["clip"]), *cells])
+        name = COMPETITORS.get(entry["kind"], entry["kind"]) + recompute_text(entry.get("recompute"))
+        rows.append([name, entry["tokens"], clip_text(entry["clip"]), *cells])
     notes = [
         f"- optimizer of {COMPETITORS.get(e['kind'], e['kind'])}: {e['result']['optimizer']}"
         for e in state["runs"][:1] + state["competitors"]
@@ -167,10 +209,13 @@ def alone_section(state: dict) -> list[str]:
     rows, details, c = [], [], state.get("compute")
     if c:
         details.append(
-            f"- GPU compute alone, one micro-batch: {fmt(c['micro_batch_s'])} s = {state['layers']} "
-            f"layers x ({fmt(c['block_forward_s'])} s forward + {fmt(c['block_recompute_backward_s'])} s "
-            f"recompute and backward) + {fmt(c['outer_s'])} s embedding, norm, head and loss; one bf16 "
-            f"block resident, best of 3 ({c['timer']}); times k per step; gradient packing not counted."
+            f"- GPU compute alone, one micro-batch with every block recomputed: {fmt(c['micro_batch_s'])} s = "
+            f"{state['layers']} layers x ({fmt(c['block_forward_s'])} s forward + "
+            f"{fmt(c['block_recompute_backward_s'])} s recompute and backward) + {fmt(c['outer_s'])} s embedding, "
+            f"norm, head and loss; a block that keeps its graph takes {fmt(c['block_keep_forward_s'])} s forward "
+            f"with the graph + {fmt(c['block_kept_backward_s'])} s backward instead, counted for each run's kept "
+            f"blocks per pass; one bf16 block resident, best of 3 ({c['timer']}); times k per step; gradient "
+            "packing not counted."
         )
     for entry in by_tokens(state["runs"]):
         f, r = figures(state, entry), entry["result"]
@@ -217,22 +262,21 @@ def alone_section(state: dict) -> list[str]:
 
 def memory_table(state: dict) -> list[str]:
     rows, preset = [], state["preset_layers"]
-    named = [(f"{e['kind']}, clip {clip_text(e['clip'])}", e) for e in by_tokens(state["runs"])]
+    named = [
+        (f"{e['kind']}, clip {clip_text(e['clip'])}{recompute_text(e.get('recompute'))}", e)
+        for e in by_tokens(state["runs"])
+    ]
     for name, entry in named + [(f"depth: {e['layers']} of {preset} layers", e) for e in state["depth"]]:
         r = entry["result"]
         if "step_s" not in r:
-            rows.append([name, entry["tokens"], entry["layers"], r.get("error", "not run"), *["na"] * 6])
+            rows.append([name, entry["tokens"], entry["layers"], r.get("error", "not run"), *["na"] * 5])
             continue
         e, n = r.get("engine", {}), r["num_parameters"]
-        shape = dataclasses.replace(state["config"], num_hidden_layers=entry["layers"])
-        planned = plan(
-            shape, state["seq_len"], state["micro_batch"], PRECISION, entry["accumulate"], state["num_slots"]
-        )
         # Pinned buffers are registered at their exact size (engine/pinned.py); the caching host allocator's
         # figure beside it shows that nothing else pins (it rounded each buffer to a power of two).
         host = [sum(e["host_bytes"].values()), e["pinned"], e["allocator"]] if e else []
         per_param = [fmt(None if b is None else b / n) for b in host or [None] * 3]
-        gib = [fmt(r["peak_device_bytes"] / GiB), fmt(planned.gpu_peak / GiB)]
+        gib = [fmt(r["peak_device_bytes"] / GiB), fmt(planned(state, entry).gpu_peak / GiB)]
         rows.append([name, entry["tokens"], entry["layers"], *gib, *per_param, fmt(r["rss_peak_bytes"] / n)])
     header = [
         "run",
@@ -273,6 +317,27 @@ def timeline_section(state: dict) -> list[str]:
 
 
 # -- the whole report --------------------------------------------------------------------------------
+RUN_FIGURES = ("step_s", "tokens_per_s", "mfu", "slots", "kept", "offloaded", "peak_gib", "planner_gib", "overlap")
+
+
+def run_lines(state: dict) -> list[str]:
+    """One machine-readable line per training run (`run: key=value ...`; a failed run ends with its error)."""
+    lines = []
+    for entry in by_tokens(state["runs"]) + state["competitors"]:
+        head = (
+            f"run: kind={entry['kind']} recompute={entry.get('recompute')} tokens_per_step={entry['tokens']} "
+            f"clip={clip_text(entry['clip'])}"
+        )
+        f = figures(state, entry)
+        tail = (
+            " ".join(f"{k}={fmt(f.get(k))}" for k in RUN_FIGURES)
+            if f
+            else f"error={entry['result'].get('error', 'not run')}"
+        )
+        lines.append(f"{head} {tail}")
+    return lines
+
+
 def summary_line(state: dict) -> str:
     """The machine-readable last line: megatrain's figures at the comparison point (the peers' tokens per
     step and clipping) and its tokens/s over each peer's there."""
@@ -351,6 +416,10 @@ def render(state: dict) -> str:
         *bound,
         f"Ratios: megatrain tokens/s over the competitor's at {s['compare_at']} tokens/step, clip "
         f"{clip_text(s['peer_clip'])} (both sides); the summary's mfu and overlap are megatrain's there.",
+        "",
+        "## One line per run",
+        "",
+        *run_lines(s),
         "",
     ]
     return "\n".join(head + body + [summary_line(s)]) + "\n"

@@ -26,6 +26,11 @@ What the columns count (bench/report.py):
   itself in this run (bench/alone.py): 1.0 is perfect overlap (the step lasts as long as its slowest
   resource), and sum/max is what running the three one after another would give.
 
+``--recompute auto,true`` trains each point once per ``MegatrainStrategy(recompute=)`` value (default: auto,
+the strategy's); each row shows the pool's slots, the blocks per forward pass that kept their graph and that
+offloaded their input, and the planner's GPU peak for that run. ``--compile`` runs each block through
+``torch.compile`` (``compile_blocks=True``). One ``run: key=value ...`` line per run precedes the summary.
+
 ``--dry`` runs all of it on the CPU with the tiny preset: the CPU stands in for the GPU (a fp32 matmul
 for the matmul figure, memcpy for the copy peak, peak RSS for device memory), MFU is "na" unless
 --peak-tflops names a peak, and the peers are marked "skipped: needs CUDA". The last line is
@@ -57,7 +62,7 @@ import peers
 import torch
 import yaml
 from alone import compute_alone, copy_peak, cpu_worker_alone, matmul_peak, transfer_alone, uploaded_blocks
-from report import PRECISION, clip_text, depth_name, render
+from report import PRECISION, clip_text, depth_name, recompute_text, render
 from timeline import OneStepTrace
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -97,9 +102,10 @@ DRY_DEFAULTS = dict(
 )
 LR, BETAS, WEIGHT_DECAY = 1e-5, (0.9, 0.95), 0.1
 COMPILE_NOTE = (
-    "--compile: not implemented: the engine has no hook to compile a block (it runs each block "
-    "with torch.func.functional_call on a meta skeleton), so nothing was compiled"
+    "--compile: each block's forward and recompute run through torch.compile (MegatrainStrategy("
+    "compile_blocks=True)); compiling happens in the warm-up steps, outside the timed window"
 )
+RECOMPUTE_CHOICES = {"true": True, "false": False, "auto": "auto"}
 
 
 # -- the run's settings ------------------------------------------------------------------------------
@@ -157,6 +163,15 @@ def shipped_clip(shape: str, configs: Path = CONFIGS) -> tuple[float, str]:
         )
     names = ", ".join(p.name for p in mine) if mine else f"every config in {configs.name}/"
     return next(iter(pool.values())), names
+
+
+def parse_recompute(text: str) -> list[bool | str]:
+    """'true,auto' -> [True, 'auto']: the MegatrainStrategy(recompute=) of each row, in order, once each."""
+    names = [p.strip().lower() for p in text.split(",")]
+    bad = [n for n in names if n not in RECOMPUTE_CHOICES]
+    if bad or not names:
+        raise ValueError(f"--recompute {text!r}: a comma list of {', '.join(RECOMPUTE_CHOICES)}")
+    return list(dict.fromkeys(RECOMPUTE_CHOICES[n] for n in names))
 
 
 def failure_summary(returncode: int | None, log: str) -> str:
@@ -324,9 +339,14 @@ class Window(L.Callback):
         engine.flush()
         k, layers, slots = self.spec["accumulate"], len(engine.units), engine.pool.num_slots
         elt = torch.finfo(engine.compute_dtype).bits // 8
+        per_pass = self.result.get("per_step", {})
         self.result["engine"] = {
             "layers": layers,
             "slots": slots,
+            # blocks per forward pass (one pass per micro-batch) that kept their graph / saved their input on
+            # the host, in the timed window (an offloading pass offloads the input of every block it runs)
+            "kept_blocks": per_pass.get("kept_calls", 0) / k,
+            "offloaded_blocks": layers * per_pass.get("offloaded_passes", 0) / k,
             "num_parameters": engine.num_parameters(),
             "host_bytes": engine.host_bytes(),
             "pinned": engine.pinned_bytes(),
@@ -362,7 +382,15 @@ def run(spec: dict) -> dict:
     config = dataclasses.replace(LlamaConfig.from_preset(spec["shape"]), num_hidden_layers=spec["layers"])
     k, steps = spec["accumulate"], spec["warmup"] + spec["steps"] + (1 if spec.get("timeline") else 0)
     module, window = (FsdpBenchLM if kind == "fsdp" else BenchLM)(config, kind), Window(spec, device)
-    strategy = MegatrainStrategy(num_slots=spec["num_slots"]) if kind == "megatrain" else peers.make_strategy(kind)
+    strategy = (
+        MegatrainStrategy(
+            num_slots=spec["num_slots"],
+            recompute=spec.get("recompute", "auto"),
+            compile_blocks=bool(spec.get("compile")),
+        )
+        if kind == "megatrain"
+        else peers.make_strategy(kind)
+    )
     trainer = L.Trainer(
         accelerator="cpu" if spec["dry"] else "gpu",
         devices=1,
@@ -480,7 +508,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="device weight slots, or auto (MegatrainStrategy(num_slots=); default auto, the strategy's)",
     )
     add("--threads", type=int, help="CPU optimizer threads (torch's and the native kernel's; default: all)")
-    add("--compile", action="store_true", help="torch.compile the block (not implemented: the output says so)")
+    add(
+        "--recompute",
+        default="auto",
+        help="comma list of MegatrainStrategy(recompute=) values, a row each: true (every block recomputed), "
+        "false (every graph kept), auto (the last blocks keep theirs while they fit; default, the strategy's)",
+    )
+    add("--compile", action="store_true", help="torch.compile each block (MegatrainStrategy(compile_blocks=True))")
     add("--timeout", type=float, help="seconds a training run may take before it is killed (default 300)")
     add(
         "--budget-s",
@@ -494,6 +528,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.parts = set(PARTS) if args.all else set(args.parts.split(","))
+    try:
+        args.recompute = parse_recompute(args.recompute)
+    except ValueError as err:
+        ap.error(str(err))
     if args.parts - set(PARTS):
         ap.error(f"--parts {sorted(args.parts - set(PARTS))}: choose among {', '.join(PARTS)}")
     return args
@@ -560,6 +598,8 @@ def setup_state(args: argparse.Namespace, device: torch.device) -> dict:
         "seq_len": args.seq_len,
         "micro_batch": args.micro_batch,
         "num_slots": args.num_slots,
+        "recompute": args.recompute,
+        "gpu_mem": None if args.dry else torch.cuda.get_device_properties(device).total_memory,
         "steps": args.steps,
         "warmup": args.warmup,
         "config": dataclasses.replace(base, num_hidden_layers=layers),
@@ -575,20 +615,27 @@ def setup_state(args: argparse.Namespace, device: torch.device) -> dict:
 
 def jobs(state: dict, args: argparse.Namespace, trace: str) -> list[tuple[str, dict, str]]:
     """(label, spec, list in `state`) in the order they run: megatrain at the peers' point (clipped as they
-    are first: it carries the timeline and the ratios), the peers, megatrain's other points, the depth runs."""
-    at, clips, name = state["compare_at"], state["clips"], state["name"]
+    are first, with the first --recompute value: it carries the timeline and the ratios), the peers,
+    megatrain's other points, the depth runs. Each megatrain point runs once per --recompute value."""
+    at, clips, name, modes = state["compare_at"], state["clips"], state["name"], state["recompute"]
     mine = (
         []
         if "megatrain" not in args.parts
-        else [(tokens, clip) for tokens in sorted(state["points"], key=lambda t: t != at) for clip in clips]
+        else [
+            (tokens, clip, mode)
+            for tokens in sorted(state["points"], key=lambda t: t != at)
+            for clip in clips
+            for mode in modes
+        ]
     )
 
-    def megatrain(tokens: int, clip: float) -> tuple[str, dict, str]:
-        timeline = trace if "timeline" in args.parts and (tokens, clip) == (at, state["peer_clip"]) else None
-        spec = {"kind": "megatrain", "tokens": tokens, "clip": clip, "timeline": timeline}
-        return f"megatrain {name} {tokens} tokens/step clip {clip_text(clip)}", spec, "runs"
+    def megatrain(tokens: int, clip: float, mode: bool | str) -> tuple[str, dict, str]:
+        main = (tokens, clip, mode) == (at, state["peer_clip"], modes[0])
+        timeline = trace if "timeline" in args.parts and main else None
+        spec = {"kind": "megatrain", "tokens": tokens, "clip": clip, "recompute": mode, "timeline": timeline}
+        return f"megatrain {name} {tokens} tokens/step clip {clip_text(clip)}{recompute_text(mode)}", spec, "runs"
 
-    out = [megatrain(t, c) for t, c in mine if t == at]
+    out = [megatrain(*job) for job in mine if job[0] == at]
     if "compare" in args.parts:
         out += [
             (
@@ -598,13 +645,14 @@ def jobs(state: dict, args: argparse.Namespace, trace: str) -> list[tuple[str, d
             )
             for kind, label in peers.COMPETITORS.items()
         ]
-    out += [megatrain(t, c) for t, c in mine if t != at]
+    out += [megatrain(*job) for job in mine if job[0] != at]
     if "depth" in args.parts:
         for layers in (int(x) for x in args.depth_layers.split(",")):
             spec = {
                 "kind": "megatrain",
                 "tokens": at,
                 "clip": state["peer_clip"],
+                "recompute": modes[0],
                 "layers": layers,
                 "warmup": 1,
                 "steps": 1,
@@ -658,6 +706,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "steps": args.steps,
         "num_slots": args.num_slots,
+        "compile": args.compile,
         "threads": args.threads,
         "dry": args.dry,
     }
@@ -670,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
         if blocker:
             log_line(f"{label}: {blocker}")
         result = {"error": blocker} if blocker else spawn(spec, out, label, left)
-        kept = {k: spec[k] for k in ("kind", "tokens", "accumulate", "layers", "clip")}
+        kept = {k: spec.get(k) for k in ("kind", "tokens", "accumulate", "layers", "clip", "recompute")}
         state[where].append({**kept, "label": label, "result": result})
         save(state, out)
     print(save(state, out), end="")

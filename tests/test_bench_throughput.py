@@ -27,8 +27,11 @@ import torch
 import yaml
 from torch.utils.data import DataLoader
 
+from megatrain_lightning import Engine, EngineConfig
+from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.strategy import MegatrainStrategy
+from tests.helpers import hf_llama, hf_loss, token_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/ is a folder of scripts
 import alone  # noqa: E402
@@ -336,6 +339,67 @@ def test_uploaded_blocks_per_step():
     assert alone.uploaded_blocks(4, 2, 1) == [0, 1, 2, 3, 0, 1]  # L + (L - S)
     assert len(alone.uploaded_blocks(6, 2, 3)) == (6 + 4) + 2 * (4 + 4)  # later micro-batches find 0..S-1 resident
     assert alone.uploaded_blocks(2, 3, 2) == [0, 1]  # every block stays resident
+
+
+@pytest.mark.parametrize(
+    "layers, slots, accumulate, recompute",
+    [(6, 3, 1, "auto"), (6, 4, 2, "auto"), (6, 4, 2, True), (6, 2, 2, False)],
+    ids=["auto-keeps-1", "auto-keeps-2-accumulating", "every-block-recomputed", "every-graph-kept"],
+)
+def test_uploaded_blocks_count_what_the_engine_uploads_with_kept_graphs(layers, slots, accumulate, recompute):
+    """Kept graphs pin the last blocks' slots; the formula (which the transfer-alone timing replays) must still
+    count the uploads of a step. "auto" keeps on the CPU only with a free-memory figure: a stand-in one."""
+    torch.manual_seed(0)
+    net = hf_llama(layers=layers)
+    probes = Probes(device_free_bytes=lambda: 10**15)
+    config = EngineConfig(device="cpu", precision="32-true", offload_inputs=False, recompute=recompute, num_slots=slots)
+    engine = Engine(net, config, probes)
+    opt = engine.optimizer(torch.optim.AdamW(net.parameters(), lr=1e-3))
+    for batch in token_batches(3, batch=2 * accumulate):  # the last step is counted: the first ones measure
+        uploads, kept = engine.pool.uploads, engine.stats["kept_calls"]
+        for i, micro in enumerate(batch.chunk(accumulate)):
+            with engine.backward(accumulate=i < accumulate - 1):
+                hf_loss(net, micro).backward()
+        opt.step()
+        opt.zero_grad()
+    engine.flush()
+    kept_per_pass = (engine.stats["kept_calls"] - kept) / accumulate
+    assert kept_per_pass == {"auto": slots - 2, True: 0, False: layers}[recompute]  # two slots stay unpinned
+    expected = alone.uploaded_blocks(layers, engine.pool.num_slots, accumulate)
+    assert engine.pool.uploads - uploads == len(expected)
+    engine.close()
+
+
+def test_compute_alone_counts_kept_blocks_as_they_run():
+    pieces = {
+        "block_forward_s": 1.0,
+        "block_recompute_backward_s": 3.0,
+        "block_keep_forward_s": 1.5,
+        "block_kept_backward_s": 2.0,
+        "outer_s": 0.5,
+    }
+    assert alone.micro_batch_seconds(pieces, layers=4, kept=0) == 4 * 4.0 + 0.5
+    assert alone.micro_batch_seconds(pieces, layers=4, kept=1) == 3 * 4.0 + 3.5 + 0.5
+    assert alone.micro_batch_seconds(pieces, layers=4, kept=4) == 4 * 3.5 + 0.5
+    with pytest.raises(ValueError, match="kept=5"):
+        alone.micro_batch_seconds(pieces, layers=4, kept=5)
+
+
+def test_recompute_rows_run_in_the_order_given_and_say_so():
+    assert tp.parse_recompute("auto,true,TRUE,false") == ["auto", True, False]
+    with pytest.raises(ValueError, match="--recompute 'sometimes'"):
+        tp.parse_recompute("sometimes")
+    args = tp.parse_args(["--dry", "--parts", "megatrain,timeline", "--clip", "on", "--recompute", "auto,true"])
+    state = tp.setup_state(args, torch.device("cpu"))
+    jobs = tp.jobs(state, args, "trace")
+    assert [(spec["tokens"], spec["recompute"]) for _, spec, _ in jobs] == [
+        (128, "auto"),
+        (128, True),
+        (256, "auto"),
+        (256, True),
+    ]
+    assert [spec["timeline"] for _, spec, _ in jobs] == ["trace", None, None, None]  # the first value's at 128
+    assert jobs[0][0].endswith("clip 1") and jobs[1][0].endswith("clip 1 recompute=True")
 
 
 def test_overlap_figure_and_bound():
