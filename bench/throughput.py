@@ -69,7 +69,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from megatrain_lightning import flops
 from megatrain_lightning.commands import int_or_auto
-from megatrain_lightning.engine.host import available_host_bytes
+from megatrain_lightning.engine.host_memory import available_host_bytes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.planner import format_size, host_breakdown, parse_size

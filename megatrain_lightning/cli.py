@@ -19,14 +19,17 @@ Mistakes in the user's input end in one line, ``megatrain: error: ...`` (exit st
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import pickle
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
+import fsspec
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -35,6 +38,7 @@ import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.callbacks import MegatrainMonitor
 from megatrain_lightning.checkpoint import trust
+from megatrain_lightning.checkpoint.options import REDACTED, SECRET_KEYS, check_storage_options, redact_secrets
 from megatrain_lightning.commands import (
     convert_command,
     default_precision,
@@ -81,9 +85,14 @@ def one_line(message: str, prog: str = "megatrain fit") -> str:
         inner, why, value = nested[-1]
         types = re.search(r"Subtypes: ([^\n]*)", why)
         why = why.strip().splitlines()[0].strip().rstrip(".") + (f" {types.group(1)}" if types else "")
-        return f"--{key}.init_args.{inner}={value.splitlines()[0].strip()}: {why}"
+        value = value.splitlines()[0].strip()
+        if inner.rsplit(".", 1)[-1] in SECRET_KEYS:  # what was typed there may be a credential
+            value, why = REDACTED, 'give a mapping of fsspec options such as {"profile": "name"}, or null'
+        return f"--{key}.init_args.{inner}={value}: {why}"
     given = re.search(r"(?:Given|Got) value:\s*(.+)", detail)
     value = f"={given.group(1).strip()}" if given else ""
+    if key.rsplit(".", 1)[-1] in SECRET_KEYS:  # what was typed there may be a credential
+        value = f"={REDACTED}" if given else ""
     hint = _OPTION_HINTS.get(key.split(".", 1)[1] if key.split(".", 1)[0] in _SUBCOMMANDS else key)
     if hint is None:
         first = detail.strip().splitlines()[0] if detail.strip() else "invalid value"
@@ -99,11 +108,25 @@ class MegatrainArgumentParser(LightningArgumentParser):
     """LightningCLI's parser, whose errors are one line (the option, the value and the fix), no usage dump."""
 
     help_prog = "megatrain fit"  # the command whose --help the error points at (set by MegatrainCLI)
+    # Set on the parsers MegatrainCLI builds, whose dump is written out; jsonargparse also builds parsers of
+    # this class for a class's init_args and dumps them to re-read the values, which must stay whole.
+    writes_config = False
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
             super().error(message, ex)  # jsonargparse is trying alternatives, or debugging: it raises
         user_error(one_line(message, self.help_prog))
+
+    def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
+        """The config as text, ``storage_options`` values redacted: what the saved ``config.yaml`` and
+        ``--print_config`` hold (checkpoint/options.py)."""
+        return super().dump(redact_secrets(cfg) if self.writes_config else cfg, *args, **kwargs)
+
+    def save(self, cfg: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        """Saved as one file, every value through :meth:`dump` (several files would copy the config files a
+        run was given as they were, credentials included)."""
+        kwargs["multifile"] = False
+        super().save(cfg, path, *args, **kwargs)
 
 
 class MegatrainProgressBar(RichProgressBar):
@@ -143,10 +166,18 @@ class MegatrainCLI(LightningCLI):
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         parser = super().init_parser(**kwargs)
         parser.help_prog = self._help_prog
+        parser.writes_config = True
         return parser
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_lightning_class_args(MegatrainMonitor, "monitor")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Without LightningCLI's warning about arguments given both ways (``run(argv)`` from a script with
+        arguments of its own): it would print every argument, credentials in storage_options included."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:
         """With --ckpt_path, LightningCLI takes the model's hyper-parameters from the checkpoint by
@@ -189,6 +220,7 @@ class MegatrainCLI(LightningCLI):
             config.trainer.precision = default_precision()
         name = config.model.model or config.model.init_from
         try:
+            _check_urls(config.trainer)
             _check_trainer(config.trainer)
             _check_strategy(config.trainer.strategy, config.trainer.precision)
             hp = config.model
@@ -214,11 +246,20 @@ class MegatrainCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         """The engine's refusals of the host memory and the NVMe directory, which come before it allocates,
-        are the user's to fix: one line too."""
+        are the user's to fix: one line too; so is a full drive (or quota) under a save."""
         try:
             super()._run_subcommand(subcommand)
         except (HostMemoryError, NvmeTierError) as err:
             user_error(" ".join(str(err).split()))
+        except Exception as err:
+            full = _no_space(err)
+            if full is None:
+                raise
+            user_error(
+                f"no space left writing {full.filename or 'a file'!r} ({full.strerror or full}): free space there "
+                "or write elsewhere (--trainer.default_root_dir, a checkpoint callback's dirpath); a checkpoint "
+                "whose save failed leaves the one committed before it as it was"
+            )
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
         """Lightning's default progress bar is the rich one when `rich` is installed: use ours instead,
@@ -243,6 +284,36 @@ class MegatrainCLI(LightningCLI):
                 f"the data's tokenizer has {vocab} token ids but the model's vocab_size is "
                 f"{self.model.config.vocab_size}; use the model's own tokenizer or set --model.overrides.vocab_size"
             )
+
+
+def _check_urls(trainer: Any) -> None:
+    """Where the run writes (the root directory, a callback's dirpath): a URL's scheme must be one fsspec has."""
+    check_url("--trainer.default_root_dir", trainer.default_root_dir)
+    callbacks = trainer.callbacks if isinstance(trainer.callbacks, list) else [trainer.callbacks]
+    for callback in callbacks:
+        init_args = getattr(callback, "init_args", None) or {}
+        if "dirpath" in init_args:
+            check_url(f"{callback.class_path.rsplit('.', 1)[-1]} dirpath", init_args["dirpath"])
+
+
+def check_url(option: str, value: Any) -> None:
+    """A ValueError naming `value` when its URL scheme is one fsspec does not know or cannot load (fsspec's
+    own errors come up as tracebacks from deep inside Lightning); a local path passes."""
+    if not isinstance(value, (str, os.PathLike)):
+        return
+    protocol = fsspec.core.split_protocol(os.fspath(value))[0]
+    if protocol is None:
+        return
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise ValueError(
+            f"{option}={os.fspath(value)!r}: {protocol}:// is not a scheme fsspec knows; give a local path or a "
+            "URL such as s3://bucket/run, gs://..., az://..., hdfs://..., memory://... "
+            "(python -c 'import fsspec; print(fsspec.available_protocols())' lists them all)"
+        ) from None
+    except ImportError as err:
+        raise ValueError(f"{option}={os.fspath(value)!r}: {trust.first_line(err)}, or give a local path") from None
 
 
 def _check_trainer(trainer: Any) -> None:
@@ -273,6 +344,7 @@ def _check_strategy(strategy: Any, precision: Any) -> None:
         return
     args = vars(strategy.get("init_args") or {})
     check_options(args)
+    check_storage_options(args.get("storage_options"))  # e.g. a saved config's placeholders
     check_offload_inputs_dtype(args.get("offload_inputs_dtype"), _precision_name(precision))
     nvme_dir = args.get("nvme_dir")
     if nvme_dir is not None and not Path(nvme_dir).is_dir():
@@ -296,7 +368,13 @@ _CKPT_KEYWORDS = ("last", "best", "hpc")
 
 def _check_ckpt_path(path: str) -> None:
     """A local --ckpt_path must name an existing checkpoint file (Lightning's keywords pass through)."""
-    if path in _CKPT_KEYWORDS or path.startswith("registry") or ("://" in path and not path.startswith("file://")):
+    if path in _CKPT_KEYWORDS or path.startswith("registry"):
+        return
+    if "://" in path and not path.startswith("file://"):
+        try:
+            check_url("ckpt_path", path)
+        except ValueError as err:
+            user_error(str(err))
         return
     local = Path(path.removeprefix("file://")).expanduser()
     if local.is_dir():
@@ -313,6 +391,20 @@ def _check_ckpt_path(path: str) -> None:
             f"ckpt_path={path!r} does not exist; give a checkpoint file, e.g. "
             "lightning_logs/version_0/checkpoints/last.ckpt, or 'last'"
         )
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _no_space(err: BaseException) -> OSError | None:
+    """The OSError of a full drive or an exhausted quota behind `err` (it, or what it was raised from)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError) and err.errno in _FULL:
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def _load_error(err: BaseException) -> str:
@@ -368,7 +460,7 @@ def _check_config_files(args: list[str]) -> None:
     the full usage or jsonargparse's traceback."""
     for path in _config_args(args):
         try:
-            read_config(path)
+            _check_strategy_as_written(path, read_config(path))
         except FileNotFoundError as err:
             ready = sorted(str(p) for p in Path("configs").glob("*.yaml"))
             hint = "the ready configs are in the repository's configs/"
@@ -377,6 +469,29 @@ def _check_config_files(args: list[str]) -> None:
             user_error(f"{err}; {hint}")
         except ValueError as err:
             user_error(str(err))
+
+
+def _check_strategy_as_written(path: str, config: dict[str, Any]) -> None:
+    """The strategy's options in a config file, checked as YAML loaded them: jsonargparse reads a quoted
+    ``'yes'``, ``'on'`` or ``'false'`` given for a boolean as the boolean, so a string would be taken for a
+    yes/no it only looks like. (On the command line every value is text, read as YAML: true/false there.)"""
+    nested = [config[sub] for sub in _SUBCOMMANDS if isinstance(config.get(sub), dict)]  # megatrain --config
+    for trainer in [config.get("trainer"), *(sub.get("trainer") for sub in nested)]:
+        strategy = trainer.get("strategy") if isinstance(trainer, dict) else None
+        init_args = strategy.get("init_args") if isinstance(strategy, dict) else None
+        if not isinstance(init_args, dict):
+            continue
+        try:
+            check_options(init_args)
+        except ValueError as err:
+            key = str(err).split("=", 1)[0]  # the checks' messages open with the option: key=value
+            value = init_args.get(key)
+            quoted = isinstance(value, str) and value.lower() in _WORDS_FOR_BOOLEANS
+            hint = f"; write {key}: true or false, unquoted (a quoted word is a string)" if quoted else ""
+            raise ValueError(f"config file {path!r}: trainer.strategy.init_args.{err}{hint}") from None
+
+
+_WORDS_FOR_BOOLEANS = ("true", "false", "yes", "no", "on", "off", "y", "n")
 
 
 def _config_args(args: list[str]) -> list[str]:

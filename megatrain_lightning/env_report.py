@@ -9,6 +9,8 @@ from importlib import metadata
 
 import torch
 
+from megatrain_lightning.engine.host_memory import HostLimit, tightest_host_limit
+
 
 def _version(package: str) -> str:
     try:
@@ -32,9 +34,14 @@ def _memlock() -> str:
     return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
 
 
+def _available(limit: HostLimit) -> str:
+    """The host memory available, naming the limit that sets it when it is not the machine's free memory."""
+    under = "" if limit.name == "MemAvailable" else f" (under {limit.name})"
+    return f"{limit.room / 2**30:.1f} GiB available{under}"
+
+
 def env_lines() -> list[str]:
     """What ``megatrain env`` prints: versions, devices, memory, CPU cores and the optimizer backend."""
-    from megatrain_lightning.engine.host import available_host_bytes
     from megatrain_lightning.optim import kernels, native
 
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -42,7 +49,7 @@ def env_lines() -> list[str]:
     return [
         f"python {platform.python_version()}, " + ", ".join(versions),
         *_devices(),
-        f"host memory: {total / 2**30:.1f} GiB total, {available_host_bytes() / 2**30:.1f} GiB available",
+        f"host memory: {total / 2**30:.1f} GiB total, {_available(tightest_host_limit())}",
         f"pinned-memory limit (ulimit -l, RLIMIT_MEMLOCK): {_memlock()}",
         f"CPU cores: {os.cpu_count()} (usable by this process: {len(os.sched_getaffinity(0))})",
         f"optimizer backend: {kernels.backend()} (native kernel: {native.backend()})",

@@ -128,6 +128,7 @@ from megatrain_lightning.engine.config import (
     OffloadInputsDtype,
     check_host_layout,
     check_num_slots,
+    check_nvme_dir,
     check_offload_inputs_dtype,
     check_precision,
 )
@@ -998,7 +999,7 @@ def plan(
     check_offload_inputs_dtype(offload_inputs_dtype, precision)
     if isinstance(nvme_gbps, bool) or not isinstance(nvme_gbps, (int, float)) or not nvme_gbps > 0:
         raise ValueError(f"nvme_gbps={nvme_gbps!r} must be a positive number of GB/s, e.g. 6.0 for a PCIe 4.0 drive")
-    nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
+    nvme_dir = check_nvme_dir(None if nvme_dir is None else os.fspath(nvme_dir))
     elt = compute_bytes(precision)  # validates the precision
     collectives = collective_bytes(config, precision, devices * nodes)
     room = None if gpu_mem is None else gpu_mem - collectives  # what everything sized from the GPU limit gets

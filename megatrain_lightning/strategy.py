@@ -59,6 +59,7 @@ from typing_extensions import override
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.averaging import AVERAGED_STATE, AveragingViews, replaced_weights
 from megatrain_lightning.checkpoint import trust
+from megatrain_lightning.checkpoint.options import check_storage_options
 from megatrain_lightning.convert import lightning_checkpoint
 from megatrain_lightning.engine.config import EngineConfig, check_options
 from megatrain_lightning.engine.discover import BlocksOption
@@ -186,8 +187,10 @@ class MegatrainStrategy(ParallelStrategy):
             A block that cannot compile as one graph raises at its first call, naming its class.
         storage_options: fsspec options (credentials, endpoint, ...) for this strategy's checkpoints: every
             save (unless ``trainer.save_checkpoint(..., storage_options=...)`` gives its own), the
-            ``ckpt_path`` it resumes from and the old checkpoints it deletes. Passed to fsspec only: never
-            written into a checkpoint or a log. None: fsspec's defaults (e.g. the ``AWS_*`` variables).
+            ``ckpt_path`` it resumes from and the old checkpoints it deletes. A mapping (anything else is
+            refused here, without quoting it). Passed to fsspec only: never written into a checkpoint or a log
+            (the ``megatrain`` command's saved config holds ``<redacted>`` for each value). None: fsspec's
+            defaults (e.g. the ``AWS_*`` variables, ``AWS_PROFILE``), the way to keep credentials out of configs.
         blocks: the ``nn.ModuleList``s of blocks to stream: a dotted name (``"model.layers"``), a list of names
             (one per stack), or a callable model -> ModuleList (or a list of them). Default: the list holding
             the most parameters, if it holds at least a fifth of them (otherwise setup refuses and names the
@@ -225,9 +228,11 @@ class MegatrainStrategy(ParallelStrategy):
                 "recompute": recompute,
                 "offload_inputs_dtype": offload_inputs_dtype,
                 "host_layout": host_layout,
+                "nvme_dir": nvme_dir,
                 "host_threads": host_threads,  # ValueError for < 1 or more than the cores
             }
         )
+        storage_options = check_storage_options(storage_options)  # a mapping: fsspec takes them as keywords
         super().__init__(**kwargs)  # accelerator, parallel_devices, cluster_environment, checkpoint_io, ...
         self._device_arg = device
         self._num_nodes = 1  # set by Lightning from Trainer(num_nodes=...)

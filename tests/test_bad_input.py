@@ -8,6 +8,7 @@ show its exit status and stderr as a user sees them.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import subprocess
@@ -22,6 +23,7 @@ import yaml
 
 import megatrain_lightning.engine.engine as engine_module
 from megatrain_lightning.cli import run
+from megatrain_lightning.engine import host_memory
 
 BASE = {
     "seed_everything": 0,
@@ -71,6 +73,10 @@ def d(tmp_path_factory) -> Path:
     (d / "latin1.yaml").write_bytes("model:\n  model: tiny  # café\n".encode("latin-1"))
     (d / "broken.yaml").write_text("trainer:\n  max_steps: [1\nmodel: 3\n")
     (d / "no_model.yaml").write_text("data: {seq_len: 64}\n")
+    strategy = "trainer:\n  strategy:\n    class_path: megatrain_lightning.MegatrainStrategy\n    init_args:\n"
+    (d / "recompute_yes.yaml").write_text(strategy + "      recompute: 'yes'\n")
+    (d / "overlap_false.yaml").write_text(strategy + '      overlap_optimizer: "false"\n')
+    (d / "slots_word.yaml").write_text(strategy + "      num_slots: 'on'\n")
     (d / "base.yaml").write_text(yaml.safe_dump(BASE).replace("{d}", str(d)))
     return d
 
@@ -166,6 +172,42 @@ CASES = [
     ("nvme-missing", [STRATEGY, "--trainer.strategy.init_args.nvme_dir={d}/nvme"], r"nvme_dir='.*nvme' does not exist"),
     ("nvme-a-file", [STRATEGY, "--trainer.strategy.init_args.nvme_dir={d}/a_file"], r"a_file' is not a directory"),
     ("ckpt-a-directory", ["--ckpt_path={d}/no_data"], r"ckpt_path='.*no_data' is a directory"),
+    ("nvme-empty", [STRATEGY, "--trainer.strategy.init_args.nvme_dir="], r"nvme_dir='': give a directory on a"),
+    (
+        "storage-options-not-a-mapping",
+        [STRATEGY, "--trainer.strategy.init_args.storage_options=key=abc"],
+        r"storage_options=<redacted>: give a mapping of fsspec options such as \{\"profile\": \"name\"\}, or null$",
+    ),
+    (
+        "storage-options-placeholder",
+        [STRATEGY, '--trainer.strategy.init_args.storage_options={"key": "<redacted>"}'],
+        r"storage_options\['key'\] is '<redacted>', the placeholder a saved config holds .* pass the credentials",
+    ),
+    # YAML strings for the strategy's yes/no options: jsonargparse alone would read them as booleans
+    (
+        "recompute-quoted-yes",
+        ["--config={d}/recompute_yes.yaml"],
+        r"recompute_yes.yaml': trainer.strategy.init_args.recompute='yes': choose True .*; write recompute: true "
+        r"or false, unquoted",
+    ),
+    (
+        "overlap-quoted-false",
+        ["--config", "{d}/overlap_false.yaml"],
+        r"overlap_optimizer='false': pass True or False; write overlap_optimizer: true or false, unquoted",
+    ),
+    ("slots-quoted-on", ["--config={d}/slots_word.yaml"], r"num_slots='on': give at least 2 slots"),
+    # URLs whose scheme fsspec does not know
+    (
+        "ckpt-unknown-scheme",
+        ["--ckpt_path=gopher://host/last.ckpt"],
+        r"ckpt_path='gopher://host/last.ckpt': gopher:// is not a scheme fsspec knows; give a local path or a URL "
+        r"such as s3://",
+    ),
+    (
+        "root-unknown-scheme",
+        ["--trainer.default_root_dir=gopher://host/run"],
+        r"--trainer.default_root_dir='gopher://host/run': gopher:// is not a scheme fsspec knows",
+    ),
     # the other commands
     ("plan-seq-len-0", ["RAW", "plan", "--model", "tiny", "--seq-len", "0"], r"seq_len=0 must be an integer >= 1"),
     ("plan-size", ["RAW", "plan", "--model", "tiny", "--host-mem", "lots"], r"'lots'"),
@@ -247,6 +289,50 @@ def test_offloaded_inputs_beyond_the_host_memory_are_one_line(d, capsys, monkeyp
     assert exit_info.value.code == 2
     line = one_error_line(capsys)
     assert f"{2 * 2 * 32 * 32 * 4} bytes" in line and "offload_inputs=False" in line, line
+
+
+def test_a_full_drive_in_the_final_save_is_one_line(d, tmp_path, capsys, monkeypatch):
+    """ENOSPC under the checkpoint written when training ends: one line naming the file, no traceback."""
+    from megatrain_lightning.checkpoint import stream
+
+    def full(fs, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(stream, "write", full)
+    with pytest.raises(SystemExit) as exit_info:
+        run(argv(["--trainer.enable_checkpointing=true", f"--trainer.default_root_dir={tmp_path}"], d))
+    assert exit_info.value.code == 2
+    line = one_error_line(capsys)
+    assert re.search(
+        r"no space left writing '.*/checkpoints/.*\.ckpt\.d/.*/units/00000\.safetensors' \(No space left on device\): "
+        r"free space there or write elsewhere \(--trainer.default_root_dir, a checkpoint callback's dirpath\)",
+        line,
+    ), line
+
+
+@pytest.mark.parametrize("limit", ["cgroup", "rlimit"])
+def test_a_container_memory_limit_is_one_line(d, tmp_path, capsys, monkeypatch, limit):
+    """A cgroup (or ulimit -v) leaving less room than the model needs, however much the machine has free:
+    refused at setup in one line naming the limit (fake /proc and /sys/fs/cgroup under tmp_path)."""
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemAvailable: {64 << 20} kB\n")  # 64 GiB free on the machine
+    (proc / "self" / "cgroup").write_text("0::/\n")
+    (proc / "self" / "status").write_text(f"VmSize: {1 << 20} kB\n")  # 1 GiB mapped
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    getrlimit = host_memory.SOURCES.getrlimit
+    if limit == "cgroup":
+        (cgroup / "memory.max").write_text(f"{1 << 30}\n")
+        (cgroup / "memory.current").write_text(f"{(1 << 30) - 4096}\n")
+    else:
+        getrlimit = lambda resource: ((1 << 30) + 4096, -1)  # noqa: E731
+    monkeypatch.setattr(host_memory, "SOURCES", host_memory.Sources(proc, cgroup, getrlimit))
+    with pytest.raises(SystemExit) as exit_info:
+        run(argv([], d))
+    assert exit_info.value.code == 2
+    named = "the cgroup limit .*/memory.max" if limit == "cgroup" else r"ulimit -v \(RLIMIT_AS\)"
+    assert re.search(rf"need .* of host memory .* but about 0.0 GiB is available under {named}", one_error_line(capsys))
 
 
 def test_the_process_exits_2_with_one_line(d):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from lightning.pytorch.callbacks import RichProgressBar
 
 from megatrain_lightning import MegatrainStrategy
@@ -441,3 +443,81 @@ def test_ready_configs_cover_the_real_shapes():
         "qwen2.5-72b",
         "llama-3.1-70b",
     } <= names
+
+
+SECRETS = {
+    "key": "AKIAEXAMPLESECRET7",
+    "secret": "wJalrXUtnFEMI-EXAMPLE-9",
+    "client_kwargs": {"token": "tok-EXAMPLE-3"},
+}
+
+
+def secret_run(tmp_path: Path, *extra: str) -> list[str]:
+    """A 2-step run of a tiny model that writes everything a run writes (config, logs, checkpoints, export)
+    with credentials in the strategy's storage_options."""
+    (tmp_path / "text.txt").write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    return [
+        "fit",
+        "--model.model=tiny",
+        '--model.overrides={"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, '
+        '"num_attention_heads": 2, "num_key_value_heads": 1}',
+        f"--data.path={tmp_path / 'text.txt'}",
+        "--data.seq_len=16",
+        "--data.batch_size=2",
+        f"--trainer.default_root_dir={tmp_path / 'run'}",
+        "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.val_check_interval=2",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks+=megatrain_lightning.checkpoint.ModelCheckpoint",
+        "--trainer.callbacks.save_last=true",
+        "--trainer.callbacks+=megatrain_lightning.callbacks.ExportAndSample",
+        "--trainer.callbacks.max_new_tokens=2",
+        "--trainer.strategy=megatrain_lightning.MegatrainStrategy",
+        f"--trainer.strategy.init_args.storage_options={json.dumps(SECRETS)}",
+        *extra,
+    ]
+
+
+def leaked(text: bytes) -> list[str]:
+    return [s for s in ("AKIAEXAMPLESECRET7", "wJalrXUtnFEMI-EXAMPLE-9", "tok-EXAMPLE-3") if s.encode() in text]
+
+
+def test_storage_options_secrets_are_written_nowhere(tmp_path, capfd, monkeypatch, recwarn):
+    """Credentials given as storage_options reach fsspec whole, but no file the run writes (anywhere under
+    its directory or the working directory) and nothing it prints holds them; the saved config holds
+    placeholders, which a rerun from it refuses in one line."""
+    monkeypatch.chdir(tmp_path)
+    cli = run(secret_run(tmp_path))
+    assert cli.trainer.global_step == 2 and cli.trainer.strategy.storage_options == SECRETS
+    printed = capfd.readouterr()
+    assert leaked((printed.out + printed.err).encode()) == []
+    assert leaked("".join(str(w.message) for w in recwarn).encode()) == []  # (pytest holds the warnings)
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "text.txt"]
+    run_dir = tmp_path / "run" / "lightning_logs" / "version_0"
+    assert {run_dir / "config.yaml", run_dir / "hparams.yaml", tmp_path / "run" / "hf" / "config.json"} <= set(written)
+    assert any(".ckpt.d" in str(p) and p.suffix == ".safetensors" for p in written)  # the checkpoint's shards
+    assert {str(p.relative_to(tmp_path)): leaked(p.read_bytes()) for p in written} == {
+        str(p.relative_to(tmp_path)): [] for p in written
+    }
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["strategy"]["init_args"]
+    assert saved["storage_options"] == {
+        "key": "<redacted>",
+        "secret": "<redacted>",
+        "client_kwargs": {"token": "<redacted>"},
+    }
+
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", "--config", str(run_dir / "config.yaml")])
+    assert exit_info.value.code == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert re.search(r"storage_options\['key'\] is '<redacted>', the placeholder a saved config holds", err[-1]), err
+
+
+def test_print_config_redacts_storage_options(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run(secret_run(tmp_path, "--print_config"))
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert leaked(out.encode()) == [] and "key: <redacted>" in out and "token: <redacted>" in out, out

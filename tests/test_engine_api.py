@@ -152,6 +152,8 @@ def test_the_context_closes_the_engine_into_an_ordinary_model():
         ({"overlap_optimizer": "false"}, "overlap_optimizer='false': pass True or False"),
         ({"piece": 0}, "piece=0: elements per piece"),
         ({"device": "gpu:7"}, "device='gpu:7': give a torch.device"),
+        ({"nvme_dir": ""}, "nvme_dir='': give a directory on a local drive"),
+        ({"recompute": "yes"}, "recompute='yes': choose True"),
     ],
 )
 def test_a_bad_option_is_one_line_naming_it(options, message):

@@ -421,6 +421,24 @@ def test_rejects_single_slot():
     assert MegatrainStrategy().num_slots == "auto"
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"nvme_dir": ""}, r"^nvme_dir='': give a directory on a local drive .*, or leave nvme_dir unset \(None\)"),
+        ({"recompute": "yes"}, r"^recompute='yes': choose True"),
+        ({"storage_options": "key=abc"}, r"^storage_options is a str, not a mapping of option names: give a dict"),
+        ({"storage_options": {"key": "<redacted>"}}, r"^storage_options\['key'\] is '<redacted>', the placeholder"),
+    ],
+)
+def test_empty_or_wrongly_typed_options_are_refused_at_construction(options, message):
+    """Refused where they enter, not at the first save (storage_options) or never (an empty nvme_dir turned
+    the NVMe tier off); the message never quotes a storage_options value (it may be a credential)."""
+    with pytest.raises(ValueError, match=message) as err:
+        MegatrainStrategy(**options)
+    assert "\n" not in str(err.value) and "abc" not in str(err.value)
+    assert MegatrainStrategy(storage_options={"profile": "ci"}).storage_options == {"profile": "ci"}
+
+
 # -- 7. Trainer(strategy="megatrain") -----------------------------------------------------------------
 
 

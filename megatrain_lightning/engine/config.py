@@ -112,6 +112,17 @@ def check_flag(name: str, value: Any) -> bool:
     raise ValueError(f"{name}={value!r}: pass True or False")
 
 
+def check_nvme_dir(value: Any) -> str | None:
+    """None (the moments stay in host memory) or a directory path; an empty string is refused, not read as
+    None (it would turn the tier off without a word)."""
+    if value is None or (isinstance(value, str) and value.strip()):
+        return value
+    raise ValueError(
+        f"nvme_dir={value!r}: give a directory on a local drive (e.g. /mnt/nvme/megatrain), or leave nvme_dir "
+        "unset (None) to keep the Adam moments in host memory"
+    )
+
+
 def check_host_threads(value: Any) -> int | None:
     """None (all cores but one) or an int from 1 to the cores this process may use."""
     resolve_host_threads(value)
@@ -164,6 +175,7 @@ _OPTION_CHECKS: dict[str, Callable[[Any], Any]] = {
     "recompute": check_recompute,
     "offload_inputs_dtype": check_offload_inputs_dtype,
     "host_layout": check_host_layout,
+    "nvme_dir": check_nvme_dir,
     "host_threads": check_host_threads,
 }
 
@@ -240,8 +252,7 @@ class EngineConfig:
         check_host_threads(self.host_threads)
         check_piece(self.piece)
         check_blocks(self.blocks)
-        if self.nvme_dir is not None and not isinstance(self.nvme_dir, str):
-            raise ValueError(f"nvme_dir={self.nvme_dir!r}: give a directory path as a string, or None")
+        check_nvme_dir(self.nvme_dir)
         for name in (
             "overlap_optimizer",
             "compile_blocks",

@@ -50,7 +50,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from megatrain_lightning.device_memory import auto_slot_count, free_device_bytes, step_transient_bytes
-from megatrain_lightning.engine import pinned
+from megatrain_lightning.engine import host_memory, pinned
 from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, compile_block_calls, select_side
 from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.config import EngineConfig, forward_context
@@ -58,10 +58,10 @@ from megatrain_lightning.engine.discover import find_blocks
 from megatrain_lightning.engine.host import (
     HostMemoryError,
     HostUnit,
-    available_host_bytes,
     host_bytes_by_kind,
     host_bytes_per_param,
 )
+from megatrain_lightning.engine.host_memory import available_host_bytes
 from megatrain_lightning.engine.host_steps import HostSide, graph_task
 from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
 from megatrain_lightning.engine.optimizer import HostAdamW
@@ -278,7 +278,8 @@ class Engine:
             raise HostMemoryError(
                 f"the model's {numel / 1e9:.2f}B parameters{share} need {need / 2**30:.1f} GiB of host memory "
                 f"({per_param} bytes/param: {', '.join(kinds[:-1])} and {kinds[-1]}) but about "
-                f"{have / 2**30:.1f} GiB is available. Use a machine with more host memory, a smaller model"
+                f"{have / 2**30:.1f} GiB is available{self._host_limit_named(available_bytes)}. Use a machine "
+                "with more host memory, a smaller model"
                 + (
                     ", accumulate_grad_batches=1 (drops the 4 bytes/param fp32 gradient accumulator)"
                     if c.accumulating
@@ -287,6 +288,15 @@ class Engine:
                 + ", or check the size first with the memory planner."
             )
         return need
+
+    @staticmethod
+    def _host_limit_named(available_bytes: Callable[[], int]) -> str:
+        """Which limit the machine's reading came from, when it is not the machine's free memory (a
+        container's cgroup, ulimit -v), and how to raise it."""
+        if available_bytes is not host_memory.available_host_bytes:  # a stand-in's figure (Probes)
+            return ""
+        limit = host_memory.tightest_host_limit()
+        return "" if limit.name == "MemAvailable" else f" under {limit.name} ({limit.fix})"
 
     def _host_room(self) -> int:
         """Host memory left for new buffers (the offloaded inputs'): what the OS can still hand out, less what

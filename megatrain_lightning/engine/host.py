@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import os
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -321,18 +320,6 @@ def _nb(t: torch.Tensor | None) -> int:
 class HostMemoryError(MemoryError):
     """The run's host-resident state (training state, or the pinned buffers of offloaded block inputs)
     does not fit in this machine's memory; raised before the buffers are allocated."""
-
-
-def available_host_bytes() -> int:
-    """Memory the OS can still hand out (MemAvailable), falling back to physical pages when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def host_bytes_by_kind(
