@@ -118,7 +118,7 @@ class Engine:
         in_blocks = {id(p) for params in block_params for _, p in params}
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
         largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
-        self.piece = config.piece or piece_numel(max(largest_block, *(p.numel() for _, p in outer)))
+        self.piece = config.piece or piece_numel(max([largest_block, *(p.numel() for _, p in outer)]))
         self._host_available = probes.host_available_bytes or available_host_bytes
         self._host_need = self._check_host_memory(block_params, outer, self._host_available)
         # Checked (directory, free space) before the model is taken apart; the moments need it only to train.
