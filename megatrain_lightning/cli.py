@@ -243,6 +243,16 @@ class MegatrainCLI(LightningCLI):
                 f"the data's tokenizer has {vocab} token ids but the model's vocab_size is "
                 f"{self.model.config.vocab_size}; use the model's own tokenizer or set --model.overrides.vocab_size"
             )
+        self._check_data()
+
+    def _check_data(self) -> None:
+        """The data's token ids (read by instantiate_trainer) against the model's vocabulary: one line."""
+        try:
+            self.datamodule.check_model(self.model.config.vocab_size, self.model.config.max_position_embeddings)
+        except ValueError as err:
+            user_error(str(err))
+
+    before_validate = _check_data
 
 
 def _check_trainer(trainer: Any) -> None:

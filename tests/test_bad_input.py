@@ -22,6 +22,7 @@ import yaml
 
 import megatrain_lightning.engine.engine as engine_module
 from megatrain_lightning.cli import run
+from megatrain_lightning.data import write_tokens
 
 BASE = {
     "seed_everything": 0,
@@ -64,6 +65,10 @@ def d(tmp_path_factory) -> Path:
     (d / "empty.bin").write_bytes(b"")
     (d / "garbage.npy").write_bytes(b"this is not an array")
     np.save(d / "floats.npy", np.zeros(100, dtype=np.float32))
+    ids = np.arange(1000) % 200  # byte tokens, then one id the model (vocabulary 256) has no embedding for
+    write_tokens(np.concatenate([ids, [300]]), d / "id300.bin")
+    np.save(d / "negative.npy", np.concatenate([ids, [-7]]))
+    np.save(d / "huge.npy", np.concatenate([ids, [2**62]]))
     (d / "broken.jsonl").write_text('{"text": "hi"}\nnot json\n')
     (d / "nofield.jsonl").write_text('{"body": "hi"}\n')
     (d / "no_data").mkdir()
@@ -134,6 +139,9 @@ CASES = [
     ("npy-garbage", ["--data.path={d}/garbage.npy"], r"garbage.npy is not a .npy array of token ids"),
     ("npy-floats", ["--data.path={d}/floats.npy"], r"floats.npy holds float32 of shape \(100,\)"),
     ("jsonl-not-json", ["--data.path={d}/broken.jsonl"], r"broken.jsonl:2 is not JSON"),
+    ("id-above-vocab", ["--data.path={d}/id300.bin"], r"id300.bin holds token id 300, outside the model's vocab"),
+    ("id-negative", ["--data.path={d}/negative.npy"], r"negative.npy holds token id -7, outside .* of 256 ids"),
+    ("id-2-62", ["--data.path={d}/huge.npy"], rf"huge.npy holds token id {2**62}, outside .* \(0..255\)"),
     ("jsonl-no-text", ["--data.path={d}/nofield.jsonl"], r"nofield.jsonl:1 has no string field 'text'"),
     (
         "seq-len-above-data",
