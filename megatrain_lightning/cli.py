@@ -49,6 +49,7 @@ from megatrain_lightning.engine.host import HostMemoryError
 from megatrain_lightning.engine.nvme import NvmeTierError
 from megatrain_lightning.env_report import env_lines
 from megatrain_lightning.module import CausalLMModule, check_init_from, check_optimizer_args, resolve_config
+from megatrain_lightning.peers import RankExitedError
 from megatrain_lightning.strategy import check_trainer_args
 
 USAGE = """usage: megatrain {fit,validate,test,predict,plan,schedule,convert,env} ...
@@ -214,11 +215,14 @@ class MegatrainCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         """The engine's refusals of the host memory and the NVMe directory, which come before it allocates,
-        are the user's to fix: one line too."""
+        are the user's to fix: one line too; so is a data-parallel run ended by the exit of another rank."""
         try:
             super()._run_subcommand(subcommand)
         except (HostMemoryError, NvmeTierError) as err:
             user_error(" ".join(str(err).split()))
+        except RankExitedError as err:  # another rank died: not the user's input (status 1), one line all the same
+            print(f"megatrain: error: {err}", file=sys.stderr)
+            raise SystemExit(1) from None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
         """Lightning's default progress bar is the rich one when `rich` is installed: use ours instead,

@@ -16,6 +16,7 @@ import time
 import types
 from pathlib import Path
 
+import lightning.pytorch as L
 import numpy as np
 import pytest
 import yaml
@@ -23,6 +24,7 @@ import yaml
 import megatrain_lightning.engine.engine as engine_module
 from megatrain_lightning.cli import run
 from megatrain_lightning.data import write_tokens
+from megatrain_lightning.peers import rank_exited
 
 BASE = {
     "seed_everything": 0,
@@ -243,6 +245,24 @@ def test_too_little_host_memory_is_one_line(d, capsys, monkeypatch):
         run(argv([], d))
     assert exit_info.value.code == 2
     assert re.search(r"parameters need .* of host memory .* but about 0.0 GiB is available", one_error_line(capsys))
+
+
+def test_a_rank_that_exited_is_one_line(d, capsys, monkeypatch):
+    """A data-parallel run whose peer rank died (tests/test_data_parallel.py kills one) ends the command with
+    the strategy's line, exit status 1: it is not the input's fault."""
+    said = rank_exited(0, 2, [])
+
+    def fit(*args, **kwargs):
+        raise said
+
+    monkeypatch.setattr(L.Trainer, "fit", fit)
+    with pytest.raises(SystemExit) as exit_info:
+        run(argv([], d))
+    assert exit_info.value.code == 1
+    assert one_error_line(capsys) == (
+        "megatrain: error: rank 1 exited (rank 0's collective lost its connection to it); no checkpoint of this "
+        "run was committed"
+    )
 
 
 def test_offloaded_inputs_beyond_the_host_memory_are_one_line(d, capsys, monkeypatch):

@@ -855,8 +855,10 @@ class Engine:
     def num_parameters(self) -> int:
         return sum(u.full_numel for u in self.all_units())
 
-    def close(self) -> None:
-        """Give the model back as an ordinary fp32 host model (parameters are views of the masters)."""
+    def close(self, gather: bool = True) -> None:
+        """Give the model back as an ordinary fp32 host model (parameters are views of the masters).
+        `gather=False`: a partitioned engine whose peer rank exited runs no collective; its parameters stay
+        NaN placeholders."""
         self.flush()
         self.streams.synchronize()  # no copy may still read or write a device buffer freed below
         self.host.close()
@@ -865,7 +867,7 @@ class Engine:
         for handle in self._state_hooks:
             handle.remove()
         self._buffers_to_host()
-        if self.partition is not None:  # each rank gets the whole trained model back, as after DDP training
+        if self.partition is not None and gather:  # each rank gets the whole trained model back, as after DDP
             for unit in self.all_units():
                 unit.unpartition(self.partition.gather_host(unit.master, unit.full_numel))
         for config in self._caches_off:
