@@ -53,6 +53,7 @@ from megatrain_lightning.engine.host import HostMemoryError
 from megatrain_lightning.engine.nvme import NvmeTierError
 from megatrain_lightning.env_report import env_lines
 from megatrain_lightning.module import CausalLMModule, check_init_from, check_optimizer_args, resolve_config
+from megatrain_lightning.peers import RankExitedError
 from megatrain_lightning.strategy import check_trainer_args
 
 USAGE = """usage: megatrain {fit,validate,test,predict,plan,schedule,convert,env} ...
@@ -246,11 +247,15 @@ class MegatrainCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         """The engine's refusals of the host memory and the NVMe directory, which come before it allocates,
-        are the user's to fix: one line too; so is a full drive (or quota) under a save."""
+        are the user's to fix: one line too; so is a full drive (or quota) under a save, and a data-parallel run
+        ended by the exit of another rank."""
         try:
             super()._run_subcommand(subcommand)
         except (HostMemoryError, NvmeTierError) as err:
             user_error(" ".join(str(err).split()))
+        except RankExitedError as err:  # another rank died: not the user's input (status 1), one line all the same
+            print(f"megatrain: error: {err}", file=sys.stderr)
+            raise SystemExit(1) from None
         except Exception as err:
             full = _no_space(err)
             if full is None:
@@ -284,6 +289,16 @@ class MegatrainCLI(LightningCLI):
                 f"the data's tokenizer has {vocab} token ids but the model's vocab_size is "
                 f"{self.model.config.vocab_size}; use the model's own tokenizer or set --model.overrides.vocab_size"
             )
+        self._check_data()
+
+    def _check_data(self) -> None:
+        """The data's token ids (read by instantiate_trainer) against the model's vocabulary: one line."""
+        try:
+            self.datamodule.check_model(self.model.config.vocab_size, self.model.config.max_position_embeddings)
+        except ValueError as err:
+            user_error(str(err))
+
+    before_validate = _check_data
 
 
 def _check_urls(trainer: Any) -> None:

@@ -203,6 +203,7 @@ class TokenFile:
     def __init__(self, path: Path, dtype: str) -> None:
         self.path, self.dtype = path, dtype
         self._map: np.ndarray | None = None
+        self._range: tuple[int, int] | None = None  # (smallest, largest) id, once asked for (id_range)
         self.length = len(self.array())
 
     def array(self) -> np.ndarray:
@@ -238,6 +239,13 @@ class TokenFile:
 
     def __getitem__(self, index: slice) -> np.ndarray:
         return self.array()[index]
+
+    def id_range(self) -> tuple[int, int]:
+        """The smallest and the largest id in the file: one pass over it, the first time it is asked."""
+        if self._range is None:
+            ids = self.array()
+            self._range = (int(ids.min()), int(ids.max())) if len(ids) else (0, 0)
+        return self._range
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_map": None}  # a pickled memmap would copy the whole file
@@ -393,6 +401,25 @@ class ResumableLoader(DataLoader):
         self.sampler.epoch, self.sampler.skip = state["epoch"], seen
 
 
+def id_range(stream: Any) -> tuple[int, int]:
+    """A token stream's smallest and largest id (a token file's is read once and kept)."""
+    if isinstance(stream, TokenFile):
+        return stream.id_range()
+    return (int(stream.min()), int(stream.max())) if len(stream) else (0, 0)
+
+
+def model_limits(module: Any) -> tuple[int | None, int | None]:
+    """The vocabulary size and the positions (``max_position_embeddings``) of the model a LightningModule
+    trains, from the config of the module or of one of its direct children (a Hugging Face model's, this
+    project's Llama's); None for what no config says."""
+    owners = [module, *module.children()] if isinstance(module, torch.nn.Module) else [module]
+    for owner in owners:
+        config = getattr(owner, "config", None)
+        if getattr(config, "vocab_size", None) is not None:
+            return config.vocab_size, getattr(config, "max_position_embeddings", None)
+    return None, None
+
+
 def _val_windows(total: int, fraction: float) -> int:
     """Windows kept for validation: at least one when asked for any, never all of them."""
     if fraction == 0 or total < 2:
@@ -527,6 +554,34 @@ class TextDataModule(L.LightningDataModule):
         return [pack(self.tokenizer.encode(docs), self.tokenizer.eos_id, self.tokenizer.vocab_size)]
 
     def setup(self, stage: str | None = None) -> None:
+        """Read the data (once), then, once a Trainer has brought the model, check the data against it."""
+        self._read()
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if module is not None:
+            self.check_model(*model_limits(module))
+
+    def check_model(self, vocab_size: int | None, max_positions: int | None) -> None:
+        """Refuse data the model cannot read, in one line: windows longer than its positions, or a token id
+        outside its vocabulary (each file's smallest and largest id, read once; never per batch)."""
+        hp = self.hparams
+        if max_positions is not None and hp.seq_len > max_positions:
+            raise ValueError(
+                f"data seq_len={hp.seq_len} is above the model's max_position_embeddings={max_positions}: give a "
+                f"seq_len from 1 to {max_positions}, or a model with more positions"
+            )
+        if vocab_size is None or self.train_set is None:
+            return
+        sources = [(self.train_set, hp.path), (self.val_set, hp.val_path or hp.path)]
+        for stream, path in {id(s): (s, p) for data, p in sources if data is not None for s in data.streams}.values():
+            lo, hi = id_range(stream)
+            if lo < 0 or hi >= vocab_size:
+                raise ValueError(
+                    f"{getattr(stream, 'path', path)} holds token id {lo if lo < 0 else hi}, outside the model's "
+                    f"vocabulary of {vocab_size} ids (0..{vocab_size - 1}): tokenize the data with the model's "
+                    "tokenizer (for .bin files, token_dtype= must be the type they were written with)"
+                )
+
+    def _read(self) -> None:
         if self.train_set is not None:
             return
         hp = self.hparams

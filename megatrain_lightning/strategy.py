@@ -22,7 +22,7 @@ import pickle
 import random
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import fsspec
@@ -57,6 +57,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
+from megatrain_lightning import peers
 from megatrain_lightning.averaging import AVERAGED_STATE, AveragingViews, replaced_weights
 from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.checkpoint.options import check_storage_options
@@ -125,8 +126,10 @@ class MegatrainStrategy(ParallelStrategy):
     from a single file, a ``device`` (each rank takes its own), ``sync_batchnorm``; and, since every rank
     must run the same forwards, prediction data the ranks would not share evenly. Every rank writes its
     own shards of a checkpoint and reads them back; only rank 0 deletes one. After fit every rank holds the
-    whole trained model again, as after DDP, but only its shard of the Adam state: a save then is refused.
-    With one device and one node (the default on a machine with one GPU) there is no process group and no
+    whole trained model again, as after DDP, but only its shard of the Adam state: a save then is refused. A
+    rank that exits (killed, out of memory) ends the others' fit at their next collective with one line,
+    :class:`~megatrain_lightning.peers.RankExitedError`: which rank, and the last committed checkpoint to resume
+    from. With one device and one node (the default on a machine with one GPU) there is no process group and no
     launcher.
 
     Under Ray Train (a ``TorchTrainer`` worker, without ``prepare_trainer``): pass Ray's cluster environment,
@@ -253,6 +256,10 @@ class MegatrainStrategy(ParallelStrategy):
         self._released: Engine | None = None
         self._averaging: AveragingViews | None = None  # set up with the engine (averaging.py)
         self.grad_hooks: list[str] = []  # overridden hooks that see gradients (set at setup): see gradient_hooks
+        # With several ranks: the checkpoints this run saved or resumed from (url -> storage options), and, once
+        # a collective lost its peer, the one line that ends the run (see peer_lost)
+        self._checkpoints: dict[str, Any] = {}
+        self._peer_lost: peers.RankExitedError | None = None
 
     # -- ranks ---------------------------------------------------------------------------------------
     # With one device and one node everything below is a single-device strategy's: rank 0 of 1, no launcher,
@@ -325,7 +332,15 @@ class MegatrainStrategy(ParallelStrategy):
         if self.ranks > 1:
             self._refuse_options()  # before any process starts
             assert self.cluster_environment is not None
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _ScriptLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def peer_lost(self) -> peers.RankExitedError:
+        """The run's one line once a collective lost its peer (a rank exited): which rank, and the last
+        committed checkpoint. From then on nothing collective runs here: teardown gathers no weights (the
+        model's parameters stay NaN placeholders) and a save raises this line."""
+        if self._peer_lost is None:
+            self._peer_lost = peers.rank_exited(self.global_rank, self.world_size, self._checkpoints.items())
+        return self._peer_lost
 
     @override
     def setup_environment(self) -> None:
@@ -549,8 +564,11 @@ class MegatrainStrategy(ParallelStrategy):
             self._averaging.restore()
             self._averaging = None
         if self.engine is not None:
-            self.engine.close()
-            self._released, self.engine = self.engine, None
+            # (once only: a close that failed, its peer rank gone, is not tried again by Lightning's teardown
+            # of the failed run)
+            engine, self.engine = self.engine, None
+            engine.close(gather=self._peer_lost is None)
+            self._released = engine
         if self.ranks > 1:
             super().teardown()  # and the cluster environment's
         else:
@@ -623,6 +641,8 @@ class MegatrainStrategy(ParallelStrategy):
         options = storage_options if storage_options is not None else self.storage_options
         if self.checkpoint_format == "torch":
             return self._save_single_file(checkpoint, filepath, options)
+        if self._peer_lost is not None:  # (an OnExceptionCheckpoint's save, after the run failed)
+            raise self._peer_lost
         engine = self.engine
         if engine is None:
             self._refuse_save_after_ranks()
@@ -643,6 +663,7 @@ class MegatrainStrategy(ParallelStrategy):
                 {k: v for k, v in g.items() if k != "params"} for g in checkpoint["optimizer_states"][0]["param_groups"]
             ]
             state["megatrain_param_groups"] = groups  # as they are (the index's JSON turns betas into a list)
+        self._checkpoints[str(filepath)] = options  # (committed or not: peer_lost reads which from storage)
         # A weight average a callback put in the state dict goes to the shards as the weights (as it goes to
         # Lightning's file); the masters it replaced are in the state too, as the callback left them.
         weights = replaced_weights(engine, checkpoint.get("state_dict", {})) if self.ranks == 1 else None
@@ -698,6 +719,7 @@ class MegatrainStrategy(ParallelStrategy):
                 )
             return self._load_single_file(checkpoint_path, weights_only)
         state, index = mt_checkpoint.store.read_checkpoint(path, self.storage_options)
+        self._checkpoints[path] = self.storage_options
         state["megatrain_checkpoint"] = path
         state["megatrain_index"] = index  # the weights must come from the version this state came from
         state["state_dict"] = {}  # the weights stream from the shards in load_model_state_dict
@@ -739,6 +761,7 @@ class MegatrainStrategy(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Rank 0 deletes (Lightning calls this on every rank), with the strategy's storage options."""
+        self._checkpoints.pop(str(filepath), None)
         if not self.is_global_zero:
             return
         if mt_checkpoint.is_checkpoint(str(filepath), self.storage_options):
@@ -782,6 +805,26 @@ class MegatrainStrategy(ParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
             )
+
+
+class _ScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher (several ranks), whose run ends in one line when a collective loses its peer:
+    which rank exited and the last committed checkpoint (:mod:`megatrain_lightning.peers`), in place of the
+    collective library's message. Every collective of the run (the engine's, a checkpoint's, Lightning's
+    own) is issued inside `launch`; Lightning's teardown of a failed run comes after it."""
+
+    def __init__(self, strategy: MegatrainStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self.strategy = strategy
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except RuntimeError as err:
+            if not peers.lost_peer(err):
+                raise
+            raise self.strategy.peer_lost() from None
 
 
 GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")

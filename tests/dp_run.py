@@ -11,8 +11,9 @@ rank the whole model back, as DDP leaves it) to ``OUT/{case}.{strategy}.safetens
 losses and validation loss to ``OUT/{case}.{strategy}.rank{r}.json``. Stages beside the cases: ``resume``
 (RESUMED's second epoch from the checkpoint each strategy saved at the end of its first; megatrain's, which
 every rank writes its shards of, is also read back as ``megatrain convert`` reads it, and saved over once more
-after fit, which is refused), ``validate``
-(validate and predict without fit) and ``refusals``.
+after fit, which is refused), ``validate`` (validate and predict without fit) and ``refusals``; and, each in
+launches of their own (``python -m tests.dp_run OUT killed-step killed-save --devices 2``, which forks the
+ranks), a rank killed mid-step or mid-save: what the other says.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,12 +29,14 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback, EMAWeightAveraging
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint
 from safetensors.torch import save_file
 
 from megatrain_lightning import MegatrainStrategy
+from megatrain_lightning.checkpoint import stream
 from megatrain_lightning.convert import lightning_checkpoint
 from tests.helpers import CausalLM, loader, own_llama, own_loss, params_of, quiet, token_batches, trainer
+from tests.s3_server import free_port
 
 LAYERS = 2
 ROWS = 2  # rows per rank's micro-batch (the global micro-batch has W x ROWS rows)
@@ -246,13 +250,87 @@ def refusals(out: Path, devices: int) -> None:
     dist.barrier()
 
 
+# stage: the rank killed, and where
+KILLED = {"killed-step": 1, "killed-save": 0}
+
+
+class Kill(Callback):
+    """SIGKILL rank `victim` in the third optimizer step, after its forward ("killed-step"), or in the save
+    after that step, once it has written its first unit file ("killed-save")."""
+
+    def __init__(self, stage: str) -> None:
+        self.stage, self.victim = stage, KILLED[stage]
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if self.stage == "killed-step" and trainer.global_step == 2 and trainer.global_rank == self.victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.stage == "killed-save" and trainer.global_step == 2 and trainer.global_rank == self.victim:
+            write, writes = stream.write, []
+
+            def killing(*args: Any, **kwargs: Any) -> dict:
+                writes.append(args[1])
+                if len(writes) == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return write(*args, **kwargs)
+
+            stream.write = killing
+
+
+def killed(out: Path, devices: int, stage: str) -> None:
+    """Train, committing OUT/last.ckpt after every step, while a rank is killed (:class:`Kill`): the other
+    writes the error its fit ended with to OUT/killed.rank{r}.txt, and the process ends."""
+    t = trainer(
+        MegatrainStrategy(),
+        devices=devices,
+        enable_checkpointing=True,
+        callbacks=[Kill(stage), ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_last=True, save_top_k=0)],
+    )
+    try:
+        with quiet():
+            t.fit(module("overlap"), loader(token_batches(8, batch=ROWS)))
+        said = "fit returned"
+    except Exception as e:  # noqa: BLE001  (what the user would see is the result)
+        said = f"{type(e).__name__}: {e}"
+    (out / f"killed.rank{t.global_rank}.txt").write_text(said)
+
+
+def kill_launches(out: Path, devices: int, stages: list[str]) -> None:
+    """Each stage's `devices` ranks, forked from this process (one import of torch and Lightning for all of
+    them), each started as torchrun starts a rank but with no agent: nothing ends the others when one dies,
+    so what the survivor does then is its own. Their exit statuses go to OUT/{stage}/codes.json."""
+    torch.set_num_threads(1)  # (before the forks: no thread pool is forked)
+    ranks = {}
+    for stage in stages:
+        (out / stage).mkdir()
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(devices)}
+        for rank in range(devices):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.environ.update(env, LOCAL_RANK=str(rank))
+                    killed(out / stage, devices, stage)
+                finally:
+                    os._exit(0)  # (no teardown of a process group whose peer is gone)
+            ranks[pid] = (stage, rank)
+    codes = {stage: [0] * devices for stage in stages}
+    for pid, (stage, rank) in ranks.items():
+        codes[stage][rank] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    for stage in stages:
+        (out / stage / "codes.json").write_text(json.dumps(codes[stage]))
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("cases", nargs="+", choices=[*CASES, "refusals", "resume", "validate"])
+    parser.add_argument("cases", nargs="+", choices=[*CASES, "refusals", "resume", "validate", *KILLED])
     parser.add_argument("--devices", type=int, default=None, help="ranks (default: WORLD_SIZE of torchrun)")
     args = parser.parse_args(argv)
     devices = args.devices or int(os.environ["WORLD_SIZE"])
+    if any(stage in KILLED for stage in args.cases):  # (launches of their own: a rank dies)
+        kill_launches(args.out, devices, [stage for stage in args.cases if stage in KILLED])
+        return
     cases = [case for case in args.cases if case in CASES]
     runs = {
         (case, strategy): run(case, strategy, args.out, devices) for case in cases for strategy in ("megatrain", "ddp")
@@ -273,7 +351,8 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-    dist.destroy_process_group()
+    if dist.is_initialized():  # (the kill launches' process only forks the ranks)
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # everything is written: skip the interpreter's teardown of torch (seconds per rank)

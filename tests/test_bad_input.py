@@ -17,13 +17,16 @@ import time
 import types
 from pathlib import Path
 
+import lightning.pytorch as L
 import numpy as np
 import pytest
 import yaml
 
 import megatrain_lightning.engine.engine as engine_module
 from megatrain_lightning.cli import run
+from megatrain_lightning.data import write_tokens
 from megatrain_lightning.engine import host_memory
+from megatrain_lightning.peers import rank_exited
 
 BASE = {
     "seed_everything": 0,
@@ -66,6 +69,10 @@ def d(tmp_path_factory) -> Path:
     (d / "empty.bin").write_bytes(b"")
     (d / "garbage.npy").write_bytes(b"this is not an array")
     np.save(d / "floats.npy", np.zeros(100, dtype=np.float32))
+    ids = np.arange(1000) % 200  # byte tokens, then one id the model (vocabulary 256) has no embedding for
+    write_tokens(np.concatenate([ids, [300]]), d / "id300.bin")
+    np.save(d / "negative.npy", np.concatenate([ids, [-7]]))
+    np.save(d / "huge.npy", np.concatenate([ids, [2**62]]))
     (d / "broken.jsonl").write_text('{"text": "hi"}\nnot json\n')
     (d / "nofield.jsonl").write_text('{"body": "hi"}\n')
     (d / "no_data").mkdir()
@@ -140,6 +147,9 @@ CASES = [
     ("npy-garbage", ["--data.path={d}/garbage.npy"], r"garbage.npy is not a .npy array of token ids"),
     ("npy-floats", ["--data.path={d}/floats.npy"], r"floats.npy holds float32 of shape \(100,\)"),
     ("jsonl-not-json", ["--data.path={d}/broken.jsonl"], r"broken.jsonl:2 is not JSON"),
+    ("id-above-vocab", ["--data.path={d}/id300.bin"], r"id300.bin holds token id 300, outside the model's vocab"),
+    ("id-negative", ["--data.path={d}/negative.npy"], r"negative.npy holds token id -7, outside .* of 256 ids"),
+    ("id-2-62", ["--data.path={d}/huge.npy"], rf"huge.npy holds token id {2**62}, outside .* \(0..255\)"),
     ("jsonl-no-text", ["--data.path={d}/nofield.jsonl"], r"nofield.jsonl:1 has no string field 'text'"),
     (
         "seq-len-above-data",
@@ -277,6 +287,24 @@ def test_too_little_host_memory_is_one_line(d, capsys, monkeypatch):
         run(argv([], d))
     assert exit_info.value.code == 2
     assert re.search(r"parameters need .* of host memory .* but about 0.0 GiB is available", one_error_line(capsys))
+
+
+def test_a_rank_that_exited_is_one_line(d, capsys, monkeypatch):
+    """A data-parallel run whose peer rank died (tests/test_data_parallel.py kills one) ends the command with
+    the strategy's line, exit status 1: it is not the input's fault."""
+    said = rank_exited(0, 2, [])
+
+    def fit(*args, **kwargs):
+        raise said
+
+    monkeypatch.setattr(L.Trainer, "fit", fit)
+    with pytest.raises(SystemExit) as exit_info:
+        run(argv([], d))
+    assert exit_info.value.code == 1
+    assert one_error_line(capsys) == (
+        "megatrain: error: rank 1 exited (rank 0's collective lost its connection to it); no checkpoint of this "
+        "run was committed"
+    )
 
 
 def test_offloaded_inputs_beyond_the_host_memory_are_one_line(d, capsys, monkeypatch):

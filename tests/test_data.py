@@ -375,3 +375,45 @@ def test_document_positions_from_a_yaml_config_through_the_cli(tmp_path):
     )
     assert cli.datamodule.hparams.document_positions and cli.trainer.global_step == 2
     assert len(cli.datamodule.train_set[0]) == 3 and torch.isfinite(cli.trainer.callback_metrics["val_loss"])
+
+
+def _fit_refused(dm: TextDataModule, tmp_path: Path, **overrides) -> str:
+    """Trainer.fit of the tiny Llama on `dm`: the one-line ValueError it stops with, before any step."""
+    module = CausalLMModule("tiny", overrides={"num_hidden_layers": 1, **overrides})
+    trainer = L.Trainer(
+        max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path
+    )
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 0
+    assert "\n" not in str(refused.value)
+    return str(refused.value)
+
+
+def test_seq_len_above_the_models_positions_is_refused_through_the_api(tmp_path):
+    """The command checks seq_len against the model before building anything; Trainer.fit with the data
+    module refuses it too (the model would run positions it was not built for)."""
+    (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 200)
+    dm = TextDataModule(str(tmp_path / "t.txt"), seq_len=64, batch_size=2, val_fraction=0)
+    said = _fit_refused(dm, tmp_path, max_position_embeddings=32)
+    assert said.startswith("data seq_len=64 is above the model's max_position_embeddings=32: give a seq_len from 1")
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"), [("above.bin", 256), ("above.npy", 70000), ("negative.npy", -1), ("huge.npy", 2**62)]
+)
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_file(tmp_path, name, bad):
+    """Token ids the model has no embedding for (above its vocabulary, negative, or 2^62 in an int64 .npy)
+    are found where the data is loaded, by each file's smallest and largest id, not at the first batch
+    that holds one (an IndexError, or silently wrong training on a device that does not check)."""
+    ids = np.concatenate([np.arange(500) % 256, [bad], np.arange(500) % 256])
+    path = tmp_path / name
+    if name.endswith(".bin"):
+        write_tokens(ids, path, "uint16")
+    else:
+        np.save(path, ids)
+    (tmp_path / "ok.bin").write_bytes((np.arange(1000) % 256).astype(np.uint16).tobytes())
+    dm = TextDataModule(str(tmp_path / "ok.bin"), seq_len=16, batch_size=2, val_path=str(path))
+    said = _fit_refused(dm, tmp_path)
+    assert said.startswith(f"{path} holds token id {bad}, outside the model's vocabulary of 256 ids (0..255)")
+    assert TokenFile(tmp_path / "ok.bin", "uint16").id_range() == (0, 255)

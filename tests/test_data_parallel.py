@@ -9,6 +9,8 @@ Two launches of tests/dp_run.py (which trains both, megatrain first, in one proc
 - W=3 by Lightning's own script launcher (the script started once; the megatrain Trainer starts ranks 1 and 2):
   no clipping and no accumulation (each unit steps on the host as its gradient lands), the same schedule and
   groups, with the lean layout and the NVMe tier; and ``trainer.validate`` without fit.
+- Two more launches of 2 ranks, forked by one process, each losing a rank to SIGKILL (mid-step, mid-save):
+  what the survivor says.
 
 Every run validates once at the end (each rank its share of the validation batches). The megatrain runs'
 weights are the module's after fit (the engine gathers the whole model back into every rank, as DDP leaves
@@ -51,7 +53,9 @@ import torch
 from safetensors.torch import load_file
 
 from megatrain_lightning import MegatrainStrategy
-from tests.dp_run import CASES, LAYERS, RESUMED, checkpoint, global_batches, module
+from megatrain_lightning.checkpoint import load_trainer_state
+from megatrain_lightning.convert import lightning_checkpoint
+from tests.dp_run import CASES, KILLED, LAYERS, RESUMED, checkpoint, global_batches, module
 from tests.helpers import fit, own_llama, params_of, trainer, update_error
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,11 +103,13 @@ class Launch:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory) -> dict[int, Launch]:
+def launches(tmp_path_factory) -> dict[int | str, Launch]:
     w2 = ["accumulate-clip", "accumulate-clip-bf16", "manual", "resume", "refusals"]
     started = {
         2: Launch(tmp_path_factory.mktemp("w2"), 2, w2, torchrun=True),
         3: Launch(tmp_path_factory.mktemp("w3"), 3, ["overlap", "validate"], torchrun=False),
+        # two launches of 2 ranks, each losing one; one process forks their ranks (tests/dp_run.py)
+        "killed": Launch(tmp_path_factory.mktemp("killed"), 2, list(KILLED), torchrun=False),
     }
     yield started
     for launch in started.values():
@@ -318,3 +324,24 @@ def test_one_device_has_no_process_group_or_launcher(monkeypatch):
     assert not torch.distributed.is_initialized()
     assert os.environ["WORLD_SIZE"] == "2"  # the environment is not this strategy's to tear down
     assert len(lm.losses) == 2  # every batch: no sampler split them
+
+
+def test_a_rank_killed_mid_step_or_mid_save_ends_the_other_in_one_line(launches):
+    """2 ranks, last.ckpt committed after every step; rank 1 killed (SIGKILL) in the third step, between its
+    forward and its backward, and in another launch rank 0 killed in the save after it, having written a unit
+    file of it. The survivor's fit ends at its next collective, at once (no hang), with one line naming the
+    rank that exited and the checkpoint to resume from, read from storage: the one committed at step 2, which
+    is intact (the killed save committed nothing)."""
+    launch = launches["killed"]
+    root = launch.wait()
+    for stage, victim in KILLED.items():
+        out, survivor = root / stage, 1 - victim
+        codes = json.loads((out / "codes.json").read_text())
+        assert codes[victim] == -signal.SIGKILL and codes[survivor] == 0, (stage, codes, launch.log.read_text())
+        said = (out / f"killed.rank{survivor}.txt").read_text()
+        assert said == (
+            f"RankExitedError: rank {victim} exited (rank {survivor}'s collective lost its connection to it); the "
+            f"last committed checkpoint is step 2, {out / 'last.ckpt'} (pass it as ckpt_path to resume)"
+        ), stage
+        assert load_trainer_state(str(out / "last.ckpt"))["global_step"] == 2
+        assert lightning_checkpoint(str(out / "last.ckpt"))["state_dict"]  # every unit file checked and read

@@ -520,3 +520,48 @@ def test_odd_sized_parameters_start_aligned_in_their_slot_and_train_exactly(monk
             opt.zero_grad()
         for (name, a), b in zip(ref.named_parameters(), model.parameters()):
             assert torch.equal(a, b), name
+
+
+class BlocksOnly(nn.Module):
+    """A model that is nothing but its blocks: no embedding, norm or head outside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+def test_a_model_with_nothing_outside_its_blocks_trains_as_ordinary_training(tmp_path, monkeypatch):
+    """An empty set of outer parameters is a model like any other: clipped steps equal torch's AdamW bit for
+    bit, and its checkpoint reads back into a fresh engine."""
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+    model, reference = twin(BlocksOnly)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true"))
+    assert engine.outer_units == []
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    start = params_of(reference)
+    for x in torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1)):
+        with engine.backward(clip=True):
+            model(x).square().mean().backward()
+        engine.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+        reference(x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    engine.save(str(tmp_path / "ckpt"))
+    engine.close()
+    trained = params_of(model)
+    assert all(not torch.equal(trained[n], start[n]) for n in start)  # (not vacuous: every tensor moved)
+    assert all(torch.equal(trained[n], p) for n, p in params_of(reference).items())
+    again = BlocksOnly()
+    with Engine(again, EngineConfig(device="cpu", precision="32-true")) as fresh:
+        fresh.load(str(tmp_path / "ckpt"), optimizer=False)
+        assert all(torch.equal(trained[n], p) for n, p in fresh.master_state_dict().items())

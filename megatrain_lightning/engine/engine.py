@@ -118,7 +118,7 @@ class Engine:
         in_blocks = {id(p) for params in block_params for _, p in params}
         outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
         largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
-        self.piece = config.piece or piece_numel(max(largest_block, *(p.numel() for _, p in outer)))
+        self.piece = config.piece or piece_numel(max([largest_block, *(p.numel() for _, p in outer)]))
         self._host_available = probes.host_available_bytes or available_host_bytes
         self._host_need = self._check_host_memory(block_params, outer, self._host_available)
         # Checked (directory, free space) before the model is taken apart; the moments need it only to train.
@@ -881,8 +881,10 @@ class Engine:
     def num_parameters(self) -> int:
         return sum(u.full_numel for u in self.all_units())
 
-    def close(self) -> None:
-        """Give the model back as an ordinary fp32 host model (parameters are views of the masters)."""
+    def close(self, gather: bool = True) -> None:
+        """Give the model back as an ordinary fp32 host model (parameters are views of the masters).
+        `gather=False`: a partitioned engine whose peer rank exited runs no collective; its parameters stay
+        NaN placeholders."""
         self.flush()
         self.uploads.close()  # (its uploads were waited for by the flush)
         self.streams.synchronize()  # no copy may still read or write a device buffer freed below
@@ -892,7 +894,7 @@ class Engine:
         for handle in self._state_hooks:
             handle.remove()
         self._buffers_to_host()
-        if self.partition is not None:  # each rank gets the whole trained model back, as after DDP training
+        if self.partition is not None and gather:  # each rank gets the whole trained model back, as after DDP
             # The shards are unregistered before the gathered masters replace them (in fp32 the master is a
             # pinned buffer): afterwards nothing would name them, and they would stay locked for good.
             pinned.unregister(self._pinnable(self.all_units(), []))
