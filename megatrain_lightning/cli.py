@@ -141,7 +141,9 @@ class MegatrainCLI(LightningCLI):
         return {self._subcommand: every[self._subcommand]} if self._subcommand in every else every
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
-        parser = super().init_parser(**kwargs)
+        """Every parser (the main one and each subcommand's) refuses abbreviated options: argparse would take
+        a typo such as ``--trainer.max_step=50`` as the one option it prefixes (``max_steps``), silently."""
+        parser = super().init_parser(allow_abbrev=False, **kwargs)
         parser.help_prog = self._help_prog
         return parser
 

@@ -110,6 +110,9 @@ def test_installed_console_script(tmp_path):
         (["fit", "--config", DEMO, "--model.overrides.layers=2"], r"overrides \['layers'\] are not LlamaConfig fields"),
         (["fit", "--config", DEMO, "--trainer.precision=fp8"], r"--trainer.precision=fp8: use 32-true, bf16-mixed"),
         (["fit", "--config", DEMO, "--trainer.max_steps=ten"], r"--trainer.max_steps=ten: Expected a <class 'int'>"),
+        # a typo that argparse would take as the one option it abbreviates (max_steps, config)
+        (["fit", "--config", DEMO, "--trainer.max_step=50"], r"unrecognized arguments: --trainer.max_step=50 "),
+        (["fit", "--conf", DEMO], r"unrecognized arguments: --conf "),
         (["fit", "--config", DEMO, "--ckpt_path=/nope/last.ckpt"], r"ckpt_path='/nope/last.ckpt' does not exist"),
         (["fit", "--config", DEMO, f"--ckpt_path={REPO}"], r"is a directory; give the checkpoint file in it"),
         (["fit", "--config", DEMO, f"--ckpt_path={DEMO}"], r"torch.load cannot read it \(UnpicklingError"),
