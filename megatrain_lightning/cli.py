@@ -19,7 +19,6 @@ Mistakes in the user's input end in one line, ``megatrain: error: ...`` (exit st
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pickle
 import re
@@ -28,11 +27,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
+from megatrain_lightning import console
 from megatrain_lightning.callbacks import MegatrainMonitor
 from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.commands import (
@@ -108,7 +108,9 @@ class MegatrainArgumentParser(LightningArgumentParser):
 
 class MegatrainProgressBar(RichProgressBar):
     """Lightning's rich progress bar, reading ``Epoch 3`` where Lightning's reads ``Epoch 3/-2``: training
-    bounded by ``max_steps`` alone has ``max_epochs=-1`` (no epoch limit), which the bar prints minus one."""
+    bounded by ``max_steps`` alone has ``max_epochs=-1`` (no epoch limit), which the bar prints minus one.
+    For a run that names it (``--trainer.callbacks+=megatrain_lightning.cli.MegatrainProgressBar``); the
+    default is Lightning's tqdm bar, which writes its progress into a redirected log too."""
 
     def _get_train_description(self, current_epoch: int) -> str:
         if self.trainer.max_epochs is None or self.trainer.max_epochs >= 0:
@@ -223,16 +225,8 @@ class MegatrainCLI(LightningCLI):
             user_error(" ".join(str(err).split()))
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
-        """Lightning's default progress bar is the rich one when `rich` is installed: use ours instead,
-        unless the config names a progress bar or turns it off."""
-        given = config.get("callbacks") or []
-        given = given if isinstance(given, list) else [given]
-        if (
-            config.get("enable_progress_bar") is not False
-            and importlib.util.find_spec("rich") is not None
-            and not any(isinstance(c, ProgressBar) for c in [*given, *callbacks])
-        ):
-            callbacks = [*callbacks, MegatrainProgressBar()]
+        """The tqdm bar and CSV metrics whatever else is installed (console.py), unless the config says otherwise."""
+        config, callbacks = console.trainer_defaults(config, callbacks)
         try:
             return super()._instantiate_trainer(config, callbacks)
         except MisconfigurationException as err:  # Lightning's own checks of the Trainer's arguments
@@ -359,6 +353,7 @@ def run(argv: list[str] | None = None) -> Any:
         print("\n".join(lines))
         return lines
     _check_config_files(args)
+    console.quiet_known_notices()
     try:
         return MegatrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself
     except mt_checkpoint.CheckpointError as err:  # a damaged or foreign --ckpt_path, found while restoring

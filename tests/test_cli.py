@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from megatrain_lightning import MegatrainStrategy
 from megatrain_lightning.callbacks import MegatrainMonitor
@@ -64,10 +64,8 @@ def test_fit_with_config_and_overrides(tmp_path):
     [monitor] = [c for c in cli.trainer.callbacks if isinstance(c, MegatrainMonitor)]
     assert monitor.every_n_batches == 1 and monitor.last["perf/tokens_per_sec"] > 0
     assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
-    # max_steps without max_epochs: Lightning's rich bar would read "Epoch 0/-2"
-    bar = cli.trainer.progress_bar_callback
-    assert isinstance(bar, MegatrainProgressBar) and cli.trainer.max_epochs == -1
-    assert bar._get_train_description(0).strip() == "Epoch 0"
+    # the tqdm bar, whatever is installed (console.py; tests/test_demo.py runs it with and without rich)
+    assert isinstance(cli.trainer.progress_bar_callback, TQDMProgressBar) and cli.trainer.max_epochs == -1
 
 
 def test_progress_bar_reads_epochs_without_a_negative_total():
