@@ -229,6 +229,17 @@ def test_shipped_sweeps_pass_the_checks():
         load(path)
 
 
+def test_shipped_tiny_configs_write_under_the_users_own_home(tmp_path, monkeypatch):
+    """Two users of one machine must not share a run directory (a fixed path under /tmp did): `~` expands to the
+    driver's home."""
+    from ray_jobs.config import TrainConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load(REPO / "configs/sweep/tiny-lr.yaml").root == f"{tmp_path}/megatrain_runs/sweeps/tiny-lr"
+    assert load(REPO / "configs/run/tiny-dp.yaml", TrainConfig).root == f"{tmp_path}/megatrain_runs/runs/tiny-dp"
+    assert load(sweep_file(tmp_path, storage="s3://bucket/~x")).storage == "s3://bucket/~x"  # URLs as given
+
+
 def test_sweep_config_error_names_the_file(tmp_path):
     with pytest.raises(SweepConfigError, match=r"cfg\.yaml: num_samples"):
         load(sweep_file(tmp_path, num_samples="four"))
