@@ -420,6 +420,18 @@ def test_env_names_the_optimizer_backend(capsys):
     assert "torch " in out and "pinned-memory limit" in out and "CPU cores" in out
 
 
+def test_env_says_whom_a_low_pinned_memory_limit_binds(capsys, monkeypatch):
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (8 * 2**20, 8 * 2**20))
+    run(["env"])
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("pinned-memory limit")]
+    assert "8 MiB (does not cap the engine's pinned buffers" in line and "InfiniBand" in line, line
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    run(["env"])
+    assert "pinned-memory limit (ulimit -l, RLIMIT_MEMLOCK): unlimited\n" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_config_comments_match_the_planner(path):
     """The memory written at the top of each config is what the planner says for it (cannot go stale)."""
