@@ -267,6 +267,17 @@ def test_numbers_written_like_1e_5_are_numbers(tmp_path):
 # ------------------------------------------------------------------------------------- trial files
 
 
+def test_the_final_checkpoint_says_it_holds_the_whole_state():
+    """Lightning logs "`weights_only` was not set, defaulting to `False`" for a save that does not say: in a
+    trial's log it read like an unrestricted load."""
+    from ray_jobs.trial import _FinalCheckpoint
+
+    saves = []
+    trainer = types.SimpleNamespace(save_checkpoint=lambda path, **kwargs: saves.append((path, kwargs)))
+    _FinalCheckpoint("memory://t/last.ckpt").on_train_end(trainer, None)
+    assert saves == [("memory://t/last.ckpt", {"weights_only": False})]
+
+
 def test_attempt_files_are_named_by_start_time_as_documented(tmp_path):
     from ray_jobs.trial import Attempt
 
