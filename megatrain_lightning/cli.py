@@ -20,7 +20,6 @@ Mistakes in the user's input end in one line, ``megatrain: error: ...`` (exit st
 from __future__ import annotations
 
 import errno
-import importlib.util
 import os
 import pickle
 import re
@@ -31,11 +30,12 @@ from typing import Any, NoReturn
 
 import fsspec
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
+from megatrain_lightning import console
 from megatrain_lightning.callbacks import MegatrainMonitor
 from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.checkpoint.options import REDACTED, SECRET_KEYS, check_storage_options, redact_secrets
@@ -132,7 +132,9 @@ class MegatrainArgumentParser(LightningArgumentParser):
 
 class MegatrainProgressBar(RichProgressBar):
     """Lightning's rich progress bar, reading ``Epoch 3`` where Lightning's reads ``Epoch 3/-2``: training
-    bounded by ``max_steps`` alone has ``max_epochs=-1`` (no epoch limit), which the bar prints minus one."""
+    bounded by ``max_steps`` alone has ``max_epochs=-1`` (no epoch limit), which the bar prints minus one.
+    For a run that names it (``--trainer.callbacks+=megatrain_lightning.cli.MegatrainProgressBar``); the
+    default is Lightning's tqdm bar, which writes its progress into a redirected log too."""
 
     def _get_train_description(self, current_epoch: int) -> str:
         if self.trainer.max_epochs is None or self.trainer.max_epochs >= 0:
@@ -165,7 +167,9 @@ class MegatrainCLI(LightningCLI):
         return {self._subcommand: every[self._subcommand]} if self._subcommand in every else every
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
-        parser = super().init_parser(**kwargs)
+        """Every parser (the main one and each subcommand's) refuses abbreviated options: argparse would take
+        a typo such as ``--trainer.max_step=50`` as the one option it prefixes (``max_steps``), silently."""
+        parser = super().init_parser(allow_abbrev=False, **kwargs)
         parser.help_prog = self._help_prog
         parser.writes_config = True
         return parser
@@ -267,16 +271,8 @@ class MegatrainCLI(LightningCLI):
             )
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
-        """Lightning's default progress bar is the rich one when `rich` is installed: use ours instead,
-        unless the config names a progress bar or turns it off."""
-        given = config.get("callbacks") or []
-        given = given if isinstance(given, list) else [given]
-        if (
-            config.get("enable_progress_bar") is not False
-            and importlib.util.find_spec("rich") is not None
-            and not any(isinstance(c, ProgressBar) for c in [*given, *callbacks])
-        ):
-            callbacks = [*callbacks, MegatrainProgressBar()]
+        """The tqdm bar and CSV metrics whatever else is installed (console.py), unless the config says otherwise."""
+        config, callbacks = console.trainer_defaults(config, callbacks)
         try:
             return super()._instantiate_trainer(config, callbacks)
         except MisconfigurationException as err:  # Lightning's own checks of the Trainer's arguments
@@ -464,6 +460,7 @@ def run(argv: list[str] | None = None) -> Any:
         print("\n".join(lines))
         return lines
     _check_config_files(args)
+    console.quiet_known_notices()
     try:
         return MegatrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself
     except mt_checkpoint.CheckpointError as err:  # a damaged or foreign --ckpt_path, found while restoring

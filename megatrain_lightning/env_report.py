@@ -30,8 +30,19 @@ def _devices() -> list[str]:
 
 
 def _memlock() -> str:
+    """The limit, and whom it binds. The engine pins its host buffers with ``cudaHostRegister``, and NVIDIA's
+    Linux driver pins those pages itself (``get_user_pages`` in its ``os_lock_user_pages``) without counting
+    them against RLIMIT_MEMLOCK, which only ``mlock`` and RDMA registrations (InfiniBand/RoCE: NCCL between
+    nodes, GPUDirect RDMA) are charged to. So a low limit does not cap a run on one node, and matters where
+    NCCL talks over InfiniBand or RoCE."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
+    if soft == resource.RLIM_INFINITY:
+        return "unlimited"
+    return (
+        f"{soft / 2**20:.0f} MiB (does not cap the engine's pinned buffers, which the CUDA driver pins outside "
+        "this limit; NCCL over InfiniBand/RoCE between nodes registers memory against it: raise it to unlimited "
+        "there)"
+    )
 
 
 def _available(limit: HostLimit) -> str:

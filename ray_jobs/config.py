@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
+import os
 import re
 from collections.abc import Callable
 from dataclasses import field
@@ -97,6 +98,12 @@ def _check_name(name: str) -> str:
     if "/" in name or name.strip(". ") == "":
         raise ValueError(f"name={name!r} must be a plain directory name (no '/')")
     return name
+
+
+def _expand_home(storage: str) -> str:
+    """A local `storage` may start with `~` (the shipped tiny configs write under `~/megatrain_runs`): the
+    driver expands it, so trials and Ray read the same absolute directory."""
+    return storage if "://" in storage else os.path.expanduser(storage)
 
 
 def _check_size(size: str) -> str:
@@ -322,8 +329,8 @@ def _check_scaled_trainer(base: dict[str, Any], where: str) -> None:
 class SweepConfig:
     name: Annotated[str, AfterValidator(_check_name)]
     """Sweep name: its directory under `storage` and Ray's experiment name."""
-    storage: str
-    """fsspec URL of shared storage (s3://..., or a directory every node mounts)."""
+    storage: Annotated[str, AfterValidator(_expand_home)]
+    """fsspec URL of shared storage (s3://..., or a directory every node mounts; `~` is the driver's home)."""
     base: dict[str, Any]
     """The base training config: `model`, `data`, `trainer` sections as for `megatrain fit`, optional `seed`."""
     search_space: dict[str, dict[str, list]] = field(default_factory=dict)
@@ -386,8 +393,8 @@ class TrainConfig:
 
     name: Annotated[str, AfterValidator(_check_name)]
     """The run's directory under `storage` and Ray Train's run name: resubmitting the same name resumes it."""
-    storage: str
-    """fsspec URL of shared storage (s3://..., or a directory every node mounts)."""
+    storage: Annotated[str, AfterValidator(_expand_home)]
+    """fsspec URL of shared storage (s3://..., or a directory every node mounts; `~` is the driver's home)."""
     base: dict[str, Any]
     """The training config: `model`, `data`, `trainer` sections as for `megatrain fit`, optional `seed`."""
     scaling: Scaling

@@ -87,7 +87,8 @@ class ReportedCheckpoints(Callback):
         from ray.train import Checkpoint, CheckpointUploadMode
 
         step = trainer.global_step
-        trainer.save_checkpoint(f"{self.root}/{checkpoint_dir(step)}/{CHECKPOINT}")
+        # weights_only=False: the whole training state, said outright (unsaid, Lightning logs that it defaulted)
+        trainer.save_checkpoint(f"{self.root}/{checkpoint_dir(step)}/{CHECKPOINT}", weights_only=False)
         self.saved = step
         storage = ray.train.get_context().get_storage()
         reported = Checkpoint(

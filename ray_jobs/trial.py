@@ -59,7 +59,9 @@ class _FinalCheckpoint(Callback):
         self.path = path
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.save_checkpoint(self.path)
+        # The whole training state, said outright: unsaid, Lightning logs "`weights_only` was not set,
+        # defaulting to `False`" (about what a save holds, not about unpickling anything on load).
+        trainer.save_checkpoint(self.path, weights_only=False)
 
 
 class Attempt(Callback):

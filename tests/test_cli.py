@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from megatrain_lightning import MegatrainStrategy
 from megatrain_lightning.callbacks import MegatrainMonitor
@@ -66,10 +66,8 @@ def test_fit_with_config_and_overrides(tmp_path):
     [monitor] = [c for c in cli.trainer.callbacks if isinstance(c, MegatrainMonitor)]
     assert monitor.every_n_batches == 1 and monitor.last["perf/tokens_per_sec"] > 0
     assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
-    # max_steps without max_epochs: Lightning's rich bar would read "Epoch 0/-2"
-    bar = cli.trainer.progress_bar_callback
-    assert isinstance(bar, MegatrainProgressBar) and cli.trainer.max_epochs == -1
-    assert bar._get_train_description(0).strip() == "Epoch 0"
+    # the tqdm bar, whatever is installed (console.py; tests/test_demo.py runs it with and without rich)
+    assert isinstance(cli.trainer.progress_bar_callback, TQDMProgressBar) and cli.trainer.max_epochs == -1
 
 
 def test_progress_bar_reads_epochs_without_a_negative_total():
@@ -112,6 +110,9 @@ def test_installed_console_script(tmp_path):
         (["fit", "--config", DEMO, "--model.overrides.layers=2"], r"overrides \['layers'\] are not LlamaConfig fields"),
         (["fit", "--config", DEMO, "--trainer.precision=fp8"], r"--trainer.precision=fp8: use 32-true, bf16-mixed"),
         (["fit", "--config", DEMO, "--trainer.max_steps=ten"], r"--trainer.max_steps=ten: Expected a <class 'int'>"),
+        # a typo that argparse would take as the one option it abbreviates (max_steps, config)
+        (["fit", "--config", DEMO, "--trainer.max_step=50"], r"unrecognized arguments: --trainer.max_step=50 "),
+        (["fit", "--conf", DEMO], r"unrecognized arguments: --conf "),
         (["fit", "--config", DEMO, "--ckpt_path=/nope/last.ckpt"], r"ckpt_path='/nope/last.ckpt' does not exist"),
         (["fit", "--config", DEMO, f"--ckpt_path={REPO}"], r"is a directory; give the checkpoint file in it"),
         (["fit", "--config", DEMO, f"--ckpt_path={DEMO}"], r"torch.load cannot read it \(UnpicklingError"),
@@ -419,6 +420,18 @@ def test_env_names_the_optimizer_backend(capsys):
     out = capsys.readouterr().out
     assert re.search(r"optimizer backend: (native|torch) \(native kernel: ", out)
     assert "torch " in out and "pinned-memory limit" in out and "CPU cores" in out
+
+
+def test_env_says_whom_a_low_pinned_memory_limit_binds(capsys, monkeypatch):
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (8 * 2**20, 8 * 2**20))
+    run(["env"])
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("pinned-memory limit")]
+    assert "8 MiB (does not cap the engine's pinned buffers" in line and "InfiniBand" in line, line
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    run(["env"])
+    assert "pinned-memory limit (ulimit -l, RLIMIT_MEMLOCK): unlimited\n" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])

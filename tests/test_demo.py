@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -82,3 +84,66 @@ def assert_png(path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     pixels = image.imread(path)
     assert pixels.shape[0] >= 200 and pixels.shape[1] >= 300 and pixels.std() > 0.05
+
+
+def quick_demo(root: Path) -> list[str]:
+    """The demo config, a few tiny steps, with its progress bar on."""
+    return [
+        "fit",
+        "--config",
+        DEMO,
+        f"--trainer.default_root_dir={root}",
+        "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.limit_val_batches=1",
+        "--trainer.log_every_n_steps=1",
+        "--data.seq_len=16",
+        "--data.batch_size=2",
+        "--trainer.callbacks.max_new_tokens=2",
+    ]
+
+
+def demo_with_extras(root: Path, installed: bool, monkeypatch) -> tuple[Any, set[str]]:
+    """The quick demo as Lightning would run it with rich and tensorboard(X) installed, or with neither."""
+    from lightning.pytorch.trainer.connectors import callback_connector
+    from lightning.pytorch.trainer.connectors.logger_connector import logger_connector
+
+    for module, flag in [
+        (callback_connector, "_RICH_AVAILABLE"),
+        (logger_connector, "_TENSORBOARD_AVAILABLE"),
+        (logger_connector, "_TENSORBOARDX_AVAILABLE"),
+    ]:
+        monkeypatch.setattr(module, flag, installed)
+    cli = run(quick_demo(root))
+    files = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    return cli, {re.sub(r"/v[0-9a-f]+-[0-9a-f]+/", "/VERSION/", f) for f in files}  # a checkpoint's random id
+
+
+def test_the_demo_shows_and_writes_the_same_with_or_without_the_extras(tmp_path, monkeypatch, capsys, caplog, recwarn):
+    """Lightning picks a rich bar and summary with `rich` installed and TensorBoard with tensorboard(X): the
+    demo gets the tqdm bar, the plain summary and metrics.csv either way, and no notices."""
+    from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, TQDMProgressBar
+    from lightning.pytorch.loggers import CSVLogger
+
+    caplog.set_level("INFO")
+    seen = {}
+    for installed in (True, False):
+        cli, files = demo_with_extras(tmp_path / str(installed), installed, monkeypatch)
+        trainer = cli.trainer
+        kinds = sorted(type(c).__name__ for c in trainer.callbacks)
+        seen[installed] = (files, kinds, [type(x).__name__ for x in trainer.loggers])
+        assert isinstance(trainer.progress_bar_callback, TQDMProgressBar)
+        assert [type(x) for x in trainer.loggers] == [CSVLogger]
+        summaries = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
+        assert len(summaries) == 1 and not isinstance(summaries[0], RichModelSummary)
+    assert seen[True] == seen[False]
+    files = seen[True][0]
+    assert {"lightning_logs/version_0/metrics.csv", "lightning_logs/version_0/checkpoints/last.ckpt"} <= files
+    assert "sample.txt" in files and not any("tfevents" in f for f in files), files
+    out = capsys.readouterr()
+    shown = out.out + out.err + caplog.text
+    assert "Epoch 0: 100%" in shown and "Total params" in shown  # the tqdm bar and the plain summary
+    shown += "".join(str(w.message) for w in recwarn)
+    for notice in ("💡 Tip", "LeafSpec", "tensorboardX", "Skipping setting a default"):
+        assert notice not in shown, notice

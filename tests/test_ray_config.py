@@ -229,6 +229,17 @@ def test_shipped_sweeps_pass_the_checks():
         load(path)
 
 
+def test_shipped_tiny_configs_write_under_the_users_own_home(tmp_path, monkeypatch):
+    """Two users of one machine must not share a run directory (a fixed path under /tmp did): `~` expands to the
+    driver's home."""
+    from ray_jobs.config import TrainConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load(REPO / "configs/sweep/tiny-lr.yaml").root == f"{tmp_path}/megatrain_runs/sweeps/tiny-lr"
+    assert load(REPO / "configs/run/tiny-dp.yaml", TrainConfig).root == f"{tmp_path}/megatrain_runs/runs/tiny-dp"
+    assert load(sweep_file(tmp_path, storage="s3://bucket/~x")).storage == "s3://bucket/~x"  # URLs as given
+
+
 def test_sweep_config_error_names_the_file(tmp_path):
     with pytest.raises(SweepConfigError, match=r"cfg\.yaml: num_samples"):
         load(sweep_file(tmp_path, num_samples="four"))
@@ -254,6 +265,17 @@ def test_numbers_written_like_1e_5_are_numbers(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- trial files
+
+
+def test_the_final_checkpoint_says_it_holds_the_whole_state():
+    """Lightning logs "`weights_only` was not set, defaulting to `False`" for a save that does not say: in a
+    trial's log it read like an unrestricted load."""
+    from ray_jobs.trial import _FinalCheckpoint
+
+    saves = []
+    trainer = types.SimpleNamespace(save_checkpoint=lambda path, **kwargs: saves.append((path, kwargs)))
+    _FinalCheckpoint("memory://t/last.ckpt").on_train_end(trainer, None)
+    assert saves == [("memory://t/last.ckpt", {"weights_only": False})]
 
 
 def test_attempt_files_are_named_by_start_time_as_documented(tmp_path):
