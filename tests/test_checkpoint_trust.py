@@ -451,7 +451,8 @@ class SaveAtEnd(Callback):
         trainer.save_checkpoint(self.url, **self.kwargs)
 
 
-def test_storage_options_carry_the_credentials_and_are_written_nowhere(s3_env, monkeypatch, caplog, recwarn):
+def _credentials_only_in_options(s3_env: dict, monkeypatch) -> dict:
+    """The test server's credentials as storage options, and none in the environment (nor cached by s3fs)."""
     import s3fs
 
     from tests.s3_server import OPTIONS_KEY, OPTIONS_SECRET
@@ -460,7 +461,13 @@ def test_storage_options_carry_the_credentials_and_are_written_nowhere(s3_env, m
         if name.startswith("AWS_"):
             monkeypatch.delenv(name)
     s3fs.S3FileSystem.clear_instance_cache()
-    options = {"key": OPTIONS_KEY, "secret": OPTIONS_SECRET, "endpoint_url": s3_env["AWS_ENDPOINT_URL"]}
+    return {"key": OPTIONS_KEY, "secret": OPTIONS_SECRET, "endpoint_url": s3_env["AWS_ENDPOINT_URL"]}
+
+
+def test_storage_options_carry_the_credentials_and_are_written_nowhere(s3_env, monkeypatch, caplog, recwarn):
+    from tests.s3_server import OPTIONS_SECRET
+
+    options = _credentials_only_in_options(s3_env, monkeypatch)
     root = f"s3://megatrain/options-{os.getpid()}"
     caplog.set_level(logging.INFO)
     strategy = MegatrainStrategy(storage_options=options)
@@ -486,15 +493,7 @@ def test_saves_after_fit_use_the_strategy_storage_options(s3_env, monkeypatch, r
     """trainer.save_checkpoint after fit, credentials given only to the strategy: over the sharded checkpoint
     saved during fit a sharded one again, elsewhere Lightning's single file; both written with the strategy's
     options, and both resume with them."""
-    import s3fs
-
-    from tests.s3_server import OPTIONS_KEY, OPTIONS_SECRET
-
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    s3fs.S3FileSystem.clear_instance_cache()
-    options = {"key": OPTIONS_KEY, "secret": OPTIONS_SECRET, "endpoint_url": s3_env["AWS_ENDPOINT_URL"]}
+    options = _credentials_only_in_options(s3_env, monkeypatch)
     root = f"s3://megatrain/after-fit-{os.getpid()}"
     torch.manual_seed(0)
     with quiet():

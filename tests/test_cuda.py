@@ -82,6 +82,19 @@ def test_peak_gpu_memory_is_flat_across_depth():
     assert peaks[1] - peaks[0] <= saved_inputs + 2**20, (peaks, saved_inputs)
 
 
+def three_steps(engine: Engine, model: LlamaForCausalLM) -> torch.Tensor:
+    """Three AdamW steps of the engine on one fixed batch (returned), every host step done at the end."""
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    tokens = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(1)).cuda()
+    for _ in range(3):
+        with engine.backward():
+            model(tokens, targets=tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    engine.flush()
+    return tokens
+
+
 def test_auto_slots_grow_on_the_device_and_change_no_result():
     """num_slots="auto" adds slots after the first step from the memory the device reports: a slot per block
     for this small model. The training is bit for bit that of 2 fixed slots (the same kernels in the same
@@ -94,14 +107,7 @@ def test_auto_slots_grow_on_the_device_and_change_no_result():
         model = big_llama(6)
         config = EngineConfig(device="cuda", precision="bf16-true", num_slots=num_slots, recompute=True)
         engine = Engine(model, config)
-        opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-        tokens = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(1)).cuda()
-        for _ in range(3):
-            with engine.backward():
-                model(tokens, targets=tokens).backward()
-            opt.step()
-            opt.zero_grad()
-        engine.flush()
+        tokens = three_steps(engine, model)
         with torch.no_grad():
             model(tokens)
         runs[num_slots] = (engine.pool.num_slots, engine.pool.uploads, params_of(model))
@@ -139,14 +145,7 @@ def test_recompute_auto_is_true_within_rounding():
         start = params_of(model)
         config = EngineConfig(device="cuda", precision="32-true", num_slots="auto", recompute=recompute)
         engine = Engine(model, config)
-        opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-        tokens = torch.randint(0, 1024, (2, 128), generator=torch.Generator().manual_seed(1)).cuda()
-        for _ in range(3):
-            with engine.backward():
-                model(tokens, targets=tokens).backward()
-            opt.step()
-            opt.zero_grad()
-        engine.flush()
+        three_steps(engine, model)
         runs[recompute] = (engine.stats["kept_calls"], params_of(model))
         engine.close()
     assert runs["auto"][0] > 0 and runs[True][0] == 0  # blocks did keep their graphs: not vacuous
