@@ -224,11 +224,10 @@ def test_a_planted_pickle_never_runs(source, tmp_path, capsys, path, target, exp
         set_index(marker, {k: v for k, v in index_of(marker).items() if k != "export"})
     sentinel = tmp_path / "PWNED"
     plant(marker, target, sentinel)
-    if path is by_convert_hf and export and target == "trainer.pt":  # the export entry suffices: no trainer.pt read
-        assert run(["convert", str(marker), "--to", "hf", str(tmp_path / "hf")]).startswith("wrote")
-    else:
-        line = one_line(path(str(marker), tmp_path, capsys))
-        assert PLANTED[target] in line
+    # (`convert --to hf` reads the trainer state even with the index's export entry: the run's tokenizer is
+    # named in its data module's hyper-parameters)
+    line = one_line(path(str(marker), tmp_path, capsys))
+    assert PLANTED[target] in line
     assert not sentinel.exists()
 
 
