@@ -19,16 +19,13 @@ Mistakes in the user's input end in one line, ``megatrain: error: ...`` (exit st
 
 from __future__ import annotations
 
-import errno
 import os
 import pickle
 import re
 import sys
 import warnings
-from pathlib import Path
 from typing import Any, NoReturn
 
-import fsspec
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -37,24 +34,33 @@ import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning import console
 from megatrain_lightning.callbacks import MegatrainMonitor
-from megatrain_lightning.checkpoint import trust
-from megatrain_lightning.checkpoint.options import REDACTED, SECRET_KEYS, check_storage_options, redact_secrets
+from megatrain_lightning.checkpoint.options import REDACTED, SECRET_KEYS, redact_secrets
+from megatrain_lightning.cli_checks import (
+    OPTION_HINTS,
+    SUBCOMMANDS,
+    check_ckpt_path,
+    check_config_files,
+    check_seq_len,
+    check_strategy,
+    check_trainer,
+    check_urls,
+    load_error,
+    no_space,
+    refuse_optimizer_options,
+)
 from megatrain_lightning.commands import (
     convert_command,
     default_precision,
     plan_command,
-    read_config,
     schedule_command,
     user_error,
 )
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.engine.config import check_offload_inputs_dtype, check_options, check_precision
 from megatrain_lightning.engine.host import HostMemoryError
 from megatrain_lightning.engine.nvme import NvmeTierError
 from megatrain_lightning.env_report import env_lines
 from megatrain_lightning.module import CausalLMModule, check_init_from, check_optimizer_args, resolve_config
 from megatrain_lightning.peers import RankExitedError
-from megatrain_lightning.strategy import check_trainer_args
 
 USAGE = """usage: megatrain {fit,validate,test,predict,plan,schedule,convert,env} ...
 
@@ -67,12 +73,6 @@ USAGE = """usage: megatrain {fit,validate,test,predict,plan,schedule,convert,env
   env        versions, devices, memory and the optimizer backend
 
 `megatrain fit --help` lists every option; `megatrain fit --print_config` prints a config to start from."""
-
-
-_OPTION_HINTS = {
-    "trainer.precision": "use 32-true, bf16-mixed or bf16-true, or null for the default (bf16-mixed on a GPU, "
-    "32-true on the CPU); strategy='megatrain' refuses fp16",
-}
 
 
 def one_line(message: str, prog: str = "megatrain fit") -> str:
@@ -94,15 +94,12 @@ def one_line(message: str, prog: str = "megatrain fit") -> str:
     value = f"={given.group(1).strip()}" if given else ""
     if key.rsplit(".", 1)[-1] in SECRET_KEYS:  # what was typed there may be a credential
         value = f"={REDACTED}" if given else ""
-    hint = _OPTION_HINTS.get(key.split(".", 1)[1] if key.split(".", 1)[0] in _SUBCOMMANDS else key)
+    hint = OPTION_HINTS.get(key.split(".", 1)[1] if key.split(".", 1)[0] in SUBCOMMANDS else key)
     if hint is None:
         first = detail.strip().splitlines()[0] if detail.strip() else "invalid value"
         hint = re.sub(r"\.?\s*(Got|Given) value:.*", "", first).strip().rstrip(".")
         hint += f" (`{prog} --help` lists the options)"
     return f"--{key}{value}: {hint}"
-
-
-_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
 class MegatrainArgumentParser(LightningArgumentParser):
@@ -147,8 +144,8 @@ class MegatrainCLI(LightningCLI):
 
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
         given = sys.argv[1:] if args is None else args
-        self._help_prog = f"megatrain {next((a for a in given if a in _SUBCOMMANDS), 'fit')}"
-        self._subcommand = given[0] if given and given[0] in _SUBCOMMANDS else None
+        self._help_prog = f"megatrain {next((a for a in given if a in SUBCOMMANDS), 'fit')}"
+        self._subcommand = given[0] if given and given[0] in SUBCOMMANDS else None
         super().__init__(
             CausalLMModule,
             TextDataModule,
@@ -193,13 +190,13 @@ class MegatrainCLI(LightningCLI):
         path = self.config[sub].get("ckpt_path") if sub else None
         if path is None:
             return super()._parse_ckpt_path()
-        _check_ckpt_path(str(path))
+        check_ckpt_path(str(path))
         if not mt_checkpoint.is_checkpoint(str(path)):
             try:
                 return super()._parse_ckpt_path()
             except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError) as err:
                 user_error(
-                    f"ckpt_path={path!r}: torch.load cannot read it ({_load_error(err)}); give a checkpoint "
+                    f"ckpt_path={path!r}: torch.load cannot read it ({load_error(err)}); give a checkpoint "
                     "written by Lightning or megatrain"
                 )
         try:
@@ -220,21 +217,21 @@ class MegatrainCLI(LightningCLI):
 
     def _check_options(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        _refuse_optimizer_options(config)
+        refuse_optimizer_options(config)
         if config.trainer.precision is None:
             config.trainer.precision = default_precision()
         name = config.model.model or config.model.init_from
         try:
-            _check_urls(config.trainer)
-            _check_trainer(config.trainer)
-            _check_strategy(config.trainer.strategy, config.trainer.precision)
+            check_urls(config.trainer)
+            check_trainer(config.trainer)
+            check_strategy(config.trainer.strategy, config.trainer.precision)
             hp = config.model
             check_optimizer_args(hp.lr, hp.weight_decay, hp.betas, hp.warmup_steps, hp.max_steps)
             if isinstance(name, str):  # a full LlamaConfig mapping is checked by LlamaConfig itself
                 model = resolve_config(name, config.model.overrides)
                 if config.model.init_from is not None:
                     check_init_from(model, config.model.init_from)
-                _check_seq_len(config.data.seq_len, model.max_position_embeddings)
+                check_seq_len(config.data.seq_len, model.max_position_embeddings)
             TextDataModule(**vars(config.data))  # checks paths and formats; reads no data yet
         except (ValueError, FileNotFoundError, ImportError) as err:  # the user's input: report, don't trace
             user_error(str(err))
@@ -261,7 +258,7 @@ class MegatrainCLI(LightningCLI):
             print(f"megatrain: error: {err}", file=sys.stderr)
             raise SystemExit(1) from None
         except Exception as err:
-            full = _no_space(err)
+            full = no_space(err)
             if full is None:
                 raise
             user_error(
@@ -297,150 +294,6 @@ class MegatrainCLI(LightningCLI):
     before_validate = _check_data
 
 
-def _check_urls(trainer: Any) -> None:
-    """Where the run writes (the root directory, a callback's dirpath): a URL's scheme must be one fsspec has."""
-    check_url("--trainer.default_root_dir", trainer.default_root_dir)
-    callbacks = trainer.callbacks if isinstance(trainer.callbacks, list) else [trainer.callbacks]
-    for callback in callbacks:
-        init_args = getattr(callback, "init_args", None) or {}
-        if "dirpath" in init_args:
-            check_url(f"{callback.class_path.rsplit('.', 1)[-1]} dirpath", init_args["dirpath"])
-
-
-def check_url(option: str, value: Any) -> None:
-    """A ValueError naming `value` when its URL scheme is one fsspec does not know or cannot load (fsspec's
-    own errors come up as tracebacks from deep inside Lightning); a local path passes."""
-    if not isinstance(value, (str, os.PathLike)):
-        return
-    protocol = fsspec.core.split_protocol(os.fspath(value))[0]
-    if protocol is None:
-        return
-    try:
-        fsspec.get_filesystem_class(protocol)
-    except ValueError:
-        raise ValueError(
-            f"{option}={os.fspath(value)!r}: {protocol}:// is not a scheme fsspec knows; give a local path or a "
-            "URL such as s3://bucket/run, gs://..., az://..., hdfs://..., memory://... "
-            "(python -c 'import fsspec; print(fsspec.available_protocols())' lists them all)"
-        ) from None
-    except ImportError as err:
-        raise ValueError(f"{option}={os.fspath(value)!r}: {trust.first_line(err)}, or give a local path") from None
-
-
-def _check_trainer(trainer: Any) -> None:
-    """The Trainer options Lightning would accept and then fail on or misread (strategy.py), and the precision."""
-    check_trainer_args(
-        trainer.accumulate_grad_batches,
-        trainer.gradient_clip_val,
-        trainer.gradient_clip_algorithm,
-        trainer.val_check_interval,
-    )
-    precision = _precision_name(trainer.precision)
-    try:
-        check_precision(precision)
-    except ValueError:
-        raise ValueError(f"--trainer.precision={trainer.precision}: {_OPTION_HINTS['trainer.precision']}") from None
-
-
-def _precision_name(value: Any) -> str:
-    """Lightning's short precision names in full ("32" is "32-true")."""
-    return {"32": "32-true", "bf16": "bf16-mixed"}.get(str(value), str(value))
-
-
-def _check_strategy(strategy: Any, precision: Any) -> None:
-    """MegatrainStrategy options given as ``--trainer.strategy.init_args.*``: the strategy's own checks, here
-    (jsonargparse would print every type it tried), the options that depend on the (checked) precision, and
-    the NVMe directory, before the model is built."""
-    if not str(getattr(strategy, "class_path", "")).endswith("MegatrainStrategy"):
-        return
-    args = vars(strategy.get("init_args") or {})
-    check_options(args)
-    check_storage_options(args.get("storage_options"))  # e.g. a saved config's placeholders
-    check_offload_inputs_dtype(args.get("offload_inputs_dtype"), _precision_name(precision))
-    nvme_dir = args.get("nvme_dir")
-    if nvme_dir is not None and not Path(nvme_dir).is_dir():
-        what = "is not a directory" if Path(nvme_dir).exists() else "does not exist"
-        raise ValueError(
-            f"nvme_dir={nvme_dir!r} {what}; create it on a local drive (mkdir -p {nvme_dir}), or leave nvme_dir "
-            "unset to keep the Adam moments in host memory"
-        )
-
-
-def _check_seq_len(seq_len: int, max_positions: int) -> None:
-    if seq_len > max_positions:
-        raise ValueError(
-            f"--data.seq_len={seq_len} is above the model's max_position_embeddings={max_positions}: give a "
-            f"seq_len from 1 to {max_positions}, or raise --model.overrides.max_position_embeddings"
-        )
-
-
-_CKPT_KEYWORDS = ("last", "best", "hpc")
-
-
-def _check_ckpt_path(path: str) -> None:
-    """A local --ckpt_path must name an existing checkpoint file (Lightning's keywords pass through)."""
-    if path in _CKPT_KEYWORDS or path.startswith("registry"):
-        return
-    if "://" in path and not path.startswith("file://"):
-        try:
-            check_url("ckpt_path", path)
-        except ValueError as err:
-            user_error(str(err))
-        return
-    local = Path(path.removeprefix("file://")).expanduser()
-    if local.is_dir():
-        user_error(
-            f"ckpt_path={path!r} is a directory; give the checkpoint file in it, e.g. {path.rstrip('/')}/last.ckpt"
-        )
-    if not local.is_file() and mt_checkpoint.is_checkpoint(str(local)):  # its data, without a marker
-        try:
-            mt_checkpoint.store.read_index(str(local))
-        except mt_checkpoint.CheckpointError as err:
-            user_error(f"ckpt_path={path!r}: {err}")
-    if not local.is_file():
-        user_error(
-            f"ckpt_path={path!r} does not exist; give a checkpoint file, e.g. "
-            "lightning_logs/version_0/checkpoints/last.ckpt, or 'last'"
-        )
-
-
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-def _no_space(err: BaseException) -> OSError | None:
-    """The OSError of a full drive or an exhausted quota behind `err` (it, or what it was raised from)."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, OSError) and err.errno in _FULL:
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
-
-
-def _load_error(err: BaseException) -> str:
-    """The telling part of a torch.load failure (its weights-only refusal opens with a paragraph of advice)."""
-    return f"{type(err).__name__}: {trust.first_line(err)}"
-
-
-_OPTIMIZER_FIX = (
-    "set --model.lr, --model.weight_decay, --model.betas, --model.warmup_steps and --model.max_steps instead"
-)
-
-
-def _refuse_optimizer_options(config: Any) -> None:
-    """LightningCLI's --optimizer/--lr_scheduler replace the module's configure_optimizers outright."""
-    for key in ("optimizer", "lr_scheduler"):
-        value = config.get(key)
-        if value is None:
-            continue
-        name = getattr(value, "class_path", value)
-        user_error(
-            f"--{key}={name} would replace CausalLMModule.configure_optimizers, which sets up AdamW with param groups "
-            "(no weight decay on norms and biases) and the warm-up + cosine learning-rate schedule; " + _OPTIMIZER_FIX
-        )
-
-
 # -- entry points ---------------------------------------------------------------------------------
 def run(argv: list[str] | None = None) -> Any:
     """Run one ``megatrain`` command; returns the LightningCLI, the Plan, the ModelledStep, convert's summary
@@ -459,56 +312,12 @@ def run(argv: list[str] | None = None) -> Any:
         lines = env_lines()
         print("\n".join(lines))
         return lines
-    _check_config_files(args)
+    check_config_files(args)
     console.quiet_known_notices()
     try:
         return MegatrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself
     except mt_checkpoint.CheckpointError as err:  # a damaged or foreign --ckpt_path, found while restoring
         user_error(str(err))
-
-
-def _check_config_files(args: list[str]) -> None:
-    """A --config file that is missing or unreadable gets one line naming it (and the ready configs), not
-    the full usage or jsonargparse's traceback."""
-    for path in _config_args(args):
-        try:
-            _check_strategy_as_written(path, read_config(path))
-        except FileNotFoundError as err:
-            ready = sorted(str(p) for p in Path("configs").glob("*.yaml"))
-            hint = "the ready configs are in the repository's configs/"
-            if ready:
-                hint = f"ready configs here: {', '.join(ready)}"
-            user_error(f"{err}; {hint}")
-        except ValueError as err:
-            user_error(str(err))
-
-
-def _check_strategy_as_written(path: str, config: dict[str, Any]) -> None:
-    """The strategy's options in a config file, checked as YAML loaded them: jsonargparse reads a quoted
-    ``'yes'``, ``'on'`` or ``'false'`` given for a boolean as the boolean, so a string would be taken for a
-    yes/no it only looks like. (On the command line every value is text, read as YAML: true/false there.)"""
-    nested = [config[sub] for sub in _SUBCOMMANDS if isinstance(config.get(sub), dict)]  # megatrain --config
-    for trainer in [config.get("trainer"), *(sub.get("trainer") for sub in nested)]:
-        strategy = trainer.get("strategy") if isinstance(trainer, dict) else None
-        init_args = strategy.get("init_args") if isinstance(strategy, dict) else None
-        if not isinstance(init_args, dict):
-            continue
-        try:
-            check_options(init_args)
-        except ValueError as err:
-            key = str(err).split("=", 1)[0]  # the checks' messages open with the option: key=value
-            value = init_args.get(key)
-            quoted = isinstance(value, str) and value.lower() in _WORDS_FOR_BOOLEANS
-            hint = f"; write {key}: true or false, unquoted (a quoted word is a string)" if quoted else ""
-            raise ValueError(f"config file {path!r}: trainer.strategy.init_args.{err}{hint}") from None
-
-
-_WORDS_FOR_BOOLEANS = ("true", "false", "yes", "no", "on", "off", "y", "n")
-
-
-def _config_args(args: list[str]) -> list[str]:
-    paths = [a.split("=", 1)[1] for a in args if a.startswith(("--config=", "-c="))]
-    return paths + [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("-c", "--config")]
 
 
 def main(argv: list[str] | None = None) -> None:
