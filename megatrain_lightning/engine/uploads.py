@@ -95,8 +95,13 @@ class Uploader:
     def _stage(self, job: Callable[[], object]) -> Future:
         with self._lock:
             if self._stager is None:  # (one thread: uploads are issued in the order handed over)
-                self._stager = ThreadPoolExecutor(1, thread_name_prefix="megatrain-stager")
+                self._stager = ThreadPoolExecutor(1, "megatrain-stager", self._on_engine_device)
             return self._stager.submit(job)
+
+    def _on_engine_device(self) -> None:
+        """The stager's CUDA calls (events, copies) go to the engine's GPU, not to GPU 0, a new thread's default."""
+        if self.streams.is_cuda and torch.cuda.is_available():  # (a recording double answers is_cuda on a CPU)
+            torch.cuda.set_device(self.streams.device)
 
     def rings(self) -> list[HostRing]:
         return [self.staging] if self.staging is not None else []
