@@ -102,10 +102,18 @@ The last line printed is machine-readable, one line on stdout whenever a plan is
 Exit status 0 when the plan fits, 1 when it does not (the reasons on stderr, before that line), 2 on bad
 input (no plan, no host_plan line).
 
+any other model (--model a Hugging Face config.json or checkpoint directory of another family, e.g.
+Mistral, Qwen3-MoE, DeepSeek-V3, Jamba, T5, Llava; or package.module:function, a zero-argument callable
+returning the nn.Module): built on the meta device, its stacks found as the strategy finds them, host
+bytes counted from the engine's units, the GPU peak measured by one training step on fake tensors (no
+formulas: --no-measure leaves the GPU unplanned; no --png, --token-chunk-size, --devices/--nodes)
+
 examples:  megatrain plan --model llama-120b --host-mem 1536GiB
            megatrain plan --model llama-120b --host-mem 512GiB --nvme-dir /mnt/nvme
            megatrain plan --config configs/llama-3.1-8b.yaml --host-mem 512GiB --gpu-mem 80GiB
-           megatrain plan --model llama-3.1-8b --gpu-mem 80GiB --png plan.png   (the breakdown drawn)"""
+           megatrain plan --model llama-3.1-8b --gpu-mem 80GiB --png plan.png   (the breakdown drawn)
+           megatrain plan --model ./Mixtral-8x7B-v0.1 --seq-len 8192 --gpu-mem 80GiB   (a checkpoint directory)
+           megatrain plan --model my_pkg.models:build_model --gpu-mem 24GiB"""
 
 MODEL_DEFAULTS = {"seq_len": 4096, "micro_batch": 1}
 """What --model plans when --seq-len / --micro-batch are not given."""

@@ -316,41 +316,46 @@ class ModelPlan:
     def table(self) -> str:
         stacks = " and ".join(c.describe() for c in self.units.layout.stacks)
         title = (
-            f"{self.name}: {self.kind}, {self.num_parameters / 1e6:.1f}M parameters in {len(self.units.blocks)} "
+            f"{self.name}: {self.kind}, {_count(self.num_parameters)} parameters in {len(self.units.blocks)} "
             f"streamed blocks and {len(self.units.outer)} other units; streams {stacks}; seq_len {self.seq_len} x "
             f"micro-batch {self.micro_batch}, {self.precision}, accumulate {self.accumulate}, {self.num_slots} slots, "
             f"host layout {self.host_layout}" + (", Adam on NVMe" if self.nvme else "")
         )
         return "\n".join([title, "", *self._host_lines(), "", *self._gpu_lines(), *self._limit_lines()])
 
+    def _unit(self) -> tuple[str, int]:
+        """GiB for both tables once the host needs a GiB (as planner.Plan), else MiB."""
+        return ("GiB", GiB) if self.host_total >= GiB else ("MiB", 2**20)
+
     def _host_lines(self) -> list[str]:
-        n = self.num_parameters
-        lines = [f"{'host memory (counted from the units)':<58}{'bytes/param':>12}{'MiB':>12}"]
+        n, (unit, scale) = self.num_parameters, self._unit()
+        lines = [f"{'host memory (counted from the units)':<58}{'bytes/param':>12}{unit:>12}"]
         for key, value in [*self.host.items(), ("total", self.host_total)]:
-            lines.append(f"  {_HOST_LABELS.get(key, key):<56}{value / n:>12.2f}{value / 2**20:>12.2f}")
+            lines.append(f"  {_HOST_LABELS.get(key, key):<56}{value / n:>12.2f}{value / scale:>12.2f}")
         return lines
 
     def _gpu_lines(self) -> list[str]:
-        lines = [f"{'GPU memory':<70}{'MiB':>12}"]
+        unit, scale = self._unit()
+        lines = [f"{'GPU memory':<70}{unit:>12}"]
         labels = {
             "weight_slots": f"weight slots ({self.num_slots} x largest block), in the peak",
             "grad_slots": "gradient slots (2 x largest block), in the peak",
             "outer": "parameters outside the blocks (on the device), in the peak",
         }
         for key, value in self.slot_bytes.items():
-            lines.append(f"  {labels[key]:<68}{value / 2**20:>12.2f}")
+            lines.append(f"  {labels[key]:<68}{value / scale:>12.2f}")
         m = self.measured
         if m is None:
             return [*lines, "  peak: not measured (--no-measure)"]
         where = "offloaded to host memory" if self.offloaded else "kept on the device"
         return [
             *lines,
-            f"  {'measured: one training step on fake tensors (allocator peak)':<68}{m.peak / 2**20:>12.2f}",
+            f"  {'measured: one training step on fake tensors (allocator peak)':<68}{m.peak / scale:>12.2f}",
             f"    (forward {format_size(m.forward_peak)}, backward {format_size(m.backward_peak)}, of which modelled "
             f"kernel workspace {format_size(m.workspace)}; block inputs {where}; recompute={self.recompute!r}: "
-            f"{m.kept_calls} block calls kept their graph)",
-            f"  {'CUDA context and allocator slack (allowance)':<68}{CUDA_CONTEXT_BYTES / 2**20:>12.2f}",
-            f"  {'peak (measured + context)':<68}{self.gpu_peak / 2**20:>12.2f}",
+            f"{m.kept_calls} block calls kept their graph; measured in {m.seconds:.0f} s)",
+            f"  {'CUDA context and allocator slack (allowance)':<68}{CUDA_CONTEXT_BYTES / scale:>12.2f}",
+            f"  {'peak (measured + context)':<68}{self.gpu_peak / scale:>12.2f}",
         ]
 
     def _limit_lines(self) -> list[str]:
@@ -431,6 +436,10 @@ def plan_model(
         gpu_mem=gpu_mem,
         recompute=recompute,
     )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
 
 
 _FAMILY_TEXT = {"causal": "causal LM", "seq2seq": "encoder-decoder", "vlm": "vision-language", "module": "module"}
