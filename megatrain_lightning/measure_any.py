@@ -29,6 +29,9 @@ Mixture-of-experts routing: transformers 5 runs experts with ``grouped_mm`` by d
 expert, one grouped matmul over offsets: what a GPU runs), whose shapes do not depend on the routing, so the
 measured step holds tokens x top_k rows as training does. An eager expert loop over ``nonzero`` has shapes
 that depend on the routing; such a model stops with the ValueError above.
+
+State-space layers (Mamba, Jamba) run transformers' reference PyTorch path here, not the ``mamba_ssm`` CUDA
+kernels: its scan loops over tokens (time per token) and keeps more for backward than the fused kernel.
 """
 
 from __future__ import annotations

@@ -30,6 +30,10 @@ For these models nothing is a formula (:func:`plan_model`):
 Not planned for these models: data parallelism (``--devices``/``--nodes``), token tiles (the project's
 Llama's option), the drawing (``--png``), and the largest micro-batch or sequence that fits (each is a
 measured step). ``num_slots="auto"`` is planned at 2, where the engine starts.
+
+Why one file of about 500 lines: what ``--model`` names, the units it makes, their host bytes and the plan
+that prints them are one path read top to bottom, each step a short function; the step on fake tensors,
+which imports the engine, is measure_any.py.
 """
 
 from __future__ import annotations
@@ -62,7 +66,6 @@ from megatrain_lightning.measure_any import Family, check_measurable
 from megatrain_lightning.planner import CUDA_CONTEXT_BYTES, GiB, choose_tiers, compute_bytes, format_size
 
 _FACTORY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-_OWN_LLAMA = ("llama", "qwen2")  # model types the project's Llama reads (models/config.py)
 
 
 @dataclass(frozen=True)
@@ -296,7 +299,9 @@ class ModelPlan:
             out.append(
                 f"host memory: the {self.num_parameters / 1e9:.2f}B-parameter model needs {format_size(self.host_total)} "
                 f"with host_layout={self.host_layout!r}{' and Adam on NVMe' if self.nvme else ''} but the limit is "
-                f"{format_size(self.host_mem)}; try --host-layout auto with --nvme-dir, or a machine with more memory."
+                f"{format_size(self.host_mem)}; "
+                + ("" if self.nvme else "--host-layout auto with --nvme-dir DIR moves Adam m + v to a drive; or use ")
+                + "a machine with more host memory."
             )
         if self.gpu_mem is not None and self.gpu_peak is not None and self.gpu_peak > self.gpu_mem:
             out.append(
