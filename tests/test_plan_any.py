@@ -247,3 +247,34 @@ def test_refusals_are_one_line(tmp_path, capsys, args, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def engine_host_bytes(config: transformers.PretrainedConfig, layout: str, accumulate: int) -> int:
+    """Host bytes a real engine holds after one optimizer step of `accumulate` micro-batches on the CPU."""
+    from megatrain_lightning import Engine, EngineConfig
+
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config)
+    engine = Engine(model, EngineConfig(device="cpu", precision="bf16-mixed", host_layout=layout, pin_memory=False))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    ids = torch.randint(3, VOCAB, (1, SEQ))
+    for i in range(accumulate):
+        with engine.autocast(), engine.backward(accumulate=i < accumulate - 1):
+            model(input_ids=ids, decoder_input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    engine.flush()
+    total = sum(engine.host_bytes().values())
+    engine.close()
+    return total
+
+
+@pytest.mark.parametrize("layout, accumulate", [("default", 2), ("lean", 1)])
+def test_host_bytes_are_what_the_engine_allocates(tmp_path, layout, accumulate):
+    """T5 shares its embedding between encoder, decoder and head: held once, as the engine holds it. The
+    lean layout's rings are sized from the largest unit, as the engine sizes them."""
+    config = t5()
+    plan = plan_model(
+        write(config, tmp_path), SEQ, accumulate=accumulate, host_layout=layout, measure=False, clipping=False
+    )
+    assert plan.host_layout == layout
+    assert plan.host_total == engine_host_bytes(config, layout, accumulate)
