@@ -278,3 +278,14 @@ def test_host_bytes_are_what_the_engine_allocates(tmp_path, layout, accumulate):
     )
     assert plan.host_layout == layout
     assert plan.host_total == engine_host_bytes(config, layout, accumulate)
+
+
+def test_recompute_auto_keeps_graphs_in_the_slots_beyond_two(tmp_path):
+    """With 4 slots and room on the GPU the engine's own "auto" keeps the last 2 blocks' graphs (2 slots keep
+    streaming) in the measured step, which then holds their activations; with recompute=True none."""
+    directory = write(mistral(), tmp_path)
+    kept = plan_model(directory, SEQ, num_slots=4, gpu_mem=2 * GiB, recompute="auto")
+    recomputed = plan_model(directory, SEQ, num_slots=4, gpu_mem=2 * GiB, recompute=True)
+    assert (kept.measured.kept_calls, recomputed.measured.kept_calls) == (2, 0)
+    assert kept.measured.persistent == recomputed.measured.persistent
+    assert kept.measured.backward_peak > recomputed.measured.backward_peak
