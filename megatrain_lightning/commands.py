@@ -23,6 +23,7 @@ from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning import plots
 from megatrain_lightning.engine.config import OFFLOAD_INPUTS_DTYPES, PRECISIONS
 from megatrain_lightning.module import resolve_config
+from megatrain_lightning.plan_any import ModelPlan, is_any_model, plan_from_args
 from megatrain_lightning.planner import HOST_LAYOUTS, NVME_GBPS, Plan, parse_size, plan
 from megatrain_lightning.schedule import LINKS, PROFILES, DataParallel, ModelledStep, modelled_step, profile
 from megatrain_lightning.schedule.modelled import check_options
@@ -101,10 +102,18 @@ The last line printed is machine-readable, one line on stdout whenever a plan is
 Exit status 0 when the plan fits, 1 when it does not (the reasons on stderr, before that line), 2 on bad
 input (no plan, no host_plan line).
 
+any other model (--model a Hugging Face config.json or checkpoint directory of another family, e.g.
+Mistral, Qwen3-MoE, DeepSeek-V3, Jamba, T5, Llava; or package.module:function, a zero-argument callable
+returning the nn.Module): built on the meta device, its stacks found as the strategy finds them, host
+bytes counted from the engine's units, the GPU peak measured by one training step on fake tensors (no
+formulas: --no-measure leaves the GPU unplanned; no --png, --token-chunk-size, --devices/--nodes)
+
 examples:  megatrain plan --model llama-120b --host-mem 1536GiB
            megatrain plan --model llama-120b --host-mem 512GiB --nvme-dir /mnt/nvme
            megatrain plan --config configs/llama-3.1-8b.yaml --host-mem 512GiB --gpu-mem 80GiB
-           megatrain plan --model llama-3.1-8b --gpu-mem 80GiB --png plan.png   (the breakdown drawn)"""
+           megatrain plan --model llama-3.1-8b --gpu-mem 80GiB --png plan.png   (the breakdown drawn)
+           megatrain plan --model ./Mixtral-8x7B-v0.1 --seq-len 8192 --gpu-mem 80GiB   (a checkpoint directory)
+           megatrain plan --model my_pkg.models:build_model --gpu-mem 24GiB"""
 
 MODEL_DEFAULTS = {"seq_len": 4096, "micro_batch": 1}
 """What --model plans when --seq-len / --micro-batch are not given."""
@@ -118,7 +127,11 @@ def plan_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--config", help="a megatrain fit YAML config to plan (its model, seq_len, batch, precision)")
-    ap.add_argument("--model", help="preset (e.g. llama-3.1-8b), Hugging Face config.json or checkpoint directory")
+    ap.add_argument(
+        "--model",
+        help="preset (e.g. llama-3.1-8b), a Hugging Face config.json or checkpoint directory of any family, or "
+        "package.module:function returning the nn.Module (built on the meta device; see below)",
+    )
     ap.add_argument("--seq-len", type=int, help=f"tokens per sequence (--model: default {MODEL_DEFAULTS['seq_len']})")
     ap.add_argument(
         "--micro-batch", type=int, help=f"sequences per micro-batch (--model: default {MODEL_DEFAULTS['micro_batch']})"
@@ -303,7 +316,7 @@ def plan_from_config(
     )
 
 
-def plan_command(argv: list[str]) -> Plan:
+def plan_command(argv: list[str]) -> Plan | ModelPlan:
     ap = plan_parser()
     args = ap.parse_args(argv)
     try:
@@ -326,8 +339,8 @@ def plan_command(argv: list[str]) -> Plan:
     return result
 
 
-def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
-    """The plan the parsed `megatrain plan` options ask for: of a config, or of a model."""
+def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan | ModelPlan:
+    """The plan the parsed `megatrain plan` options ask for: of a config, or of a model (any model: plan_any.py)."""
     overrides = {} if args.token_chunk_size is None else {"token_chunk_size": args.token_chunk_size}
     if args.config:
         return plan_from_config(
@@ -348,6 +361,8 @@ def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan:
         )
     if not args.model:
         ap.error("give --config FILE or --model NAME")
+    if is_any_model(args.model):  # another family, or a module factory: stacks found, one step measured
+        return plan_from_args(args)
     offload = "auto" if args.offload_inputs is None else args.offload_inputs
     seq_len = MODEL_DEFAULTS["seq_len"] if args.seq_len is None else args.seq_len
     micro_batch = MODEL_DEFAULTS["micro_batch"] if args.micro_batch is None else args.micro_batch

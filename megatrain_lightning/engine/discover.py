@@ -194,6 +194,17 @@ def layout(model: nn.Module, stacks: list[Candidate]) -> Layout:
     return out
 
 
+def unit_parameters(
+    model: nn.Module, layout: Layout
+) -> tuple[list[list[tuple[str, nn.Parameter]]], list[tuple[str, nn.Parameter]]]:
+    """The engine's host units: for each streamed block its own (not shared) parameters, and every other
+    parameter of the model (outer, a unit each, a shared one once). The engine and the planner both take
+    their units from here, so the bytes planned are the bytes allocated."""
+    block_params = [[(n, p) for n, p in b.named_parameters() if id(p) not in layout.shared] for b in layout.blocks]
+    in_blocks = {id(p) for params in block_params for _, p in params}
+    return block_params, [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
+
+
 def _by_name(model: nn.Module, name: str, found: list[Candidate]) -> Candidate:
     try:
         module = model.get_submodule(name)

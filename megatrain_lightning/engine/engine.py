@@ -54,7 +54,7 @@ from megatrain_lightning.engine import host_memory, pinned
 from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, compile_block_calls, select_side
 from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.config import EngineConfig, forward_context
-from megatrain_lightning.engine.discover import find_blocks
+from megatrain_lightning.engine.discover import find_blocks, unit_parameters
 from megatrain_lightning.engine.host import (
     HostMemoryError,
     HostUnit,
@@ -113,10 +113,7 @@ class Engine:
         stack = self.layout.stack_of
         self._spans = [(stack.index(s), stack.count(s)) for s in stack]
         pin = self.device.type == "cuda" if config.pin_memory is None else config.pin_memory
-        shared = self.layout.shared
-        block_params = [[(n, p) for n, p in b.named_parameters() if id(p) not in shared] for b in self.blocks]
-        in_blocks = {id(p) for params in block_params for _, p in params}
-        outer = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
+        block_params, outer = unit_parameters(model, self.layout)
         largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
         self.piece = config.piece or piece_numel(max([largest_block, *(p.numel() for _, p in outer)]))
         self._host_available = probes.host_available_bytes or available_host_bytes
