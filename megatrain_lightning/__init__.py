@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from megatrain_lightning.convert import load_from_checkpoint
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine, HostMemoryError
+from megatrain_lightning.engine.materialize import empty_init
 from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.engine.pinned import PinnedMemoryError
 from megatrain_lightning.engine.probes import Probes
@@ -36,6 +37,7 @@ __all__ = [
     "MegatrainPrecision",
     "MegatrainStrategy",
     "PinnedMemoryError",
+    "empty_init",
     "load_from_checkpoint",
     "load_hf_weights",
 ]

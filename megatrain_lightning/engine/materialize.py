@@ -6,14 +6,17 @@ memory and no initialization. Its buffers stay real host tensors, because the no
 ``inv_freq``) are computed by the constructor and in no checkpoint. The engine then allocates each unit's
 flat fp32 master and fills it here, one unit at a time, so no fp32 model ever exists beside the masters:
 
-    checkpoint   a parameter that ``load_hf_weights`` has named a checkpoint tensor for (the tensor is read,
-                 one at a time, and converted into the master; engine/../models/hf_io.py)
+    checkpoint   a parameter that ``load_hf_weights`` has named a checkpoint tensor for: the tensor is read
+                 (one at a time, its file mapped only meanwhile) and converted into the master (models/hf_io.py)
     init         otherwise the module's own initialization, run on the views of the master once all of a
-                 module's parameters are there: a Hugging Face model's ``_init_weights(module)``, else the
-                 module's ``reset_parameters()``
+                 module's parameters are there: ``_init_weights(module)`` of the innermost model around it
+                 that has one (Hugging Face's protocol, which this project's Llama follows), else the
+                 module's ``reset_parameters()``. Nothing is initialized twice, and nothing that a
+                 checkpoint fills is initialized at all.
 
-A model built on the meta device in any other way (``with torch.device("meta")`` in ``configure_model``) is
-filled the same way, provided its buffers are real.
+In ``configure_model`` (which Lightning runs under ``init_module()`` without empty_init) the same is had by
+building inside ``megatrain_lightning.empty_init()``. A model built on the meta device in any other way
+(``with torch.device("meta")``) is filled the same way, provided it has no buffers on meta.
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ def empty_init() -> Iterator[None]:
     finally:
         handle.remove()
         _local.active, _local.guarded = False, None
+
+
+def building_empty() -> bool:
+    """Whether this thread is inside :func:`empty_init` (a loader then leaves the parameters on meta)."""
+    return getattr(_local, "active", False)
 
 
 def _refuse_copy_into_meta(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *_) -> None:
@@ -190,7 +198,8 @@ def _initializers(model: nn.Module) -> Callable[[nn.Module], Callable[[], None]]
     def init_of(module: nn.Module) -> Callable[[], None]:
         if module in hf:
             return lambda: hf[module]._init_weights(module)
-        reset = getattr(module, "reset_parameters", None)
+        # (nn.MultiheadAttention's own parameters have the private name)
+        reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
         if callable(reset):
             return reset
         names = [n for n, _ in module.named_parameters(recurse=False)]
