@@ -46,7 +46,7 @@ def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Par
     guarded = _local.guarded
     if module not in guarded:
         guarded.add(module)
-        module.register_load_state_dict_pre_hook(_refuse_copy_into_meta)
+        module.register_load_state_dict_pre_hook(_memory_for_load)
     return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
 
@@ -73,18 +73,18 @@ def building_empty() -> bool:
     return getattr(_local, "active", False)
 
 
-def _refuse_copy_into_meta(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *_) -> None:
-    """``load_state_dict`` copies into parameters, and a copy into a meta tensor is a silent no-op: refuse it."""
+def _memory_for_load(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *_) -> None:
+    """``load_state_dict`` copies into parameters, and a copy into a meta tensor silently does nothing: each
+    meta parameter the state dict names gets host memory first (the same object, its contents swapped), so
+    the load is the ordinary one (``LightningModule.load_from_checkpoint`` under ``init_module(empty_init=True)``
+    included). The state dict is a whole model in memory anyway; the engine copies the loaded parameters."""
     if local_metadata.get("assign_to_params_buffers", False):
         return
     for name, p in module._parameters.items():
         if p is not None and p.is_meta and prefix + name in state_dict:
-            raise RuntimeError(
-                f"load_state_dict cannot copy {prefix + name!r} into a model built with empty_init=True: its "
-                "parameters have no memory until strategy='megatrain' sets the model up. Load a Hugging Face "
-                "checkpoint with megatrain_lightning.load_hf_weights(model, directory), pass "
-                "load_state_dict(..., assign=True), or build the model with empty_init=False"
-            )
+            attrs = dict(p.__dict__)
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad))
+            p.__dict__.update(attrs)
 
 
 def empty_params(model: nn.Module) -> set[int]:
