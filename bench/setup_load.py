@@ -1,6 +1,6 @@
 """How fast strategy='megatrain' sets a model up from a Hugging Face checkpoint, and how much host memory that takes.
 
-    python bench/setup_load.py [--dir DIR] [--layers 32] [--hidden 896] [--shard-mb 200] [--json]
+    python bench/setup_load.py [--dir DIR] [--layers 32] [--hidden 896] [--shard-mb 200] [--ordinary] [--json]
 
 A Qwen2 of about 0.5B parameters (Qwen2-0.5B's blocks, 32 of them, a vocabulary of 4096) is written once as
 bf16 safetensors shards into DIR (a temporary directory by default; random weights, no hub), then loaded in a
@@ -10,10 +10,11 @@ tensor by tensor into the engine's fp32 masters and allocates the Adam moments. 
 
 - setup time and throughput: fp32 master bytes over the seconds ``fabric.setup`` took, and what a 70B and a
   405B setup would take at that rate (the masters pinned where there is a GPU, as training uses them);
+- RSS before setup (the model as built and loaded: nothing here, 4 bytes/param the ordinary way);
 - peak RSS during setup against the RSS after it (the steady state: masters, compute copy, Adam moments),
   both less the process's RSS before the model was built. The loader holds one tensor at a time, so the
-  peak stays within one shard of the steady state; the ordinary way (a full fp32 model, then the strategy)
-  adds the model's 4 bytes/param.
+  peak stays within one shard of the steady state; the ordinary way (``--ordinary``: ``from_pretrained``, a
+  full fp32 model, then the strategy) adds the model's 4 bytes/param.
 
 The measuring process fixes glibc's mmap and trim thresholds (1 MiB), as bench/host_memory.py does, so that
 a freed tensor's memory goes back to the system and RSS reads what is held.
@@ -74,8 +75,9 @@ def _status_kb(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def measure(directory: Path, layers: int, hidden: int) -> dict:
-    """One setup from the checkpoint, in this (fresh) process."""
+def measure(directory: Path, layers: int, hidden: int, ordinary: bool = False) -> dict:
+    """One setup from the checkpoint, in this (fresh) process; `ordinary`: the model loaded whole in fp32 by
+    ``from_pretrained`` first (the timing then covers ``fabric.setup`` alone, the RSS both)."""
     from lightning.fabric import Fabric
     from transformers import Qwen2ForCausalLM
 
@@ -90,10 +92,14 @@ def measure(directory: Path, layers: int, hidden: int) -> dict:
     except OSError:
         pass
     base = _status_kb("VmRSS")
-    with fabric.init_module(empty_init=True):
-        model = Qwen2ForCausalLM(config)
-    mt.load_hf_weights(model, directory)
+    if ordinary:
+        model = Qwen2ForCausalLM.from_pretrained(directory, dtype=torch.float32).train()
+    else:
+        with fabric.init_module(empty_init=True):
+            model = Qwen2ForCausalLM(config)
+        mt.load_hf_weights(model, directory)
     params = sum(p.numel() for p in model.parameters())
+    before = _status_kb("VmRSS") - base  # the model as built and loaded, before the strategy takes it
     start = time.perf_counter()
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     seconds = time.perf_counter() - start
@@ -102,10 +108,12 @@ def measure(directory: Path, layers: int, hidden: int) -> dict:
     return {
         "params": params,
         "device": "cuda (pinned masters)" if cuda else "cpu",
+        "load": "from_pretrained, then fabric.setup" if ordinary else "init_module(empty_init=True) + load_hf_weights",
         "setup_s": round(seconds, 3),
         "gb_per_s": round(rate / 1e9, 3),
         "minutes_70b": round(4 * 70e9 / rate / 60, 1),
         "minutes_405b": round(4 * 405e9 / rate / 60, 1),
+        "before_setup_gb": round(before * 1024 / 1e9, 3),
         "steady_gb": round(steady * 1024 / 1e9, 3),
         "peak_gb": round(peak * 1024 / 1e9, 3),
     }
@@ -117,11 +125,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=896)
     ap.add_argument("--shard-mb", type=int, default=200)
+    ap.add_argument("--ordinary", action="store_true", help="load with from_pretrained first, for comparison")
     ap.add_argument("--json", action="store_true", help="print only the result, as one JSON line")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # (the fresh measuring process)
     args = ap.parse_args()
     if args.measure:
-        print(json.dumps(measure(Path(args.dir), args.layers, args.hidden)))
+        print(json.dumps(measure(Path(args.dir), args.layers, args.hidden, args.ordinary)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(args.dir or tmp)
@@ -129,18 +138,19 @@ def main() -> None:
             write_checkpoint(directory, args.layers, args.hidden, args.shard_mb)
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
         cmd = [sys.executable, __file__, "--measure", "--dir", str(directory)]
-        cmd += ["--layers", str(args.layers), "--hidden", str(args.hidden)]
+        cmd += ["--layers", str(args.layers), "--hidden", str(args.hidden)] + (["--ordinary"] if args.ordinary else [])
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     if args.json:
         print(json.dumps(result))
         return
     r = result
-    print(f"{r['params'] / 1e9:.2f}B parameters from bf16 safetensors, {r['device']}")
+    print(f"{r['params'] / 1e9:.2f}B parameters from bf16 safetensors, {r['device']}: {r['load']}")
     print(f"setup: {r['setup_s']:.2f} s, {r['gb_per_s']:.2f} GB/s of fp32 masters")
     print(f"at that rate: 70B {r['minutes_70b']:.1f} min, 405B {r['minutes_405b']:.1f} min")
     print(
-        f"RSS: peak during setup {r['peak_gb']:.2f} GB, after it {r['steady_gb']:.2f} GB "
+        f"RSS: {r['before_setup_gb']:.2f} GB before setup (the model as built), peak during setup "
+        f"{r['peak_gb']:.2f} GB, after it {r['steady_gb']:.2f} GB "
         f"({r['peak_gb'] / r['steady_gb']:.3f} x)"
     )
 

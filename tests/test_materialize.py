@@ -232,7 +232,7 @@ def test_a_mismatched_checkpoint_is_refused_before_any_parameter_is_deferred(tmp
 def test_setup_peak_rss_is_within_one_shard_of_the_steady_state_at_half_a_billion(tmp_path):
     """A ~0.5B Qwen2 (bf16 shards of 200 MB) through fabric.init_module(empty_init=True): peak RSS during
     setup at most 1.15 x the RSS after it (the optimizer's moments included), the process's own start
-    subtracted from both."""
+    subtracted from both, and no weights in memory before setup."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "setup_load.py"), "--dir", str(tmp_path), "--json"],
         capture_output=True,
@@ -245,6 +245,8 @@ def test_setup_peak_rss_is_within_one_shard_of_the_steady_state_at_half_a_billio
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert 0.45e9 < result["params"] < 0.6e9
     assert result["peak_gb"] <= 1.15 * result["steady_gb"], result
+    # (the ordinary way holds the fp32 model here, 1.9 GB: a third of the steady state)
+    assert result["before_setup_gb"] <= 0.02 * result["steady_gb"], result
 
 
 def _shard_units(ref: nn.Module, loaded: bool, lo: int, hi: int) -> tuple[nn.Module, HostUnit, set[int]]:
