@@ -37,6 +37,7 @@ from lightning.fabric.utilities.types import _PATH
 from torch import nn
 from typing_extensions import override
 
+from megatrain_lightning.engine import materialize
 from megatrain_lightning.engine.config import (
     EngineConfig,
     check_device,
@@ -220,8 +221,11 @@ class MegatrainFabricStrategy(Strategy):
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         """``fabric.init_module()`` builds the model on the host in fp32: the engine decides what goes to the
-        device, and a model too large for it must never be materialized there."""
-        return _EmptyInit(enabled=bool(empty_init))
+        device, and a model too large for it must never be materialized there. ``empty_init=True`` builds it
+        without weights (parameters on the meta device, buffers on the host): ``fabric.setup`` fills the
+        engine's fp32 masters unit by unit, from the checkpoint ``load_hf_weights`` named, else by each
+        module's own init (engine/materialize.py)."""
+        return materialize.empty_init() if empty_init else _EmptyInit(enabled=False)
 
     @override
     def module_to_device(self, module: nn.Module) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 
+from megatrain_lightning.engine import materialize
 from megatrain_lightning.models import PRESETS, LlamaConfig, LlamaForCausalLM, load_hf_config, load_hf_weights
 
 _HEAD_SHAPE_FIELDS = ("hidden_size", "num_attention_heads")
@@ -120,11 +121,13 @@ def build_model(config: LlamaConfig, init_from: str | None = None) -> LlamaForCa
     if init_from is None:
         return LlamaForCausalLM(config)
     check_init_from(config, init_from)
-    # Built on the meta device and materialized uninitialized: the checkpoint overwrites every weight.
+    # Built on the meta device and materialized uninitialized: the checkpoint overwrites every weight. Under
+    # init_module(empty_init=True) it stays there: the engine reads the checkpoint into its masters at setup.
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty re-creates each module's Parameter, which unties them
+    if not materialize.building_empty():
+        model = model.to_empty(device="cpu")
+        model.tie_weights()  # to_empty re-creates each module's Parameter, which unties them
     load_hf_weights(model, Path(init_from).expanduser())
     return model
 

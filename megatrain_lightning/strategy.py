@@ -22,7 +22,8 @@ import pickle
 import random
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import fsspec
@@ -62,6 +63,7 @@ from megatrain_lightning.averaging import AVERAGED_STATE, AveragingViews, replac
 from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.checkpoint.options import check_storage_options
 from megatrain_lightning.convert import lightning_checkpoint
+from megatrain_lightning.engine import materialize
 from megatrain_lightning.engine.config import EngineConfig, check_options
 from megatrain_lightning.engine.discover import BlocksOption
 from megatrain_lightning.engine.engine import Engine
@@ -419,6 +421,20 @@ class MegatrainStrategy(ParallelStrategy):
         return dataloader
 
     # -- device and precision ----------------------------------------------------------------------
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """``trainer.init_module(empty_init=True)`` builds the model without weights: parameters on the meta
+        device, buffers on the host. Setup then fills the engine's fp32 masters unit by unit, from the
+        checkpoint ``load_hf_weights`` named, else by each module's own init, so the model never exists in
+        fp32 beside them (engine/materialize.py)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with materialize.empty_init(), self.precision_plugin.tensor_init_context():
+            yield
+
     @property
     @override
     def root_device(self) -> torch.device:

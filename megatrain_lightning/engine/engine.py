@@ -50,7 +50,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from megatrain_lightning.device_memory import auto_slot_count, free_device_bytes, step_transient_bytes
-from megatrain_lightning.engine import host_memory, pinned
+from megatrain_lightning.engine import host_memory, materialize, pinned
 from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, compile_block_calls, select_side
 from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.config import EngineConfig, forward_context
@@ -159,9 +159,11 @@ class Engine:
         self.uploads = Uploader(self.streams, self.stats, self.piece, staging_ring, partition)
         self.units: list[HostUnit] = []
         outer_units: list[HostUnit] = []
+        empty = materialize.empty_params(model)  # built without weights: filled unit by unit below
         try:
             self._build_blocks(block_params, pin)
             outer_units = [self._unit(n, [(n, p)], pin, not lean) for n, p in outer]
+            materialize.fill_units(model, self.units + outer_units, empty)
         except BaseException:
             pinned.unregister(
                 self._pinnable(self.units + outer_units, [staging_ring, grad_ring])

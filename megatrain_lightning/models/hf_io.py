@@ -21,6 +21,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
+
+from megatrain_lightning.engine.materialize import SOURCE_ATTR
 
 from .config import LlamaConfig
 from .llama import LlamaForCausalLM
@@ -66,59 +69,115 @@ def _weight_files(directory: Path) -> dict[str, list[str]]:
     raise FileNotFoundError(f"Neither {INDEX_FILE} nor {SINGLE_FILE} in {directory} (found: {present})")
 
 
-def _expected_tensors(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+def _expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     # remove_duplicate=False lists a tied weight under both names, as HF state dicts do.
     expected = dict(model.named_parameters(remove_duplicate=False))
     expected.update(model.named_buffers(remove_duplicate=False))
     return expected
 
 
-def _plan_load(model: LlamaForCausalLM, directory: Path) -> dict[str, list[str]]:
-    """Validate every key and shape against the model before any copy: shard -> keys to load."""
+def _required(model: nn.Module) -> dict[int, list[str]]:
+    """What a checkpoint must hold: per parameter and persistent buffer (by identity), the names it goes by.
+    A tied weight (``lm_head.weight`` is ``embed_tokens.weight`` under ``tie_word_embeddings``) is one tensor
+    with two names, and a checkpoint holding either fills it."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                names.setdefault(id(b), []).append(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def _plan_load(model: nn.Module, directory: Path) -> dict[str, list[str]]:
+    """Validate every key and shape against the model before any copy: shard -> keys to load. Of the names
+    of one tied tensor, the first the model lists that the checkpoint holds is read (HF, too, ignores a
+    stored ``lm_head.weight`` when the embeddings are tied)."""
     expected = _expected_tensors(model)
-    tied = model.config.tie_word_embeddings
+    required = _required(model)
+    files = _weight_files(directory)
+    present = {key for keys in files.values() for key in keys}
+    chosen = {next((n for n in aliases if n in present), aliases[0]) for aliases in required.values()}
+    second = {n for aliases in required.values() for n in aliases} - chosen  # a tied tensor's other names
     plan: dict[str, list[str]] = {}
-    seen: set[str] = set()
-    for file, keys in _weight_files(directory).items():
+    for file, keys in files.items():
         with safe_open(str(directory / file), framework="pt") as f:
-            present = set(f.keys())
+            in_file = set(f.keys())
             for key in keys:
-                if key.endswith(_IGNORED_SUFFIXES) or (tied and key == _TIED_KEY):
-                    continue  # HF also ignores a stored lm_head when embeddings are tied
-                _check_key(key, expected, present, f, file)
+                if key.endswith(_IGNORED_SUFFIXES) or (key in second):
+                    continue  # derived from the config, or the second name of a tied weight
+                _check_key(key, expected, in_file, f, file)
                 plan.setdefault(file, []).append(key)
-                seen.add(key)
-    missing = sorted(set(expected) - seen - ({_TIED_KEY} if tied else set()))
+    missing = sorted(chosen - present)
     if missing:
-        raise ValueError(f"Checkpoint {directory} lacks {len(missing)} tensors the model needs: {missing[:8]}")
+        raise ValueError(
+            f"Checkpoint {directory} lacks {len(missing)} tensors the model needs: {missing[:8]}; load a checkpoint "
+            "of this model's architecture and config (tie_word_embeddings included), into the module whose "
+            "state_dict() names match it (e.g. the Hugging Face model inside a LightningModule)"
+        )
     return plan
 
 
 def _check_key(key: str, expected: dict[str, torch.Tensor], present: set[str], f, file: str) -> None:
     if key not in expected:
-        raise ValueError(f"Unexpected tensor {key!r} in {file}: the model has no such parameter.")
+        raise ValueError(
+            f"Unexpected tensor {key!r} in {file}: the model has no such parameter or buffer; load the checkpoint "
+            "into the module whose state_dict() names match it, built from the checkpoint's config.json"
+        )
     if key not in present:
-        raise ValueError(f"Tensor {key!r} is listed in the index for {file} but that file lacks it.")
+        raise ValueError(
+            f"Tensor {key!r} is listed in the index for {file} but that file lacks it: re-save the checkpoint."
+        )
     shape = tuple(f.get_slice(key).get_shape())
     if shape != tuple(expected[key].shape):
         raise ValueError(
-            f"Shape mismatch for {key!r} in {file}: checkpoint has {shape}, model expects {tuple(expected[key].shape)}."
+            f"Shape mismatch for {key!r} in {file}: checkpoint has {shape}, model expects {tuple(expected[key].shape)}; "
+            "build the model from the checkpoint's config.json."
         )
 
 
+class _Deferred:
+    """Reads one checkpoint tensor when called: what a meta parameter is filled from by the engine. The file
+    is opened per tensor, so that no more than that tensor of it is mapped in at a time."""
+
+    def __init__(self, path: Path, key: str) -> None:
+        self.path, self.key = path, key
+
+    def __call__(self) -> torch.Tensor:
+        with safe_open(str(self.path), framework="pt", device="cpu") as f:
+            return f.get_tensor(self.key)
+
+
 @torch.no_grad()
-def load_hf_weights(model: LlamaForCausalLM, directory: str | os.PathLike) -> None:
-    """Copy a HF safetensors checkpoint (single file or sharded) into ``model`` in place.
+def load_hf_weights(model: nn.Module, directory: str | os.PathLike) -> None:
+    """Load a HF safetensors checkpoint (single file or sharded, any dtype) into ``model``, any module whose
+    ``state_dict()`` names match the checkpoint's (this project's Llama, or a ``transformers`` model).
 
     Keys and shapes are all checked first (a ValueError names the key, the shapes and the file),
     so a bad checkpoint never leaves the model half-loaded. Tensors are then read one at a time
     and copied (with dtype cast) into the existing parameters, so peak extra memory is one tensor.
+
+    A parameter on the meta device (a model built under ``trainer.init_module(empty_init=True)`` or
+    ``fabric.init_module(empty_init=True)`` with strategy="megatrain") is not copied into: it is told which
+    tensor fills it, and the strategy reads each one into its fp32 master as it sets the model up, so the
+    model never exists in fp32 beside those masters (engine/materialize.py). Buffers are copied now.
     """
     directory = Path(directory)
     expected = _expected_tensors(model)
-    for file, keys in _plan_load(model, directory).items():
+    plan = _plan_load(model, directory)
+    for name, t in expected.items():
+        if t.is_meta and not isinstance(t, nn.Parameter):
+            raise ValueError(
+                f"buffer {name!r} is on the meta device, where nothing can be loaded into it: build the model under "
+                "trainer.init_module(empty_init=True) (or fabric.init_module), which keeps buffers real"
+            )
+    for file, keys in plan.items():
         with safe_open(str(directory / file), framework="pt", device="cpu") as f:
             for key in keys:
+                if expected[key].is_meta:
+                    setattr(expected[key], SOURCE_ATTR, _Deferred(directory / file, key))
+                    continue
                 tensor = f.get_tensor(key)
                 expected[key].copy_(tensor)
                 del tensor  # drop our only reference before reading the next one

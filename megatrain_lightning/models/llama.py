@@ -306,14 +306,19 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """Normal(0, initializer_range) matrices and embeddings, zero biases, unit norm weights."""
-        std = self.config.initializer_range
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+            self._init_weights(module)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """One module's own parameters (as HF's method of that name): what a model built without weights gets,
+        module by module, as its parameters get memory (engine/materialize.py)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, self.config.initializer_range)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
 
     def forward(
         self,
