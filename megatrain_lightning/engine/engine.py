@@ -69,6 +69,7 @@ from megatrain_lightning.engine.outer import OuterParams
 from megatrain_lightning.engine.partition import Partition, partition_of
 from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph
+from megatrain_lightning.engine.replay import refuse_compiled
 from megatrain_lightning.engine.ring import HostRing, piece_numel, ring_counts
 from megatrain_lightning.engine.saved_inputs import SavedInputs
 from megatrain_lightning.engine.streams import SlotPool, Streams
@@ -96,6 +97,7 @@ class Engine:
         self.stats = _new_stats()
         self.host_cpus: list[int] | None = None  # data parallel: this rank's share of the machine's CPUs
         self.host_threads = resolve_host_threads(config.host_threads)
+        refuse_compiled(model)  # (engine/replay.py)
         # The stacks, each distinct block once, the parameters blocks share (outer units); what setup logs.
         self.layout = find_blocks(model, config.blocks)
         self.blocks = self.layout.blocks
