@@ -37,6 +37,7 @@ from torch import nn
 
 from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.replay import HostRngs, direct_checkpoints
+from megatrain_lightning.engine.sinks import Sinks
 
 
 class Streamer(Protocol):
@@ -88,6 +89,7 @@ class CallState:
         self.extra: tuple = ()  # the output's other leaves
         self.own_input: torch.Tensor | None = None  # the forward's detached input, until the output is rebuilt
         self.changed: Mutations | None = None  # what the forward changed of the block's state
+        self.sinks: Sinks | None = None  # lists and dicts among the arguments (engine/sinks.py)
         self.host_rngs: HostRngs | None = None  # random, NumPy and the block's generators (engine/replay.py)
         self.recorded = 0  # how many tensors SideOutputs recorded in the forward
         self.side_index: list[int] = []  # which of them are outputs of the autograd node
@@ -128,14 +130,21 @@ class CallState:
         return originals
 
     def call(self, forward: Callable[..., Any], hidden: torch.Tensor) -> Any:
-        """Run the block's own forward on `hidden` with the captured arguments."""
-        args, kwargs = self.args, self.kwargs
+        """Run the block's own forward on `hidden` with the captured arguments (each run on its own copy of
+        the lists and dicts among them: engine/sinks.py)."""
+        args, kwargs = (self.args, self.kwargs) if self.sinks is None else self.sinks.fresh()
         with direct_checkpoints() if torch.is_grad_enabled() else nullcontext():
             if self.hidden_kw is None:
                 out = forward(hidden, *args, **kwargs)
             else:
                 out = forward(*args, **{**kwargs, self.hidden_kw: hidden})
+        if self.sinks is not None:
+            self.sinks.collect({id(hidden), *map(id, self.grad_inputs[: self.chained])})
         return out
+
+    def sunk(self) -> list[torch.Tensor]:
+        """The tensors the latest run put into the lists and dicts it was passed (side outputs)."""
+        return [] if self.sinks is None else self.sinks.tensors
 
     @staticmethod
     def split(out: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor, tuple], Any], tuple]:
@@ -178,7 +187,7 @@ class CallState:
         self.args, self.kwargs, self.extra, self.saved, self.grad_inputs, self.changed = (), {}, (), None, [], None
         self.kept = None
         self.cpu_rng = self.dev_rng = None
-        self.host_rngs = None
+        self.sinks = self.host_rngs = None
 
 
 class SideOutputs:
@@ -306,6 +315,8 @@ class BlockRunner:
             state.host_rngs = HostRngs(self.modules, args, kwargs)
         params = [p for p in self.shared if p.requires_grad]  # (frozen or not: checked at each call)
         originals = state.take_grad_inputs(params)
+        user = (args[1:], {k: v for k, v in kwargs.items() if k != state.hidden_kw})
+        state.sinks = Sinks.find(name, user, (state.args, state.kwargs))
         state.keep = engine.keeps_call(self.idx, hidden)
         state.offload = not state.keep and engine.offloads_call(self.idx, hidden)
         links = engine.input_chain.inputs(self.idx, originals)
@@ -321,6 +332,10 @@ class BlockRunner:
         }
         state.own_input = None
         state.extra = _replace(state.extra, state.extra_ids, side, passed)
+        if state.sinks is not None:
+            state.sinks.apply(
+                lambda t: side[state.extra_ids[id(t)]] if id(t) in state.extra_ids else passed.get(id(t), t)
+            )
         return state.rebuild(out)
 
 

@@ -558,6 +558,7 @@ class Engine:
             return out, []
         state.own_input = x
         side.add(state.extra)
+        side.add(state.sunk())
         state.recorded = len(side.tensors)
         state.side_index = select_side(side.tensors, out, [x, *flatten((state.args, state.kwargs))[0]])
         picked = [side.tensors[i] for i in state.side_index]
@@ -610,6 +611,7 @@ class Engine:
                 with side.recording(), self._measuring(idx, x):
                     out, _, extra = state.split(state.call(runner.inner, x))
                 side.add(extra)
+                side.add(state.sunk())
                 side.restore_attrs()
                 # Made last, so autograd runs them first: a grad input's sum starts from the later blocks' part.
                 links = [(t.view_as(t), g) for t, g in seeded]
