@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -281,3 +282,82 @@ def test_shared_weights_round_trip_through_a_checkpoint(make, tmp_path):
         got = engine.master_state_dict()
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert any(not torch.equal(p, torch.zeros_like(p)) for p in other.parameters())
+
+
+# -- stacks in an nn.Sequential ----------------------------------------------------------------------------
+
+
+class ViTBlock(nn.Module):
+    """A timm-style vision transformer block: pre-norm attention and MLP, with dropout."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, 2, dropout=0.1, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class ViT(nn.Module):
+    """Patches in, a class token out; the blocks in an nn.Sequential (with a parameterless layer between two)."""
+
+    def __init__(self, width: int = 16, patch: int = 8, classes: int = 5) -> None:
+        super().__init__()
+        self.patch = nn.Linear(patch, width)
+        self.cls = nn.Parameter(0.02 * torch.randn(1, 1, width))
+        self.blocks = nn.Sequential(ViTBlock(width), ViTBlock(width), nn.Identity(), ViTBlock(width))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.patch(images)
+        x = self.blocks(torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1))
+        return self.head(self.norm(x)[:, 0])
+
+
+def train_vit(model: nn.Module, streamed: bool, steps: int = 3) -> list[float]:
+    torch.manual_seed(SEED_VIT)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true")) if streamed else None
+    if engine is not None:
+        opt = engine.optimizer(opt)
+    g = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(steps):
+        images, labels = torch.randn(3, 4, 8, generator=g), torch.randint(0, 5, (3,), generator=g)
+        loss = nn.functional.cross_entropy(model(images), labels)
+        with engine.backward() if engine is not None else nullcontext():
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if engine is not None:
+        engine.close()
+    return losses
+
+
+SEED_VIT = 11
+
+
+def test_blocks_in_an_nn_sequential_stream_and_train_like_ordinary_training():
+    torch.manual_seed(0)
+    ref = ViT()
+    mt = copy.deepcopy(ref)
+    layout = find_blocks(mt)
+    assert [c.blocks for c in layout.stacks] == [mt.blocks] and layout.names == ["blocks.0", "blocks.1", "blocks.3"]
+    assert layout.describe(mt) == "streaming blocks (4 blocks, 96% of the parameters)"
+    assert train_vit(mt, streamed=True) == train_vit(ref, streamed=False)
+    for (name, p), q in zip(ref.named_parameters(), mt.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_an_nn_sequential_of_single_layers_is_not_a_stack():
+    """An MLP (Linear, activation, Linear) is one layer's insides, not a stack of blocks: nothing to stream."""
+    model = nn.Module()
+    model.mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    with pytest.raises(ValueError, match=r"has none: it looks for an nn\.ModuleList .* or an nn\.Sequential"):
+        find_blocks(model)
+    assert [c.blocks for c in find_blocks(model, "mlp").stacks] == [model.mlp]  # (named, it streams)

@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
+from megatrain_lightning.engine.replay import HostRngs, direct_checkpoints
+from megatrain_lightning.engine.sinks import Sinks
 
 
 class Streamer(Protocol):
@@ -87,6 +89,8 @@ class CallState:
         self.extra: tuple = ()  # the output's other leaves
         self.own_input: torch.Tensor | None = None  # the forward's detached input, until the output is rebuilt
         self.changed: Mutations | None = None  # what the forward changed of the block's state
+        self.sinks: Sinks | None = None  # lists and dicts among the arguments (engine/sinks.py)
+        self.host_rngs: HostRngs | None = None  # random, NumPy and the block's generators (engine/replay.py)
         self.recorded = 0  # how many tensors SideOutputs recorded in the forward
         self.side_index: list[int] = []  # which of them are outputs of the autograd node
         self.extra_ids: dict[int, int] = {}  # id of a tensor in `extra` -> its index among those outputs
@@ -126,10 +130,21 @@ class CallState:
         return originals
 
     def call(self, forward: Callable[..., Any], hidden: torch.Tensor) -> Any:
-        """Run the block's own forward on `hidden` with the captured arguments."""
-        if self.hidden_kw is None:
-            return forward(hidden, *self.args, **self.kwargs)
-        return forward(*self.args, **{**self.kwargs, self.hidden_kw: hidden})
+        """Run the block's own forward on `hidden` with the captured arguments (each run on its own copy of
+        the lists and dicts among them: engine/sinks.py)."""
+        args, kwargs = (self.args, self.kwargs) if self.sinks is None else self.sinks.fresh()
+        with direct_checkpoints() if torch.is_grad_enabled() else nullcontext():
+            if self.hidden_kw is None:
+                out = forward(hidden, *args, **kwargs)
+            else:
+                out = forward(*args, **{**kwargs, self.hidden_kw: hidden})
+        if self.sinks is not None:
+            self.sinks.collect({id(hidden), *map(id, self.grad_inputs[: self.chained])})
+        return out
+
+    def sunk(self) -> list[torch.Tensor]:
+        """The tensors the latest run put into the lists and dicts it was passed (side outputs)."""
+        return [] if self.sinks is None else self.sinks.tensors
 
     @staticmethod
     def split(out: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor, tuple], Any], tuple]:
@@ -162,6 +177,8 @@ class CallState:
                 torch.set_rng_state(self.cpu_rng)
                 if self.dev_rng is not None:
                     torch.cuda.set_rng_state(self.dev_rng, self.cuda_device)
+            if self.host_rngs is not None:
+                stack.enter_context(self.host_rngs.replayed())
             for device_type, enabled, dtype, cache in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
             yield
@@ -170,6 +187,7 @@ class CallState:
         self.args, self.kwargs, self.extra, self.saved, self.grad_inputs, self.changed = (), {}, (), None, [], None
         self.kept = None
         self.cpu_rng = self.dev_rng = None
+        self.sinks = self.host_rngs = None
 
 
 class SideOutputs:
@@ -280,6 +298,7 @@ class BlockRunner:
         self.engine, self.idx = engine, idx
         self.shared = shared  # parameters the block shares with other blocks or the rest of the model
         self.own = block.__dict__.get("forward")  # an instance forward to put back on release
+        self.modules = list(block.modules())  # (the block's generators are looked for among them per call)
         self.inner = self.own if self.own is not None else type(block).forward.__get__(block)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -290,9 +309,14 @@ class BlockRunner:
             # Evaluation: stream the weights, keep no input and build no graph. A KV cache is fine here.
             out, _ = engine.forward_block(self.idx, state, hidden, hidden.requires_grad, record=False)
             return state.rebuild(out)
-        _refuse_training_inputs(engine.units[self.idx].name, args, kwargs)
+        name = engine.units[self.idx].name
+        _refuse_training_inputs(name, args, kwargs)
+        if engine.preserve_rng_state:
+            state.host_rngs = HostRngs(self.modules, args, kwargs)
         params = [p for p in self.shared if p.requires_grad]  # (frozen or not: checked at each call)
         originals = state.take_grad_inputs(params)
+        user = (args[1:], {k: v for k, v in kwargs.items() if k != state.hidden_kw})
+        state.sinks = Sinks.find(name, user, (state.args, state.kwargs))
         state.keep = engine.keeps_call(self.idx, hidden)
         state.offload = not state.keep and engine.offloads_call(self.idx, hidden)
         links = engine.input_chain.inputs(self.idx, originals)
@@ -308,6 +332,10 @@ class BlockRunner:
         }
         state.own_input = None
         state.extra = _replace(state.extra, state.extra_ids, side, passed)
+        if state.sinks is not None:
+            state.sinks.apply(
+                lambda t: side[state.extra_ids[id(t)]] if id(t) in state.extra_ids else passed.get(id(t), t)
+            )
         return state.rebuild(out)
 
 

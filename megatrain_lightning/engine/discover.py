@@ -2,7 +2,11 @@
 
 The rule (docs/user-guide.md, "How blocks are found"): a stack is an ``nn.ModuleList`` of at least 2
 modules, whatever their classes and sizes (a hybrid model mixes attention and state-space layers in one
-list; host units and device slots size to the largest block). The largest one must hold at least
+list; host units and device slots size to the largest block), or an ``nn.Sequential`` of blocks (timm's
+vision transformers, many user models): at least 2 of its modules hold parameters, and each that does is a
+block, a module made of modules, not a single layer (an ``nn.Sequential`` of a ``Linear``, an activation and
+another ``Linear`` is an MLP, not a stack). A Sequential calls its blocks itself; each block's forward is the
+engine's either way. The largest one must hold at least
 :data:`MIN_SHARE` of the model's parameters; every other list that holds at least :data:`STREAM_SHARE` and
 neither sits inside a stack already chosen nor holds one (an encoder beside a decoder, a vision tower
 beside a language model) is streamed too. ``blocks=`` (dotted names or a callable) overrides the rule.
@@ -35,6 +39,7 @@ STREAM_SHARE = 0.04
 NAMED = 0.01
 
 BlocksOption = str | Sequence[str] | Callable[[nn.Module], nn.ModuleList | Sequence[nn.ModuleList]] | None
+Stack = nn.ModuleList | nn.Sequential  # (both iterate over their blocks in order)
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class Candidate:
     """A module list that could be streamed: its dotted name, the list and its share of the parameters."""
 
     name: str
-    blocks: nn.ModuleList
+    blocks: Stack
     share: float
 
     def describe(self) -> str:
@@ -115,13 +120,22 @@ def find_stacks(model: nn.Module, blocks: BlocksOption = None) -> list[Candidate
 
 
 def candidates(model: nn.Module) -> list[Candidate]:
-    """Every nn.ModuleList of >= 2 modules that holds parameters, largest first."""
+    """Every nn.ModuleList of >= 2 modules that holds parameters, and every nn.Sequential of blocks, largest
+    first."""
     total = _numel(model)
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and _numel(module) > 0:
+        if isinstance(module, nn.ModuleList) and len(module) >= 2 and _numel(module) > 0 or _is_block_sequence(module):
             found.append(Candidate(name, module, _numel(module) / total))
     return sorted(found, key=lambda c: -c.share)
+
+
+def _is_block_sequence(module: nn.Module) -> bool:
+    """An nn.Sequential of at least 2 modules holding parameters, each of them made of modules that hold them."""
+    if not isinstance(module, nn.Sequential):
+        return False
+    holding = [m for m in module if _numel(m) > 0]
+    return len(holding) >= 2 and all(any(_numel(c) > 0 for c in m.children()) for m in holding)
 
 
 def _pick(model: nn.Module, found: list[Candidate]) -> list[Candidate]:
@@ -130,8 +144,8 @@ def _pick(model: nn.Module, found: list[Candidate]) -> list[Candidate]:
         raise ValueError(
             f"strategy='megatrain' streams a model's repeated blocks, and {kind} has none: it looks for an "
             "nn.ModuleList of at least 2 modules that hold parameters (the decoder layers, e.g. `model.layers` "
-            "of a Hugging Face *ForCausalLM). Keep the layers in an nn.ModuleList, or train this model with an "
-            "ordinary strategy."
+            "of a Hugging Face *ForCausalLM) or an nn.Sequential of at least 2 such blocks. Keep the layers in "
+            "an nn.ModuleList or nn.Sequential of their own, or train this model with an ordinary strategy."
         )
     if found[0].share < MIN_SHARE:
         listed = "; ".join(c.describe() for c in found[:4])
@@ -183,7 +197,8 @@ def layout(model: nn.Module, stacks: list[Candidate]) -> Layout:
                 owners.setdefault(id(p), set()).add(-1)
     out.shared = {k: names[k] for k, who in owners.items() if len(who) > 1 and k in names}
     keep = [i for i, blk in enumerate(out.blocks) if any(id(p) not in out.shared for p in blk.parameters())]
-    out.whole = [out.names[i] for i in range(len(out.blocks)) if i not in keep]
+    # (a block without parameters, an activation between an nn.Sequential's blocks, just runs: not named)
+    out.whole = [out.names[i] for i, blk in enumerate(out.blocks) if i not in keep and _numel(blk) > 0]
     out.blocks, out.names, out.stack_of = ([xs[i] for i in keep] for xs in (out.blocks, out.names, out.stack_of))
     if not out.blocks:
         raise ValueError(
@@ -210,10 +225,11 @@ def _by_name(model: nn.Module, name: str, found: list[Candidate]) -> Candidate:
         module = model.get_submodule(name)
     except AttributeError:
         module = None
-    if not isinstance(module, nn.ModuleList) or len(module) == 0:
+    if not isinstance(module, Stack) or len(module) == 0:
         what = "is not a module" if module is None else f"is a {type(module).__name__}, not a non-empty nn.ModuleList"
+        what += f" of {type(model).__name__}" + ("" if module is None else " (nor an nn.Sequential)")
         names = ", ".join(c.describe() for c in found[:6]) or "none"
-        raise ValueError(f"blocks={name!r} {what} of {type(model).__name__}: choose one of its module lists ({names})")
+        raise ValueError(f"blocks={name!r} {what}: choose one of its module lists ({names})")
     return Candidate(name, module, _numel(module) / _numel(model))
 
 
@@ -224,11 +240,12 @@ def _by_callable(model: nn.Module, pick: Callable, found: list[Candidate]) -> li
     out = []
     for module in lists:
         name = named.get(id(module))
-        if not isinstance(module, nn.ModuleList) or name is None or len(module) == 0:
+        if not isinstance(module, Stack) or name is None or len(module) == 0:
             names = ", ".join(c.describe() for c in found[:6]) or "none"
             raise ValueError(
                 f"blocks={getattr(pick, '__name__', pick)!r} returned a {type(module).__name__}, not a non-empty "
-                f"nn.ModuleList inside the model (or a list of them): return one of its module lists ({names})"
+                f"nn.ModuleList inside the model (nor an nn.Sequential, or a list of them): return one of its module "
+                f"lists ({names})"
             )
         out.append(Candidate(name, module, _numel(module) / _numel(model)))
     return out
@@ -245,7 +262,7 @@ def _modules_of(stacks: list[Candidate]) -> set[int]:
     return {id(m) for c in stacks for m in c.blocks.modules()}
 
 
-def _overlap(blocks: nn.ModuleList, modules: set[int]) -> bool:
+def _overlap(blocks: Stack, modules: set[int]) -> bool:
     """Whether `blocks` holds, or sits inside, a module of `modules` (ids of a stack's modules)."""
     return any(id(m) in modules for m in blocks.modules())
 

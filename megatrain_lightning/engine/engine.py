@@ -69,6 +69,7 @@ from megatrain_lightning.engine.outer import OuterParams
 from megatrain_lightning.engine.partition import Partition, partition_of
 from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph
+from megatrain_lightning.engine.replay import refuse_compiled
 from megatrain_lightning.engine.ring import HostRing, piece_numel, ring_counts
 from megatrain_lightning.engine.saved_inputs import SavedInputs
 from megatrain_lightning.engine.streams import SlotPool, Streams
@@ -96,6 +97,7 @@ class Engine:
         self.stats = _new_stats()
         self.host_cpus: list[int] | None = None  # data parallel: this rank's share of the machine's CPUs
         self.host_threads = resolve_host_threads(config.host_threads)
+        refuse_compiled(model)  # (engine/replay.py)
         # The stacks, each distinct block once, the parameters blocks share (outer units); what setup logs.
         self.layout = find_blocks(model, config.blocks)
         self.blocks = self.layout.blocks
@@ -555,6 +557,7 @@ class Engine:
             return out, []
         state.own_input = x
         side.add(state.extra)
+        side.add(state.sunk())
         state.recorded = len(side.tensors)
         state.side_index = select_side(side.tensors, out, [x, *flatten((state.args, state.kwargs))[0]])
         picked = [side.tensors[i] for i in state.side_index]
@@ -607,6 +610,7 @@ class Engine:
                 with side.recording(), self._measuring(idx, x):
                     out, _, extra = state.split(state.call(runner.inner, x))
                 side.add(extra)
+                side.add(state.sunk())
                 side.restore_attrs()
                 # Made last, so autograd runs them first: a grad input's sum starts from the later blocks' part.
                 links = [(t.view_as(t), g) for t, g in seeded]
