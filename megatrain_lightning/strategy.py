@@ -1,7 +1,8 @@
 """``Trainer(strategy="megatrain")``: Lightning glue around the streaming engine and the host optimizer.
 
-The strategy's hooks hand the model to the engine instead of moving it to the device, replace the optimizer
-with :class:`HostAdamW`, tell the engine before each backward whether more micro-batches follow, and
+The strategy's hooks hand the model to the engine instead of moving it to the device, replace the optimizers
+with the engine's host ones (:class:`HostAdamW`, or any torch optimizer stepping itself on the host: see
+engine/generic_optim.py), tell the engine before each backward whether more micro-batches follow, and
 read/write checkpoints from the host masters. With one device (``devices=1``, one node) it is a single-device
 strategy: one process, no process group. With ``devices=N`` and ``num_nodes=M``, N x M > 1, it is a
 data-parallel strategy launched as ``strategy="ddp"`` is (Lightning's launchers and cluster environments),
