@@ -86,6 +86,10 @@ class WithOptimizer(CausalLM):
         return self.make([p for p in self.model.parameters() if p.requires_grad])
 
 
+def small() -> nn.Module:
+    return hf_llama(layers=2)
+
+
 def assert_same(a: nn.Module, b: nn.Module) -> None:
     pa, pb = params_of(a), params_of(b)
     assert pa.keys() == pb.keys()
@@ -100,7 +104,7 @@ def assert_same(a: nn.Module, b: nn.Module) -> None:
 def test_any_optimizer_trains_as_ordinary_training(name):
     """Two steps, clipped, two micro-batches each: losses and weights equal to the bit."""
     batches = token_batches(4)
-    a, b = twin(hf_llama)
+    a, b = twin(small)
     kwargs = dict(gradient_clip_val=0.5, accumulate_grad_batches=2)
     ref = WithOptimizer(a, OPTIMIZERS[name])
     fit(ref, batches, strategy="auto", **kwargs)
@@ -113,7 +117,7 @@ def test_any_optimizer_trains_as_ordinary_training(name):
 
 def test_an_adamw_subclass_keeping_torchs_step_takes_the_native_path():
     batches = token_batches(3)
-    a, b = twin(hf_llama)
+    a, b = twin(small)
     ref, mt = (WithOptimizer(m, lambda ps: PlainSubclass(ps, lr=1e-2)) for m in (a, b))
     fit(ref, batches, strategy="auto")
     t = fit(mt, batches)
@@ -148,7 +152,7 @@ def loop(model: nn.Module, opt: torch.optim.Optimizer, batches: list, engine: En
 
 
 def test_a_plain_engine_loop_steps_sgd_as_ordinary_training():
-    batches = token_batches(3)
+    batches = token_batches(2)
     a, b = tiny(), tiny()
     expected = loop(a, OPTIMIZERS["sgd-momentum"](a.parameters()), batches)
     with Engine(b, EngineConfig(device="cpu", precision="32-true")) as engine:
@@ -162,19 +166,19 @@ def test_a_plain_engine_loop_steps_sgd_as_ordinary_training():
 
 @pytest.mark.parametrize("how", ["save-load", "state-dict"])
 def test_a_generic_optimizers_state_resumes_exactly(how, tmp_path):
-    """Two steps, the state kept, two more; a fresh engine given that state takes the same two (Adafactor's
+    """A step, the state kept, another; a fresh engine given that state takes the same one (Adafactor's
     factored moments and step count, SignSGD's Python int, come back)."""
-    batches = token_batches(4)
+    batches = token_batches(2)
     for make in (OPTIMIZERS["adafactor"], OPTIMIZERS["user-optimizer"]):
         model = tiny()
         with Engine(model, EngineConfig(device="cpu", precision="32-true")) as engine:
             opt = engine.optimizer(make(model.parameters()))
-            loop(model, opt, batches[:2], engine)
+            loop(model, opt, batches[:1], engine)
             if how == "save-load":
                 engine.save(str(tmp_path / "ckpt"))
             else:
                 state = copy.deepcopy(engine.state_dict(opt))
-            expected = loop(model, opt, batches[2:], engine)
+            expected = loop(model, opt, batches[1:], engine)
         fresh = tiny()
         with Engine(fresh, EngineConfig(device="cpu", precision="32-true")) as engine:
             opt = engine.optimizer(make(fresh.parameters()))
@@ -182,7 +186,7 @@ def test_a_generic_optimizers_state_resumes_exactly(how, tmp_path):
                 engine.load(str(tmp_path / "ckpt"))
             else:
                 engine.load_state_dict(state, opt)
-            assert loop(fresh, opt, batches[2:], engine) == expected
+            assert loop(fresh, opt, batches[1:], engine) == expected
         assert_same(fresh, model)
 
 
@@ -213,7 +217,7 @@ def test_a_state_a_checkpoint_cannot_hold_is_refused_at_save(tmp_path):
 def test_trainer_resume_with_sgd_is_exact(fmt, tmp_path):
     """2 epochs straight == 1 epoch, save last.ckpt, resume a fresh copy for epoch 2 (momentum buffers)."""
     batches = token_batches(3)
-    a, b = twin(hf_llama)
+    a, b = twin(small)
     c = copy.deepcopy(b)
     make = OPTIMIZERS["sgd-momentum"]
     straight = WithOptimizer(a, make)
@@ -330,7 +334,7 @@ def test_backbone_finetuning_adds_a_group_that_steps_at_once(name):
     """The blocks frozen for epoch 0 and added as a param group at epoch 1 (the native path and a generic one)."""
     make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if name == "adamw" else OPTIMIZERS[name]
     batches = token_batches(2)
-    a, b = twin(hf_llama)
+    a, b = twin(small)
     runs = []
     for model, strategy in ((a, "auto"), (b, "megatrain")):
         module = Finetuned(model, make)
@@ -343,5 +347,5 @@ def test_backbone_finetuning_adds_a_group_that_steps_at_once(name):
     assert_same(mt.model, ref.model)
     assert not torch.equal(
         params_of(mt.model)["model.layers.0.mlp.up_proj.weight"],
-        params_of(hf_llama())["model.layers.0.mlp.up_proj.weight"],
+        params_of(small())["model.layers.0.mlp.up_proj.weight"],
     )
