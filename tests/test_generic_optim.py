@@ -310,6 +310,25 @@ def test_a_gan_with_two_optimizers_trains_as_ordinary_training():
     assert_same(mt, ref)
 
 
+def test_a_gan_resumes_exactly_from_a_sharded_checkpoint(tmp_path):
+    """2 epochs straight == 1 epoch, save, resume a fresh GAN for epoch 2: both optimizers' state comes back."""
+    g = torch.Generator().manual_seed(3)
+    batches = torch.utils.data.DataLoader(
+        [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(2)], batch_size=None
+    )
+    blocks = ["generator.layers", "discriminator.layers"]
+    straight, first, resumed = GAN(), GAN(), GAN()
+    with quiet():
+        trainer(strategy=MegatrainStrategy(blocks=blocks), max_epochs=2).fit(straight, batches)
+        cb = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)
+        strategy = MegatrainStrategy(blocks=blocks)
+        trainer(strategy=strategy, enable_checkpointing=True, callbacks=[cb]).fit(first, batches)
+        t = trainer(strategy=MegatrainStrategy(blocks=blocks), max_epochs=2)
+        t.fit(resumed, batches, ckpt_path=tmp_path / "last.ckpt")
+    assert resumed.losses == straight.losses[4:]
+    assert_same(resumed, straight)
+
+
 def test_what_several_optimizers_cannot_follow_is_refused():
     model = tiny()
     block = list(model.model.layers[0].parameters())
