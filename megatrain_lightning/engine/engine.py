@@ -365,6 +365,8 @@ class Engine:
         engine/generic_optim.py); replaces those taken over before."""
         optimizers = [check_optimizer(o) for o in optimizers]
         self.generic = None
+        if not optimizers:  # (Lightning's configure_optimizers may return none)
+            return []
         if len(optimizers) == 1 and native_ok(optimizers[0]):
             self._optimizer = HostAdamW(optimizers[0], self)
             return [self._optimizer]
