@@ -9,12 +9,12 @@ with several, steps itself: its gradients land and wait for ``step()`` (no overl
 2. points each parameter at its fp32 master (a block's parameters are views of it between calls; the outer
    parameters are pointed at it for the step) and gives it the landed fp32 gradient as ``.grad``,
 3. calls the optimizer's own ``step()``: torch's arithmetic on the values ordinary training has, so the
-   result is the same to the bit,
+   result is the same to the bit (fp32 compute; with bf16 the gradient is the engine's bf16 one, in fp32),
 4. rewrites the compute copies of the units it stepped (the next forward uploads them).
 
 The optimizer keeps its state itself (``optimizer.state``, keyed by the model's parameters, which the engine
 rebinds but never replaces); a checkpoint stores its tensors in safetensors and the rest as JSON
-(:func:`saved_state`), and refuses in one line a state holding anything else.
+(:meth:`GenericSteps.saved_state`), and refuses in one line a state holding anything else.
 
 Several optimizers (a GAN's generator and discriminator, manual optimization): each owns the units its
 parameters live in, so a block's parameters belong to one optimizer (refused otherwise); ``opt.step()``
