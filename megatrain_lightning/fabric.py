@@ -11,7 +11,7 @@
     fabric.strategy.teardown()                         # the model is an ordinary fp32 host model again
 
 What Fabric calls maps onto the engine one to one: ``setup`` builds :class:`Engine` over the module and swaps
-the optimizer for :class:`HostAdamW`; ``no_backward_sync(enabled=True)`` is ``engine.backward(accumulate=True)``;
+the optimizer for the host one (:class:`HostAdamW`, or any torch optimizer stepping itself on the host); ``no_backward_sync(enabled=True)`` is ``engine.backward(accumulate=True)``;
 ``clip_gradients`` is ``engine.clip_grad_norm_``; ``save``/``load`` read and write the fp32 masters and the
 optimizer in ``torch.optim`` layout, so checkpoints move between this strategy and ordinary Fabric.
 
@@ -47,7 +47,8 @@ from megatrain_lightning.engine.config import (
 )
 from megatrain_lightning.engine.discover import BlocksOption
 from megatrain_lightning.engine.engine import Engine
-from megatrain_lightning.engine.optimizer import SUPPORTED, HostAdamW, check_optimizer
+from megatrain_lightning.engine.generic_optim import GenericHostOptimizer
+from megatrain_lightning.engine.optimizer import HostAdamW, check_optimizer
 
 
 class MegatrainFabricPrecision(Precision):
@@ -138,7 +139,7 @@ class MegatrainFabricStrategy(Strategy):
         self._device_arg = None if device is None else check_device(device)
         self._parallel_devices: list[torch.device] | None = None
         self.engine: Engine | None = None
-        self.optimizer: HostAdamW | None = None
+        self.optimizer: HostAdamW | GenericHostOptimizer | None = None
         self._accumulating = False  # inside no_backward_sync(enabled=True)
         self.options: dict[str, Any] = dict(
             num_slots=num_slots,
@@ -240,16 +241,17 @@ class MegatrainFabricStrategy(Strategy):
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
-        """Build the engine over `module` and hand back a :class:`HostAdamW` for the one AdamW/Adam.
+        """Build the engine over `module` and hand back the host optimizer for the one optimizer (a plain
+        AdamW/Adam on the native kernel, any other torch optimizer stepping itself: engine/generic_optim.py).
 
         The optimizer is checked before the engine takes the model apart, and the engine is closed again if
         taking the optimizer over fails, so an error leaves the model as it was."""
         if len(optimizers) != 1:
             raise ValueError(
                 f"strategy='megatrain' steps exactly one optimizer on the host; fabric.setup got {len(optimizers)}. "
-                "Pass a single torch.optim.AdamW (use param groups for different settings)."
+                "Pass a single optimizer (use param groups for different settings)."
             )
-        _check_optimizer(optimizers[0])
+        check_optimizer(optimizers[0])
         module = self.setup_module(module)
         try:
             optimizer = self.setup_optimizer(optimizers[0])
@@ -272,7 +274,7 @@ class MegatrainFabricStrategy(Strategy):
         return module
 
     @override
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> HostAdamW:
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> HostAdamW | GenericHostOptimizer:
         """Take the optimizer over: it shares the user's param groups (schedulers keep working)."""
         if self.engine is None:
             raise RuntimeError(
@@ -284,7 +286,7 @@ class MegatrainFabricStrategy(Strategy):
                 "strategy='megatrain' steps exactly one optimizer on the host and one was set up already; "
                 "use param groups for different settings"
             )
-        self.optimizer = self.engine.optimizer(_check_optimizer(optimizer))
+        self.optimizer = self.engine.optimizer(optimizer)
         return self.optimizer
 
     def teardown_engine(self) -> None:
@@ -413,14 +415,3 @@ class MegatrainFabricStrategy(Strategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
             )
-
-
-def _check_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """One AdamW/Adam the host step reproduces, refused otherwise in Fabric's words."""
-    if type(optimizer) not in SUPPORTED:
-        raise ValueError(
-            "strategy='megatrain' steps the optimizer on the host and supports torch.optim.AdamW and "
-            f"torch.optim.Adam; fabric.setup got {type(optimizer).__module__}.{type(optimizer).__name__}. "
-            "Pass one of those (its param groups, learning rates and schedulers are kept)."
-        )
-    return check_optimizer(optimizer)

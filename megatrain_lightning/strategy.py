@@ -1,7 +1,8 @@
 """``Trainer(strategy="megatrain")``: Lightning glue around the streaming engine and the host optimizer.
 
-The strategy's hooks hand the model to the engine instead of moving it to the device, replace the optimizer
-with :class:`HostAdamW`, tell the engine before each backward whether more micro-batches follow, and
+The strategy's hooks hand the model to the engine instead of moving it to the device, replace the optimizers
+with the engine's host ones (:class:`HostAdamW`, or any torch optimizer stepping itself on the host: see
+engine/generic_optim.py), tell the engine before each backward whether more micro-batches follow, and
 read/write checkpoints from the host masters. With one device (``devices=1``, one node) it is a single-device
 strategy: one process, no process group. With ``devices=N`` and ``num_nodes=M``, N x M > 1, it is a
 data-parallel strategy launched as ``strategy="ddp"`` is (Lightning's launchers and cluster environments),
@@ -67,6 +68,7 @@ from megatrain_lightning.engine import materialize
 from megatrain_lightning.engine.config import EngineConfig, check_options
 from megatrain_lightning.engine.discover import BlocksOption
 from megatrain_lightning.engine.engine import Engine
+from megatrain_lightning.engine.generic_optim import GenericHostOptimizer
 from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.precision import MegatrainPrecision
 
@@ -493,7 +495,7 @@ class MegatrainStrategy(ParallelStrategy):
             )
         self.precision_plugin = plugin
         if fitting:
-            self.optimizers = [self.engine.optimizer(self._single_optimizer())]
+            self.optimizers = self.engine.optimizers([_unwrapped(o) for o in self.optimizers])
         self.setup_precision_plugin()
         # Weight averaging callbacks (EMA, SWA) read and write the module through the engine's host view.
         self._averaging = AveragingViews(trainer.callbacks, self.lightning_module, lambda: self.engine)
@@ -560,15 +562,6 @@ class MegatrainStrategy(ParallelStrategy):
             group=torch.distributed.group.WORLD if self.ranks > 1 else None,
         )
 
-    def _single_optimizer(self) -> torch.optim.Optimizer:
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"strategy='megatrain' steps exactly one optimizer on the host; configure_optimizers returned "
-                f"{len(self.optimizers)}. Return a single torch.optim.AdamW (use param groups for different settings)."
-            )
-        opt = self.optimizers[0]
-        return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
-
     @override
     def model_to_device(self) -> None:
         """Nothing to move: the engine decides what lives on the device."""
@@ -634,7 +627,8 @@ class MegatrainStrategy(ParallelStrategy):
         NVMe tier, too). Once the engine is released a save writes Lightning's single file, or a sharded
         checkpoint over one already there: the moments go here then (views of the host moments)."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps it
-        if self.checkpoint_format == "sharded" and self.engine is not None and isinstance(inner, HostAdamW):
+        host = (HostAdamW, GenericHostOptimizer)
+        if self.checkpoint_format == "sharded" and self.engine is not None and isinstance(inner, host):
             return inner.state_dict(with_moments=False)
         if self.engine is None and self._released is not None and self._released.tier is not None:
             raise RuntimeError(
@@ -808,9 +802,11 @@ class MegatrainStrategy(ParallelStrategy):
         ``torch.optim.Optimizer.load_state_dict`` does: the checkpoint's win) and RNG."""
         if "megatrain_checkpoint" not in checkpoint:
             return super().load_optimizer_state_dict(checkpoint)
-        for opt in self.optimizers:
+        # (a sharded checkpoint's trainer state holds the first optimizer's groups; the store restored every
+        # torch optimizer's own, engine/generic_optim.py)
+        for opt, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
             inner = getattr(opt, "_optimizer", opt)  # LightningOptimizer wraps it
-            inner.restore_groups(checkpoint["optimizer_states"][0]["param_groups"])
+            inner.restore_groups(saved["param_groups"])
         if "megatrain_rng" in checkpoint:
             _set_rng_state(checkpoint["megatrain_rng"])
 
@@ -912,3 +908,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -350,29 +350,46 @@ def _assert_ordinary(module: CausalLM) -> None:
     assert all("forward" not in layer.__dict__ for layer in layers_of(module))
 
 
-def test_rejects_non_adam_optimizer():
+def test_a_non_adam_optimizer_trains_as_ordinary_training():
+    """Once refused; now SGD steps itself on the host masters (engine/generic_optim.py), bit for bit."""
+
     class SGDModule(CausalLM):
         def configure_optimizers(self):
             return torch.optim.SGD(self.model.parameters(), lr=0.1)
 
-    module = SGDModule(hf_llama())
-    before = params_of(module.model)
-    _fit_raises(module, ValueError, r"supports torch\.optim\.AdamW.*returned torch\.optim\..*SGD")
-    _assert_ordinary(module)  # a failed setup still hands the model back
-    after = params_of(module.model)
-    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-    module.model(input_ids=token_batches(1)[0])
+    a, b = twin(hf_llama)
+    ref, mt = SGDModule(a), SGDModule(b)
+    fit(ref, token_batches(2), strategy="auto")
+    fit(mt, token_batches(2))
+    assert mt.losses == ref.losses
+    assert_params_equal(mt.model, ref.model)
+    _assert_ordinary(mt)  # the trained model handed back
 
 
-def test_rejects_two_optimizers():
+def test_two_optimizers_train_as_ordinary_training():
     # With automatic optimization Lightning itself refuses several optimizers first; with manual
-    # optimization the request reaches the strategy.
+    # optimization they reach the strategy, which steps each over its own parameters (once refused).
     class TwoOptimizers(CausalLM):
-        def configure_optimizers(self):
-            params = list(self.model.parameters())
-            return [torch.optim.AdamW(params[:3]), torch.optim.AdamW(params[3:])]
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            loss = self.loss_fn(self.model, batch)
+            self.losses.append(loss.item())
+            for opt in self.optimizers():
+                opt.zero_grad()
+            self.manual_backward(loss)
+            for opt in self.optimizers():
+                opt.step()
 
-    _fit_raises(TwoOptimizers(hf_llama(), manual=1), ValueError, "exactly one optimizer")
+        def configure_optimizers(self):
+            head = list(self.model.lm_head.parameters())
+            rest = [p for p in self.model.parameters() if all(p is not q for q in head)]
+            return [torch.optim.AdamW(rest, lr=1e-2), torch.optim.SGD(head, lr=0.1)]
+
+    a, b = twin(hf_llama)
+    ref, mt = TwoOptimizers(a, manual=1), TwoOptimizers(b, manual=1)
+    fit(ref, token_batches(2), strategy="auto")
+    fit(mt, token_batches(2))
+    assert mt.losses == ref.losses
+    assert_params_equal(mt.model, ref.model)
 
 
 # "16-mixed" never reaches the strategy on a CPU: Lightning rewrites it to "bf16-mixed" with a warning
@@ -398,12 +415,19 @@ def test_rejects_model_without_repeated_blocks():
     _fit_raises(Flat(), ValueError, r"repeated blocks.*nn\.ModuleList")
 
 
-def test_rejects_amsgrad():
+def test_amsgrad_trains_as_ordinary_training():
+    """Once refused; AdamW(amsgrad=True) now steps itself on the host masters, bit for bit."""
+
     class AmsgradModule(CausalLM):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.model.parameters(), amsgrad=True)
 
-    _fit_raises(AmsgradModule(hf_llama()), ValueError, "amsgrad=True")
+    a, b = twin(hf_llama)
+    ref, mt = AmsgradModule(a), AmsgradModule(b)
+    fit(ref, token_batches(2), strategy="auto")
+    fit(mt, token_batches(2))
+    assert mt.losses == ref.losses
+    assert_params_equal(mt.model, ref.model)
 
 
 def test_host_memory_check(monkeypatch):

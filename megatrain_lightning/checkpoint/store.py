@@ -259,6 +259,7 @@ def _write_version(
     """Write the version directory: unit shards, buffers, trainer state, then the index (returned)."""
     vdir = lease.vdir
     engine.flush()
+    torch_optimizers = _torch_optimizers(engine) if optimizer else None  # (refused before anything is written)
     if optimizer and engine.tier is not None:  # the moments are read ahead while earlier units are written
         held = [u for u in engine.all_units() if u.has_moments]
         engine.tier.plan([p for u in held for _ in range(2) for p in engine.tier.pieces(u)])  # m's pass, v's pass
@@ -272,7 +273,13 @@ def _write_version(
         lease.beat()
         if after_unit is not None:
             after_unit(i)
-    return _write_books(engine, fs, lease, units, trainer_state, optimizer, param_groups)
+    return _write_books(engine, fs, lease, units, trainer_state, optimizer, param_groups, torch_optimizers)
+
+
+def _torch_optimizers(engine: EngineView) -> tuple[list, list] | None:
+    """The state of the optimizers that step themselves (engine/generic_optim.py): (tensors, JSON), or None."""
+    generic = getattr(engine, "generic", None)
+    return None if generic is None else generic.saved_state()
 
 
 def _write_books(
@@ -283,8 +290,10 @@ def _write_books(
     trainer_state: dict,
     optimizer: bool,
     param_groups: list[dict] | None,
+    torch_optimizers: tuple[list, list] | None = None,
 ) -> bytes:
-    """Buffers, trainer state, then the index over the unit files' records `units` (returned)."""
+    """Buffers, trainer state, then the index over the unit files' records `units` (returned). `torch_optimizers`:
+    the state of optimizers that step themselves, as (tensors for ``optimizer.safetensors``, JSON for the index)."""
     vdir = lease.vdir
     aliases = _aliases(engine)
     buffers = _buffers(engine, aliases)
@@ -306,6 +315,10 @@ def _write_books(
         "aliases": aliases,
         "export": _export(engine),
     }
+    if torch_optimizers is not None:
+        tensors, meta = torch_optimizers
+        info = stream.write(fs, f"{vdir}/{TORCH_OPTIMIZERS}", tensors)
+        index["torch_optimizers"] = {**info, "state": meta}
     index_bytes = json.dumps(index, indent=1).encode()
     versions.write_bytes(fs, f"{vdir}/index.json", index_bytes)
     versions.sync_dirs(fs, [f"{vdir}/units", vdir])
@@ -561,8 +574,31 @@ def _restore(
         if optimizer:
             unit.steps = _saved_steps(rec)
     _restore_buffers(engine, fs, vdir, index)
+    if optimizer:
+        _restore_torch_optimizers(engine, fs, vdir, index, url)
     engine.refresh_from_masters()
     return index
+
+
+TORCH_OPTIMIZERS = "optimizer.safetensors"  # the tensors of the optimizers that step themselves
+
+
+def _restore_torch_optimizers(engine: EngineView, fs: Any, vdir: str, index: dict, url: str) -> None:
+    """The state of the optimizers that step themselves, when this run has them: from the checkpoint, whose
+    tensors are checksummed and whose other values are JSON (nothing is unpickled)."""
+    generic = getattr(engine, "generic", None)
+    if generic is None:
+        return
+    saved = index.get("torch_optimizers")
+    if not isinstance(saved, dict):
+        raise CheckpointError(
+            f"{url} holds no torch optimizer state ({'native AdamW moments' if index['optimizer'] else 'weights only'}); "
+            "resume with the optimizer it was saved with"
+        )
+    file = f"{vdir}/{TORCH_OPTIMIZERS}"
+    with _explained(fs, vdir, file):
+        tensors = stream.read_tensors(fs, file, saved)
+    generic.load_saved(saved.get("state"), tensors, url)
 
 
 def _check_restorable(engine: EngineView, index: dict, url: str, fs: Any, vdir: str, optimizer: bool) -> None:

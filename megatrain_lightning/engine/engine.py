@@ -55,6 +55,7 @@ from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutp
 from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.config import EngineConfig, forward_context
 from megatrain_lightning.engine.discover import find_blocks, unit_parameters
+from megatrain_lightning.engine.generic_optim import GenericHostOptimizer, GenericSteps
 from megatrain_lightning.engine.host import (
     HostMemoryError,
     HostUnit,
@@ -64,7 +65,7 @@ from megatrain_lightning.engine.host import (
 from megatrain_lightning.engine.host_memory import available_host_bytes
 from megatrain_lightning.engine.host_steps import HostSide, graph_task
 from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
-from megatrain_lightning.engine.optimizer import HostAdamW
+from megatrain_lightning.engine.optimizer import HostAdamW, check_optimizer, native_ok
 from megatrain_lightning.engine.outer import OuterParams
 from megatrain_lightning.engine.partition import Partition, partition_of
 from megatrain_lightning.engine.probes import Probes
@@ -208,7 +209,8 @@ class Engine:
         self.outer = OuterParams(outer_units, self.device, self.streams, self.uploads, self.host)
         self.optimizer_steps = 0
         self._host_views = self._host_view_writes = 0  # host_view(): depth, and how many of them write
-        self._optimizer: HostAdamW | None = None  # the one engine.optimizer() returned (its groups go in save())
+        self._optimizer: HostAdamW | GenericHostOptimizer | None = None  # engine.optimizer()'s (its groups: save())
+        self.generic: GenericSteps | None = None  # torch optimizers stepping themselves (engine/generic_optim.py)
         if config.compile_blocks:
             compile_block_calls(self.blocks, self.runners)
 
@@ -353,11 +355,25 @@ class Engine:
                     module._buffers[name] = buf.to(device)
 
     # -- the phases of a step ----------------------------------------------------------------------
-    def optimizer(self, optimizer: torch.optim.Optimizer) -> HostAdamW:
-        """Take over a ``torch.optim.AdamW`` (or ``Adam``) built on the model's parameters: the returned
-        optimizer shares its param groups (schedulers keep working) and steps the host masters."""
-        self._optimizer = HostAdamW(optimizer, self)
-        return self._optimizer
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> HostAdamW | GenericHostOptimizer:
+        """Take over a torch optimizer built on the model's parameters: the returned optimizer shares its
+        param groups (schedulers keep working) and steps the host masters. A plain AdamW or Adam steps on the
+        native kernel, overlapping backward; any other steps itself (engine/generic_optim.py)."""
+        return self.optimizers([optimizer])[0]
+
+    def optimizers(self, optimizers: list[torch.optim.Optimizer]) -> list[HostAdamW | GenericHostOptimizer]:
+        """Take over several torch optimizers at once (over disjoint parameters; each steps itself, see
+        engine/generic_optim.py); replaces those taken over before."""
+        optimizers = [check_optimizer(o) for o in optimizers]
+        self.generic = None
+        if not optimizers:  # (Lightning's configure_optimizers may return none)
+            return []
+        if len(optimizers) == 1 and native_ok(optimizers[0]):
+            self._optimizer = HostAdamW(optimizers[0], self)
+            return [self._optimizer]
+        self.generic = GenericSteps(self, optimizers)
+        self._optimizer = self.generic.optimizers[0]
+        return list(self.generic.optimizers)
 
     def attach_optimizer(self, groups: dict[int, int], hyper: Callable[[], list[Any]], param_order: list[int]) -> None:
         """Map parameters (by id) to param groups and allocate Adam moments (first time only); called by

@@ -107,6 +107,7 @@ class HostSide:
         self.hold = False
         self.hyper: Callable[[], list[AdamHyper]] | None = None  # the attached optimizer's groups, now
         self.param_order: list[int] = []  # ids of the optimizer's parameters in group order
+        self.stepper: Any = None  # a torch optimizer stepping itself (engine/generic_optim.py), not the Adam kernel
         self._pending: set[HostUnit] = set()  # units with gradients not yet stepped
         self._eager: set[HostUnit] = set()  # units stepped during this backward already
         self._clip: float | None = None  # global-norm clipping requested for the next step
@@ -116,8 +117,8 @@ class HostSide:
         # Outer units first: the embedding is the first thing the next forward needs.
         return self.outer + self.blocks
 
-    def attach(self, hyper: Callable[[], list[AdamHyper]], param_order: list[int]) -> None:
-        self.hyper, self.param_order = hyper, param_order
+    def attach(self, hyper: Callable[[], list[AdamHyper]], param_order: list[int], stepper: Any = None) -> None:
+        self.hyper, self.param_order, self.stepper = hyper, param_order, stepper
 
     # -- gradients to the host ------------------------------------------------------------------
     def pack_grads(self, unit: HostUnit, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor, int]:
@@ -355,6 +356,7 @@ class HostSide:
             and not self.want_norms
             and not self.hold
             and self.hyper is not None
+            and self.stepper is None
         )
 
     def _land(
@@ -467,6 +469,8 @@ class HostSide:
         clip_val, self._clip = self._clip, None
         clamp, self._clip_value = self._clip_value, None
         self._land_all_held()
+        if self.stepper is not None:
+            return self._step_with(self.stepper, clip_val, clamp)
         hyper = self.hyper()
         todo = sorted((u for u in self.all_units() if u in self._pending), key=self.step_rank)
         if todo:  # (after a backward that stepped everything, the plan it set reaches into the next one)
@@ -481,6 +485,24 @@ class HostSide:
         self._pending.clear()
         self._eager.clear()
         return stepped
+
+    def _step_with(self, stepper: Any, clip_val: float | None, clamp: float | None) -> set[HostUnit]:
+        """A torch optimizer's own step (engine/generic_optim.py) over the units `stepper` takes: their
+        gradients landed and in fp32 (as ``.grad`` is in ordinary training), the clipping coefficient the Adam
+        step would use; afterwards each unit's bookkeeping is that of a stepped unit."""
+        self.flush()
+        todo = stepper.units([u for u in self.all_units() if u in self._pending])
+        for unit in todo:
+            if unit.grad_state is GradState.SLAB and unit.slab.dtype != torch.float32:
+                self._promote(unit)
+        scale = self._clip_scale(todo, clip_val) if clip_val else 1.0
+        stepper.step(todo, [self._grad_of(u) for u in todo], scale, clamp)
+        for unit in todo:
+            self._finish_step(unit)
+            if id(unit) in self.block_index:
+                self.invalidate(self.block_index[id(unit)])
+        self._pending.difference_update(todo)
+        return set(todo)
 
     def _read_ahead(self, units: list[HostUnit]) -> None:
         """Tell the NVMe tier the order the next steps take, so it reads their moments ahead of them. The
@@ -588,16 +610,19 @@ class HostSide:
         unit.grad_state, unit.norms, unit.device_norms = GradState.EMPTY, None, None
         unit.has_grad = [False] * len(unit.entries)
 
-    def zero_grad(self) -> None:
-        """Drop the gradients not stepped yet. Nothing blocks: each such unit's reset is queued behind its
-        landing jobs on the worker (after an optimizer step there are none, and nothing is queued)."""
-        for unit in self._pending:
+    def zero_grad(self, units: list[HostUnit] | None = None) -> None:
+        """Drop the gradients not stepped yet (of `units` only, when given: one of several optimizers'). Nothing
+        blocks: each such unit's reset is queued behind its landing jobs on the worker (after an optimizer step
+        there are none, and nothing is queued)."""
+        units = self.all_units() if units is None else units
+        dropped = self._pending.intersection(units)
+        for unit in dropped:
             unit.held = None
             self.submit(unit, lambda unit=unit: self._finish_step(unit, stepped=False))
-        for unit in self.all_units():
+        for unit in units:
             for e in unit.entries:
                 e.param.grad = None
-        self._pending.clear()
+        self._pending.difference_update(dropped)
 
     # -- the worker -------------------------------------------------------------------------
     def close(self) -> None:

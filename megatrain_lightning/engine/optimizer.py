@@ -8,6 +8,7 @@ move between this strategy and ordinary training.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -36,20 +37,32 @@ class Steps(Protocol):
 SUPPORTED = (torch.optim.AdamW, torch.optim.Adam)
 
 
-def check_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """Refuse what the host step cannot reproduce, naming the value and the fix."""
-    if type(optimizer) not in SUPPORTED:
-        raise ValueError(
-            f"strategy='megatrain' steps the optimizer on the host and supports torch.optim.AdamW and "
-            f"torch.optim.Adam; configure_optimizers returned {type(optimizer).__module__}.{type(optimizer).__name__}. "
-            "Return one of those (its param groups, learning rates and schedulers are kept)."
-        )
-    for i, group in enumerate(optimizer.param_groups):
-        for flag in ("amsgrad", "maximize", "differentiable"):
-            if group.get(flag):
-                raise ValueError(f"param group {i} sets {flag}=True, which the host AdamW does not implement; drop it")
+def native_ok(optimizer: Any) -> bool:
+    """Whether the native host Adam step computes what `optimizer`'s own step would: a torch AdamW or Adam
+    (or a subclass that keeps torch's step), with no setting the kernel does not implement. Anything else
+    steps itself on the host (engine/generic_optim.py)."""
+    base = next((c for c in SUPPORTED if isinstance(optimizer, c)), None)
+    # (torch wraps each optimizer class's step in a profiling hook of its own: compare what is wrapped)
+    if base is None or any(
+        inspect.unwrap(getattr(type(optimizer), m)) is not inspect.unwrap(getattr(base, m))
+        for m in ("step", "_init_group")
+    ):
+        return False
+    for group in optimizer.param_groups:
+        if any(group.get(flag) for flag in ("amsgrad", "maximize", "differentiable")):
+            return False
         if isinstance(group["betas"][0], torch.Tensor) and group["betas"][0].requires_grad:
-            raise ValueError(f"param group {i}: tensor betas that require grad are not supported")
+            return False
+    return True
+
+
+def check_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """Refuse what is not a torch optimizer, naming the value and the fix."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"strategy='megatrain' steps torch optimizers on the host; got {type(optimizer).__module__}."
+            f"{type(optimizer).__name__}, which is not a torch.optim.Optimizer: subclass torch.optim.Optimizer"
+        )
     return optimizer
 
 
@@ -58,9 +71,13 @@ class HostAdamW(torch.optim.Optimizer):
 
     def __init__(self, source: torch.optim.Optimizer, engine: Steps) -> None:
         # Optimizer.__init__ is skipped on purpose: it would copy the groups, and the point is to share them.
-        self._source = check_optimizer(source)
+        if not native_ok(source):
+            raise ValueError(
+                f"{type(source).__name__} is not a plain torch AdamW/Adam the native host step implements; "
+                "engine.optimizer() steps it with its own step() instead"
+            )
+        self._source = source
         self.defaults = source.defaults
-        self.param_groups = source.param_groups
         self.state: dict = {}
         self._optimizer_step_pre_hooks: dict = {}
         self._optimizer_step_post_hooks: dict = {}
@@ -70,8 +87,26 @@ class HostAdamW(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: dict = {}
         self._zero_grad_profile_name = "megatrain.HostAdamW.zero_grad"
         self.engine = engine
+        self._attached: list[tuple[int, int]] = []
+        self._attach()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # (the source's list itself, even after it is replaced)
+        return self._source.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self._source.param_groups = groups
+
+    def _layout(self) -> list[tuple[int, int]]:
+        """What the units' group mapping was made from: each group (by identity) and its size. A group added
+        (``add_param_group``, as BackboneFinetuning does) or a group's parameters replaced changes it."""
+        return [(id(g["params"]), len(g["params"])) for g in self.param_groups]
+
+    def _attach(self) -> None:
+        """Map every parameter of the groups to its group on the units (Adam moments allocated the first time)."""
         groups = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
-        known = {id(e.param) for unit in engine.all_units() for e in unit.layout}
+        known = {id(e.param) for unit in self.engine.all_units() for e in unit.layout}
         stray = [g for g, group in enumerate(self.param_groups) for p in group["params"] if id(p) not in known]
         if stray:
             raise ValueError(
@@ -79,7 +114,8 @@ class HostAdamW(torch.optim.Optimizer):
                 "the host optimizer can only step the model's own parameters"
             )
         order = [id(p) for group in self.param_groups for p in group["params"]]
-        engine.attach_optimizer(groups, self.hyper, order)
+        self.engine.attach_optimizer(groups, self.hyper, order)
+        self._attached = self._layout()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -88,7 +124,16 @@ class HostAdamW(torch.optim.Optimizer):
         return self._source
 
     def hyper(self) -> list[AdamHyper]:
-        """Each group's hyper-parameters as they are now (a scheduler may have just changed lr)."""
+        """Each group's hyper-parameters as they are now (a scheduler may have just changed lr). The engine
+        asks before each step it makes: a param group added since the last one is mapped onto the units
+        first, so its parameters step from this step on, with fresh Adam state, as torch.optim's would."""
+        if self._layout() != self._attached:
+            if not native_ok(self._source):
+                raise ValueError(
+                    "a param group added to the optimizer sets amsgrad, maximize or differentiable, which the native "
+                    "host AdamW does not implement; set them in configure_optimizers (the optimizer then steps itself)"
+                )
+            self._attach()
         decoupled_default = isinstance(self._source, torch.optim.AdamW)
         return [
             AdamHyper(
