@@ -304,3 +304,36 @@ def test_a_parameter_replaced_after_setup_is_refused_in_one_line():
         stack_loss(model, token_batches(1)[0])
     assert "\n" not in str(err.value)
     engine.close()
+
+
+@pytest.mark.parametrize("lottery", [False, True])
+def test_lightnings_model_pruning_callback_trains_exactly_and_keeps_its_zeros(lottery):
+    """``ModelPruning`` prunes at an epoch's end (with the lottery ticket reset: the kept weights back to their
+    initial values) and makes the pruning permanent at the end of training, before the strategy closes the
+    engine: the same losses and weights as ordinary training, and the zeros.
+
+    With the reset, pruning once: ordinary training's parameter shares its storage with the saved initial
+    weights after the first reset (``dst.data = src.data``), so later resets restore trained values there;
+    the engine copies them into its master, so each reset restores the initial values."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    from tests.helpers import CausalLM, assert_same, fit
+
+    def pruning(model: nn.Module) -> ModelPruning:
+        return ModelPruning(
+            "l1_unstructured",
+            parameters_to_prune=[(layer.lin, "weight") for layer in model.layers],
+            amount=0.5,
+            apply_pruning=(lambda epoch: epoch == 0) if lottery else True,
+            use_lottery_ticket_hypothesis=lottery,
+            verbose=0,
+        )
+
+    a, b = two_models(StackLM)
+    ref, mt = CausalLM(a, loss_fn=stack_loss), CausalLM(b, loss_fn=stack_loss)
+    batches = token_batches(2)
+    fit(ref, batches, strategy="auto", max_epochs=2, callbacks=[pruning(a)])
+    fit(mt, batches, strategy="megatrain", max_epochs=2, callbacks=[pruning(b)])
+    assert_same(mt, ref)
+    assert "layers.0.lin.weight_orig" not in b.state_dict()  # (made permanent)
+    assert float((b.layers[0].lin.weight == 0).float().mean()) > 0.45  # (pruned to half, or more)
