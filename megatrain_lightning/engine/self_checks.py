@@ -85,8 +85,7 @@ def fingerprint(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
             x = t.detach().reshape(-1, t.shape[-1] if t.dim() else 1)
             rows = (x @ _signs(x.shape[1], 0, x.device, x.dtype)).float()
             proj = _signs(x.shape[0], 1, x.device, torch.float32) @ rows
-            flat = x.reshape(-1)
-            parts.append(torch.stack([proj, torch.dot(flat, flat).float().sqrt()]))
+            parts.append(torch.stack([proj, torch.linalg.vector_norm(x, dtype=torch.float32)]))
     return torch.stack(parts) if parts else None
 
 
