@@ -132,6 +132,31 @@ def test_a_recompute_that_differs_from_its_forward_stops_the_step_naming_the_blo
     engine.close()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_on_a_gpu_a_differing_recompute_stops_its_blocks_host_jobs_and_rounding_does_not(precision):
+    """On a GPU the comparison is read by the block's host jobs (no sync in backward): the landing and the
+    step fail, the error comes out of the next wait on them, the block's weights stay; the other blocks,
+    whose recomputes round alike, train."""
+    torch.manual_seed(0)
+    model = StackLM()
+    model.layers[1] = HiddenStateBlock()
+    before = {n: p.detach().clone() for n, p in model.layers[1].named_parameters()}
+    other = model.layers[2].lin.weight.detach().clone()
+    engine = Engine(model, EngineConfig(device="cuda", precision=precision))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    with engine.autocast():
+        loss = stack_loss(model, token_batches(1)[0].cuda())
+    with engine.backward():
+        loss.backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"^block layers\.1: its recompute in backward did not reproduce"):
+        engine.flush()
+    for name, p in model.layers[1].named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert not torch.equal(model.layers[2].lin.weight, other)
+
+
 def test_a_kept_graph_is_not_recomputed_so_not_compared():
     """recompute=False keeps every call's graph: the block runs once, as in ordinary training."""
     build = lambda: StackLM(lambda: HiddenStateBlock())  # noqa: E731
