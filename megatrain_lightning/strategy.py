@@ -603,6 +603,17 @@ class MegatrainStrategy(ParallelStrategy):
         with self.engine.backward(accumulate=accumulate, clip=clip, visible=bool(self.grad_hooks)):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """The step; at the end of an epoch or of training, every host step is waited for: the callbacks that
+        run there read the parameters directly (``ModelPruning`` computes its masks from them and makes the
+        pruning permanent from them), while the blocks' steps otherwise finish in the background."""
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = None if self.lightning_module is None else self.lightning_module._trainer
+        if self.engine is not None and trainer is not None and _loop_pauses(trainer):
+            self.engine.flush()
+        return out
+
     # -- checkpoints ------------------------------------------------------------------------------
     @property
     @override
@@ -837,6 +848,13 @@ class _ScriptLauncher(_SubprocessScriptLauncher):
             if not peers.lost_peer(err):
                 raise
             raise self.strategy.peer_lost() from None
+
+
+def _loop_pauses(trainer: Any) -> bool:
+    """Whether the step under way is the last of its epoch or of training (epoch-end and train-end hooks follow)."""
+    loop = trainer.fit_loop.epoch_loop
+    last_step = trainer.max_steps != -1 and trainer.global_step + 1 >= trainer.max_steps
+    return bool(loop.batch_progress.is_last_batch or last_step or trainer.should_stop)
 
 
 GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.engine.pinned import host_empty
+from megatrain_lightning.engine.self_checks import FINGERPRINT_BYTES
 from megatrain_lightning.measure import DeviceBytes, Measured, flash_workspace, measure_step, observe_host_allocations
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 
@@ -62,9 +63,10 @@ def test_persistent_is_the_engines_device_buffers_not_its_host_buffers():
 
 
 def test_saved_inputs_are_seen_and_workspace_is_modelled():
-    """12 more blocks keep 12 more inputs on the device; the flash backward's workspace is bf16-only."""
+    """12 more blocks keep 12 more inputs on the device (and their outputs' fingerprints for the self-check of
+    their recompute); the flash backward's workspace is bf16-only."""
     shallow, deep = tiny_step(4), tiny_step(16)
-    assert deep.peak - shallow.peak == 12 * one_input(tiny(4), 256)
+    assert deep.peak - shallow.peak == 12 * (one_input(tiny(4), 256) + FINGERPRINT_BYTES)
     # dq accumulator (fp32, head_dim 16 rounded up to 32) + softmax row sums + dk, dv expanded to 4 heads
     assert shallow.workspace == 256 * 4 * 32 * 4 + 4 * 256 * 4 + 2 * 256 * 4 * 16 * 2
     assert shallow.peak >= shallow.persistent + shallow.workspace

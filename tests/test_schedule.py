@@ -170,7 +170,9 @@ def test_host_jobs_and_blocks_are_recorded():
     work = [i for job in run.trace.jobs for i in job if isinstance(i, HostWork)]
     assert sum(i.numel for i in work if i.kind == "adam") == STEPS * run.params
     on_host = sum(i.numel for i in work if i.kind == "norms")
-    on_device = sum(1 for i in run.trace.issue if isinstance(i, Kernel) and i.name == "linalg_vector_norm")
+    norms = sum(1 for i in run.trace.issue if isinstance(i, Kernel) and i.name == "linalg_vector_norm")
+    # (less each block call's output fingerprint, in its forward and its recompute: engine/self_checks.py)
+    on_device = norms - 2 * STEPS * tiny().num_hidden_layers
     params = len(list(LlamaForCausalLM(tiny()).parameters()))
     assert (on_host, on_device) in [(STEPS * run.params, 0), (0, STEPS * params)]
     assert any(isinstance(i, (Join, Sync)) and "_clip_scale" in i.where for i in run.trace.issue)

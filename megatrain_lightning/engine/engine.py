@@ -73,6 +73,7 @@ from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph
 from megatrain_lightning.engine.replay import refuse_compiled
 from megatrain_lightning.engine.ring import HostRing, piece_numel, ring_counts
 from megatrain_lightning.engine.saved_inputs import SavedInputs
+from megatrain_lightning.engine.self_checks import SelfChecks
 from megatrain_lightning.engine.streams import SlotPool, Streams
 from megatrain_lightning.engine.uploads import Uploader
 from megatrain_lightning.engine.worker import HostWorker
@@ -213,6 +214,9 @@ class Engine:
         self.generic: GenericSteps | None = None  # torch optimizers stepping themselves (engine/generic_optim.py)
         if config.compile_blocks:
             compile_block_calls(self.blocks, self.runners)
+        self.checks = SelfChecks(self)  # (engine/self_checks.py)
+        if self.device.type == "cuda":
+            self.host.gate = self.checks.gate  # a block's host jobs first read its recompute's comparison
 
     # -- construction helpers -------------------------------------------------------------------
     def _unit(self, name: str, params: list, pin: bool, keep_copy: bool) -> HostUnit:
@@ -332,6 +336,13 @@ class Engine:
             else:
                 host.data = dev.detach().to(host.device)
 
+    def adopt_block_changes(self, idx: int, param_refs: list[tuple[nn.Module, str, int]]) -> None:
+        """Block `idx`'s parameters sit at `param_refs` now, and its buffers may have changed (SelfChecks saw
+        pruning or a parametrization after setup): bind those from now on, and copy new buffers to the device."""
+        self._param_refs[idx] = param_refs
+        self._buffers_to_host()
+        self._refresh_block_buffers()
+
     def _block_state_read(self, idx: int, *_: Any) -> None:
         self._whole("a block's state_dict()")
         self.units[idx].wait()
@@ -421,6 +432,7 @@ class Engine:
         host.hold = visible or (clip == "value" and not host.clamp_known)
         try:
             yield
+            self.checks.fold_strays()
         finally:
             host.mode, host.want_norms, host.hold = before
 
@@ -447,6 +459,7 @@ class Engine:
         gradient the next step (and a later micro-batch's sum) uses; afterwards ``.grad`` is None again and
         the outer parameters are their device copies."""
         self._whole("engine.gradients_visible()")
+        self.checks.fold_strays()
         self.host.expose()
         self.outer.bind_masters()
         units = self.all_units()
@@ -465,6 +478,7 @@ class Engine:
 
     def optimizer_step(self) -> None:
         """Step every unit holding gradients; blocks step in the background in forward order."""
+        self.checks.fold_strays()
         stepped = self.host.step()
         self.outer.mark_stale(stepped)
         self.optimizer_steps += 1
@@ -483,6 +497,7 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Drop the gradients not stepped yet (nothing blocks)."""
+        self.checks.drop_strays()
         self.host.zero_grad()
 
     def flush(self) -> None:
@@ -552,6 +567,7 @@ class Engine:
         When training (`record`), the input is handed over with the flag it will have in the recompute, and
         the tensors that may leave the block besides its output are recorded (see SideOutputs)."""
         blk, runner = self.blocks[idx], self.runners[idx]
+        self.checks.adopted(idx)
         x = hidden.detach().requires_grad_(input_requires_grad) if record else hidden
         side = SideOutputs(blk) if record else None
         keep = record and state.keep
@@ -589,6 +605,8 @@ class Engine:
             kept.x = x
             kept.outputs = [get_gradient_edge(t) if t.requires_grad else None for t in [out, *picked]]
             state.kept = kept
+        else:
+            self.checks.forward_done(state, [out, *picked])
         return out, picked
 
     def backward_block(
@@ -635,6 +653,7 @@ class Engine:
                     f"block {unit.name} produced {len(side.tensors)} side tensors in its recompute but "
                     f"{state.recorded} in its forward: the block must run the same code both times"
                 )
+            self.checks.recompute_done(idx, state, [out, *(side.tensors[i] for i in state.side_index)])
             return differentiate(x, [out, *(side.tensors[i] for i in state.side_index)], links)
 
         def differentiate(x: torch.Tensor, outputs: list[torch.Tensor | GradientEdge | None], links: list) -> tuple:
@@ -905,6 +924,8 @@ class Engine:
         `gather=False`: a partitioned engine whose peer rank exited runs no collective; its parameters stay
         NaN placeholders."""
         self.flush()
+        self.checks.adopt_all()  # (e.g. pruning made permanent at the end of training: its values are kept)
+        self.checks.close()
         self.uploads.close()  # (its uploads were waited for by the flush)
         self.streams.synchronize()  # no copy may still read or write a device buffer freed below
         self.host.close()

@@ -39,6 +39,7 @@ import torch
 from megatrain_lightning.engine.host import GradState, HostUnit, spans
 from megatrain_lightning.engine.pinned import host_empty
 from megatrain_lightning.engine.ring import HostRing, pieces
+from megatrain_lightning.engine.self_checks import gated
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.optim.kernels import AdamHyper
 
@@ -112,6 +113,9 @@ class HostSide:
         self._eager: set[HostUnit] = set()  # units stepped during this backward already
         self._clip: float | None = None  # global-norm clipping requested for the next step
         self._clip_value: float | None = None  # per-element clamp requested for the next step
+        # Run first by every host job of a unit (engine/self_checks.py: on a GPU, whether the unit's recompute
+        # agreed with its forward); None: nothing to check.
+        self.gate: Callable[[HostUnit], None] | None = None
 
     def all_units(self) -> list[HostUnit]:
         # Outer units first: the embedding is the first thing the next forward needs.
@@ -652,6 +656,8 @@ class HostSide:
     def submit(self, unit: HostUnit, job: Callable[[], None], order: int = 0, event: Any = None) -> None:
         """Queue `job` as `unit`'s last job: after its previous one and (if given) the copy `event`, at
         `order` (engine/worker.py: 0 for landing and bookkeeping, a step's rank for steps)."""
+        if self.gate is not None:
+            job = gated(self.gate, unit, job)
         unit.future = self.worker.submit(job, order=order, after=(unit.future, event))
 
     def step_rank(self, unit: HostUnit) -> int:
