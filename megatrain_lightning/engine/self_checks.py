@@ -127,11 +127,11 @@ class SelfChecks:
         self._flags: dict[int, list[tuple[torch.Tensor, Any, str]]] = {}
         self._lock = threading.Lock()  # (the worker reads the flags while this thread adds more)
         self._stray: set[int] = set()  # blocks one of whose parameters got a gradient outside its call
-        self._hooks = [
-            e.param.register_post_accumulate_grad_hook(lambda p, i=i: self._arrived(i, p))
-            for i, unit in enumerate(engine.units)
-            for e in unit.layout
-        ]
+        self._hooks: list[Any] = []
+        # Frozen parameters (requires_grad=False) take no hook; each is hooked once it is unfrozen
+        # (BackboneFinetuning unfreezes a backbone mid-training), checked before its block's next call.
+        self._frozen = [(i, e.param) for i, unit in enumerate(engine.units) for e in unit.layout]
+        self._hook_unfrozen()
 
     # -- the recompute agrees with the forward -------------------------------------------------------------
     def forward_done(self, state: Any, outputs: list[torch.Tensor]) -> None:
@@ -203,6 +203,15 @@ class SelfChecks:
         )
 
     # -- no stray gradients -----------------------------------------------------------------------------
+    def _hook_unfrozen(self) -> None:
+        """Watch every block parameter that requires grad for gradients arriving in ``.grad``."""
+        if not any(p.requires_grad for _, p in self._frozen):
+            return
+        for i, p in self._frozen:
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._arrived(i, p)))
+        self._frozen = [(i, p) for i, p in self._frozen if not p.requires_grad]
+
     def _arrived(self, idx: int, param: nn.Parameter) -> None:
         """A gradient reached `param` of block `idx` in ``.grad``: from outside the engine's path."""
         engine, unit = self.engine, self.engine.units[idx]
@@ -265,6 +274,8 @@ class SelfChecks:
 
     def adopted(self, idx: int, refuse: bool = True) -> None:
         """Before block `idx` runs: follow what changed of its parameters and buffers since setup."""
+        if self._frozen:
+            self._hook_unfrozen()
         moved = self._moved_data(idx)
         if not moved and self._shape_of(idx) == self._adopted[idx]:
             return
