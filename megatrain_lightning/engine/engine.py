@@ -412,6 +412,13 @@ class Engine:
         ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (gradients never sit in ``.grad``)."""
         self.host.clip_to(max_norm)
 
+    def grad_norm(self) -> torch.Tensor:
+        """The total 2-norm of the gradients the next optimizer step uses (fp32, on the host), bit for bit what
+        ``torch.nn.utils.clip_grad_norm_`` returns over the optimizer's parameters. It waits for every
+        gradient to land; the norms it takes serve the step's clipping too. Partitioned, every rank calls it
+        (the ranks' squares are summed)."""
+        return self.host.grad_norm()
+
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to [-clip_value, clip_value] in the next optimizer step, exactly as
         ``torch.nn.utils.clip_grad_value_`` on the step's (summed) gradient. Called before the step's last
