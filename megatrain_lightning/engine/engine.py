@@ -68,7 +68,7 @@ from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.engine.outer import OuterParams
 from megatrain_lightning.engine.partition import Partition, partition_of
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph
+from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph, nothing_saved
 from megatrain_lightning.engine.ring import HostRing, piece_numel, ring_counts
 from megatrain_lightning.engine.saved_inputs import SavedInputs
 from megatrain_lightning.engine.streams import SlotPool, Streams
@@ -556,7 +556,8 @@ class Engine:
             with side.recording(), Mutations.watch(blk) as state.changed:
                 return state.call(runner.inner, x)
 
-        with torch.enable_grad() if keep else torch.no_grad():
+        # Training: in grad mode, as ordinary training's forward and the recompute (engine/recompute.py).
+        with (torch.enable_grad() if keep else nothing_saved()) if record else torch.no_grad():
             result, kept = self._run(idx, +1, call, keep=keep)
             out, state.unsplit, state.extra = state.split(result)
         if side is None:
