@@ -1,23 +1,27 @@
 """``Fabric(strategy="megatrain")``: Lightning Fabric glue over the streaming engine's public API.
 
     fabric = Fabric(accelerator="cuda", devices=1, precision="bf16-mixed", strategy="megatrain")
-    fabric.launch()                                    # required: this is not a SingleDeviceStrategy (below)
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-4))
     with fabric.no_backward_sync(model, enabled=not last_micro_batch):   # accumulation micro-batches
         fabric.backward(model(batch).loss)
-    fabric.clip_gradients(model, optimizer, max_norm=1.0)               # exact, inside the next step
+    norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)        # the total norm; or clip_val=0.5
     optimizer.step(); optimizer.zero_grad()
     fabric.save(path, {"model": model, "optimizer": optimizer})         # torch layouts, as ordinary Fabric
     fabric.strategy.teardown()                         # the model is an ordinary fp32 host model again
 
 What Fabric calls maps onto the engine one to one: ``setup`` builds :class:`Engine` over the module and swaps
-the optimizer for the host one (:class:`HostAdamW`, or any torch optimizer stepping itself on the host); ``no_backward_sync(enabled=True)`` is ``engine.backward(accumulate=True)``;
-``clip_gradients`` is ``engine.clip_grad_norm_``; ``save``/``load`` read and write the fp32 masters and the
+the optimizer for the host one (:class:`HostAdamW`, or any torch optimizer stepping itself on the host);
+``no_backward_sync(enabled=True)`` is ``engine.backward(accumulate=True)``; ``clip_gradients`` is
+``engine.clip_grad_norm_`` (returning ``engine.grad_norm()``) or ``engine.clip_grad_value_``;
+``save``/``load`` read and write the fp32 masters and the
 optimizer in ``torch.optim`` layout, so checkpoints move between this strategy and ordinary Fabric.
 
 Why ``Strategy`` and not ``SingleDeviceStrategy``: ``Fabric.no_backward_sync`` returns a null context for any
 ``SingleDeviceStrategy`` without asking it, and that context is how a Fabric loop says a micro-batch is not
-the last. The price is Fabric's rule for such strategies: call ``fabric.launch()`` before ``fabric.setup``.
+the last. Fabric asks ``fabric.launch()`` of every strategy but the two that run in the calling process
+(``SingleDeviceStrategy``, ``DataParallelStrategy``); this one runs there too, on one device, so it is registered
+as a virtual ``DataParallelStrategy`` (an ``isinstance`` answer only: nothing is inherited) and, as with ordinary
+single-device Fabric, ``launch()`` may be called or not.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.accelerators import Accelerator, CUDAAccelerator
 from lightning.fabric.plugins import CheckpointIO, Precision
-from lightning.fabric.strategies import STRATEGY_REGISTRY, Strategy
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DataParallelStrategy, Strategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
 from lightning.fabric.utilities.init import _EmptyInit
@@ -109,7 +113,7 @@ class MegatrainFabricStrategy(Strategy):
             rate the param groups hold then. A loop that breaks the promise (accumulating without
             ``no_backward_sync``) has already stepped on a partial gradient when the engine raises at its next
             backward: do not continue such a run.
-        clipping: the loop calls ``fabric.clip_gradients(..., max_norm=...)`` before each step. With
+        clipping: the loop calls ``fabric.clip_gradients`` (``max_norm=`` or ``clip_val=``) before each step. With
             ``overlap_optimizer`` this is required for clipping (the norms are then taken as the gradients go
             down and nothing steps during backward); it also counts in the host-memory check.
         accumulating: the loop accumulates micro-batches: the fp32 accumulator counts in the host-memory check.
@@ -331,17 +335,36 @@ class MegatrainFabricStrategy(Strategy):
         max_norm: float | int,
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
-    ) -> None:
-        """Clip the global 2-norm of the gradients to `max_norm`, exactly as ``torch.nn.utils.clip_grad_norm_``
-        over the optimizer's parameters, inside the next ``optimizer.step()``: the gradients are on the host,
-        and the norm is computed there, in the step. So this returns None, not the norm, and a non-finite norm
-        is not raised (`error_if_nonfinite` cannot be honoured before the norm exists)."""
+    ) -> torch.Tensor:
+        """Clip the global 2-norm of the gradients to `max_norm` in the next ``optimizer.step()``, exactly as
+        ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, and return the total norm before
+        clipping as it does (an fp32 scalar on the host, where the gradients are; this waits for them to land)."""
         if float(norm_type) != 2.0:
             raise ValueError(
                 f"norm_type={norm_type}: strategy='megatrain' clips the global 2-norm only; pass norm_type=2"
             )
         if not max_norm > 0:
             raise ValueError(f"max_norm={max_norm}: give a positive norm to clip to")
+        self._check_clip_call(optimizer)
+        total = self.engine.grad_norm()
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"the total gradient norm is {float(total)}, so it cannot be clipped (nothing was clipped); "
+                "pass error_if_nonfinite=False to scale the gradients by it anyway"
+            )
+        self.engine.clip_grad_norm_(float(max_norm))
+        return total
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | int) -> None:
+        """Clamp every gradient element to [-clip_val, clip_val] in the next ``optimizer.step()``, exactly as
+        ``torch.nn.utils.clip_grad_value_`` on the step's gradient (the sum of its micro-batches)."""
+        if not clip_val > 0:
+            raise ValueError(f"clip_val={clip_val}: give a positive value to clamp the gradients to")
+        self._check_clip_call(optimizer)
+        self.engine.clip_grad_value_(float(clip_val))
+
+    def _check_clip_call(self, optimizer: torch.optim.Optimizer) -> None:
         if self.optimizer is None or not any(optimizer is o for o in (self.optimizer, self.optimizer.optimizer)):
             raise ValueError("clip_gradients: pass the model and the optimizer set up with this Fabric")
         if self.overlap_optimizer and not self.clipping:
@@ -349,15 +372,6 @@ class MegatrainFabricStrategy(Strategy):
                 "clip_gradients with MegatrainFabricStrategy(overlap_optimizer=True): the optimizer already stepped "
                 "during backward. Pass clipping=True as well, so the step waits for the clip"
             )
-        self.engine.clip_grad_norm_(float(max_norm))
-
-    @override
-    def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | int) -> None:
-        """Refused: the gradients are clipped inside the host step, by global norm only."""
-        raise ValueError(
-            f"clip_val={clip_val}: strategy='megatrain' does not clip gradients by value (they never sit in .grad); "
-            "clip by global norm instead: fabric.clip_gradients(model, optimizer, max_norm=...)"
-        )
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def _streams(self, module: nn.Module) -> bool:
@@ -415,3 +429,7 @@ class MegatrainFabricStrategy(Strategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
             )
+
+
+# Fabric asks no launch() of strategies that run in the calling process; see the module docstring.
+DataParallelStrategy.register(MegatrainFabricStrategy)

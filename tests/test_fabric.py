@@ -1,6 +1,6 @@
-"""``Fabric(strategy="megatrain")`` against ordinary Fabric on the CPU: the same loop (setup, accumulation with
-``no_backward_sync``, norm clipping, an LR schedule) gives the same losses and weights bit for bit, and
-checkpoints resume exactly in either direction.
+"""``Fabric(strategy="megatrain")`` against ordinary Fabric on the CPU: the same loop (setup without ``launch()``,
+accumulation with ``no_backward_sync``, clipping by norm or by value, an LR schedule) gives the same losses,
+total norms and weights bit for bit, and checkpoints resume exactly in either direction.
 
 The host AdamW runs on torch ops (``MEGATRAIN_CPU_ADAM=torch``), which are those of ``torch.optim.AdamW``."""
 
@@ -25,9 +25,8 @@ def torch_adam(monkeypatch):
 
 
 def make_fabric(strategy="auto", precision="32-true") -> Fabric:
-    fabric = Fabric(accelerator="cpu", devices=1, precision=precision, strategy=strategy)
-    fabric.launch()  # (the megatrain strategy is not a SingleDeviceStrategy: Fabric requires it)
-    return fabric
+    """One device, no ``fabric.launch()``: ordinary single-device Fabric needs none, and neither does this one."""
+    return Fabric(accelerator="cpu", devices=1, precision=precision, strategy=strategy)
 
 
 def set_up(fabric: Fabric, separately: bool = False):
@@ -43,8 +42,9 @@ def set_up(fabric: Fabric, separately: bool = False):
     return raw, model, optimizer, scheduler
 
 
-def train(fabric, model, optimizer, scheduler, steps, clip=CLIP, save=None, on_last_backward=None):
-    """Fabric's own loop; returns each micro-batch's loss and what clip_gradients returned."""
+def train(fabric, model, optimizer, scheduler, steps, clip=CLIP, save=None, on_last_backward=None, by="max_norm"):
+    """Fabric's own loop; returns each micro-batch's loss and what clip_gradients returned (`by`: "max_norm" or
+    "clip_val", clip_gradients' argument that `clip` goes to)."""
     losses, norms = [], []
     for step in steps:
         for micro in range(MICRO):
@@ -57,7 +57,7 @@ def train(fabric, model, optimizer, scheduler, steps, clip=CLIP, save=None, on_l
         if on_last_backward is not None:
             on_last_backward(step)
         if clip is not None:
-            norms.append(fabric.clip_gradients(model, optimizer, max_norm=clip))
+            norms.append(fabric.clip_gradients(model, optimizer, **{by: clip}))
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
@@ -98,7 +98,11 @@ def runs(tmp_path_factory):
 def test_matches_ordinary_fabric_bit_for_bit(runs):
     ordinary, megatrain = runs["ordinary"], runs["megatrain"]
     assert any(n > CLIP for n in ordinary["norms"])  # the clip does change the steps
-    assert all(n is None for n in megatrain["norms"])  # (the norm is computed inside the step)
+    # clip_gradients returns the total norm before clipping, as ordinary Fabric does: the same fp32 scalar.
+    assert len(megatrain["norms"]) == STEPS
+    for mine, theirs in zip(megatrain["norms"], ordinary["norms"]):
+        assert mine.shape == theirs.shape == () and mine.dtype == theirs.dtype == torch.float32
+        assert torch.equal(mine, theirs)
     assert megatrain["losses"] == ordinary["losses"]
     assert len(set(ordinary["losses"])) > MICRO  # it trains
     assert_same_weights(megatrain["weights"], ordinary["weights"])
@@ -172,6 +176,55 @@ def test_overlap_with_clipping(runs):
     fabric.strategy.teardown()
 
 
+VALUE_STEPS, CLIP_VAL = range(2), 1e-3
+
+
+@pytest.fixture(scope="module")
+def clipped_by_value():
+    """Ordinary Fabric clipping by value: its losses and weights."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEGATRAIN_CPU_ADAM", "torch")
+        fabric = make_fabric()
+        raw, model, optimizer, scheduler = set_up(fabric)
+        losses, _ = train(fabric, model, optimizer, scheduler, VALUE_STEPS, clip=CLIP_VAL, by="clip_val")
+    return losses, weights(fabric, raw)
+
+
+@pytest.mark.parametrize("strategy", ["megatrain", "overlap"])
+def test_clip_by_value_matches_ordinary_fabric(runs, clipped_by_value, strategy):
+    """fabric.clip_gradients(clip_val=...) clamps the step's gradient (the micro-batches' sum) as
+    torch.nn.utils.clip_grad_value_ does on .grad: the same losses and weights bit for bit; with
+    overlap_optimizer=True too, given clipping=True (the step then waits for the clip)."""
+    expected, expected_weights = clipped_by_value
+    assert expected[MICRO:] != runs["ordinary"]["losses"][MICRO : len(expected)]  # the clamp changes the steps
+    if strategy == "overlap":
+        strategy = MegatrainFabricStrategy(overlap_optimizer=True, clipping=True, host_threads=1)
+    fabric = make_fabric(strategy)
+    raw, model, optimizer, scheduler = set_up(fabric)
+    losses, returned = train(fabric, model, optimizer, scheduler, VALUE_STEPS, clip=CLIP_VAL, by="clip_val")
+    assert returned == [None] * len(VALUE_STEPS)  # as ordinary Fabric returns for clip_val
+    assert losses == expected
+    assert_same_weights(weights(fabric, raw), expected_weights)
+
+
+def test_non_finite_norm_as_ordinary_fabric():
+    """A non-finite total norm raises, as clip_grad_norm_ does (before anything is clipped); with
+    error_if_nonfinite=False the norm is returned, as ordinary Fabric returns it."""
+    norms = {}
+    for name in ("auto", "megatrain"):
+        fabric = make_fabric(name)
+        raw, model, optimizer, _ = set_up(fabric)
+        batch = BATCHES[0]
+        fabric.backward(model(input_ids=batch, labels=batch).loss * float("inf"))
+        with pytest.raises(RuntimeError, match="non-finite|cannot be clipped"):
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        norms[name] = fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
+        if name == "megatrain":
+            fabric.strategy.teardown()
+    assert not torch.isfinite(norms["auto"])
+    assert torch.equal(norms["megatrain"], norms["auto"]) or (norms["megatrain"].isnan() and norms["auto"].isnan())
+
+
 def test_setup_module_then_optimizers(runs):
     """fabric.setup_module(model), then an optimizer set up on its own: the parameters stay registered."""
     fabric = make_fabric("megatrain")
@@ -187,9 +240,7 @@ def test_registry_precision_and_devices(tmp_path):
     assert isinstance(fabric.strategy.precision, MegatrainFabricPrecision)
     assert fabric.strategy.precision.precision == "bf16-true"
     raw = hf_llama(layers=2)
-    with pytest.raises(RuntimeError, match="launch"):  # Fabric's rule for strategies not single-device
-        fabric.setup(raw, torch.optim.AdamW(raw.parameters()))
-    fabric.launch()
+    fabric.launch()  # not needed on one device (make_fabric calls none), but allowed, as for ordinary Fabric
     model, optimizer = fabric.setup(raw, torch.optim.AdamW(raw.parameters(), lr=1e-2))
     before = {k: v.clone() for k, v in fabric.strategy.engine.master_state_dict().items()}
     batch = BATCHES[0]
@@ -250,8 +301,8 @@ def test_optimizer_and_clipping_errors():
         fabric.setup_optimizers(torch.optim.AdamW(raw.parameters()))
 
     model, optimizer = fabric.setup(raw, torch.optim.AdamW(raw.parameters()))
-    with pytest.raises(ValueError, match="by value"):
-        fabric.clip_gradients(model, optimizer, clip_val=0.1)
+    with pytest.raises(ValueError, match="clip_val=-0.1: give a positive value"):
+        fabric.clip_gradients(model, optimizer, clip_val=-0.1)
     with pytest.raises(ValueError, match="norm_type=inf"):
         fabric.clip_gradients(model, optimizer, max_norm=1.0, norm_type=float("inf"))
     with pytest.raises(ValueError, match="one optimizer"):

@@ -3,8 +3,9 @@
 Each is the smallest configuration of its family that still has the features that set it apart (ALiBi,
 parallel attention, partial rotary, QK norms, post-norms, logit scaling, sliding windows, rope scaling,
 multi-head latent attention, routed and shared experts, a state-space block, hybrids of attention and
-state-space layers, a transformer block shared by several layers), built locally from a
-config (no download): 2 layers, width 32, the zoo's vocabulary of 97, every dropout the family has on.
+state-space layers, a transformer block shared by several layers, an encoder-decoder handing position biases
+between blocks), built locally from a config (no download): 2 layers, width 32, the zoo's vocabulary of 97,
+every dropout the family has on (but T5's: see ``t5``).
 Each builder names only what differs from ``hf_model``'s small GQA decoder.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tests.helpers import AUX_COEF, DROPOUT, Zoo, hf_model
+from tests.helpers import AUX_COEF, DROPOUT, VOCAB, Zoo, _seeded, hf_model
 
 # Token ids inside the zoo's vocabulary (some families default to ids of their real tokenizer's).
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -283,6 +284,24 @@ def zamba2() -> nn.Module:
     )
 
 
+def t5() -> nn.Module:
+    # An encoder-decoder: both stacks stream, of different depths (3 and 2), gated-GELU feed-forwards, the
+    # decoder's output not rescaled before the head (tie_word_embeddings=False), other relative-position buckets. Each stack's first block makes the position bias its later blocks
+    # take, and the decoder's first block a cross-attention bias of zeros (no grad) the later ones take too.
+    # Dropout off, unlike the other families: with dropout on, CPU attention takes one kernel whatever
+    # requires grad; without, it takes another when the additive mask (the bias) requires grad, so a forward
+    # outside grad mode, or a bias of zeros made to require grad, computed other values (1e-5 after 3 steps).
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=2, num_heads=4,
+        feed_forward_proj="gated-gelu", tie_word_embeddings=False, relative_attention_num_buckets=16,
+        relative_attention_max_distance=20, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        use_cache=False,  # here: the stacks copy the config before _seeded could turn the cache off
+    )  # fmt: skip
+    return _seeded(lambda: T5ForConditionalGeneration(cfg))
+
+
 def _falcon_mq_key(t: torch.Tensor, head_dim: int = 8) -> torch.Tensor:
     """Multi-query Falcon's fused query_key_value bias is [q (all heads) | k (one head) | v (one head)]."""
     mask = torch.zeros_like(t, dtype=torch.bool)
@@ -313,4 +332,5 @@ FAMILIES: dict[str, Zoo] = {
     "jamba": Zoo(jamba),
     "bamba": Zoo(bamba),
     "zamba2": Zoo(zamba2),
+    "t5": Zoo(t5),
 }

@@ -1,4 +1,4 @@
-"""Per-block autograd: forward without a graph, backward by recomputing the block with its weights re-bound.
+"""Per-block autograd: forward keeping no graph, backward by recomputing the block with its weights re-bound.
 
 Each decoder block's ``forward`` is replaced by a :class:`BlockRunner`. The block still runs as the user's
 own module: the same object, in the train/eval mode the user set, with its submodules' hooks; only its
@@ -21,8 +21,11 @@ the forward changes of the block's buffers and plain attributes is replayed, not
 the autocast state and from the RNG state the forward saw, and the submodules' hooks fire again in it.
 
 Forward and recompute hand the block tensors with the same ``requires_grad`` flags (parameters as the
-user set them, the input as it arrived): some kernels pick their path from those flags, and the same path
-both times keeps the loss and the gradients bit for bit those of ordinary training.
+user set them, the input as it arrived), and both run in grad mode, as ordinary training's forward does
+(the forward saving nothing for backward: engine/recompute.py ``nothing_saved``): some kernels pick their
+path from those flags and the mode (CPU attention whose additive mask requires grad), and the same path
+all three times keeps the loss and the gradients bit for bit those of ordinary training. So a side output
+computed without grad (T5's cross-attention bias of zeros) leaves the node not requiring grad either.
 """
 
 from __future__ import annotations
@@ -268,6 +271,9 @@ class _BlockFunction(torch.autograd.Function):
             ctx.save_for_backward(hidden)
         ctx.set_materialize_grads(False)  # an unused side output sends None, not a tensor of zeros
         out, side = engine.forward_block(runner.idx, state, hidden, hidden.requires_grad)
+        # A side output computed without grad (the forward ran in grad mode) needs none later either, as in
+        # ordinary training: T5's cross-attention bias of zeros must not require grad in the next blocks.
+        ctx.mark_non_differentiable(*(t for t in side if not t.requires_grad))
         # Each grad argument again, as the link of its InputChain (its gradient from the later blocks comes back
         # here). Not a shared parameter: each block's use of it reaches its leaf on its own, in the order
         # ordinary autograd accumulates a parameter's uses (the later block's first).
@@ -347,11 +353,11 @@ class CompiledBlock:
     block passed as its ``self``), so 32 blocks compile once, not 32 times. Dynamo lifts a block's
     parameters into graph inputs and guards on their shapes, dtypes, strides and ``requires_grad``, not on
     their storage, so the engine re-pointing ``param.data`` at another slot between calls does not
-    recompile. What does compile a new variant: grad mode (the forward runs without a graph, the recompute
-    with one: two variants), train/eval, ``requires_grad`` flags (a frozen part: a pair more for the blocks
-    it touches) and each distinct input shape (``dynamic=False``: a new sequence length compiles once per
-    grad mode). Dynamo allows ``torch._dynamo.config.recompile_limit`` (8) variants per class, after which
-    the call raises; batches of one length stay at 2 (3 with validation).
+    recompile. What does compile a new variant: grad mode (training's forward and recompute both run in it:
+    one variant; evaluation without grad: another), train/eval, ``requires_grad`` flags (a frozen part: more
+    for the blocks it touches) and each distinct input shape (``dynamic=False``: a new sequence length
+    compiles once per grad mode). Dynamo allows ``torch._dynamo.config.recompile_limit`` (8) variants per
+    class, after which the call raises; batches of one length stay at 1 (2 with validation).
 
     ``fullgraph=True``: a block that cannot be compiled as one graph fails at its first call, naming its
     class, rather than running partly eager. ``fallback_random``: dropout draws from torch's generator as

@@ -69,7 +69,7 @@ from megatrain_lightning.engine.optimizer import HostAdamW, check_optimizer, nat
 from megatrain_lightning.engine.outer import OuterParams
 from megatrain_lightning.engine.partition import Partition, partition_of
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph
+from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph, nothing_saved
 from megatrain_lightning.engine.replay import refuse_compiled
 from megatrain_lightning.engine.ring import HostRing, piece_numel, ring_counts
 from megatrain_lightning.engine.saved_inputs import SavedInputs
@@ -441,6 +441,13 @@ class Engine:
         ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (gradients never sit in ``.grad``)."""
         self.host.clip_to(max_norm)
 
+    def grad_norm(self) -> torch.Tensor:
+        """The total 2-norm of the gradients the next optimizer step uses (fp32, on the host), bit for bit what
+        ``torch.nn.utils.clip_grad_norm_`` returns over the optimizer's parameters. It waits for every
+        gradient to land; the norms it takes serve the step's clipping too. Partitioned, every rank calls it
+        (the ranks' squares are summed)."""
+        return self.host.grad_norm()
+
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to [-clip_value, clip_value] in the next optimizer step, exactly as
         ``torch.nn.utils.clip_grad_value_`` on the step's (summed) gradient. Called before the step's last
@@ -582,7 +589,8 @@ class Engine:
             with side.recording(), Mutations.watch(blk) as state.changed:
                 return state.call(runner.inner, x)
 
-        with torch.enable_grad() if keep else torch.no_grad():
+        # Training: in grad mode, as ordinary training's forward and the recompute (engine/recompute.py).
+        with (torch.enable_grad() if keep else nothing_saved()) if record else torch.no_grad():
             result, kept = self._run(idx, +1, call, keep=keep)
             out, state.unsplit, state.extra = state.split(result)
         if side is None:

@@ -536,7 +536,16 @@ class HostSide:
             self._grad_of(unit).clamp_(-clamp, clamp)
         self._step_unit(unit, hyper, scale)
 
+    def grad_norm(self) -> torch.Tensor:
+        """The total 2-norm of the gradient the next step uses, as ``clip_grad_norm_`` returns it: every
+        gradient lands first (the per-unit norms taken now are kept for the step's clipping)."""
+        self._land_all_held()
+        return kernels.total_norm(self._param_norms([u for u in self.all_units() if u in self._pending]))
+
     def _clip_scale(self, todo: list[HostUnit], clip_val: float) -> float:
+        return kernels.clip_coefficient(self._param_norms(todo), clip_val)
+
+    def _param_norms(self, todo: list[HostUnit]) -> list[torch.Tensor]:
         by_param: dict[int, torch.Tensor] = {}
         on_device = [
             (id(e.param), n) for u in todo if u.device_norms for e, (n, g) in zip(u.entries, u.device_norms) if g
@@ -552,8 +561,8 @@ class HostSide:
             by_param.update((id(e.param), n) for e, n, g in zip(unit.entries, unit.norms, unit.has_grad) if g)
         # clip_grad_norm_ walks the optimizer's parameters that have a gradient, in group order; so does this.
         if self.partition is not None:
-            return kernels.clip_coefficient(self._whole_norms(by_param), clip_val)
-        return kernels.clip_coefficient([by_param[i] for i in self.param_order if i in by_param], clip_val)
+            return self._whole_norms(by_param)
+        return [by_param[i] for i in self.param_order if i in by_param]
 
     def _whole_norms(self, by_param: dict[int, torch.Tensor]) -> list[torch.Tensor]:
         """Partitioned: each parameter's norm from its pieces' (`by_param`, this rank's), in the optimizer's

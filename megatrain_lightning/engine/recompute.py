@@ -136,6 +136,20 @@ def _storage_key(t: torch.Tensor) -> Any:
     return t.untyped_storage().data_ptr()
 
 
+@contextmanager
+def nothing_saved() -> Iterator[None]:
+    """Grad mode that keeps nothing for backward: the forward of a call the recompute will differentiate runs
+    as ordinary training's forward does, in grad mode (some kernels pick their algorithm by whether an input
+    requires grad: CPU attention with a mask that does, a T5 position bias, computes differently), while each
+    tensor an op saves for backward is dropped at once (the recompute saves its own)."""
+
+    def unpack(_: None) -> torch.Tensor:
+        raise RuntimeError("a streamed block's forward keeps no graph: its backward runs the recompute's")
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: None, unpack):
+        yield
+
+
 class KeptGraph:
     """A block call's graph kept from its forward: the input leaf, the outputs' gradient edges (the hidden
     state's, then the side outputs'), the weight leaves, and the slot they live in, pinned until :meth:`release` (its backward

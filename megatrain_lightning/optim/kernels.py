@@ -113,13 +113,17 @@ def param_norms(flat: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.
     return [torch.linalg.vector_norm(flat[o : o + n], dtype=torch.float32) for o, n in spans]
 
 
+def total_norm(norms: list[torch.Tensor]) -> torch.Tensor:
+    """What torch.nn.utils.clip_grad_norm_ returns: the norm of the per-parameter norms, in the optimizer's
+    parameter order and in fp32, so the result is the same to the last bit (0 without gradients)."""
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.tensor(0.0)
+
+
 def clip_coefficient(norms: list[torch.Tensor], max_norm: float) -> float:
-    """The factor torch.nn.utils.clip_grad_norm_ scales every gradient by: the norm of the per-parameter
-    norms, in the optimizer's parameter order and in fp32, so the result is the same to the last bit."""
+    """The factor torch.nn.utils.clip_grad_norm_ scales every gradient by, from the per-parameter norms."""
     if not norms:
         return 1.0
-    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-    return float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return float(torch.clamp(max_norm / (total_norm(norms) + 1e-6), max=1.0))
 
 
 _warned = False

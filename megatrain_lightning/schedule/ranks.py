@@ -48,7 +48,7 @@ from megatrain_lightning.schedule.trace import Copy, Record, Wait
 LINKS = ("nvlink", "pcie")
 UNIT_COPIERS = ("megatrain_lightning.engine.uploads", "megatrain_lightning.engine.host_steps")
 """The engine modules whose copies move units' weights and gradients (sharded); others move whole."""
-NORM_READ = "_clip_scale"
+NORM_READ = "_param_norms"
 """Where the engine reads the clipping norms from the device: the all-reduce of the ranks' parts goes first."""
 
 
