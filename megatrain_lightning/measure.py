@@ -40,6 +40,11 @@ would hold is added on top of the live bytes (its outputs included) for the dura
 ``peak = max(peak, live + workspace)``, and ``Measured.workspace`` reports the largest such amount.
 In fp32 CUDA runs the memory-efficient kernel, which accumulates straight into its fp32 outputs: no
 workspace is modelled. The flash forward allocates nothing beyond its outputs.
+
+The tiled attention core (models/tiled_attention.py) is two operators, ``megatrain.tiled_attention`` and its
+``_backward``, whose fake versions only make their outputs; what the real ones hold inside (one block pair,
+and in backward the rows' D) is added the same way, in either dtype, as ``tiled_attention.workspace_bytes``
+models it.
 """
 
 from __future__ import annotations
@@ -61,8 +66,10 @@ from megatrain_lightning.engine.config import EngineConfig, compute_dtype
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+from megatrain_lightning.models.tiled_attention import workspace_bytes
 
 _FLASH_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward"
+_TILED = "megatrain.tiled_attention"
 
 
 @dataclass(frozen=True)
@@ -98,7 +105,7 @@ def measure_step(
     t0 = time.perf_counter()
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = LlamaForCausalLM(config)  # host memory: built before counting starts
-        counter = DeviceBytes(flash_workspace if dtype == torch.bfloat16 else None)
+        counter = DeviceBytes(kernel_workspace if dtype == torch.bfloat16 else tiled_workspace)
         with counter, observe_host_allocations(counter.host_buffer):
             options = EngineConfig(
                 device="cpu",
@@ -160,6 +167,25 @@ def observe_host_allocations(callback: Callable[[torch.Tensor], None]) -> Iterat
         yield
     finally:
         pinned.host_observers.remove(callback)
+
+
+def kernel_workspace(func: Any, args: tuple) -> int:
+    """What the attention kernels of a bf16 run hold beyond their outputs (the flash backward's or the tiled
+    core's); 0 for any other op."""
+    return flash_workspace(func, args) + tiled_workspace(func, args)
+
+
+def tiled_workspace(func: Any, args: tuple) -> int:
+    """Bytes the tiled attention core's forward (q, k, v, ...) or backward (dout, q, k, v, ..., block, ...)
+    holds inside beyond its outputs (module docstring); 0 for any other op."""
+    name = str(func)
+    if not name.startswith(_TILED):
+        return 0
+    backward = name.startswith(_TILED + "_backward")
+    q, k = args[1:3] if backward else args[0:2]
+    block = args[7] if backward else args[4]
+    b, heads, t, d = q.shape
+    return workspace_bytes(b, heads, k.shape[1], t, d, block, backward)
 
 
 def flash_workspace(func: Any, args: tuple) -> int:

@@ -49,6 +49,8 @@ part per token of the micro-batch (``elt`` = compute dtype bytes, ``n`` = micro_
                                n x (elt x (4A + 4K' + 3H) + 4 heads) + attention workspace  (attention backward)
                                n x elt x (3A + 2K' + 3H) + c x (elt x (6I + 6H) + 8H)       (a tile's backward)
                                plus block x elt
+                      tiled core (``tiled_attention``): the attention backward's term is
+                               n x (elt x (4A + 4K + 3H) + 8 heads) + one block pair of the core
     chunked loss      min(loss_chunk_size, n) x V x 4 x 3 + V x H x (4 + elt) + 2 n H elt  (transient)
     kept graphs       kept x n x (elt x (4H + 2A + 2K" + 4I + 2 head_dim) + 8H + 4 heads + 8)   untiled
                       kept x n x (elt x (H + 2A + 2K" + 2 head_dim) + 4 heads)                   tiled
@@ -69,7 +71,11 @@ statistics (4 bytes per head); and the attention workspace, what the CUDA flash 
 its backward (bf16): an fp32 dq accumulator (4A) and, with grouped-query attention, dk and dv expanded
 to all heads (2A x elt); the fp32 memory-efficient kernel needs none. Or earlier, in a tile's backward:
 q, k, v and the output (3A + 2K' with the output's gradient gathering), the 3H above, and one tile's
-intermediates. These terms were read off the live tensors at the measured peak (``measure.py``).
+intermediates. These terms were read off the live tensors at the measured peak (``measure.py``). With the
+tiled attention core (models/tiled_attention.py, chosen by "auto" once the fused kernel's backward would take
+over 3/4 of ``gpu_mem``) the attention backward holds the same tensors without the flash workspace, kv heads
+never repeated (4K), and two fp32 statistics per head (its log-sum-exp and D = rowsum(dO * O)); its block
+pair (``tiled_attention.workspace_bytes``: fp32 blocks of 1/8 of a tile) does not grow with the sequence.
 
 A kept graph (``recompute``, engine/recompute.py) holds what the block's ops save for backward (read off
 saved-tensor hooks on the model): untiled, each RMSNorm's fp32 input (8H bytes for the two), inverse norm
@@ -137,7 +143,16 @@ from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
 from megatrain_lightning.engine.recompute import KEEP_SHARE, STREAMING_SLOTS, Recompute, check_recompute, kept_count
 from megatrain_lightning.engine.ring import piece_numel, ring_counts
 from megatrain_lightning.models.config import LlamaConfig
-from megatrain_lightning.models.tiling import auto_tile, tile_bytes_per_token, untiled_bytes_per_token
+from megatrain_lightning.models.tiled_attention import workspace_bytes as tiled_core_workspace
+from megatrain_lightning.models.tiling import (
+    attention_block,
+    auto_core,
+    auto_tile,
+    fused_core_bytes_per_token,
+    tile_bytes_per_token,
+    tiled_core_bytes_per_token,
+    untiled_bytes_per_token,
+)
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
 GiB = 2**30
@@ -344,7 +359,8 @@ def gpu_items(
     tokens = micro_batch * seq_len
     inputs = 1 if offload_inputs else config.num_hidden_layers  # offloaded: at the peak, the input of the block in use
     tile = planned_tile(config, seq_len, micro_batch, elt, gpu_mem)
-    per_token, fixed = recompute_terms(config, elt, tile, tokens)
+    core = planned_core(config, seq_len, micro_batch, elt, gpu_mem, tile)
+    per_token, fixed = recompute_terms(config, elt, tile, tokens, core, micro_batch)
     return {
         "weight_slots": (num_slots * block * elt, 0),
         "grad_slots": (2 * block * elt, 0),
@@ -353,16 +369,17 @@ def gpu_items(
         "rope": (0, 2 * config.head_dim * elt),
         "recompute": (fixed + block * elt, per_token),
         "loss": (min(config.loss_chunk_size, tokens) * v * 4 * 3 + v * h * (4 + elt), 2 * h * elt),
-        "kept_graphs": (0, kept * kept_bytes_per_token(config, elt, tile)),
+        "kept_graphs": (0, kept * kept_bytes_per_token(config, elt, tile, core)),
         "cuda_context": (CUDA_CONTEXT_BYTES, 0),
     }
 
 
-def kept_bytes_per_token(config: LlamaConfig, elt: int, tile: int | None) -> int:
+def kept_bytes_per_token(config: LlamaConfig, elt: int, tile: int | None, tiled_core: bool = False) -> int:
     """What one block's kept graph holds per token (module docstring): the bytes its ops save for backward."""
     h, hd, heads = config.hidden_size, config.head_dim, config.num_attention_heads
     a, k = heads * hd, config.num_key_value_heads * hd
-    kv = a if elt == 4 and heads > config.num_key_value_heads else k  # fp32 repeats kv heads, bf16 shares them
+    repeats = elt == 4 and heads > config.num_key_value_heads and not tiled_core
+    kv = a if repeats else k  # the fused fp32 kernel repeats kv heads; bf16 and the tiled core share them
     if tile is not None:
         return elt * (h + 2 * a + 2 * kv + 2 * hd) + 4 * heads
     return elt * (4 * h + 2 * a + 2 * kv + 4 * config.intermediate_size + 2 * hd) + 8 * h + 4 * heads + 8
@@ -391,8 +408,10 @@ def kept_blocks(
     gpu = gpu_breakdown(config, seq_len, micro_batch, precision, num_slots, offload_inputs, gpu_mem)
     first_input = saved_input_bytes(config, seq_len * micro_batch, precision)  # the embedding's output
     live = sum(gpu[k] for k in ("weight_slots", "grad_slots", "outer", "rope", "cuda_context")) + first_input
-    tile = planned_tile(config, seq_len, micro_batch, compute_bytes(precision), gpu_mem)
-    per_block = seq_len * micro_batch * kept_bytes_per_token(config, compute_bytes(precision), tile)
+    elt = compute_bytes(precision)
+    tile = planned_tile(config, seq_len, micro_batch, elt, gpu_mem)
+    core = planned_core(config, seq_len, micro_batch, elt, gpu_mem, tile)
+    per_block = seq_len * micro_batch * kept_bytes_per_token(config, elt, tile, core)
     return kept_count([per_block] * layers, gpu_mem - live, room)
 
 
@@ -421,21 +440,47 @@ def planned_tile(config: LlamaConfig, seq_len: int, micro_batch: int, elt: int, 
     return setting if setting is not None and setting < seq_len else None
 
 
-def recompute_terms(config: LlamaConfig, elt: int, tile: int | None, tokens: int) -> tuple[int, int]:
-    """One block's recompute with grad for `tokens` tokens: (bytes per token, fixed bytes)."""
+def planned_core(
+    config: LlamaConfig, seq_len: int, micro_batch: int, elt: int, gpu_mem: int | None, tile: int | None
+) -> bool:
+    """Whether tiled blocks run the tiled attention core; "auto" is decided on the whole `gpu_mem` (or 80 GiB),
+    as the tile is: where the run finds less free, it may tile the core where the plan counts the fused one's
+    larger bytes."""
+    if tile is None:
+        return False
+    setting = config.tiled_attention
+    if setting == "auto":
+        return auto_core(config, seq_len, micro_batch, elt, gpu_mem or 80 * GiB)
+    return setting
+
+
+def recompute_terms(
+    config: LlamaConfig, elt: int, tile: int | None, tokens: int, tiled_core: bool = False, rows: int = 1
+) -> tuple[int, int]:
+    """One block's recompute with grad for `tokens` tokens in `rows` rows: (bytes per token, fixed bytes)."""
     if tile is None:
         return untiled_bytes_per_token(config, elt), 0  # the figure "auto" sizes tiles by, too
-    h = config.hidden_size
-    a, k = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    grouped = config.num_attention_heads > config.num_key_value_heads
-    kv = k if elt == 2 or not grouped else a + k  # bf16 kernels share kv heads (enable_gqa); fp32 repeats them
-    workspace = (4 * a + (2 * a * elt if grouped else 0)) if elt == 2 else 0  # inside the CUDA flash backward
-    in_attention = elt * (4 * a + 4 * kv + 3 * h) + 4 * config.num_attention_heads + workspace
+    h, heads = config.hidden_size, config.num_attention_heads
+    a, k = heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    grouped = heads > config.num_key_value_heads
+    kv = k if elt == 2 or not grouped or tiled_core else a + k  # fp32's fused kernel repeats kv heads
+    core_fixed = 0
+    if tiled_core:
+        in_attention = tiled_core_bytes_per_token(config, elt)
+        core_fixed = _core_blocks(config, tokens // rows, rows, attention_block(tile))
+    else:
+        in_attention = fused_core_bytes_per_token(config, elt)
     in_tile = elt * (3 * a + 2 * kv + 3 * h)
     tile_fixed = tile * tile_bytes_per_token(config, elt)
-    if tokens * in_attention >= tokens * in_tile + tile_fixed:
-        return in_attention, 0
+    if tokens * in_attention + core_fixed >= tokens * in_tile + tile_fixed:
+        return in_attention, core_fixed
     return in_tile, tile_fixed
+
+
+def _core_blocks(config: LlamaConfig, seq_len: int, rows: int, block: int) -> int:
+    """The tiled core backward's block pair (its workspace less the D of every row, counted per token)."""
+    heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    return tiled_core_workspace(rows, heads, kv, seq_len, hd, block, backward=True) - 4 * rows * heads * seq_len
 
 
 def gpu_peak(gpu: dict[str, int]) -> int:
@@ -535,6 +580,8 @@ class Plan:
     """Largest micro-batch that fits in ``gpu_mem`` (None without a GPU limit, 0 when none fits)."""
     tile: int | None = None
     """Tokens per tile of each block (None: untiled)."""
+    tiled_core: bool = False
+    """Whether the tiled blocks run the tiled attention core (models/tiled_attention.py)."""
     per_token: dict[str, int] = field(default_factory=dict)
     """GPU bytes per token of the micro-batch, per item (the part of ``gpu`` that grows with the sequence)."""
     max_seq_len: int | None = None
@@ -735,6 +782,7 @@ class Plan:
             + (" (auto)" if self.slots_asked == "auto" else "")
             + (", block inputs offloaded to host" if self.offload_inputs else "")
             + (f", tiles of {self.tile} tokens" if self.tile else "")
+            + (" (attention core tiled too)" if self.tiled_core else "")
             + f", host layout {self.host_layout}"
             + (", Adam on NVMe" if self.nvme else "")
             + (
@@ -767,7 +815,7 @@ class Plan:
             return f"{head}; the slot pool grows to one slot per block"
         if self.gpu_mem is None:
             return f"{head}; give --gpu-mem to plan how many fit (the first step recomputes all and measures)"
-        per_block = kept_bytes_per_token(self.config, compute_bytes(self.precision), self.tile)
+        per_block = kept_bytes_per_token(self.config, compute_bytes(self.precision), self.tile, self.tiled_core)
         return (
             f"{head}: the last blocks, while their activations ({per_block / 1024:.1f} KiB/token each, "
             f"{format_size(per_block * self.seq_len * self.micro_batch)} a block) fit in {KEEP_SHARE:g} of the "
@@ -1034,6 +1082,7 @@ def plan(
     if collectives:
         items["collectives"] = (collectives, 0)
     tile = planned_tile(config, seq_len, micro_batch, elt, room)
+    core = planned_core(config, seq_len, micro_batch, elt, room, tile)
     measured = None
     if measure:
         from megatrain_lightning.measure import measure_step  # imports the engine; only when asked
@@ -1046,7 +1095,14 @@ def plan(
         )
         capacity = None if room is None else room - CUDA_CONTEXT_BYTES
         measured = measure_step(
-            _with_tile(config, tile), seq_len, micro_batch, precision, num_slots, offload_inputs, recompute, capacity
+            _with_tile(config, tile, core),
+            seq_len,
+            micro_batch,
+            precision,
+            num_slots,
+            offload_inputs,
+            recompute,
+            capacity,
         )
     return Plan(
         name=name,
@@ -1063,6 +1119,7 @@ def plan(
         gpu_mem=gpu_mem,
         max_micro_batch=best,
         tile=tile,
+        tiled_core=core,
         per_token={k: rate for k, (_, rate) in items.items()},
         max_seq_len=longest,
         measured=measured,
@@ -1081,8 +1138,9 @@ def plan(
     )
 
 
-def _with_tile(config: LlamaConfig, tile: int | None) -> LlamaConfig:
-    """The config with the planned tile fixed (the fake run has no free device memory to size "auto" from)."""
+def _with_tile(config: LlamaConfig, tile: int | None, tiled_core: bool = False) -> LlamaConfig:
+    """The config with the planned tile and core fixed (the fake run has no free device memory to size "auto"
+    from)."""
     import dataclasses
 
-    return dataclasses.replace(config, token_chunk_size=tile)
+    return dataclasses.replace(config, token_chunk_size=tile, tiled_attention=tiled_core)

@@ -13,7 +13,14 @@ import torch
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.models.llama import document_segments
-from megatrain_lightning.models.tiling import auto_tile, resolve_tile, tile_bytes_per_token
+from megatrain_lightning.models.tiling import (
+    auto_core,
+    auto_tile,
+    fused_core_bytes_per_token,
+    resolve_tile,
+    tile_bytes_per_token,
+    tiled_core_bytes_per_token,
+)
 from tests.helpers import CausalLM, fit, own_loop, params_of
 
 TILE = 3
@@ -22,10 +29,10 @@ TILE = 3
 pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need torch's own AdamW arithmetic
 
 
-def llama(tile: int | None = None, preset: str = "tiny") -> LlamaForCausalLM:
+def llama(tile: int | None = None, preset: str = "tiny", tiled_core: bool = False) -> LlamaForCausalLM:
     """A tiny preset with grouped-query attention, the same weights whatever the tiling."""
     torch.manual_seed(0)
-    config = LlamaConfig.from_preset(preset, token_chunk_size=tile, loss_chunk_size=5)
+    config = LlamaConfig.from_preset(preset, token_chunk_size=tile, loss_chunk_size=5, tiled_attention=tiled_core)
     assert config.num_attention_heads > config.num_key_value_heads  # GQA is exercised
     return LlamaForCausalLM(config)
 
@@ -35,7 +42,7 @@ def batches(steps: int = 10, batch: int = 2, seq: int = 16) -> list[torch.Tensor
     return [torch.randint(0, 256, (batch, seq), generator=g) for _ in range(steps)]
 
 
-def train(model: LlamaForCausalLM, streamed: bool, offload: bool = False) -> list[float]:
+def train(model: LlamaForCausalLM, streamed: bool, offload: bool = False, steps: int = 10) -> list[float]:
     # lr 1e-3: at 1e-2 Adam's normalization amplifies the last-bit differences of tiny gradients (a key
     # bias's true gradient is exactly 0) into lr-sized steps, and after 10 steps the losses of two
     # summation orders of the same function part by ~5e-6 in the Qwen shape.
@@ -43,7 +50,7 @@ def train(model: LlamaForCausalLM, streamed: bool, offload: bool = False) -> lis
     if streamed:
         engine = Engine(model, EngineConfig(device="cpu", precision="32-true", offload_inputs=offload))
         opt = engine.optimizer(opt)
-    return own_loop(model, opt, batches())
+    return own_loop(model, opt, batches(steps))
 
 
 def relative_update_error(model: torch.nn.Module, ref: torch.nn.Module, start: dict) -> float:
@@ -69,6 +76,38 @@ def test_tiled_offloaded_training_equals_untiled_training(preset):
     ref, got = train(untiled, streamed=False), train(tiled, streamed=True, offload=True)
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-6
     assert 0 < relative_update_error(tiled, untiled, start) <= 5e-5
+
+
+def test_tiled_core_trains_like_the_untiled_core(monkeypatch):
+    """4 streamed steps (offloaded inputs, tiles of 3 tokens) with the attention core tiled too, in query and
+    key blocks of 2 tokens (uneven over 16: every pair kind, kept few so the test stays fast), against the
+    same with the fused core: losses within 1e-6 and parameters within 5e-5 of the update, the bounds of the
+    tiled-vs-untiled test above. The cores agree to ~1e-7 in fp32 (tests/test_tiled_attention.py); Adam turns
+    last-bit gradient differences into updates."""
+    monkeypatch.setattr("megatrain_lightning.models.llama.attention_block", lambda tile: 2)
+    fused, tiled = llama(TILE), llama(TILE, tiled_core=True)
+    start = params_of(fused)
+    ref, got = train(fused, streamed=True, offload=True, steps=4), train(tiled, streamed=True, offload=True, steps=4)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-6
+    assert 0 < relative_update_error(tiled, fused, start) <= 5e-5
+
+
+def test_auto_tiles_the_attention_core_when_the_fused_backward_would_not_fit():
+    """ "auto" keeps the fused kernel while its backward takes at most 3/4 of the free memory: llama-3.1-8b at
+    512k tokens on ~76 GiB free keeps it (~48 GiB), at 1M (~96 GiB) tiles the core; never on the CPU."""
+    config = LlamaConfig.from_preset("llama-3.1-8b")
+    free = 76 * 2**30
+    assert fused_core_bytes_per_token(config, 2) * 1048576 > free > fused_core_bytes_per_token(config, 2) * 524288
+    assert not auto_core(config, 524288, 1, 2, free) and auto_core(config, 1048576, 1, 2, free)
+    assert not auto_core(config, 1048576, 1, 2, None)
+    assert tiled_core_bytes_per_token(config, 2) * 1048576 < free  # what the tiled core holds at 1M
+    model = llama(4)
+    assert model.model.tiled_core_for(torch.zeros(1, 16, dtype=torch.int64), 4) is False  # CPU: fused
+    model.config.tiled_attention = True
+    assert model.model.tiled_core_for(torch.zeros(1, 16, dtype=torch.int64), 4) is True
+    assert model.model.tiled_core_for(torch.zeros(1, 16, dtype=torch.int64), None) is False  # untiled blocks
+    with pytest.raises(ValueError, match="tiled_attention='yes'"):
+        LlamaConfig.from_preset("tiny", tiled_attention="yes")
 
 
 def test_tiled_offloaded_streaming_equals_ordinary_lightning_training():
@@ -152,11 +191,11 @@ def test_document_segments():
     assert document_segments(pos) == (((0, 3), (3, 5), (5, 6)), ((0, 6),))
 
 
-@pytest.mark.parametrize("tile", [None, TILE])
-def test_packed_documents_see_only_themselves(tile):
+@pytest.mark.parametrize(("tile", "tiled_core"), [(None, False), (TILE, False), (TILE, True)])
+def test_packed_documents_see_only_themselves(tile, tiled_core):
     """Logits of three documents packed in one row with restarting positions equal those of each
     document run alone: attention keeps to documents, and RoPE sees each document's own positions."""
-    model = llama(tile).eval()
+    model = llama(tile, tiled_core=tiled_core).eval()
     docs = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (7, 4, 5)]
     packed = torch.cat(docs, dim=1)
     pos = torch.cat([torch.arange(d.shape[1]) for d in docs]).unsqueeze(0)

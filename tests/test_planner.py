@@ -270,6 +270,23 @@ def test_the_8b_models_fit_half_a_million_tokens_in_80_gib():
         assert "largest sequence that fits" in p.table()
 
 
+def test_a_million_tokens_of_llama_8b_plan_within_80_gib_with_the_tiled_core():
+    """At 1M tokens "auto" tiles the attention core too: one block's recompute is the tiled core's backward,
+    per token 2 x (4A + 4K + 3H) + 8 heads = 65792 bytes (q, the output, its gradient, dq; k, v, dk, dv; the
+    block's output, incoming and input gradients; log-sum-exp and D), plus its block pair; the fused kernel's
+    dq accumulator and expanded dk, dv (32 KiB/token) are gone. tests/test_measure.py checks it on fake tensors."""
+    config = LlamaConfig.from_preset("llama-3.1-8b")
+    p = plan(config, 1048576, 1, gpu_mem=parse_size("80GiB"))
+    assert p.tiled_core and p.tile == 16384 and p.offload_inputs
+    assert p.per_token["recompute"] == 2 * (4 * 4096 + 4 * 1024 + 3 * 4096) + 8 * 32 == 65792
+    assert p.fits and p.gpu_peak <= parse_size("80GiB") and p.max_seq_len >= 1048576
+    assert "attention core tiled too" in p.table()
+    fused = plan(dataclasses.replace(config, tiled_attention=False), 1048576, 1, gpu_mem=parse_size("80GiB"))
+    assert not fused.tiled_core and not fused.fits
+    assert fused.per_token["recompute"] - p.per_token["recompute"] == 4 * 4096 + 2 * 4096 * 2 - 4 * 32  # less D
+    assert not plan(config, 524288, 1, gpu_mem=parse_size("80GiB")).tiled_core  # the fused kernel fits there
+
+
 # ---------------------------------------------------------------------------- host layouts and the NVMe tier
 
 GIB = 2**30
@@ -445,8 +462,12 @@ def test_megatrain_plan_devices_and_nodes(capsys):
 
 
 # -- recompute: blocks that keep their graph ------------------------------------------------------------
-@pytest.mark.parametrize(("dtype", "tile"), [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, 16)])
-def test_kept_graph_bytes_are_what_a_block_saves_for_backward(dtype, tile):
+@pytest.mark.parametrize(
+    ("dtype", "tile", "core"),
+    [(torch.bfloat16, None, False), (torch.float32, None, False), (torch.bfloat16, 16, False)]
+    + [(torch.bfloat16, 16, True), (torch.float32, 16, True)],  # the tiled core: q, k, v, out, lse; no repeats
+)
+def test_kept_graph_bytes_are_what_a_block_saves_for_backward(dtype, tile, core):
     """The planner's per-token bytes of a kept graph equal what autograd saves in one block's forward with
     grad (saved-tensor hooks on a real block, each storage once, the weights excluded), as the engine
     measures it; grouped-query heads, so bf16 shares kv heads and fp32 repeats them."""
@@ -471,9 +492,9 @@ def test_kept_graph_bytes_are_what_a_block_saves_for_backward(dtype, tile):
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, cos, sin, tile=tile)
+        layer(x, cos, sin, tile=tile, tiled_core=core)
     elt = 2 if dtype == torch.bfloat16 else 4
-    assert kept_bytes_per_token(config, elt, tile) * tokens == sum(saved.values()) > 0
+    assert kept_bytes_per_token(config, elt, tile, core) * tokens == sum(saved.values()) > 0
 
 
 def test_auto_keeps_the_last_blocks_whose_activations_fit_half_the_free_memory():

@@ -66,6 +66,11 @@ class LlamaConfig:
     attention core sees the whole sequence, and the final norm is folded into the chunked loss. "auto" sizes
     tiles from free device memory (models/tiling.py), leaving sequences shorter than one tile untiled (on
     the CPU: 8192 tokens). None: every block always sees the whole sequence at once."""
+    tiled_attention: bool | Literal["auto"] = "auto"
+    """Whether tiled blocks (``token_chunk_size``) also run the attention core over blocks of queries and keys
+    (models/tiled_attention.py), in place of the fused kernel whose backward holds an fp32 dq accumulator of the
+    whole sequence: slower, and up to a third less memory per token. "auto" does so when the fused kernel's
+    backward would take over 3/4 of the free device memory (models/tiling.py; never on the CPU)."""
     token_ids: dict[str, Any] = field(default_factory=dict)
     """bos/eos/pad token ids read from a HF config, written back unchanged on save."""
 
@@ -89,6 +94,8 @@ class LlamaConfig:
             and self.token_chunk_size > 0
         ):
             raise ValueError(f"token_chunk_size={self.token_chunk_size!r} must be a positive integer, 'auto' or None.")
+        if self.tiled_attention not in (True, False, "auto"):
+            raise ValueError(f"tiled_attention={self.tiled_attention!r}: choose True, False or 'auto'.")
 
     # ---------------------------------------------------------------- validation
 

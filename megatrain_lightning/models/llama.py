@@ -29,7 +29,8 @@ from torch import nn
 from .config import LlamaConfig
 from .loss import chunked_cross_entropy
 from .ops import autograd_records, rms_norm
-from .tiling import resolve_tile, run_tile
+from .tiled_attention import tiled_attention
+from .tiling import attention_block, resolve_core, resolve_tile, run_tile
 
 Segments = tuple[tuple[tuple[int, int], ...], ...] | None
 """Per row (one row standing for all), the (start, end) token spans of its documents."""
@@ -191,24 +192,30 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         segments: Segments = None,
         tile: int | None = None,
+        tiled_core: bool = False,
     ) -> torch.Tensor:
         """`segments`: per row, the (start, end) token spans of its documents (None: one causal sequence).
-        `tile`: tokens per tile (models/tiling.py); None: untiled."""
+        `tile`: tokens per tile (models/tiling.py); None: untiled. `tiled_core`: with tiles, the attention core
+        too runs over blocks of queries (models/tiled_attention.py) instead of the fused kernel."""
         if tile is not None:
-            return self._tiled(hidden_states, cos, sin, segments, tile)
+            return self._tiled(hidden_states, cos, sin, segments, tile, tiled_core)
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, segments)
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
     def _tiled(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments, tile: int
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments, tile: int, tiled_core: bool
     ) -> torch.Tensor:
-        """The same function tile by tile: q/k/v per tile, attention over the whole sequence, the rest
-        (o_proj, residual, second norm, MLP) per tile. Outside the attention core tokens are independent."""
+        """The same function tile by tile: q/k/v per tile, attention over the whole sequence (fused, or itself
+        in blocks of queries), the rest (o_proj, residual, second norm, MLP) per tile. Outside the attention
+        core tokens are independent."""
         xs = x.split(tile, dim=1)
         qkv = [run_tile(self._project_tile, *t) for t in zip(xs, cos.split(tile, dim=1), sin.split(tile, dim=1))]
         q, k, v = (torch.cat(parts, dim=2) for parts in zip(*qkv))
         del qkv  # the tiles' own outputs: only the concatenated q, k, v live on
-        out = self.self_attn.core(q, k, v, segments)
+        if tiled_core:
+            out = tiled_attention(q, k, v, segments, attention_block(tile))
+        else:
+            out = self.self_attn.core(q, k, v, segments)
         return torch.cat([run_tile(self._rest_tile, xt, ot) for xt, ot in zip(xs, out.split(tile, dim=2))], dim=1)
 
     def _project_tile(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -246,19 +253,23 @@ class LlamaModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         final_norm: bool = True,
         tile: int | None | Literal["config"] = "config",
+        tiled_core: bool | Literal["config"] = "config",
     ) -> torch.Tensor:
         """Final normed hidden states (with ``final_norm=False`` the last block's output).
 
         Where ``position_ids`` restart at 0 inside a row, a new document begins, and attention keeps to
         documents (as Hugging Face's flash-attention path does for packed sequences). ``tile``: tokens per
-        tile of every block, by default as the config's ``token_chunk_size`` resolves for this input."""
+        tile of every block, by default as the config's ``token_chunk_size`` resolves for this input;
+        ``tiled_core``: whether tiled blocks tile their attention core, by default as ``tiled_attention`` does."""
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.position_embeddings(input_ids, position_ids, hidden_states.dtype)
         segments = document_segments(position_ids)
         if tile == "config":
             tile = self.tile_for(input_ids)
+        if tiled_core == "config":
+            tiled_core = self.tiled_core_for(input_ids, tile)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin, segments, tile)
+            hidden_states = layer(hidden_states, cos, sin, segments, tile, tiled_core)
         return self.norm(hidden_states) if final_norm else hidden_states
 
     def tile_for(self, input_ids: torch.Tensor) -> int | None:
@@ -267,6 +278,15 @@ class LlamaModel(nn.Module):
         weight = self.embed_tokens.weight
         tokens = input_ids.shape[-1]
         return resolve_tile(self.config, tokens, input_ids.numel() // tokens, weight.device, weight.element_size())
+
+    def tiled_core_for(self, input_ids: torch.Tensor, tile: int | None) -> bool:
+        """Whether blocks tiled by `tile` tokens tile their attention core for a pass over `input_ids`, resolved
+        once per pass like the tile (False when untiled)."""
+        if tile is None:
+            return False
+        weight = self.embed_tokens.weight
+        tokens = input_ids.shape[-1]
+        return resolve_core(self.config, tokens, input_ids.numel() // tokens, weight.device, weight.element_size())
 
 
 def document_segments(position_ids: torch.Tensor | None) -> Segments:
@@ -332,12 +352,13 @@ class LlamaForCausalLM(nn.Module):
         -100 ignored); nothing is shifted here. The loss never materializes the full logits.
         """
         tile = self.model.tile_for(input_ids)
+        core = self.model.tiled_core_for(input_ids, tile)
         if targets is None:
-            return self.lm_head(self.model(input_ids, position_ids, tile=tile))
+            return self.lm_head(self.model(input_ids, position_ids, tile=tile, tiled_core=core))
         # Tiled (long context): the final norm runs chunk by chunk inside the loss, so neither the normed
         # states nor the norm's fp32 copies of the whole sequence are kept for backward.
         fold = tile is not None
-        hidden_states = self.model(input_ids, position_ids, final_norm=not fold, tile=tile)
+        hidden_states = self.model(input_ids, position_ids, final_norm=not fold, tile=tile, tiled_core=core)
         return self.loss_from_hidden(hidden_states, targets, normed=not fold)
 
     def loss_from_hidden(self, hidden_states: torch.Tensor, targets: torch.Tensor, normed: bool = True) -> torch.Tensor:

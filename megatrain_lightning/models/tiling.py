@@ -8,6 +8,17 @@ for one tile at a time, in forward and again in backward.
 
 The tile size is resolved once per forward pass (``LlamaModel.forward``) and handed to every block as
 an argument, so a block's recompute in backward uses the very tiles its forward used.
+
+The attention core is tiled too when memory asks for it (``tiled_attention``, models/tiled_attention.py):
+the fused kernel's backward holds, besides q, k, v, the output and their gradients, an fp32 dq accumulator
+and (with grouped-query attention) dk and dv expanded to every query head: about a third more per token. The
+tiled core holds nothing of the sequence's length beyond its inputs, outputs and two fp32 row statistics,
+and is slower (plain torch, every score block computed three times), so "auto" keeps the fused kernel while
+its backward takes at most AUTO_CORE_SHARE of the free memory. Its query blocks and key blocks are
+:func:`attention_block` = 1/ATTENTION_BLOCK_DIVISOR of the token tile: a block pair's fp32 scores (heads x
+(c/8)^2 x 4 bytes, two of them in backward) then stay below a tile's own intermediates wherever c x heads <
+8 x (6I + 6H) (16384 x 32 heads for an 8B model: two 512 MiB score blocks beside a tile's 3.9 GiB), and the
+memory "auto" gives a tile covers the core's blocks too.
 """
 
 from __future__ import annotations
@@ -32,6 +43,12 @@ AUTO_SHARE = 16
 attention core's inputs and gradients, the saved block inputs and the weights."""
 
 
+AUTO_CORE_SHARE = (3, 4)
+""""auto" tiles the attention core once the fused kernel's backward would take over 3/4 of the free memory."""
+ATTENTION_BLOCK_DIVISOR = 8
+"""The tiled attention core's query and key blocks are 1/8 of the token tile (module docstring)."""
+
+
 def tile_bytes_per_token(config: LlamaConfig, elt: int) -> int:
     """Intermediates of one token inside a tile's recompute with grad: the MLP's gate, up, silu and product
     plus two gradients of that width (6I), normed input, projections and residuals (6H) in the compute
@@ -45,6 +62,52 @@ def untiled_bytes_per_token(config: LlamaConfig, elt: int) -> int:
     attention's q, k, v, their rotations and repeats and its output (7A + 4K)."""
     a, k = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     return tile_bytes_per_token(config, elt) + elt * (7 * a + 4 * k)
+
+
+def fused_core_bytes_per_token(config: LlamaConfig, elt: int) -> int:
+    """One token's share of a tiled block's memory in the fused attention kernel's backward: q, the output, its
+    gradient and dq (4A); k, v, dk, dv (4K', K' = K where bf16 kernels share kv heads, A + K where fp32 repeats
+    them); the block's output, its incoming gradient and the input's gradient (3H); the softmax statistics
+    (4 bytes per head); and in bf16 the CUDA flash kernel's workspace: an fp32 dq accumulator (4A) and, with
+    grouped-query attention, dk and dv expanded to every head (2A x elt)."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    a, k = heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    grouped = heads > config.num_key_value_heads
+    kv = k if elt == 2 or not grouped else a + k  # bf16 kernels share kv heads (enable_gqa); fp32 repeats them
+    workspace = (4 * a + (2 * a * elt if grouped else 0)) if elt == 2 else 0
+    return elt * (4 * a + 4 * kv + 3 * h) + 4 * heads + workspace
+
+
+def tiled_core_bytes_per_token(config: LlamaConfig, elt: int) -> int:
+    """The same with the tiled attention core: kv heads never repeated (4K), no accumulator of the sequence's
+    length, and two fp32 statistics per head (the log-sum-exp and D = rowsum(dO * O)). Its blocks' workspace
+    does not grow with the sequence (:func:`~megatrain_lightning.models.tiled_attention.workspace_bytes`)."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    a, k = heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return elt * (4 * a + 4 * k + 3 * h) + 8 * heads
+
+
+def attention_block(tile: int) -> int:
+    """Queries (and keys) per block of the tiled attention core for tiles of `tile` tokens."""
+    return max(1, tile // ATTENTION_BLOCK_DIVISOR)
+
+
+def auto_core(config: LlamaConfig, tokens: int, rows: int, elt: int, free: int | None) -> bool:
+    """Whether "auto" tiles the attention core of blocks tiled for `rows` x `tokens` tokens with `free` device
+    bytes: once the fused kernel's backward would take over AUTO_CORE_SHARE of them (never on the CPU, where
+    there is no device memory to size from)."""
+    if free is None:
+        return False
+    share, of = AUTO_CORE_SHARE
+    return rows * tokens * fused_core_bytes_per_token(config, elt) > free * share // of
+
+
+def resolve_core(config: LlamaConfig, tokens: int, rows: int, device: torch.device, elt: int) -> bool:
+    """Whether tiled blocks run the tiled attention core (``config.tiled_attention``; "auto": :func:`auto_core`)."""
+    setting = config.tiled_attention
+    if setting == "auto":
+        return auto_core(config, tokens, rows, elt, free_device_bytes(device))
+    return setting
 
 
 def resolve_tile(config: LlamaConfig, tokens: int, rows: int, device: torch.device, elt: int) -> int | None:
