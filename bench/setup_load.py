@@ -1,6 +1,7 @@
 """How fast strategy='megatrain' sets a model up from a Hugging Face checkpoint, and how much host memory that takes.
 
-    python bench/setup_load.py [--dir DIR] [--layers 32] [--hidden 896] [--shard-mb 200] [--ordinary] [--json]
+    python bench/setup_load.py [--dir DIR] [--layers 32] [--hidden 896] [--shard-mb 200] [--ordinary] [--steps N]
+                               [--json]
 
 A Qwen2 of about 0.5B parameters (Qwen2-0.5B's blocks, 32 of them, a vocabulary of 4096) is written once as
 bf16 safetensors shards into DIR (a temporary directory by default; random weights, no hub), then loaded in a
@@ -18,11 +19,15 @@ tensor by tensor into the engine's fp32 masters and allocates the Adam moments. 
 
 The measuring process fixes glibc's mmap and trim thresholds (1 MiB), as bench/host_memory.py does, so that
 a freed tensor's memory goes back to the system and RSS reads what is held.
+
+``--steps N`` then trains N steps on one fixed batch and prints SHA-256 digests of the fp32 masters before
+and after them: the same digests with and without ``--ordinary`` show the two loads train bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -75,9 +80,32 @@ def _status_kb(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def measure(directory: Path, layers: int, hidden: int, ordinary: bool = False) -> dict:
+def digest(fabric) -> str:
+    """A SHA-256 of the engine's fp32 masters, by parameter name: equal digests are equal bits."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(fabric.strategy.engine.master_state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(fabric, model, opt, steps: int, vocab: int) -> list[float]:
+    """`steps` optimizer steps on one fixed batch of 1 x 16 tokens; the losses."""
+    ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0)).to(fabric.device)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def measure(directory: Path, layers: int, hidden: int, ordinary: bool = False, steps: int = 0) -> dict:
     """One setup from the checkpoint, in this (fresh) process; `ordinary`: the model loaded whole in fp32 by
-    ``from_pretrained`` first (the timing then covers ``fabric.setup`` alone, the RSS both)."""
+    ``from_pretrained`` first (the timing then covers ``fabric.setup`` alone, the RSS both). With `steps`,
+    then that many training steps, and digests of the masters before and after them."""
     from lightning.fabric import Fabric
     from transformers import Qwen2ForCausalLM
 
@@ -105,6 +133,12 @@ def measure(directory: Path, layers: int, hidden: int, ordinary: bool = False) -
     seconds = time.perf_counter() - start
     steady, peak = _status_kb("VmRSS") - base, _status_kb("VmHWM") - base
     rate = 4 * params / seconds  # fp32 master bytes per second
+    trained = {}
+    if steps:
+        torch.manual_seed(0)
+        loaded = digest(fabric)
+        losses = train(fabric, model, opt, steps, config.vocab_size)
+        trained = {"loaded_digest": loaded, "trained_digest": digest(fabric), "losses": losses}
     return {
         "params": params,
         "device": "cuda (pinned masters)" if cuda else "cpu",
@@ -116,6 +150,7 @@ def measure(directory: Path, layers: int, hidden: int, ordinary: bool = False) -
         "before_setup_gb": round(before * 1024 / 1e9, 3),
         "steady_gb": round(steady * 1024 / 1e9, 3),
         "peak_gb": round(peak * 1024 / 1e9, 3),
+        **trained,
     }
 
 
@@ -126,11 +161,12 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=896)
     ap.add_argument("--shard-mb", type=int, default=200)
     ap.add_argument("--ordinary", action="store_true", help="load with from_pretrained first, for comparison")
+    ap.add_argument("--steps", type=int, default=0, help="train this many steps after setup; digests of the masters")
     ap.add_argument("--json", action="store_true", help="print only the result, as one JSON line")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # (the fresh measuring process)
     args = ap.parse_args()
     if args.measure:
-        print(json.dumps(measure(Path(args.dir), args.layers, args.hidden, args.ordinary)))
+        print(json.dumps(measure(Path(args.dir), args.layers, args.hidden, args.ordinary, args.steps)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(args.dir or tmp)
@@ -138,7 +174,8 @@ def main() -> None:
             write_checkpoint(directory, args.layers, args.hidden, args.shard_mb)
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
         cmd = [sys.executable, __file__, "--measure", "--dir", str(directory)]
-        cmd += ["--layers", str(args.layers), "--hidden", str(args.hidden)] + (["--ordinary"] if args.ordinary else [])
+        cmd += ["--layers", str(args.layers), "--hidden", str(args.hidden), "--steps", str(args.steps)]
+        cmd += ["--ordinary"] if args.ordinary else []
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     if args.json:
@@ -148,6 +185,8 @@ def main() -> None:
     print(f"{r['params'] / 1e9:.2f}B parameters from bf16 safetensors, {r['device']}: {r['load']}")
     print(f"setup: {r['setup_s']:.2f} s, {r['gb_per_s']:.2f} GB/s of fp32 masters")
     print(f"at that rate: 70B {r['minutes_70b']:.1f} min, 405B {r['minutes_405b']:.1f} min")
+    if "trained_digest" in r:
+        print(f"{len(r['losses'])} steps, losses {r['losses']}: masters {r['trained_digest'][:16]}")
     print(
         f"RSS: {r['before_setup_gb']:.2f} GB before setup (the model as built), peak during setup "
         f"{r['peak_gb']:.2f} GB, after it {r['steady_gb']:.2f} GB "
