@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from megatrain_lightning.engine.host import HostUnit
+from megatrain_lightning.engine.optimizer import share_groups
 
 # What a checkpoint's safetensors file holds (checkpoint/stream.py's codes).
 _TENSOR_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)
@@ -43,16 +44,8 @@ class GenericHostOptimizer(torch.optim.Optimizer):
     state are the user's optimizer's own (LR schedulers built on it keep working)."""
 
     def __init__(self, source: torch.optim.Optimizer, steps: GenericSteps) -> None:
-        # Optimizer.__init__ is skipped on purpose: it would copy the groups, and the point is to share them.
         self._source, self._steps = source, steps
-        self.defaults = source.defaults
-        self._optimizer_step_pre_hooks: dict = {}
-        self._optimizer_step_post_hooks: dict = {}
-        self._optimizer_state_dict_pre_hooks: dict = {}
-        self._optimizer_state_dict_post_hooks: dict = {}
-        self._optimizer_load_state_dict_pre_hooks: dict = {}
-        self._optimizer_load_state_dict_post_hooks: dict = {}
-        self._zero_grad_profile_name = "megatrain.GenericHostOptimizer.zero_grad"
+        share_groups(self, source)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -66,6 +66,18 @@ def check_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+def share_groups(host: torch.optim.Optimizer, source: torch.optim.Optimizer) -> None:
+    """What ``Optimizer.__init__`` would set on `host`, a stand-in stepping `source`'s param groups on the
+    host. ``__init__`` itself is skipped on purpose: it would copy the groups, and the point is to share them
+    (a scheduler or ``add_param_group`` on either is seen by both)."""
+    host.defaults = source.defaults
+    for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post"):
+        setattr(host, f"_optimizer_{hooks}_hooks", {})
+    host._optimizer_load_state_dict_pre_hooks = {}
+    host._optimizer_load_state_dict_post_hooks = {}
+    host._zero_grad_profile_name = f"megatrain.{type(host).__name__}.zero_grad"
+
+
 class HostAdamW(torch.optim.Optimizer):
     """An optimizer whose ``step`` runs the engine's host step over all units."""
 
@@ -77,15 +89,8 @@ class HostAdamW(torch.optim.Optimizer):
                 "engine.optimizer() steps it with its own step() instead"
             )
         self._source = source
-        self.defaults = source.defaults
+        share_groups(self, source)
         self.state: dict = {}
-        self._optimizer_step_pre_hooks: dict = {}
-        self._optimizer_step_post_hooks: dict = {}
-        self._optimizer_state_dict_pre_hooks: dict = {}
-        self._optimizer_state_dict_post_hooks: dict = {}
-        self._optimizer_load_state_dict_pre_hooks: dict = {}
-        self._optimizer_load_state_dict_post_hooks: dict = {}
-        self._zero_grad_profile_name = "megatrain.HostAdamW.zero_grad"
         self.engine = engine
         self._attached: list[tuple[int, int]] = []
         self._attach()
