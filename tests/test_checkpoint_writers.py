@@ -262,7 +262,7 @@ def test_two_trainers_checkpointing_to_one_directory(tmp_path, request):
         subprocess.Popen([sys.executable, "-c", script, n, *urls], stderr=subprocess.PIPE, text=True, env=env)
         for n in "12"
     ]
-    outputs = [p.communicate(timeout=120)[1] for p in procs]
+    outputs = [p.communicate(timeout=600)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert not [line for out in outputs for line in out.splitlines() if "interrupted save" in line]
     for url in urls:
