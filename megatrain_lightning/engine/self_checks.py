@@ -40,7 +40,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 if TYPE_CHECKING:
-    from megatrain_lightning.engine.engine import Engine
     from megatrain_lightning.engine.host import HostUnit
 
 
@@ -120,7 +119,8 @@ def differs(forward: torch.Tensor, recompute: torch.Tensor, rtol: float | None) 
 class SelfChecks:
     """The engine's self-checks (see the module docstring); the engine calls it at a few points."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Any) -> None:
+        # `engine` is the Engine that owns these checks (not imported here: engine.py imports this module).
         self.engine = engine
         self._adopted = [self._shape_of(i) for i in range(len(engine.blocks))]
         # Per unit: the device flags of its recomputes not yet known to agree (a GPU), with their messages.
