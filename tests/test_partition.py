@@ -175,6 +175,12 @@ def _late_streams(rank: int, world: int, out: str) -> None:
         engine_module.Streams = late
         try:
             params, _ = _train("plain", world, rank, dist.group.WORLD)
+        except RuntimeError as error:  # the engine's self-check: a recompute saw other weights than its forward
+            if name != "skipped":
+                raise
+            params = {"stopped": torch.tensor([1.0])}
+            with open(f"{out}/{name}{rank}.stopped", "w") as f:
+                f.write(str(error))
         finally:
             engine_module.Streams = Streams
         if rank == world - 1:
@@ -248,8 +254,12 @@ def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
         for state in states[1:]:
             assert all(torch.equal(a, b) for a, b in zip(_tensors(state), _tensors(states[0]), strict=True))
         assert torch.equal(states[0]["lm_head.weight"], plain["lm_head.weight"])
+        # Reading shards not uploaded yet changes the training: the recompute self-check stops it (on a rank
+        # that saw other weights in the recompute than in the forward), or the weights come out different.
         skipped = load_file(f"{tmp_path}/skipped.safetensors")
-        assert any(not torch.equal(t, plain[n]) for n, t in skipped.items())
+        stopped = [p.read_text() for p in tmp_path.glob("skipped*.stopped")]
+        assert all("recompute in backward did not reproduce its forward" in s for s in stopped), stopped
+        assert stopped or any(not torch.equal(t, plain[n]) for n, t in skipped.items())
         with open(f"{tmp_path}/skipped0.json") as f:
             assert json.load(f) > 0
         with open(f"{tmp_path}/refusals0.json") as f:
