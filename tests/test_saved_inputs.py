@@ -33,7 +33,7 @@ from megatrain_lightning.engine.input_codec import InputCodec
 from megatrain_lightning.engine.saved_inputs import offload_needed
 from megatrain_lightning.models import LlamaForCausalLM
 from tests import async_streams
-from tests.helpers import CausalLM, assert_same, fit, hf_llama, own_llama, params_of, token_batches, twin
+from tests.helpers import CausalLM, assert_same, fit, hf_llama, own_llama, token_batches, twin
 
 pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need torch's own AdamW arithmetic
 
@@ -224,20 +224,17 @@ def test_a_step_dropped_without_backward_returns_its_buffers():
 
 
 def test_the_stream_double_catches_a_removed_wait(monkeypatch):
-    """Recomputing from an input whose upload was not waited for reads stale memory: training differs.
+    """Recomputing from an input whose upload was not waited for reads stale memory: the recompute differs
+    from the forward, which the engine's self-check stops before anything is stepped with its gradient.
 
     (The upload's own wait for the input's download cannot be shown reliably here: on the CPU double the
     gradient downloads, queued behind the input downloads on the same stream, usually force them first.)"""
     removed = ("fetch", "compute")
     made = async_streams.install(monkeypatch, hold=1.0, skip=(removed,))
-    a, b = twin(lambda: hf_llama(layers=3))
-    ref, mt = CausalLM(a), CausalLM(b)
-    batches = token_batches(4)
-    fit(ref, batches, strategy="auto")
-    fit(mt, batches, strategy=MegatrainStrategy(offload_inputs=True))
+    mt = CausalLM(hf_llama(layers=3))
+    with pytest.raises(RuntimeError, match=r"^block .*: its recompute in backward did not reproduce its forward"):
+        fit(mt, token_batches(4), strategy=MegatrainStrategy(offload_inputs=True))
     assert made and made[0].skipped[removed] > 0
-    pr, pm = params_of(ref.model), params_of(mt.model)
-    assert mt.losses != ref.losses or any(not torch.equal(pm[n], pr[n]) for n in pr)
 
 
 # -- the host-memory check counts the pinned buffers of offloaded inputs ---------------------------------
