@@ -257,8 +257,10 @@ def hold_first_landing(monkeypatch) -> None:
 REMOVED = {
     # The host worker reads the pinned slab before the gradient's download has finished.
     "land-reads-slab-before-download": dict(skip=("_land", "host")),
-    # The compute stream reads a weight slot before the block's upload into it has finished.
-    "compute-reads-slot-before-upload": dict(skip=("acquire", "compute")),
+    # The compute stream reads a weight slot before the block's upload into it has finished. Where the
+    # forward and the recompute read different stale contents, the engine's recompute self-check stops the
+    # step (which depends on how late the copies run); otherwise it trains on wrong data.
+    "compute-reads-slot-before-upload": dict(skip=("acquire", "compute"), may_stop=True),
     # The compute stream reads the embedding/norm/head before their upload after a step has finished.
     "compute-reads-outer-before-upload": dict(skip=("_upload", "compute")),
     # The compute stream overwrites a device grad slot before its previous download has read it (visible
@@ -275,10 +277,18 @@ def test_a_removed_wait_changes_the_result(removed, monkeypatch):
     if "setup" in case:
         case["setup"](monkeypatch)
     made = install(monkeypatch, hold=1.0, skip=(case["skip"],))
-    # No exception is expected: each stale read trains to the end on wrong data (measured, every case), and
-    # an error (a failed copy included) would be a different fault than the removed wait, so it fails here.
-    got = train("overlapped", "megatrain")
+    # No other exception is expected: each stale read trains to the end on wrong data (measured, every case),
+    # or is stopped by the recompute self-check where the case says it may be; any other error (a failed copy
+    # included) would be a different fault than the removed wait, so it fails here.
+    try:
+        got = train("overlapped", "megatrain")
+    except RuntimeError as error:
+        if not case.get("may_stop") or "its recompute in backward did not reproduce its forward" not in str(error):
+            raise
+        got = None
     assert made and made[0].skipped[case["skip"]] > 0, "the wait to remove was never issued"
+    if got is None:
+        return
     assert made[0].error is None
     assert not same(got, ref)
 
