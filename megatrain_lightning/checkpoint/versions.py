@@ -89,8 +89,15 @@ def foreign(fs: Any, path: str) -> str | None:
         if not stat.S_ISDIR(mode):
             return "is a file, not a checkpoint's data directory"
     fs.invalidate_cache(root)  # (object store listings are cached per filesystem object)
-    if not isinstance(fs, LocalFileSystem) and not fs.isdir(root):
-        return "is a file, not a checkpoint's data directory" if fs.exists(root) else None
+    if not isinstance(fs, LocalFileSystem):
+        # One question, not isdir() then exists(): another writer may add or remove the last version between
+        # two, and "not a directory, yet it exists" would then call an ordinary data directory a file.
+        try:
+            kind = fs.info(root).get("type")
+        except FileNotFoundError:
+            return None
+        if kind != "directory":
+            return "is a file, not a checkpoint's data directory"
     for name, _, ours in _entries(fs, root):
         if not ours:
             return f"holds {name!r}, which no save of this format wrote"
