@@ -68,6 +68,7 @@ from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
 from megatrain_lightning.engine.optimizer import HostAdamW, check_optimizer, native_ok
 from megatrain_lightning.engine.outer import OuterParams
 from megatrain_lightning.engine.partition import Partition, partition_of
+from megatrain_lightning.engine.pending_reads import PendingReads
 from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph, nothing_saved
 from megatrain_lightning.engine.replay import refuse_compiled
@@ -215,6 +216,7 @@ class Engine:
         if config.compile_blocks:
             compile_block_calls(self.blocks, self.runners)
         self.checks = SelfChecks(self)  # (engine/self_checks.py)
+        self.reads = PendingReads(self.host.wait)  # (engine/pending_reads.py)
         if self.device.type == "cuda":
             self.host.gate = self.checks.gate  # a block's host jobs first read its recompute's comparison
 
@@ -501,6 +503,7 @@ class Engine:
         for j in sorted(first):
             if self._load(j, first, wait=j == 0) is None:
                 break  # steps finish in forward order: the blocks after it are not ready either
+        self.reads.watch(self.units)  # what reads a block's weights before its load waits for its step
 
     def zero_grad(self) -> None:
         """Drop the gradients not stepped yet (nothing blocks)."""
@@ -511,6 +514,7 @@ class Engine:
         """Wait for every host job and every upload reading a host buffer: the host buffers may then be read
         or rewritten (checkpoints, loading weights, teardown)."""
         self.host.flush()
+        self.reads.clear()  # every step is done
 
     def all_units(self) -> list[HostUnit]:
         # Outer units first: the embedding is the first thing the next forward needs.
@@ -777,6 +781,7 @@ class Engine:
             if slot is None:
                 return None
         unit.upload_done = self.pool.ready[slot]
+        self.reads.settled(unit)
         return slot
 
     def _measuring(self, idx: int, x: torch.Tensor) -> AbstractContextManager:
