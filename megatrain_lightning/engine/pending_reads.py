@@ -28,6 +28,7 @@ _METADATA_ATTRS = ("grad", "requires_grad", "shape", "dtype", "device", "is_leaf
 _METADATA_ATTRS += ("_version", "is_cuda", "is_meta", "_post_accumulate_grad_hooks", "_backward_hooks")
 _METADATA_METHODS = ("size", "dim", "numel", "__hash__", "requires_grad_", "stride", "element_size", "__len__")
 _METADATA_METHODS += ("is_contiguous", "register_hook", "register_post_accumulate_grad_hook", "nelement")
+_METADATA_METHODS += ("data_ptr", "storage_offset", "get_device", "is_floating_point", "is_complex")
 _SKIP = {id(getattr(torch.Tensor, name)) for name in _METADATA_ATTRS + _METADATA_METHODS if hasattr(torch.Tensor, name)}
 
 
