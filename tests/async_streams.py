@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from megatrain_lightning.engine import engine as engine_module
+from megatrain_lightning.engine import build as build_module
 from megatrain_lightning.engine.streams import Streams, _DoneEvent, issued
 
 IDLE_EXIT_S = 0.5  # a stream thread with nothing queued exits after this long (restarted on demand)
@@ -253,5 +253,5 @@ def install(monkeypatch: Any, **kwargs: Any) -> list[AsyncStreams]:
         made.append(AsyncStreams(device, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(engine_module, "Streams", factory)
+    monkeypatch.setattr(build_module, "Streams", factory)
     return made

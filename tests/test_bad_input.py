@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
-import megatrain_lightning.engine.engine as engine_module
+import megatrain_lightning.engine.build as build_module
 from megatrain_lightning.cli import run
 from megatrain_lightning.data import write_tokens
 from megatrain_lightning.engine import host_memory
@@ -282,7 +282,7 @@ def test_bad_input_is_one_line(d, capsys, case, expected):
 
 def test_too_little_host_memory_is_one_line(d, capsys, monkeypatch):
     """The engine refuses the model before allocating (HostMemoryError): the command says so in one line."""
-    monkeypatch.setattr(engine_module, "available_host_bytes", lambda: 0)
+    monkeypatch.setattr(build_module, "available_host_bytes", lambda: 0)
     with pytest.raises(SystemExit) as exit_info:
         run(argv([], d))
     assert exit_info.value.code == 2
@@ -311,7 +311,7 @@ def test_offloaded_inputs_beyond_the_host_memory_are_one_line(d, capsys, monkeyp
     """Enough host memory for the model, none left for the pinned inputs of offload_inputs=True: refused at
     the first forward, before pinning, naming the bytes (2 layers x 2 x 32 tokens x 32 hidden x 4 bytes)."""
     readings = iter([1 << 40])  # the engine's check at construction; then nothing is left
-    monkeypatch.setattr(engine_module, "available_host_bytes", lambda: next(readings, 0))
+    monkeypatch.setattr(build_module, "available_host_bytes", lambda: next(readings, 0))
     with pytest.raises(SystemExit) as exit_info:
         run(argv([STRATEGY, "--trainer.strategy.init_args.offload_inputs=true"], d))
     assert exit_info.value.code == 2

@@ -14,7 +14,7 @@ from torch import nn
 
 from megatrain_lightning import Engine, EngineConfig, Probes
 from megatrain_lightning.device_memory import SLOT_RESERVE_BYTES
-from megatrain_lightning.engine.engine import worker_init
+from megatrain_lightning.engine.build import worker_init
 from megatrain_lightning.engine.host import HostUnit
 from megatrain_lightning.engine.optimizer import HostAdamW
 from tests.helpers import CausalLM, fit, hf_llama, own_llama, own_loop, params_of, token_batches, twin

@@ -166,7 +166,7 @@ def test_an_index_less_cuda_device_is_the_current_one(monkeypatch):
     """``device="cuda"`` (a plain loop's usual spelling) resolves to the current GPU's index at once: the host
     worker pins its thread with ``torch.cuda.set_device``, which refuses a device with no index (the worker
     would never start). A fake CUDA layer stands in for the GPU."""
-    from megatrain_lightning.engine.engine import worker_init
+    from megatrain_lightning.engine.build import worker_init
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
@@ -175,7 +175,7 @@ def test_an_index_less_cuda_device_is_the_current_one(monkeypatch):
     assert EngineConfig(device="cuda:1").torch_device == torch.device("cuda", 1)  # an index given is kept
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    monkeypatch.setattr("megatrain_lightning.engine.engine.configure_host_threads", lambda *a, **k: None)
+    monkeypatch.setattr("megatrain_lightning.engine.build.configure_host_threads", lambda *a, **k: None)
     worker_init(torch.device("cuda"))  # the last guard, for a device that bypassed the config
     assert chosen == [3]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -101,7 +101,7 @@ def test_a_graph_dropped_before_its_backward_leaves_nothing_open():
         for model in (ref, mt):
             model(x, targets=x)  # dropped
             model(y, targets=y).backward()
-    assert all(not calls for calls in engine._open_calls)
+    assert all(not calls for calls in engine.streamer.open_calls)
     assert_accumulated(engine, ref)
 
 

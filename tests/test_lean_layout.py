@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need t
 def small_pieces(monkeypatch) -> None:
     """Rings (and the NVMe tier) in pieces of SMALL_PIECE elements: a tiny model's units are smaller than the
     smallest piece a real run uses (engine/ring.py), so without this every unit would be a single piece."""
-    monkeypatch.setattr("megatrain_lightning.engine.engine.piece_numel", lambda largest: SMALL_PIECE)
+    monkeypatch.setattr("megatrain_lightning.engine.build.piece_numel", lambda largest: SMALL_PIECE)
 
 
 def train(layout: str, precision: str, ckpt_path=None, vocab: int | None = None, **trainer_kwargs) -> CausalLM:

@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 import megatrain_lightning
-import megatrain_lightning.engine.engine as engine_module
+import megatrain_lightning.engine.build as build_module
 from megatrain_lightning import HostMemoryError, MegatrainPrecision, MegatrainStrategy
 from tests.helpers import (
     VOCAB,
@@ -431,7 +431,7 @@ def test_amsgrad_trains_as_ordinary_training():
 
 
 def test_host_memory_check(monkeypatch):
-    monkeypatch.setattr(engine_module, "available_host_bytes", lambda: 1024)
+    monkeypatch.setattr(build_module, "available_host_bytes", lambda: 1024)
     module = CausalLM(hf_llama())
     _fit_raises(module, HostMemoryError, r"GiB of host memory")
     _assert_ordinary(module)

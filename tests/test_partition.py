@@ -162,7 +162,7 @@ def _late_streams(rank: int, world: int, out: str) -> None:
     """The plain run on copy streams that run late (tests/async_streams.py, everything held until waited
     for), as issued, and with each all-gather run at once instead of on the H2D stream after the upload of
     its rank's shard (skipped): that one reads shards not uploaded yet."""
-    from megatrain_lightning.engine import engine as engine_module
+    from megatrain_lightning.engine import build as build_module
     from tests.async_streams import AsyncStreams
 
     for name, skip in (("late", ()), ("skipped", (("collective", "run"),))):
@@ -172,7 +172,7 @@ def _late_streams(rank: int, world: int, out: str) -> None:
             made.append(AsyncStreams(device, hold=1.0, skip=skip))
             return made[-1]
 
-        engine_module.Streams = late
+        build_module.Streams = late
         try:
             params, _ = _train("plain", world, rank, dist.group.WORLD)
         except RuntimeError as error:  # the engine's self-check: a recompute saw other weights than its forward
@@ -182,7 +182,7 @@ def _late_streams(rank: int, world: int, out: str) -> None:
             with open(f"{out}/{name}{rank}.stopped", "w") as f:
                 f.write(str(error))
         finally:
-            engine_module.Streams = Streams
+            build_module.Streams = Streams
         if rank == world - 1:
             save_file(params, f"{out}/{name}.safetensors")
         with open(f"{out}/{name}{rank}.json", "w") as f:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
-import megatrain_lightning.engine.engine as engine_module
+import megatrain_lightning.engine.build as build_module
 from megatrain_lightning import Engine, EngineConfig, HostMemoryError, Probes
 from megatrain_lightning.engine import pinned
 from megatrain_lightning.engine.host import host_bytes_per_param
@@ -186,7 +186,7 @@ def test_host_check_counts_the_accumulator():
 def test_strategy_counts_the_accumulator_when_fitting_with_accumulation(monkeypatch, how):
     module = CausalLM(hf_llama())
     available, _ = host_check_limits(module.model)
-    monkeypatch.setattr(engine_module, "available_host_bytes", lambda: available)
+    monkeypatch.setattr(build_module, "available_host_bytes", lambda: available)
     fit(module, token_batches(2), precision="bf16-mixed")  # 16 B/param fits
     module = CausalLM(hf_llama())
     kwargs = (

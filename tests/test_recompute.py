@@ -188,7 +188,7 @@ def test_a_dropped_graph_gives_back_its_slots_and_activations():
     hf_loss(net, token_batches(1)[0])  # dropped
     gc.collect()
     assert engine.stats["kept_calls"] == LAYERS and engine.pool.num_slots == LAYERS
-    assert engine.pool.pinned() == 0 and not any(engine._open_calls) and kept[0]() is None
+    assert engine.pool.pinned() == 0 and not any(engine.streamer.open_calls) and kept[0]() is None
     engine.close()
 
 

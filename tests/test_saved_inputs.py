@@ -26,7 +26,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 
-import megatrain_lightning.engine.engine as engine_module
+import megatrain_lightning.engine.build as build_module
 from megatrain_lightning import Engine, EngineConfig, MegatrainFabricStrategy, MegatrainStrategy, Probes
 from megatrain_lightning.device_memory import free_device_bytes
 from megatrain_lightning.engine.input_codec import InputCodec
@@ -194,7 +194,7 @@ def test_auto_offloading_trains_exactly(streams, pattern, monkeypatch):
     batches, train = token_batches(8), dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
     short = (lambda i: True) if pattern == "always" else (lambda i: i % 2 == 1)
     free = FreeDeviceMemory(lambda i: 0 if short(i) else 10**12)
-    monkeypatch.setattr(engine_module, "free_device_bytes", free.device_free_bytes)
+    monkeypatch.setattr(build_module, "free_device_bytes", free.device_free_bytes)
     torch.manual_seed(5)
     fit(ref, batches, strategy="auto", **train)
     torch.manual_seed(5)
@@ -268,7 +268,7 @@ def test_offloaded_inputs_that_do_not_fit_the_host_are_refused_before_pinning(sp
     engine = Engine(model, config, Probes(host_available_bytes=available))
     engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     if spare < 0:
-        with pytest.raises(engine_module.HostMemoryError) as err:
+        with pytest.raises(build_module.HostMemoryError) as err:
             model(batch, targets=batch)
         message = str(err.value)
         assert f"{inputs} bytes" in message and "\n" not in message

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
-from megatrain_lightning.engine import engine as engine_module
+from megatrain_lightning.engine import build as build_module
 from megatrain_lightning.engine.host_steps import HostSide
 from megatrain_lightning.engine.streams import SlotPool
 from tests.async_streams import AsyncStreams, install
@@ -191,8 +191,8 @@ def test_slots_added_mid_run_keep_training_bitwise_equal_with_asynchronous_copie
     resident across the micro-batches of an accumulation); with copies running late the training is still
     ordinary training's, bit for bit."""
     monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
-    monkeypatch.setattr(engine_module, "free_device_bytes", lambda device: 1 << 40)
-    monkeypatch.setattr(engine_module, "step_transient_bytes", lambda device: 0)
+    monkeypatch.setattr(build_module, "free_device_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr(build_module, "step_transient_bytes", lambda device: 0)
     grown, grow = [], SlotPool.grow
     monkeypatch.setattr(SlotPool, "grow", lambda pool, n: grown.append(n) or grow(pool, n))
     ref = ordinary("auto-slots")

@@ -44,7 +44,8 @@ from megatrain_lightning.engine.sinks import Sinks
 
 
 class Streamer(Protocol):
-    """What a block's runner asks of the engine (engine.py's ``Engine``, which imports this module)."""
+    """What a block's runner asks of the engine (engine/streamer.py's ``BlockStreamer``, which imports this
+    module)."""
 
     device: torch.device
     preserve_rng_state: bool

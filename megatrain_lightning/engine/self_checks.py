@@ -328,7 +328,7 @@ class SelfChecks:
             unit.refresh_copy()
             unit.bind_host()
             engine.pool.invalidate(idx)
-        engine.adopt_block_changes(idx, refs)
+        engine.streamer.adopt_block_changes(idx, refs)
         self._adopted = [self._shape_of(i) for i in range(len(engine.blocks))]
 
     def close(self) -> None:

@@ -2,7 +2,7 @@
 
 A :class:`Recorder` is installed around an engine from outside, without a change to the engine:
 
-- a double of ``engine.streams`` (:class:`RecordingStreams`, put in place of ``engine.engine.Streams``
+- a double of ``engine.streams`` (:class:`RecordingStreams`, put in place of ``engine.build.Streams``
   while the engine is built, so the slot pool and the saved inputs get it too) that answers like a CUDA
   device (``is_cuda`` is True) but only logs: each copy (lane and bytes), each event (a marker at its
   place in its lane), each wait (the lane's next op depends on the event) and each host block on an event;
@@ -16,7 +16,7 @@ A :class:`Recorder` is installed around an engine from outside, without a change
   (``future.done()``) is the live replay's answer;
 - a torch-function mode that logs the host reading a device tensor (``.cpu()``, ``.item()``, ...), which on
   the CPU stand-in runs no op at all;
-- wrappers of ``engine.forward_block``/``backward_block`` that name the block every op belongs to;
+- wrappers of ``engine.streamer.forward_block``/``backward_block`` that name the block every op belongs to;
 - measure.py's device-byte counter (host jobs and buffers excluded): the free memory the engine reads
   (:meth:`Recorder.probes`) shrinks as the slot pool grows and as block calls keep their graphs.
 
@@ -149,9 +149,10 @@ class Recorder:
         """Name the block each op of the engine's block calls belongs to (undone by :meth:`detach`)."""
         if not isinstance(engine.streams, RecordingStreams):
             raise RuntimeError("build the engine with Recorder.probes(): its streams are not the recording ones")
+        streamer = engine.streamer  # (engine/streamer.py: what each block's runner calls)
         for name, label in (("forward_block", "forward"), ("backward_block", "backward")):
-            engine.__dict__[name] = self._named_block(getattr(engine, name), label)
-            self._undo.append(lambda name=name: engine.__dict__.pop(name, None))
+            streamer.__dict__[name] = self._named_block(getattr(streamer, name), label)
+            self._undo.append(lambda name=name: streamer.__dict__.pop(name, None))
 
     def detach(self) -> None:
         while self._undo:
