@@ -21,6 +21,7 @@ import os
 import pytest
 import torch
 
+from megatrain_lightning import MegatrainStrategy
 from megatrain_lightning.optim import kernels
 from tests.helpers import (
     CausalLM,
@@ -74,7 +75,7 @@ def assert_same_training(ref: CausalLM, mt: CausalLM, backend: str, start: dict)
         assert update_error(pm, pr, start) <= 1e-5
 
 
-def run_pair(make, loss_fn, batches, module_kwargs=None, **trainer_kwargs):
+def run_pair(make, loss_fn, batches, module_kwargs=None, strategy="megatrain", **trainer_kwargs):
     module_kwargs = dict(module_kwargs or {})
     if loss_fn is not None:
         module_kwargs["loss_fn"] = loss_fn
@@ -82,7 +83,7 @@ def run_pair(make, loss_fn, batches, module_kwargs=None, **trainer_kwargs):
     start = params_of(a)
     ref, mt = CausalLM(a, **module_kwargs), CausalLM(b, **module_kwargs)
     fit(ref, batches, strategy="auto", **trainer_kwargs)
-    fit(mt, batches, strategy="megatrain", **trainer_kwargs)
+    fit(mt, batches, strategy=strategy, **trainer_kwargs)
     return ref, mt, start
 
 
@@ -101,11 +102,34 @@ def test_twenty_steps_equal_ordinary_training(model, adam_backend):
     assert_same_training(ref, mt, adam_backend, start)
 
 
-def test_overlapped_steps_equal_ordinary_training(adam_backend):
-    """No clipping: every block steps on the host while backward is still running."""
+class Overlapped(MegatrainStrategy):
+    """The strategy, recording after the first step's backward (before Lightning's optimizer.step) whether the
+    host masters changed already: the optimizer overlapped backward. (A hook such as ``on_after_backward``
+    would show the gradients to the module and so turn the overlap off.)"""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.changed: list[bool] = []
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        first = not self.changed
+        before = {k: v.clone() for k, v in self.engine.master_state_dict().items()} if first else None
+        out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if first:
+            now = self.engine.master_state_dict()  # waits for the host steps queued so far
+            self.changed.append(any(not torch.equal(before[k], now[k]) for k in before))
+        return out
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "not-overlapped"])
+def test_overlapped_steps_equal_ordinary_training(adam_backend, overlap):
+    """No clipping: every block steps on the host while backward is still running (the masters have moved
+    before Lightning's optimizer.step is reached); with overlap_optimizer=False they have not."""
+    strategy = Overlapped(overlap_optimizer=overlap)
     ref, mt, start = run_pair(
-        hf_llama, None, token_batches(STEPS), module_kwargs=dict(split_decay=True, schedule=STEPS)
+        hf_llama, None, token_batches(STEPS), module_kwargs=dict(split_decay=True, schedule=STEPS), strategy=strategy
     )
+    assert strategy.changed == [overlap]
     assert_same_training(ref, mt, adam_backend, start)
 
 
