@@ -79,12 +79,27 @@ def run_pair(make, loss_fn, batches, module_kwargs=None, strategy="megatrain", *
     module_kwargs = dict(module_kwargs or {})
     if loss_fn is not None:
         module_kwargs["loss_fn"] = loss_fn
-    a, b = twin(make)
-    start = params_of(a)
-    ref, mt = CausalLM(a, **module_kwargs), CausalLM(b, **module_kwargs)
-    fit(ref, batches, strategy="auto", **trainer_kwargs)
+    initial, ref, start = ordinary(make, batches, module_kwargs, **trainer_kwargs)
+    mt = CausalLM(copy.deepcopy(initial), **module_kwargs)
     fit(mt, batches, strategy=strategy, **trainer_kwargs)
     return ref, mt, start
+
+
+_ORDINARY: dict[tuple, tuple] = {}
+
+
+def ordinary(make, batches, module_kwargs, **trainer_kwargs) -> tuple[torch.nn.Module, CausalLM, dict]:
+    """(an untouched copy of `make()`, its ordinary Lightning fit, its initial params): computed by the first
+    caller, then shared by the cases that differ only in what they compare with it (the optimizer backend
+    under test, the strategy's options)."""
+    key = (make, tuple(b.numpy().tobytes() for b in batches), repr(module_kwargs), repr(sorted(trainer_kwargs.items())))
+    if key not in _ORDINARY:
+        a, initial = twin(make)
+        start = params_of(a)
+        ref = CausalLM(a, **module_kwargs)
+        fit(ref, batches, strategy="auto", **trainer_kwargs)
+        _ORDINARY[key] = (initial, ref, start)
+    return _ORDINARY[key]
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -169,12 +184,11 @@ def test_bf16_tracks_fp32_as_well_as_lightning_amp(precision, monkeypatch):
     megatrain update must be no further from fp32 than 1.25x of it.
     """
     monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
-    fp32, mt = twin(hf_llama)
-    amp, start = copy.deepcopy(fp32), params_of(fp32)
-    runs = {"fp32": CausalLM(fp32), "amp": CausalLM(amp), "mt": CausalLM(mt)}
     batches = token_batches(STEPS)
-    fit(runs["fp32"], batches, strategy="auto", precision="32-true")
-    fit(runs["amp"], batches, strategy="auto", precision="bf16-mixed")
+    # (the ordinary runs are the same for both precisions' cases: computed once)
+    initial, fp32, start = ordinary(hf_llama, batches, {}, precision="32-true")
+    amp = ordinary(hf_llama, batches, {}, precision="bf16-mixed")[1]
+    runs = {"fp32": fp32, "amp": amp, "mt": CausalLM(copy.deepcopy(initial))}
     fit(runs["mt"], batches, strategy="megatrain", precision=precision)
     ref = runs["fp32"].losses
     assert max(abs(x - y) / abs(y) for x, y in zip(runs["mt"].losses, ref)) < 2e-2
