@@ -590,20 +590,14 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
 @contextmanager
 def gloo_rank(rank: int, world: int, out: str) -> Iterator[None]:
     """This process as rank `rank` of `world` in a gloo process group (torch.multiprocessing.spawn's ranks),
-    one CPU thread each. The ranks meet through a file in `out`, not a TCP port: a port found free before the
-    ranks start can be taken by another program meanwhile, which a busy machine makes likelier (slower
-    starts). Leaving normally, every rank waits for the others before any tears its group down: a rank that
-    exits closes its connections, and a peer still busy between its last collective and its own teardown
-    must not be the one that finds them closed."""
+    one CPU thread each. The ranks meet through a file in `out`, not a TCP port found free beforehand: the
+    ranks take seconds to start on a busy machine, time for another process to take that port (another run of
+    the same test on the machine among them, whose ranks would then meet ours)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
-    finished = False
     try:
         yield
-        finished = True
     finally:
-        if finished:
-            dist.barrier()
         dist.destroy_process_group()
