@@ -1,9 +1,17 @@
+from contextlib import ExitStack
+
 import pytest
 import torch
+
+# The Ray cluster the Ray end-to-end tests share (the `ray_cluster` fixture), and the last collected test that
+# uses it: the cluster stops after that test, not at the end of the session (pytest_runtest_teardown).
+_RAY = ExitStack()
+_LAST_RAY: list[pytest.Item] = []
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` need a CUDA GPU; without one they are skipped, with the reason shown."""
+    _LAST_RAY[:] = [item for item in items if "ray_cluster" in getattr(item, "fixturenames", ())][-1:]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -37,3 +45,22 @@ def s3_env():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_env, tmp_path_factory):
+    """One local Ray cluster for every Ray end-to-end test (tests/ray_cluster.py: two nodes, each declaring 1
+    CPU, 1 logical GPU and 3 GiB of memory), started once; (cluster, dashboard URL, private temporary
+    directory). It stops after the last test that uses it: while it runs, TMPDIR points into its directory,
+    and its processes would take CPU time from every test after it."""
+    from tests.ray_cluster import local_cluster
+
+    with _RAY:
+        yield _RAY.enter_context(local_cluster(tmp_path_factory, num_gpus=1))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test using `ray_cluster` (and the module fixtures built on it) the cluster stops."""
+    if _LAST_RAY and item is _LAST_RAY[0]:
+        _RAY.close()

@@ -585,3 +585,19 @@ def assert_adamw_matches(ours, theirs):
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     """The bit pattern, to compare bitwise (NaNs and signed zeros included)."""
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@contextmanager
+def gloo_rank(rank: int, world: int, out: str) -> Iterator[None]:
+    """This process as rank `rank` of `world` in a gloo process group (torch.multiprocessing.spawn's ranks),
+    one CPU thread each. The ranks meet through a file in `out`, not a TCP port found free beforehand: the
+    ranks take seconds to start on a busy machine, time for another process to take that port (another run of
+    the same test on the machine among them, whose ranks would then meet ours)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -28,8 +28,7 @@ from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.streams import Streams
 from megatrain_lightning.optim.threads import rank_cpus, usable_cpus
-from tests.helpers import own_llama, own_loss
-from tests.s3_server import free_port
+from tests.helpers import gloo_rank, own_llama, own_loss
 
 ROWS, SEQ = 6, 16  # ROWS: the global batch, divisible by 2 and 3
 # optimizer steps, micro-batches per step, clip; "twice": each micro-batch's loss takes two forwards (the
@@ -126,10 +125,8 @@ def _loss(run: str, model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
     return own_loss(model, rows)
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+def _rank(rank: int, world: int, out: str) -> None:
+    with gloo_rank(rank, world, out):
         if world == 2:
             with open(f"{out}/refusals{rank}.json", "w") as f:
                 json.dump(_refusals(dist.group.WORLD), f)
@@ -154,8 +151,6 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                 json.dump(stats, f)
             if rank == world - 1:  # (the last rank: its shards are the short ones)
                 save_file(params, f"{out}/{run}.safetensors")
-    finally:
-        dist.destroy_process_group()
 
 
 def _late_streams(rank: int, world: int, out: str) -> None:
@@ -229,7 +224,7 @@ def _tensors(state: dict) -> list[torch.Tensor]:
 @pytest.mark.usefixtures("torch_adam")
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
-    mp.spawn(_rank, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, str(tmp_path)), nprocs=world, join=True)
     for run in RUNS:
         params, reference = load_file(f"{tmp_path}/{run}.safetensors"), _train(run, world)[0]
         start = (own_llama(layers=3) if run != "tied" else _tied_llama()).state_dict()
@@ -304,17 +299,15 @@ def test_ranks_split_a_machines_cpus_node_by_node():
     assert [rank_cpus(r, 3, {0, 1}, {}) for r in range(3)] == [[0], [1], [0]]
 
 
-def _cuda_paths(rank: int, world: int, port: int, out: str) -> None:
+def _cuda_paths(rank: int, world: int, out: str) -> None:
     """Decisions of a partitioned engine that only show on GPUs, taken with stand-ins on the CPU: the slot
     count after ``num_slots="auto"`` when one rank's allocation fails midway, the blocks whose steps a forward
     waits for before each block runs, and what stays page-locked after close in fp32."""
     from megatrain_lightning import Probes
     from megatrain_lightning.engine import pinned
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     said: dict = {}
-    try:
+    with gloo_rank(rank, world, out):
         model = own_llama(layers=4)
         probes = Probes(device_free_bytes=lambda: 2**40, step_transient_bytes=lambda: 0)  # room for a slot per block
         config = EngineConfig(device="cpu", precision="32-true", group=dist.group.WORLD, num_slots="auto")
@@ -361,12 +354,10 @@ def _cuda_paths(rank: int, world: int, port: int, out: str) -> None:
         said["pinned_after_close"] = pinned.registered_bytes()
         with open(f"{out}/cuda_paths{rank}.json", "w") as f:
             json.dump(said, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ranks_agree_on_slots_prefetch_one_block_ahead_and_unlock_their_shards(tmp_path):
-    mp.spawn(_cuda_paths, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_cuda_paths, args=(2, str(tmp_path)), nprocs=2, join=True)
     said = []
     for r in range(2):
         with open(f"{tmp_path}/cuda_paths{r}.json") as f:

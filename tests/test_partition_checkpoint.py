@@ -21,8 +21,7 @@ from safetensors.torch import load_file, save_file
 from megatrain_lightning.checkpoint import ranks, store, stream
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine
-from tests.helpers import own_llama, own_loss
-from tests.s3_server import free_port
+from tests.helpers import gloo_rank, own_llama, own_loss
 from tests.test_partition import ROWS, _batches, _optimizer
 
 STEPS, SAVED = 4, 2  # optimizer steps of a run; the run is saved after the first SAVED of them
@@ -97,17 +96,13 @@ def _resumes_with_three(rank: int, out: str) -> None:
         save_file({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}/three.safetensors")
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
-    try:
+def _rank(rank: int, out: str) -> None:
+    with gloo_rank(rank, 3, out):
         two = dist.new_group([0, 1])  # (collective: every process creates it)
         if rank < 2:
             _saves_with_two(rank, out, two)
         dist.barrier()
         _resumes_with_three(rank, out)
-    finally:
-        dist.destroy_process_group()
 
 
 def _assert_equal(params: dict, reference: dict) -> None:
@@ -134,7 +129,7 @@ def test_a_checkpoint_moves_between_world_sizes_and_a_failed_save_keeps_the_last
     _train(model, engine, opt, range(SAVED), 1)
     engine.save(f"{out}/one.ckpt", {"step": SAVED})
     engine.close()
-    mp.spawn(_rank, args=(free_port(), out), nprocs=3, join=True)
+    mp.spawn(_rank, args=(out,), nprocs=3, join=True)
 
     # The failed save: rank 1 raised its own error, rank 0 one naming rank 1; the marker and the data it
     # names are as the save before left them (the resume below reads and checksums them).

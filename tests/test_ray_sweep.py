@@ -6,8 +6,8 @@ Jobs are submitted without `--working-dir`, running the installed package: two R
 share one session directory, and the second node unpacking a job's working_dir replaces the directory
 the driver runs in. Nodes of a real cluster each unpack into their own; both modes are documented.
 
-The cluster (tests/ray_cluster.py) keeps its files in a private temporary directory, removed when the module's
-tests end.
+The cluster (tests/ray_cluster.py), shared with tests/test_ray_train.py (the `ray_cluster` fixture of
+tests/conftest.py), keeps its files in a private temporary directory, removed when the last Ray test ends.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ray_cluster import local_cluster, s3, wait_job, wait_job_running
+from tests.ray_cluster import s3, wait_job, wait_job_running
 from tests.ray_cluster import submit as submit_job
 
 ray = pytest.importorskip("ray")
@@ -60,11 +60,11 @@ def sweep_yaml(
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def cluster(s3_env, tmp_path_factory):
-    """Two Ray nodes, each declaring 1 CPU, 1 (logical) GPU and 3 GiB of memory (tests/ray_cluster.py)."""
-    with local_cluster(tmp_path_factory, num_gpus=1) as c:
-        yield c
+@pytest.fixture
+def cluster(ray_cluster):
+    """The Ray cluster every Ray test shares (tests/conftest.py): two nodes, each declaring 1 CPU, 1 (logical)
+    GPU and 3 GiB of memory."""
+    return ray_cluster
 
 
 def test_cluster_keeps_its_files_in_its_private_temp_dir(cluster):
@@ -97,7 +97,7 @@ def test_killed_trial_resumes_from_its_checkpoint(cluster, s3_env, tmp_path, mon
     _, dashboard, _ = cluster
     drive = tmp_path / "nvme"
     drive.mkdir()
-    config = sweep_yaml(tmp_path, "fault", [2e-3], steps=60, strategy={"host_layout": "lean", "nvme_dir": str(drive)})
+    config = sweep_yaml(tmp_path, "fault", [2e-3], steps=40, strategy={"host_layout": "lean", "nvme_dir": str(drive)})
     client, job = submit(dashboard, config, s3_env)
     deadline = time.monotonic() + 300
     while not any(s3().exists(f"{d}/checkpoints/last.ckpt") for d in trial_dirs("fault")):
@@ -119,7 +119,7 @@ def test_killed_trial_resumes_from_its_checkpoint(cluster, s3_env, tmp_path, mon
     from ray_jobs.config import apply, load
     from ray_jobs.trial import run_trial
 
-    cfg = load(sweep_yaml(tmp_path, "fault", [2e-3], steps=60))
+    cfg = load(sweep_yaml(tmp_path, "fault", [2e-3], steps=40))
     reference = str(tmp_path / "reference")
     run_trial(apply(cfg.base, {"model.lr": 2e-3}), reference, cfg.checkpoint_every)
     assert final_masters(f"s3://{trial}/checkpoints/last.ckpt") == final_masters(f"{reference}/checkpoints/last.ckpt")
@@ -149,7 +149,7 @@ def final_masters(url: str) -> list[bytes]:
 
 def test_restored_sweep_finishes_only_unfinished_trials(cluster, s3_env, tmp_path, capsys):
     _, dashboard, _ = cluster
-    config = sweep_yaml(tmp_path, "restore", [1e-3, 3e-3], steps=80, concurrent=1)
+    config = sweep_yaml(tmp_path, "restore", [1e-3, 3e-3], steps=50, concurrent=1)
     client, job = submit(dashboard, config, s3_env)
     deadline = time.monotonic() + 300
     # The first trial finished (one at a time) and Tune's state in storage, which the restore reads, says so;
@@ -175,7 +175,7 @@ def test_restored_sweep_finishes_only_unfinished_trials(cluster, s3_env, tmp_pat
     # driver's own check, before it reaches the cluster: run here, as in the job).
     from ray_jobs.sweep import main
 
-    edited = sweep_yaml(tmp_path, "restore", [1e-3, 3e-3, 1e-2], steps=80, concurrent=1)
+    edited = sweep_yaml(tmp_path, "restore", [1e-3, 3e-3, 1e-2], steps=50, concurrent=1)
     assert main(["--config", edited]) == 2
     err = capsys.readouterr().err
     assert "search_space.model.lr.grid: [0.001, 0.003] -> [0.001, 0.003, 0.01]" in err and "new `name`" in err

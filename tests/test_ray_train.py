@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ray_cluster import local_cluster, s3, submit, wait_job, wait_job_running
+from tests.ray_cluster import s3, submit, wait_job, wait_job_running
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -34,10 +34,10 @@ LR = 1e-3  # the run file's learning rate, and one of the sweep's
 
 
 @pytest.fixture(scope="module")
-def cluster(s3_env, tmp_path_factory):
-    """Two Ray nodes of 1 CPU and 3 GiB each, no GPU: a worker on each."""
-    with local_cluster(tmp_path_factory, num_gpus=0) as c:
-        yield c
+def cluster(ray_cluster):
+    """The Ray cluster every Ray test shares (tests/conftest.py): two nodes of 1 CPU and 3 GiB each, a worker
+    on each (the run asks for no GPU; the nodes' logical ones stay unused)."""
+    return ray_cluster
 
 
 def run_yaml(tmp_path: Path, name: str, steps: int = STEPS, **extra) -> str:

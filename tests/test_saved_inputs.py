@@ -17,6 +17,8 @@ allocator and no second stream to show that; tests/test_cuda.py does, on a GPU.
 
 from __future__ import annotations
 
+import copy
+import functools
 import gc
 import logging
 import weakref
@@ -38,17 +40,26 @@ from tests.helpers import CausalLM, assert_same, fit, hf_llama, own_llama, param
 pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need torch's own AdamW arithmetic
 
 
+@functools.cache
+def _ordinary(batches: int, schedule: int | None = None) -> tuple[torch.nn.Module, CausalLM]:
+    """(an untouched copy of the dropout Llama, its ordinary Lightning fit on `batches` batches: accumulation
+    2, clipping 0.5, two param groups): computed once, shared by the cases that differ only in how the engine
+    runs (copy streams, offloading pattern), which ordinary training does not see."""
+    a, initial = twin(lambda: hf_llama(layers=3, attention_dropout=0.1))
+    ref = CausalLM(a, split_decay=True, schedule=schedule)
+    torch.manual_seed(5)
+    fit(ref, token_batches(batches), strategy="auto", accumulate_grad_batches=2, gradient_clip_val=0.5)
+    return initial, ref
+
+
 @pytest.mark.parametrize("streams", ["sync", "async-lazy", "async-seed0"])
 def test_offloaded_inputs_train_exactly(streams, monkeypatch):
     """Accumulation 2, clipping, schedule, two groups; dropout in the attention (RNG replay) too."""
     if streams != "sync":
         async_streams.install(monkeypatch, **({"hold": 1.0} if streams == "async-lazy" else {"seed": 0}))
-    a, b = twin(lambda: hf_llama(layers=3, attention_dropout=0.1))
-    kwargs = dict(split_decay=True, schedule=6)
-    ref, mt = CausalLM(a, **kwargs), CausalLM(b, **kwargs)
     batches, train = token_batches(12), dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
-    torch.manual_seed(5)
-    fit(ref, batches, strategy="auto", **train)
+    initial, ref = _ordinary(12, schedule=6)
+    mt = CausalLM(copy.deepcopy(initial), split_decay=True, schedule=6)
     torch.manual_seed(5)
     fit(mt, batches, strategy=MegatrainStrategy(offload_inputs=True), **train)
     assert_same(ref, mt)
@@ -189,14 +200,12 @@ def test_auto_offloading_trains_exactly(streams, pattern, monkeypatch):
     also when passes alternate between keeping and offloading, inside an accumulation window too."""
     if streams != "sync":
         async_streams.install(monkeypatch, **({"hold": 1.0} if streams == "async-lazy" else {"seed": 0}))
-    a, b = twin(lambda: hf_llama(layers=3, attention_dropout=0.1))
-    ref, mt = CausalLM(a, split_decay=True), CausalLM(b, split_decay=True)
     batches, train = token_batches(8), dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
+    initial, ref = _ordinary(8)
+    mt = CausalLM(copy.deepcopy(initial), split_decay=True)
     short = (lambda i: True) if pattern == "always" else (lambda i: i % 2 == 1)
     free = FreeDeviceMemory(lambda i: 0 if short(i) else 10**12)
     monkeypatch.setattr(build_module, "free_device_bytes", free.device_free_bytes)
-    torch.manual_seed(5)
-    fit(ref, batches, strategy="auto", **train)
     torch.manual_seed(5)
     fit(mt, batches, strategy=MegatrainStrategy(), callbacks=[free], **train)
     assert_same(ref, mt)

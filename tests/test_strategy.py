@@ -21,6 +21,7 @@ import os
 import pytest
 import torch
 
+from megatrain_lightning import MegatrainStrategy
 from megatrain_lightning.optim import kernels
 from tests.helpers import (
     CausalLM,
@@ -74,16 +75,31 @@ def assert_same_training(ref: CausalLM, mt: CausalLM, backend: str, start: dict)
         assert update_error(pm, pr, start) <= 1e-5
 
 
-def run_pair(make, loss_fn, batches, module_kwargs=None, **trainer_kwargs):
+def run_pair(make, loss_fn, batches, module_kwargs=None, strategy="megatrain", **trainer_kwargs):
     module_kwargs = dict(module_kwargs or {})
     if loss_fn is not None:
         module_kwargs["loss_fn"] = loss_fn
-    a, b = twin(make)
-    start = params_of(a)
-    ref, mt = CausalLM(a, **module_kwargs), CausalLM(b, **module_kwargs)
-    fit(ref, batches, strategy="auto", **trainer_kwargs)
-    fit(mt, batches, strategy="megatrain", **trainer_kwargs)
+    initial, ref, start = ordinary(make, batches, module_kwargs, **trainer_kwargs)
+    mt = CausalLM(copy.deepcopy(initial), **module_kwargs)
+    fit(mt, batches, strategy=strategy, **trainer_kwargs)
     return ref, mt, start
+
+
+_ORDINARY: dict[tuple, tuple] = {}
+
+
+def ordinary(make, batches, module_kwargs, **trainer_kwargs) -> tuple[torch.nn.Module, CausalLM, dict]:
+    """(an untouched copy of `make()`, its ordinary Lightning fit, its initial params): computed by the first
+    caller, then shared by the cases that differ only in what they compare with it (the optimizer backend
+    under test, the strategy's options)."""
+    key = (make, tuple(b.numpy().tobytes() for b in batches), repr(module_kwargs), repr(sorted(trainer_kwargs.items())))
+    if key not in _ORDINARY:
+        a, initial = twin(make)
+        start = params_of(a)
+        ref = CausalLM(a, **module_kwargs)
+        fit(ref, batches, strategy="auto", **trainer_kwargs)
+        _ORDINARY[key] = (initial, ref, start)
+    return _ORDINARY[key]
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -101,11 +117,34 @@ def test_twenty_steps_equal_ordinary_training(model, adam_backend):
     assert_same_training(ref, mt, adam_backend, start)
 
 
-def test_overlapped_steps_equal_ordinary_training(adam_backend):
-    """No clipping: every block steps on the host while backward is still running."""
+class Overlapped(MegatrainStrategy):
+    """The strategy, recording after the first step's backward (before Lightning's optimizer.step) whether the
+    host masters changed already: the optimizer overlapped backward. (A hook such as ``on_after_backward``
+    would show the gradients to the module and so turn the overlap off.)"""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.changed: list[bool] = []
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        first = not self.changed
+        before = {k: v.clone() for k, v in self.engine.master_state_dict().items()} if first else None
+        out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if first:
+            now = self.engine.master_state_dict()  # waits for the host steps queued so far
+            self.changed.append(any(not torch.equal(before[k], now[k]) for k in before))
+        return out
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "not-overlapped"])
+def test_overlapped_steps_equal_ordinary_training(adam_backend, overlap):
+    """No clipping: every block steps on the host while backward is still running (the masters have moved
+    before Lightning's optimizer.step is reached); with overlap_optimizer=False they have not."""
+    strategy = Overlapped(overlap_optimizer=overlap)
     ref, mt, start = run_pair(
-        hf_llama, None, token_batches(STEPS), module_kwargs=dict(split_decay=True, schedule=STEPS)
+        hf_llama, None, token_batches(STEPS), module_kwargs=dict(split_decay=True, schedule=STEPS), strategy=strategy
     )
+    assert strategy.changed == [overlap]
     assert_same_training(ref, mt, adam_backend, start)
 
 
@@ -145,12 +184,11 @@ def test_bf16_tracks_fp32_as_well_as_lightning_amp(precision, monkeypatch):
     megatrain update must be no further from fp32 than 1.25x of it.
     """
     monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
-    fp32, mt = twin(hf_llama)
-    amp, start = copy.deepcopy(fp32), params_of(fp32)
-    runs = {"fp32": CausalLM(fp32), "amp": CausalLM(amp), "mt": CausalLM(mt)}
     batches = token_batches(STEPS)
-    fit(runs["fp32"], batches, strategy="auto", precision="32-true")
-    fit(runs["amp"], batches, strategy="auto", precision="bf16-mixed")
+    # (the ordinary runs are the same for both precisions' cases: computed once)
+    initial, fp32, start = ordinary(hf_llama, batches, {}, precision="32-true")
+    amp = ordinary(hf_llama, batches, {}, precision="bf16-mixed")[1]
+    runs = {"fp32": fp32, "amp": amp, "mt": CausalLM(copy.deepcopy(initial))}
     fit(runs["mt"], batches, strategy="megatrain", precision=precision)
     ref = runs["fp32"].losses
     assert max(abs(x - y) / abs(y) for x, y in zip(runs["mt"].losses, ref)) < 2e-2
