@@ -49,7 +49,7 @@ import yaml
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
-from megatrain_lightning.engine.config import check_host_layout
+from megatrain_lightning.engine import check_host_layout
 from megatrain_lightning.planner import parse_size
 
 SAMPLERS = ("grid", "choice", "uniform", "loguniform", "randint")
