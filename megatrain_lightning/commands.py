@@ -3,8 +3,9 @@ training (``cli.py`` dispatches them on the first argument; ``fit`` and friends 
 ``env`` is env_report.py). A mistake in the user's input ends in one line, ``megatrain <command>: error: ...``
 (exit status 2), not a traceback.
 
-Why one file of about 500 lines: the commands share their option parsers (sizes, "auto or a number",
-``--recompute``, the data-parallel options that bench/schedule.py takes too) and the one-line error path;
+Why one file of about 490 lines: the commands share their option parsers (sizes, "auto or a number", the
+engine's flags derived from EngineConfig's declarations, the data-parallel options that bench/schedule.py takes
+too) and the one-line error path;
 each command is a parser and a short function that calls the planner, the schedule model or the converter.
 """
 

@@ -8,10 +8,10 @@ strategy: one process, no process group. With ``devices=N`` and ``num_nodes=M``,
 data-parallel strategy launched as ``strategy="ddp"`` is (Lightning's launchers and cluster environments),
 with one process group over the N x M ranks that the engine partitions the host state over.
 
-Why one file of about 740 lines: it is one class, the hooks Lightning calls on a strategy (ranks and
+Why one file of about 880 lines: it is one class, the hooks Lightning calls on a strategy (ranks and
 launch, setup, backward, checkpoints), each a few lines that hand a phase to the engine or refuse an option
-in one line; its docstring (about 90 lines) is the option reference users read. Split, each part would be
-a mixin reading the others' attributes.
+in one line. Its engine options and their docs are generated from EngineConfig's declarations
+(engine/config.py). Split, each part would be a mixin reading the others' attributes.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
-"""The engine's options: one dataclass, validated once, and one ``check_*`` per option.
+"""The engine's options: one dataclass, each field declared once with its type, default, check and help
+(:class:`Option`), validated once, and one ``check_*`` per option.
 
 Every place that takes one of these options from a user (the Trainer and Fabric strategies, the planner,
-the ``megatrain`` command, a sweep's YAML) calls the same check, so a bad value gets the same one-line
-error naming it and the fix wherever it enters. :class:`EngineConfig` runs them all in ``__post_init__``.
+the ``megatrain`` command, a sweep's YAML) derives its parameters from these declarations (:func:`declared`)
+and calls the same check, so a bad value gets the same one-line error naming it and the fix wherever it
+enters. :class:`EngineConfig` runs them all in ``__post_init__``.
 
-It imports nothing of the engine: the planner, the command line and the sweeps import it alone.
+Of the engine it imports only the option types (discover.py, recompute.py); clients reach it through the
+engine's facade, engine/__init__.py.
 """
 
 from __future__ import annotations
