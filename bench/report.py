@@ -15,7 +15,8 @@ from alone import micro_batch_seconds
 from peers import COMPETITORS
 
 from megatrain_lightning import flops
-from megatrain_lightning.planner import plan
+from megatrain_lightning.engine import EngineConfig
+from megatrain_lightning.planner import RunShape, plan
 
 GiB = 2**30
 PRECISION = "bf16-mixed"
@@ -149,15 +150,14 @@ def planned(state: dict, entry: dict) -> Any:
     (none on the CPU: the plan then keeps no graph and sizes "auto" slots at their least)."""
     shape = dataclasses.replace(state["config"], num_hidden_layers=entry["layers"])
     return plan(
-        shape,
-        state["seq_len"],
-        state["micro_batch"],
-        PRECISION,
-        entry["accumulate"],
-        state["num_slots"],
+        RunShape(shape, state["seq_len"], state["micro_batch"], accumulate=entry["accumulate"]),
+        EngineConfig(
+            precision=PRECISION,
+            num_slots=state["num_slots"],
+            clipping=bool(entry["clip"]),
+            recompute="auto" if entry.get("recompute") is None else entry["recompute"],
+        ),
         gpu_mem=state.get("gpu_mem"),
-        clipping=bool(entry["clip"]),
-        recompute="auto" if entry.get("recompute") is None else entry["recompute"],  # (False is a value)
     )
 
 

@@ -34,8 +34,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 from torch import nn
 
-from megatrain_lightning.engine.engine import Engine
-from megatrain_lightning.engine.host import HostUnit
+from megatrain_lightning.engine import Engine, HostUnit
 
 # Hooks that run between steps while the engine exists (not inside a forward, backward or optimizer step, and
 # not on_fit_end, which comes after the strategy's teardown): a view may be taken there.

@@ -56,8 +56,7 @@ from megatrain_lightning.commands import (
     user_error,
 )
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.engine.host import HostMemoryError
-from megatrain_lightning.engine.nvme import NvmeTierError
+from megatrain_lightning.engine import HostMemoryError, NvmeTierError
 from megatrain_lightning.env_report import env_lines
 from megatrain_lightning.module import CausalLMModule, check_init_from, check_optimizer_args, resolve_config
 from megatrain_lightning.peers import RankExitedError

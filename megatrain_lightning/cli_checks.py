@@ -16,8 +16,8 @@ from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.checkpoint.options import check_storage_options
 from megatrain_lightning.commands import read_config, user_error
-from megatrain_lightning.engine.config import check_offload_inputs_dtype, check_options, check_precision
-from megatrain_lightning.strategy import check_trainer_args
+from megatrain_lightning.engine import check_offload_inputs_dtype, check_options, check_precision
+from megatrain_lightning.strategy import OWN_CHECKS, check_trainer_args
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -84,7 +84,7 @@ def check_strategy(strategy: Any, precision: Any) -> None:
     if not str(getattr(strategy, "class_path", "")).endswith("MegatrainStrategy"):
         return
     args = vars(strategy.get("init_args") or {})
-    check_options(args)
+    check_options(args, OWN_CHECKS)
     check_storage_options(args.get("storage_options"))  # e.g. a saved config's placeholders
     check_offload_inputs_dtype(args.get("offload_inputs_dtype"), _precision_name(precision))
     nvme_dir = args.get("nvme_dir")
@@ -198,7 +198,7 @@ def _check_strategy_as_written(path: str, config: dict[str, Any]) -> None:
         if not isinstance(init_args, dict):
             continue
         try:
-            check_options(init_args)
+            check_options(init_args, OWN_CHECKS)
         except ValueError as err:
             key = str(err).split("=", 1)[0]  # the checks' messages open with the option: key=value
             value = init_args.get(key)

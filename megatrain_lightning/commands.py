@@ -3,8 +3,9 @@ training (``cli.py`` dispatches them on the first argument; ``fit`` and friends 
 ``env`` is env_report.py). A mistake in the user's input ends in one line, ``megatrain <command>: error: ...``
 (exit status 2), not a traceback.
 
-Why one file of about 500 lines: the commands share their option parsers (sizes, "auto or a number",
-``--recompute``, the data-parallel options that bench/schedule.py takes too) and the one-line error path;
+Why one file of about 490 lines: the commands share their option parsers (sizes, "auto or a number", the
+engine's flags derived from EngineConfig's declarations, the data-parallel options that bench/schedule.py takes
+too) and the one-line error path;
 each command is a parser and a short function that calls the planner, the schedule model or the converter.
 """
 
@@ -21,10 +22,10 @@ import torch
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning import plots
-from megatrain_lightning.engine.config import OFFLOAD_INPUTS_DTYPES, PRECISIONS
+from megatrain_lightning.engine import EngineConfig, declared
 from megatrain_lightning.module import resolve_config
 from megatrain_lightning.plan_any import ModelPlan, is_any_model, plan_from_args
-from megatrain_lightning.planner import HOST_LAYOUTS, NVME_GBPS, Plan, parse_size, plan
+from megatrain_lightning.planner import NVME_GBPS, Plan, RunShape, parse_size, plan
 from megatrain_lightning.schedule import LINKS, PROFILES, DataParallel, ModelledStep, modelled_step, profile
 from megatrain_lightning.schedule.modelled import check_options
 
@@ -136,46 +137,13 @@ def plan_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--micro-batch", type=int, help=f"sequences per micro-batch (--model: default {MODEL_DEFAULTS['micro_batch']})"
     )
-    ap.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    ap.add_argument(
-        "--num-slots",
-        type=_slots,
-        default="auto",
-        help="device weight slots, or auto (the strategy's default: as many as the GPU memory a step "
-        "leaves allows, at most one per block)",
-    )
     ap.add_argument("--host-mem", type=_size, help="host memory to fit in, e.g. 512GiB")
     ap.add_argument("--gpu-mem", type=_size, help="GPU memory to fit in, e.g. 80GiB")
     ap.add_argument(
         "--token-chunk-size",
         type=_tile,
         help="tokens per tile of each block, or auto (the model's token_chunk_size; long context)",
-    )
-    ap.add_argument(
-        "--offload-inputs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="plan MegatrainStrategy(offload_inputs=True/False): saved block inputs in pinned host memory "
-        "(default: as the config says, else auto: offloaded when they would not fit --gpu-mem)",
-    )
-    ap.add_argument(
-        "--offload-inputs-dtype",
-        choices=OFFLOAD_INPUTS_DTYPES,
-        help="plan MegatrainStrategy(offload_inputs_dtype=...): offloaded block inputs stored as bf16 (fp32 "
-        "runs) or fp8 with a scale per token, lossy (default: as the config says, else stored exactly)",
-    )
-    ap.add_argument(
-        "--host-layout",
-        choices=HOST_LAYOUTS,
-        help="plan MegatrainStrategy(host_layout=...) (default: as the config says, else auto: the first "
-        "of default, lean, lean with Adam on --nvme-dir that fits --host-mem)",
-    )
-    ap.add_argument(
-        "--nvme-dir",
-        metavar="DIR",
-        help="plan MegatrainStrategy(nvme_dir=DIR): Adam m + v in files on a local NVMe drive; with "
-        "--host-layout auto only when host memory needs it (default: as the config says)",
     )
     ap.add_argument(
         "--nvme-gbps",
@@ -192,7 +160,7 @@ def plan_parser() -> argparse.ArgumentParser:
         help="plan with gradient clipping, which the lean layout pays for with a gradient slab (2 bytes/param "
         "in bf16) (default: the config's trainer.gradient_clip_val, else off)",
     )
-    add_recompute(ap, None)
+    add_engine_flags(ap)
     ap.add_argument("--devices", type=int, default=1, metavar="N", help="GPUs per node, data parallel (default 1)")
     ap.add_argument("--nodes", type=int, default=1, metavar="M", help="nodes, data parallel (default 1)")
     ap.add_argument(
@@ -224,33 +192,46 @@ def int_or_auto(what: str) -> Callable[[str], int | str]:
     return parse
 
 
-def _recompute(text: str) -> bool | str:
-    """--recompute auto|true|false as the strategy's option: "auto", True or False."""
-    choices = {"auto": "auto", "true": True, "false": False}
-    if text.lower() not in choices:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: choose auto (keep the last blocks' graphs while they fit), true (recompute every block "
-            "in backward) or false (keep every block's graph)"
-        )
-    return choices[text.lower()]
+FLAG_DEFAULTS = {
+    "host_layout": "as the config says, else auto: the first of default, lean, lean with Adam on --nvme-dir that fits --host-mem"
+}
+"""What `megatrain plan` plans where a flag is not given and the config says nothing, when it is not the option's
+own default."""
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_flags(
+    ap: argparse.ArgumentParser, names: tuple[str, ...] | None = None, default: dict[str, Any] | None = None
+) -> None:
+    """A flag for each engine option that declares one (engine/config.py), or for those `names`: its argparse
+    type, choices and help from the declaration. Unset (None), it means what the config file says, else the
+    option's default; `default` sets a value instead (megatrain schedule: the option's default)."""
+    for d in declared():
+        if d.option.flag is None or (names is not None and d.name not in names):
+            continue
+        spec = dict(d.option.flag)
+        first = d.help.split(". ")[0].rstrip(".")
+        value = (default or {}).get(d.name)
+        fallback = FLAG_DEFAULTS.get(d.name, f"as the config says, else {d.default!r}")
+        said = f"default {value!r}" if value is not None else f"default: {fallback}"
+        text = f"{d.name}=...: {first} ({said})".replace("%", "%%")
+        ap.add_argument(flag_name(d.name), default=value, help=text, **spec)
+
+
+def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given as flags (those left unset are not in it)."""
+    return {d.name: getattr(args, d.name) for d in declared() if getattr(args, d.name, None) is not None}
 
 
 def add_recompute(ap: argparse.ArgumentParser, default: bool | str | None = "auto") -> None:
-    """--recompute: MegatrainStrategy(recompute=...) (megatrain plan and schedule, bench/schedule.py)."""
-    ap.add_argument(
-        "--recompute",
-        type=_recompute,
-        default=default,
-        metavar="{auto,true,false}",
-        help="MegatrainStrategy(recompute=...): true recomputes every block in backward, false keeps every "
-        "block's graph from the forward, auto (the strategy's default) keeps the last blocks' graphs while "
-        "their activations fit in half the free GPU memory"
-        + (" (default: as the config says, else auto)" if default is None else ""),
-    )
+    """--recompute: MegatrainStrategy(recompute=...) (megatrain schedule, bench/schedule.py)."""
+    add_engine_flags(ap, ("recompute",), {"recompute": default})
 
 
 _tile = int_or_auto("a number of tokens")
-_slots = int_or_auto("a number of slots")
 
 
 def _size(text: str) -> int:
@@ -262,24 +243,21 @@ def _size(text: str) -> int:
 
 def plan_from_config(
     path: str,
+    flags: dict[str, Any] | None = None,
     host_mem: int | None = None,
     gpu_mem: int | None = None,
-    offload_inputs: bool | None = None,
     overrides: dict[str, Any] | None = None,
     measure: bool = False,
-    host_layout: str | None = None,
-    nvme_dir: str | None = None,
     clipping: bool | None = None,
     nvme_gbps: float = NVME_GBPS,
     devices: int = 1,
     nodes: int = 1,
-    offload_inputs_dtype: str | None = None,
-    recompute: bool | str | None = None,
+    host_layout: str | None = None,
 ) -> Plan:
-    """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state.
-    `offload_inputs`, `offload_inputs_dtype`, `host_layout`, `nvme_dir`, `clipping`, `recompute` and model
-    `overrides` add to (or replace) what the config sets; the strategy's own defaults are host_layout "default"
-    and no NVMe directory."""
+    """The plan of a ``megatrain fit`` YAML config: what the host-memory comments in configs/ state. The engine
+    options in `flags`, `clipping` and model `overrides` add to (or replace) what the config sets; the config's
+    strategy options, then each option's own default, fill in the rest (host_layout "default", no NVMe
+    directory; `host_layout` "auto": ``--host-layout auto``)."""
     cfg = read_config(path)
     model, data, trainer = cfg.get("model") or {}, cfg.get("data") or {}, cfg.get("trainer") or {}
     if not model.get("model") and not model.get("init_from"):
@@ -289,30 +267,30 @@ def plan_from_config(
     )
     strategy = trainer.get("strategy", {})
     init_args = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
-    slots = init_args.get("num_slots", "auto")  # the strategy's default
-    if offload_inputs is None:
-        offload_inputs = init_args.get("offload_inputs", "auto")  # the strategy's default
-    clipping = bool(trainer.get("gradient_clip_val")) if clipping is None else clipping  # 0 or null: off, as Lightning
-    return plan(
+    planned = {
+        d.name: init_args[d.name] for d in declared("option") if d.option.flag is not None and d.name in init_args
+    }
+    planned["precision"] = trainer.get("precision") or default_precision()
+    planned["clipping"] = bool(trainer.get("gradient_clip_val")) if clipping is None else clipping  # 0/null: off
+    planned.update(flags or {})
+    shape = RunShape(
         config,
-        seq_len=data.get("seq_len", 2048),
-        micro_batch=data.get("batch_size", 1),
-        precision=trainer.get("precision") or default_precision(),
-        accumulate=trainer.get("accumulate_grad_batches", 1),
-        num_slots=slots,
+        data.get("seq_len", 2048),
+        data.get("batch_size", 1),
+        trainer.get("accumulate_grad_batches", 1),
+        devices,
+        nodes,
+    )
+    name = model.get("model") or model["init_from"]
+    return plan(
+        shape,
+        EngineConfig(**planned),
         host_mem=host_mem,
         gpu_mem=gpu_mem,
-        name=model.get("model") or model["init_from"],
-        offload_inputs=offload_inputs,
+        name=name,
         measure=measure,
-        host_layout=host_layout or init_args.get("host_layout", "default"),
-        nvme_dir=nvme_dir or init_args.get("nvme_dir"),
-        clipping=clipping,
         nvme_gbps=nvme_gbps,
-        devices=devices,
-        nodes=nodes,
-        offload_inputs_dtype=offload_inputs_dtype or init_args.get("offload_inputs_dtype"),
-        recompute=init_args.get("recompute", "auto") if recompute is None else recompute,
+        host_layout=host_layout,
     )
 
 
@@ -342,50 +320,37 @@ def plan_command(argv: list[str]) -> Plan | ModelPlan:
 def _plan_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Plan | ModelPlan:
     """The plan the parsed `megatrain plan` options ask for: of a config, or of a model (any model: plan_any.py)."""
     overrides = {} if args.token_chunk_size is None else {"token_chunk_size": args.token_chunk_size}
+    flags = engine_flags(args)
+    auto = flags.get("host_layout") == "auto"  # the planner's choice among the layouts, not a layout of its own
+    if auto:
+        del flags["host_layout"]
     if args.config:
+        limits = dict(host_mem=args.host_mem, gpu_mem=args.gpu_mem, measure=args.measure, nvme_gbps=args.nvme_gbps)
+        ranks = dict(devices=args.devices, nodes=args.nodes)
+        layout = "auto" if auto else None
         return plan_from_config(
-            args.config,
-            args.host_mem,
-            args.gpu_mem,
-            args.offload_inputs,
-            overrides,
-            args.measure,
-            args.host_layout,
-            args.nvme_dir,
-            args.clip,
-            args.nvme_gbps,
-            args.devices,
-            args.nodes,
-            args.offload_inputs_dtype,
-            args.recompute,
+            args.config, flags, overrides=overrides, clipping=args.clip, **limits, **ranks, host_layout=layout
         )
     if not args.model:
         ap.error("give --config FILE or --model NAME")
+    layout = "auto" if auto or args.host_layout is None else None  # --model alone: auto
+    options = EngineConfig(**flags, clipping=bool(args.clip))
     if is_any_model(args.model):  # another family, or a module factory: stacks found, one step measured
-        return plan_from_args(args)
-    offload = "auto" if args.offload_inputs is None else args.offload_inputs
+        return plan_from_args(args, options, layout)
     seq_len = MODEL_DEFAULTS["seq_len"] if args.seq_len is None else args.seq_len
     micro_batch = MODEL_DEFAULTS["micro_batch"] if args.micro_batch is None else args.micro_batch
+    shape = RunShape(
+        resolve_config(args.model, overrides), seq_len, micro_batch, args.accumulate, args.devices, args.nodes
+    )
     return plan(
-        resolve_config(args.model, overrides),
-        seq_len,
-        micro_batch,
-        args.precision,
-        args.accumulate,
-        args.num_slots,
-        args.host_mem,
-        args.gpu_mem,
+        shape,
+        options,
+        host_mem=args.host_mem,
+        gpu_mem=args.gpu_mem,
         name=args.model,
-        offload_inputs=offload,
         measure=args.measure,
-        host_layout=args.host_layout or "auto",
-        nvme_dir=args.nvme_dir,
-        clipping=bool(args.clip),
         nvme_gbps=args.nvme_gbps,
-        devices=args.devices,
-        nodes=args.nodes,
-        offload_inputs_dtype=args.offload_inputs_dtype,
-        recompute="auto" if args.recompute is None else args.recompute,
+        host_layout=layout,
     )
 
 
@@ -436,13 +401,7 @@ def schedule_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--clip", type=float, help="global-norm gradient clipping, as Trainer(gradient_clip_val) (default: none)"
     )
-    ap.add_argument(
-        "--num-slots",
-        type=_slots,
-        default="auto",
-        help="device weight slots, or auto (the strategy's default: grown after the first step from the "
-        "planner's free GPU memory for the profile)",
-    )
+    add_engine_flags(ap, ("num_slots",), {"num_slots": "auto"})
     ap.add_argument(
         "--steps", type=int, default=3, help="optimizer steps recorded; the last is measured (default 3, at least 2)"
     )

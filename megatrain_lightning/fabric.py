@@ -26,9 +26,10 @@ single-device Fabric, ``launch()`` may be called or not.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.fabric.accelerators import Accelerator, CUDAAccelerator
@@ -41,45 +42,22 @@ from lightning.fabric.utilities.types import _PATH
 from torch import nn
 from typing_extensions import override
 
-from megatrain_lightning.engine import materialize
-from megatrain_lightning.engine.config import (
+from megatrain_lightning.engine import (
+    Engine,
     EngineConfig,
+    GenericHostOptimizer,
+    HostAdamW,
     check_device,
-    check_precision,
-    compute_dtype,
-    forward_context,
+    check_optimizer,
+    check_options,
+    declared,
+    materialize,
+    options_doc,
+    parameters,
 )
-from megatrain_lightning.engine.discover import BlocksOption
-from megatrain_lightning.engine.engine import Engine
-from megatrain_lightning.engine.generic_optim import GenericHostOptimizer
-from megatrain_lightning.engine.optimizer import HostAdamW, check_optimizer
+from megatrain_lightning.precision import MegatrainFabricPrecision, for_strategy
 
-
-class MegatrainFabricPrecision(Precision):
-    """Fabric's precision flag mapped onto the engine: bf16 or fp32 compute, always fp32 masters and Adam.
-
-    ``bf16-mixed`` and ``bf16-true`` stream bf16 copies of the fp32 masters (``bf16-mixed`` runs the forward
-    under ``torch.autocast``); ``32-true`` streams fp32. Unlike Fabric's own plugins it never casts the module
-    (the engine needs its fp32 parameters as masters) nor the inputs and outputs.
-    """
-
-    def __init__(self, precision: str = "32-true") -> None:
-        self.precision = check_precision(precision)  # type: ignore[assignment]
-        self.device_type = "cpu"  # the strategy sets its root device's type
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return compute_dtype(self.precision)
-
-    @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        """Leave the module as it is: the engine keeps fp32 masters and makes the compute copies itself."""
-        return module
-
-    @override
-    def forward_context(self) -> AbstractContextManager:
-        """The engine's forward context: autocast to bf16 for ``bf16-mixed``, nothing otherwise."""
-        return forward_context(self.precision, self.device_type)
+__all__ = ["MegatrainFabricPrecision", "MegatrainFabricStrategy"]
 
 
 class _MicroBatches(_BackwardSyncControl):
@@ -100,67 +78,42 @@ class _MicroBatches(_BackwardSyncControl):
 class MegatrainFabricStrategy(Strategy):
     """Train with Fabric on one device with parameters, fp32 masters and Adam state in host memory.
 
-    Args:
-        device: the compute device; by default Fabric's (``accelerator``/``devices``).
-        num_slots, offload_inputs, offload_inputs_dtype, recompute, host_layout, nvme_dir, host_threads,
-            compile_blocks, blocks: as for :class:`~megatrain_lightning.strategy.MegatrainStrategy` (see
-            :class:`EngineConfig`).
-        overlap_optimizer: ``False`` (default): a ``fabric.backward`` outside ``no_backward_sync`` lands its
-            gradients to wait for ``optimizer.step()``, which is exact whatever the loop does next, but the host
-            step does not overlap backward. ``True`` declares that every such backward completes the step's
-            gradient (micro-batches before it run under ``no_backward_sync``): each block is then stepped on the
-            host as soon as its gradient lands, while backward goes on, unless ``clipping``, with the learning
-            rate the param groups hold then. A loop that breaks the promise (accumulating without
-            ``no_backward_sync``) has already stepped on a partial gradient when the engine raises at its next
-            backward: do not continue such a run.
-        clipping: the loop calls ``fabric.clip_gradients`` (``max_norm=`` or ``clip_val=``) before each step. With
-            ``overlap_optimizer`` this is required for clipping (the norms are then taken as the gradients go
-            down and nothing steps during backward); it also counts in the host-memory check.
-        accumulating: the loop accumulates micro-batches: the fp32 accumulator counts in the host-memory check.
+        ``overlap_optimizer`` (default True, as under the Trainer) declares that every ``fabric.backward`` outside
+        ``no_backward_sync`` completes the step's gradient: each block is then stepped on the host as soon as its
+        gradient lands, while backward goes on, unless ``clipping``, with the learning rate the param groups hold
+        then. A loop that calls ``fabric.clip_gradients`` passes ``clipping=True`` too (the step then waits for the
+        clip); a loop that does not keep the promise passes ``overlap_optimizer=False``: its gradients land and wait
+        for ``optimizer.step()``, exact whatever the loop does next.
+
+        Args:
+            **engine options**: every option :class:`~megatrain_lightning.engine.config.EngineConfig` declares, under
+                its name and with its default, as for :class:`~megatrain_lightning.strategy.MegatrainStrategy`, and
+                the two a Fabric loop declares, since Fabric cannot see them (the lines below are generated from the
+                declarations; the precision comes from ``Fabric(precision=...)``):
+    {engine_options}
     """
 
     strategy_name = "megatrain"
 
     def __init__(
         self,
-        device: torch.device | str | None = None,
-        num_slots: int | Literal["auto"] = "auto",
-        overlap_optimizer: bool = False,
-        offload_inputs: bool | Literal["auto"] = "auto",
-        recompute: bool | Literal["auto"] = "auto",
-        offload_inputs_dtype: Literal["bf16", "fp8"] | None = None,
-        host_layout: Literal["default", "lean"] = "default",
-        nvme_dir: str | None = None,
-        host_threads: int | None = None,
-        compile_blocks: bool = False,
-        clipping: bool = False,
-        accumulating: bool = False,
-        blocks: BlocksOption = None,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
+        **options: Any,
     ) -> None:
+        unknown = sorted(set(options) - {d.name for d in declared("option", "loop")})
+        if unknown:
+            raise TypeError(f"MegatrainFabricStrategy got unexpected keyword arguments {unknown}")
+        options = {d.name: options.get(d.name, d.default) for d in declared("option", "loop")}
+        check_options(options)  # each option by its check; against the precision when the engine is built
+        device = options.pop("device")
         self._device_arg = None if device is None else check_device(device)
         self._parallel_devices: list[torch.device] | None = None
         self.engine: Engine | None = None
         self.optimizer: HostAdamW | GenericHostOptimizer | None = None
         self._accumulating = False  # inside no_backward_sync(enabled=True)
-        self.options: dict[str, Any] = dict(
-            num_slots=num_slots,
-            overlap_optimizer=overlap_optimizer,
-            offload_inputs=offload_inputs,
-            recompute=recompute,
-            offload_inputs_dtype=offload_inputs_dtype,
-            host_layout=host_layout,
-            nvme_dir=nvme_dir,
-            host_threads=host_threads,
-            compile_blocks=compile_blocks,
-            clipping=clipping,
-            accumulating=accumulating,
-            blocks=blocks,
-        )
-        # Every option checked now, with the engine's messages; against the precision when the engine is built.
-        EngineConfig(device="cpu", precision="32-true", **self.options)
+        self.options: dict[str, Any] = options
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
         self._backward_sync_control = _MicroBatches(self)
         self.global_rank, self.local_rank, self.world_size = 0, 0, 1
@@ -198,7 +151,6 @@ class MegatrainFabricStrategy(Strategy):
                 "(run several processes for several GPUs, each with its own device)"
             )
         self._parallel_devices = devices
-        self._precision_device()
 
     @property
     @override
@@ -208,20 +160,13 @@ class MegatrainFabricStrategy(Strategy):
     @property
     @override
     def precision(self) -> MegatrainFabricPrecision:
-        return self._precision if self._precision is not None else MegatrainFabricPrecision()
+        return self._precision if self._precision is not None else MegatrainFabricPrecision(strategy=self)
 
     @precision.setter
     def precision(self, precision: Precision | None) -> None:
         # Fabric builds a plugin from Fabric(precision=...) (bf16-true's would cast the module to bf16): keep
         # its flag, use the engine's semantics. A flag the engine cannot train with is refused here, in Fabric().
-        if precision is not None and not isinstance(precision, MegatrainFabricPrecision):
-            precision = MegatrainFabricPrecision(str(getattr(precision, "precision", "32-true")))
-        self._precision = precision
-        self._precision_device()
-
-    def _precision_device(self) -> None:
-        if self._precision is not None:
-            self._precision.device_type = self.root_device.type
+        self._precision = for_strategy(precision, MegatrainFabricPrecision, self)
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -239,7 +184,7 @@ class MegatrainFabricStrategy(Strategy):
     # -- setup / teardown ----------------------------------------------------------------------------
     def engine_config(self) -> EngineConfig:
         """The engine's options: this strategy's, with Fabric's device and precision."""
-        return EngineConfig(device=self.root_device, precision=self.precision.precision, training=True, **self.options)
+        return EngineConfig(**self.options, device=self.root_device, precision=self.precision.precision, training=True)
 
     @override
     def setup_module_and_optimizers(
@@ -273,7 +218,6 @@ class MegatrainFabricStrategy(Strategy):
                 "strategy='megatrain' streams one model per Fabric and one was set up already; "
                 "use a Fabric (and a strategy) per model"
             )
-        self._precision_device()
         self.engine = Engine(module, self.engine_config())
         return module
 
@@ -430,6 +374,16 @@ class MegatrainFabricStrategy(Strategy):
                 cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
             )
 
+
+MegatrainFabricStrategy.__init__.__signature__ = inspect.signature(MegatrainFabricStrategy.__init__).replace(
+    parameters=[
+        *list(inspect.signature(MegatrainFabricStrategy.__init__).parameters.values())[:-1],
+        *parameters("option", "loop"),
+    ]
+)
+MegatrainFabricStrategy.__doc__ = MegatrainFabricStrategy.__doc__.replace(
+    "{engine_options}", options_doc("option", "loop")
+)
 
 # Fabric asks no launch() of strategies that run in the calling process; see the module docstring.
 DataParallelStrategy.register(MegatrainFabricStrategy)

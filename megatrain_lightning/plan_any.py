@@ -51,16 +51,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatrain_lightning.engine.config import (
-    check_host_layout,
-    check_num_slots,
-    check_nvme_dir,
-    check_offload_inputs_dtype,
-)
+from megatrain_lightning.engine.config import EngineConfig, check_host_layout
 from megatrain_lightning.engine.discover import Layout, find_blocks, unit_parameters
 from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
-from megatrain_lightning.engine.recompute import check_recompute
 from megatrain_lightning.engine.ring import piece_numel, ring_counts
 from megatrain_lightning.measure_any import Family, check_measurable
 from megatrain_lightning.planner import CUDA_CONTEXT_BYTES, GiB, choose_tiers, compute_bytes, format_size
@@ -381,30 +375,24 @@ def plan_model(
     spec: str,
     seq_len: int,
     micro_batch: int = 1,
-    precision: str = "bf16-mixed",
     accumulate: int = 1,
-    num_slots: int | str = "auto",
+    options: EngineConfig | None = None,
+    *,
     host_mem: int | None = None,
     gpu_mem: int | None = None,
-    offload_inputs: bool | str = "auto",
     measure: bool = True,
-    host_layout: str = "auto",
-    nvme_dir: str | None = None,
-    clipping: bool = False,
-    offload_inputs_dtype: str | None = None,
-    recompute: bool | str = "auto",
+    host_layout: str | None = "auto",
 ) -> ModelPlan:
-    """Plan training the model `spec` names (module docstring): stacks and host bytes from the meta model,
-    the GPU peak measured (``measure``) on fake tensors with the options as the strategy takes them."""
+    """Plan training the model `spec` names (module docstring) with the engine's `options` (None: its defaults):
+    stacks and host bytes from the meta model, the GPU peak measured (``measure``) on fake tensors with the
+    options as the strategy takes them. `host_layout`, when given, is planned instead of the options' own: a
+    layout, or "auto" (the default), the first that fits `host_mem`."""
     for key, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("accumulate", accumulate)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}={value!r} must be an integer >= 1")
-    check_num_slots(num_slots)
-    check_host_layout(host_layout, allow_auto=True)
-    check_offload_inputs_dtype(offload_inputs_dtype, precision)
-    check_recompute(recompute)
-    compute_bytes(precision)  # validates the precision
-    nvme_dir = check_nvme_dir(nvme_dir)
+    options = EngineConfig() if options is None else options
+    precision, clipping, recompute, nvme_dir = options.precision, options.clipping, options.recompute, options.nvme_dir
+    host_layout = options.host_layout if host_layout is None else check_host_layout(host_layout, allow_auto=True)
     source = model_source(spec)
     model = build_on_meta(source)
     family = source.family or family_of(model)
@@ -416,12 +404,12 @@ def plan_model(
         host_mem,
     )
     host = host_bytes(units, precision, accumulate, layout, nvme, clipping)
-    slots = 2 if num_slots == "auto" else num_slots
+    slots = 2 if options.num_slots == "auto" else options.num_slots
     measured, offloaded = None, 0
     if measure:
         check_measurable(getattr(model, "config", None), family, seq_len)
-        measured, offloaded = _measure(source, family, seq_len, micro_batch, precision, slots, offload_inputs,
-                                       recompute, gpu_mem, offload_inputs_dtype)  # fmt: skip
+        measured, offloaded = _measure(source, family, seq_len, micro_batch, precision, slots, options.offload_inputs,
+                                       recompute, gpu_mem, options.offload_inputs_dtype)  # fmt: skip
     host["activations"] = offloaded
     return ModelPlan(
         name=spec,
@@ -470,9 +458,9 @@ def _first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
-def plan_from_args(args: Any) -> ModelPlan:
-    """``megatrain plan --model`` of any model (commands.py's parsed options); a ValueError for an option
-    these models are not planned with (module docstring)."""
+def plan_from_args(args: Any, options: EngineConfig, host_layout: str | None) -> ModelPlan:
+    """``megatrain plan --model`` of any model (commands.py's parsed options, the engine's `options` from its
+    flags); a ValueError for an option these models are not planned with (module docstring)."""
     refused = [
         ("--png", args.png is not None),
         ("--token-chunk-size", args.token_chunk_size is not None),
@@ -488,16 +476,10 @@ def plan_from_args(args: Any) -> ModelPlan:
         args.model,
         4096 if args.seq_len is None else args.seq_len,
         1 if args.micro_batch is None else args.micro_batch,
-        args.precision,
         args.accumulate,
-        args.num_slots,
-        args.host_mem,
-        args.gpu_mem,
-        "auto" if args.offload_inputs is None else args.offload_inputs,
-        args.measure,
-        args.host_layout or "auto",
-        args.nvme_dir,
-        bool(args.clip),
-        args.offload_inputs_dtype,
-        "auto" if args.recompute is None else args.recompute,
+        options,
+        host_mem=args.host_mem,
+        gpu_mem=args.gpu_mem,
+        measure=args.measure,
+        host_layout=host_layout,
     )

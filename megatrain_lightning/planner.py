@@ -121,23 +121,15 @@ slot counts, option checks) are imported from the engine, so they cannot drift.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.config import HOST_LAYOUTS as ENGINE_HOST_LAYOUTS
-from megatrain_lightning.engine.config import (
-    OffloadInputsDtype,
-    check_host_layout,
-    check_num_slots,
-    check_nvme_dir,
-    check_offload_inputs_dtype,
-    check_precision,
-)
+from megatrain_lightning.engine.config import EngineConfig, OffloadInputsDtype, check_host_layout, check_precision
 from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
 from megatrain_lightning.engine.recompute import KEEP_SHARE, STREAMING_SLOTS, Recompute, check_recompute, kept_count
@@ -154,7 +146,6 @@ from megatrain_lightning.models.tiling import (
     untiled_bytes_per_token,
 )
 
-Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
 GiB = 2**30
 CUDA_CONTEXT_BYTES = GiB
 """Allowance for the CUDA context and allocator fragmentation; not visible to ``max_memory_allocated``."""
@@ -611,6 +602,8 @@ class Plan:
     kept_blocks: int = 0
     """Blocks per forward pass that keep their graph (:func:`kept_blocks`); their activations are the
     ``kept_graphs`` GPU item."""
+    options: EngineConfig | None = field(default=None, repr=False)
+    """The engine's options as planned (what the fields above resolved "auto" from)."""
 
     @property
     def ranks(self) -> int:
@@ -991,71 +984,84 @@ _GPU_LABELS = {
 }
 
 
+@dataclass(frozen=True)
+class RunShape:
+    """What a run computes with, beside the engine's options: the model, the tokens of a micro-batch, the
+    micro-batches per optimizer step and the data-parallel ranks (``devices`` GPUs on each of ``nodes`` nodes).
+    Checked on construction (a one-line ValueError)."""
+
+    config: LlamaConfig = field(repr=False)
+    seq_len: int
+    micro_batch: int
+    accumulate: int = 1
+    devices: int = 1
+    nodes: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("seq_len", "micro_batch", "accumulate"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}={value!r} must be an integer >= 1")
+        check_ranks(self.devices, self.nodes)
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.micro_batch
+
+
 def plan(
-    config: LlamaConfig,
-    seq_len: int,
-    micro_batch: int,
-    precision: Precision = "bf16-mixed",
-    accumulate: int = 1,
-    num_slots: int | Literal["auto"] = "auto",
+    shape: RunShape,
+    options: EngineConfig | None = None,
+    *,
     host_mem: int | None = None,
     gpu_mem: int | None = None,
     name: str = "model",
-    offload_inputs: bool | Literal["auto"] = "auto",
     measure: bool = False,
-    host_layout: Literal["default", "lean", "auto"] = "default",
-    nvme_dir: str | os.PathLike[str] | None = None,
-    clipping: bool = False,
     nvme_gbps: float = NVME_GBPS,
-    devices: int = 1,
-    nodes: int = 1,
-    offload_inputs_dtype: OffloadInputsDtype = None,
-    recompute: Recompute = "auto",
+    host_layout: str | None = None,
 ) -> Plan:
-    """Itemized host and GPU bytes of training ``config`` with ``strategy="megatrain"``.
+    """Itemized host and GPU bytes of training ``shape`` with ``strategy="megatrain"`` and the engine's
+    `options` (None: its defaults), checked by the engine's own checks when they were built.
 
     ``host_mem``/``gpu_mem`` (bytes) are the limits :attr:`Plan.fits` checks; with ``gpu_mem`` the plan
-    also finds the largest micro-batch and the longest sequence that fit. ``offload_inputs`` plans
-    ``MegatrainStrategy(offload_inputs=...)``: True keeps block inputs in pinned host memory instead of on
-    the GPU, "auto" does so when they would not fit ``gpu_mem``. ``measure`` also runs one training step on
-    fake tensors and records its GPU peak beside the formulas (a few seconds for an 8B model).
+    also finds the largest micro-batch and the longest sequence that fit. ``offload_inputs`` "auto" offloads
+    the block inputs when they would not fit ``gpu_mem``. ``measure`` also runs one training step on fake
+    tensors and records its GPU peak beside the formulas (a few seconds for an 8B model).
 
-    ``host_layout`` and ``nvme_dir`` plan ``MegatrainStrategy(host_layout=..., nvme_dir=...)``; "auto" picks
-    the first of default, lean, lean with Adam on NVMe (only given ``nvme_dir``) that fits ``host_mem``.
-    ``clipping``: gradient clipping on (the lean layout keeps each gradient until the step). ``nvme_gbps``:
-    the drive's read and its write bandwidth, GB/s, for the NVMe time per step. ``offload_inputs_dtype``
-    plans ``MegatrainStrategy(offload_inputs_dtype=...)``: offloaded block inputs stored as bf16 or fp8.
+    `host_layout`, when given, is planned instead of the options' own: a layout, or "auto" (``megatrain plan
+    --host-layout auto``), the first of default, lean, lean with Adam on NVMe (only given ``nvme_dir``) that
+    fits ``host_mem``. ``nvme_dir`` is planned as given. ``clipping``: gradient clipping on (the lean layout keeps each gradient until the step).
+    ``nvme_gbps``: the drive's read and its write bandwidth, GB/s, for the NVMe time per step.
+    ``offload_inputs_dtype``: offloaded block inputs stored as bf16 or fp8.
 
     ``devices`` and ``nodes`` plan the data-parallel mode (module docstring): host bytes per node,
     GPU bytes per GPU, ``host_mem`` a node's limit and ``gpu_mem`` a GPU's.
 
-    ``recompute`` plans ``MegatrainStrategy(recompute=...)``: the blocks that keep their graph
-    (:func:`kept_blocks`, with ``num_slots`` as planned) and their activations (the ``kept_graphs`` item).
-    The largest micro-batch and sequence that fit are those of the recompute, whose memory "auto" never
-    exceeds by more than it finds free; ``False`` plans one slot per block.
+    ``recompute``: the blocks that keep their graph (:func:`kept_blocks`, with ``num_slots`` as planned) and
+    their activations (the ``kept_graphs`` item). The largest micro-batch and sequence that fit are those of
+    the recompute, whose memory "auto" never exceeds by more than it finds free; ``False`` plans one slot per
+    block.
     """
-    for key, value, least in (("seq_len", seq_len, 1), ("micro_batch", micro_batch, 1), ("accumulate", accumulate, 1)):
-        if not isinstance(value, int) or value < least:
-            raise ValueError(f"{key}={value!r} must be an integer >= {least}")
-    check_num_slots(num_slots)
-    check_ranks(devices, nodes)
-    check_recompute(recompute)
-    slots_asked, num_slots = num_slots, 2 if num_slots == "auto" else num_slots  # the sizes below: auto's least
-    if offload_inputs not in (True, False, "auto"):
-        raise ValueError(f"offload_inputs={offload_inputs!r}: choose True, False or 'auto'")
-    check_host_layout(host_layout, allow_auto=True)
-    check_offload_inputs_dtype(offload_inputs_dtype, precision)
+    options = EngineConfig() if options is None else options
+    config, seq_len, micro_batch, accumulate = shape.config, shape.seq_len, shape.micro_batch, shape.accumulate
+    devices, nodes, tokens = shape.devices, shape.nodes, shape.tokens
+    precision, recompute, clipping = options.precision, options.recompute, options.clipping
+    offload_inputs, offload_inputs_dtype, nvme_dir = (
+        options.offload_inputs,
+        options.offload_inputs_dtype,
+        options.nvme_dir,
+    )
+    slots_asked = options.num_slots
+    num_slots = 2 if slots_asked == "auto" else slots_asked  # the sizes below: auto's least
     if isinstance(nvme_gbps, bool) or not isinstance(nvme_gbps, (int, float)) or not nvme_gbps > 0:
         raise ValueError(f"nvme_gbps={nvme_gbps!r} must be a positive number of GB/s, e.g. 6.0 for a PCIe 4.0 drive")
-    nvme_dir = check_nvme_dir(None if nvme_dir is None else os.fspath(nvme_dir))
-    elt = compute_bytes(precision)  # validates the precision
+    elt = compute_bytes(precision)
     collectives = collective_bytes(config, precision, devices * nodes)
     room = None if gpu_mem is None else gpu_mem - collectives  # what everything sized from the GPU limit gets
     if offload_inputs == "auto":
         offload_inputs = auto_offloads_inputs(config, seq_len, micro_batch, precision, num_slots, room)
     best = None if room is None else max_micro_batch(config, seq_len, precision, num_slots, room, offload_inputs)
     longest = None if room is None else max_seq_len(config, micro_batch, precision, num_slots, room)
-    tokens = seq_len * micro_batch
     if slots_asked == "auto":
         num_slots = planned_slots(config, seq_len, micro_batch, precision, offload_inputs, room)
     if recompute is False:  # every block pins its slot until its backward: the pool grows to one per block
@@ -1077,6 +1083,7 @@ def plan(
         )
         return per_node(one, devices, nodes)
 
+    host_layout = options.host_layout if host_layout is None else check_host_layout(host_layout, allow_auto=True)
     layout, nvme = choose_tiers(lambda *t: sum(host(*t).values()), host_layout, nvme_dir, host_mem)
     items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, room, kept)
     if collectives:
@@ -1135,6 +1142,7 @@ def plan(
         offload_inputs_dtype=offload_inputs_dtype,
         recompute=recompute,
         kept_blocks=kept,
+        options=options,
     )
 
 

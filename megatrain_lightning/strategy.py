@@ -8,14 +8,15 @@ strategy: one process, no process group. With ``devices=N`` and ``num_nodes=M``,
 data-parallel strategy launched as ``strategy="ddp"`` is (Lightning's launchers and cluster environments),
 with one process group over the N x M ranks that the engine partitions the host state over.
 
-Why one file of about 740 lines: it is one class, the hooks Lightning calls on a strategy (ranks and
+Why one file of about 880 lines: it is one class, the hooks Lightning calls on a strategy (ranks and
 launch, setup, backward, checkpoints), each a few lines that hand a phase to the engine or refuse an option
-in one line; its docstring (about 90 lines) is the option reference users read. Split, each part would be
-a mixin reading the others' attributes.
+in one line. Its engine options and their docs are generated from EngineConfig's declarations
+(engine/config.py). Split, each part would be a mixin reading the others' attributes.
 """
 
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import os
@@ -64,13 +65,19 @@ from megatrain_lightning.averaging import AVERAGED_STATE, AveragingViews, replac
 from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.checkpoint.options import check_storage_options
 from megatrain_lightning.convert import lightning_checkpoint
-from megatrain_lightning.engine import materialize
-from megatrain_lightning.engine.config import EngineConfig, check_options
-from megatrain_lightning.engine.discover import BlocksOption
-from megatrain_lightning.engine.engine import Engine
-from megatrain_lightning.engine.generic_optim import GenericHostOptimizer
-from megatrain_lightning.engine.optimizer import HostAdamW
-from megatrain_lightning.precision import MegatrainPrecision
+from megatrain_lightning.engine import (
+    Engine,
+    EngineConfig,
+    GenericHostOptimizer,
+    HostAdamW,
+    check_checkpoint_format,
+    check_options,
+    declared,
+    materialize,
+    options_doc,
+    parameters,
+)
+from megatrain_lightning.precision import MegatrainPrecision, for_strategy
 
 log = logging.getLogger("megatrain_lightning")
 
@@ -108,152 +115,78 @@ def check_trainer_args(
 class MegatrainStrategy(ParallelStrategy):
     """Train with parameters, fp32 masters and Adam state in host memory, on one device or data-parallel.
 
-    Gradients leave each parameter for the host as backward produces them, so they do not sit in ``.grad``.
-    Hooks that read or edit them: when the LightningModule or a callback overrides ``on_after_backward`` or
-    ``on_before_optimizer_step`` (:func:`gradient_hooks`), every step lands all gradients in an fp32 host
-    buffer (4 bytes/param, logged at setup) and waits for them; during those hooks each parameter is a view
-    of its fp32 master and ``.grad`` a view of its gradient, and what the hooks leave there is what the
-    step uses, as in ordinary training (no overlap of the optimizer with backward then). Clipping
-    (``gradient_clip_val``) by norm or by value is exact; by value, the optimizer still overlaps backward
-    (each gradient clamped as it lands) unless ``configure_gradient_clipping`` is overridden.
-    On resume the optimizer's settings come from the checkpoint, as ``torch.optim.Optimizer.load_state_dict``
-    leaves them in ordinary training.
+        Gradients leave each parameter for the host as backward produces them, so they do not sit in ``.grad``.
+        Hooks that read or edit them: when the LightningModule or a callback overrides ``on_after_backward`` or
+        ``on_before_optimizer_step`` (:func:`gradient_hooks`), every step lands all gradients in an fp32 host
+        buffer (4 bytes/param, logged at setup) and waits for them; during those hooks each parameter is a view
+        of its fp32 master and ``.grad`` a view of its gradient, and what the hooks leave there is what the
+        step uses, as in ordinary training (no overlap of the optimizer with backward then). Clipping
+        (``gradient_clip_val``) by norm or by value is exact; by value, the optimizer still overlaps backward
+        (each gradient clamped as it lands) unless ``configure_gradient_clipping`` is overridden.
+        On resume the optimizer's settings come from the checkpoint, as ``torch.optim.Optimizer.load_state_dict``
+        leaves them in ordinary training.
 
-    Data parallel: ``Trainer(devices=N, num_nodes=M)`` with N x M > 1 runs N x M ranks, launched as for
-    ``strategy="ddp"``: the script started once per node (Lightning starts the node's other ranks), or by
-    ``torchrun``, or as SLURM tasks; one process group over them (NCCL on GPUs, gloo on the CPU), set up by
-    Lightning's ``_init_dist_connection``. Lightning gives each rank its share of every global batch
-    (``DistributedSampler``), as with DDP. The engine partitions every unit's host state among the ranks
-    (one copy in total) and averages gradients over them, as DDP does. No rank holds whole weights or whole
-    gradients, so setup refuses what needs them: hooks that read gradients (``on_after_backward``,
-    ``on_before_optimizer_step``), weight averaging callbacks, ``checkpoint_format="torch"`` and resuming
-    from a single file, a ``device`` (each rank takes its own), ``sync_batchnorm``; and, since every rank
-    must run the same forwards, prediction data the ranks would not share evenly. Every rank writes its
-    own shards of a checkpoint and reads them back; only rank 0 deletes one. After fit every rank holds the
-    whole trained model again, as after DDP, but only its shard of the Adam state: a save then is refused. A
-    rank that exits (killed, out of memory) ends the others' fit at their next collective with one line,
-    :class:`~megatrain_lightning.peers.RankExitedError`: which rank, and the last committed checkpoint to resume
-    from. With one device and one node (the default on a machine with one GPU) there is no process group and no
-    launcher.
+        Data parallel: ``Trainer(devices=N, num_nodes=M)`` with N x M > 1 runs N x M ranks, launched as for
+        ``strategy="ddp"``: the script started once per node (Lightning starts the node's other ranks), or by
+        ``torchrun``, or as SLURM tasks; one process group over them (NCCL on GPUs, gloo on the CPU), set up by
+        Lightning's ``_init_dist_connection``. Lightning gives each rank its share of every global batch
+        (``DistributedSampler``), as with DDP. The engine partitions every unit's host state among the ranks
+        (one copy in total) and averages gradients over them, as DDP does. No rank holds whole weights or whole
+        gradients, so setup refuses what needs them: hooks that read gradients (``on_after_backward``,
+        ``on_before_optimizer_step``), weight averaging callbacks, ``checkpoint_format="torch"`` and resuming
+        from a single file, a ``device`` (each rank takes its own), ``sync_batchnorm``; and, since every rank
+        must run the same forwards, prediction data the ranks would not share evenly. Every rank writes its
+        own shards of a checkpoint and reads them back; only rank 0 deletes one. After fit every rank holds the
+        whole trained model again, as after DDP, but only its shard of the Adam state: a save then is refused. A
+        rank that exits (killed, out of memory) ends the others' fit at their next collective with one line,
+        :class:`~megatrain_lightning.peers.RankExitedError`: which rank, and the last committed checkpoint to resume
+        from. With one device and one node (the default on a machine with one GPU) there is no process group and no
+        launcher.
 
-    Under Ray Train (a ``TorchTrainer`` worker, without ``prepare_trainer``): pass Ray's cluster environment,
-    ``Trainer(strategy="megatrain", plugins=[ray.train.lightning.RayLightningEnvironment()])``. Each worker is
-    one rank: the ranks are Ray's workers (``ScalingConfig(num_workers=...)``), the process group is the one
-    Ray set up, and each rank computes on ``ray.train.torch.get_device()`` (the Trainer's ``devices`` and
-    ``num_nodes`` are not used). Without that environment a worker of a run of several would train alone, so
-    ``Trainer(...)`` refuses it (``ray_jobs/train.py`` runs such workers).
+        Under Ray Train (a ``TorchTrainer`` worker, without ``prepare_trainer``): pass Ray's cluster environment,
+        ``Trainer(strategy="megatrain", plugins=[ray.train.lightning.RayLightningEnvironment()])``. Each worker is
+        one rank: the ranks are Ray's workers (``ScalingConfig(num_workers=...)``), the process group is the one
+        Ray set up, and each rank computes on ``ray.train.torch.get_device()`` (the Trainer's ``devices`` and
+        ``num_nodes`` are not used). Without that environment a worker of a run of several would train alone, so
+        ``Trainer(...)`` refuses it (``ray_jobs/train.py`` runs such workers).
 
-    Args:
-        device: the compute device; by default the Trainer's device (the GPU when there is one; with several
-            devices, each rank's own).
-        num_slots: device weight slots blocks stream through (>= 2: one computing, one loading). ``"auto"``
-            (default): 2, then, after the first optimizer step, as many more as the device memory that step
-            left free allows beyond four times what it needed (at most one per block; the CPU keeps 2).
-            More slots keep more blocks resident from a forward to its backward and across the micro-batches
-            of an accumulation, so fewer uploads; with one per block the backward uploads nothing.
-        overlap_optimizer: step each block on the host as soon as its gradient lands, while backward goes
-            on (only when nothing needs the whole gradient first: no clipping, no hook reading gradients).
-        offload_inputs: where each block's input, saved for its backward, waits. ``True``: in pinned host
-            memory (copied back one block ahead in backward), so device memory no longer grows with depth,
-            at the cost of one more transfer of the hidden states each way (long context). ``False``: on the
-            device. ``"auto"`` (default): decided at the start of each forward pass, offloading when the
-            inputs would take more than half of the device memory free at that moment (on a CPU device:
-            never). ``engine.stats["offloaded_passes"]`` counts the passes that offloaded.
-        recompute: ``True``: every block is run again, with grad, in backward (the least device memory).
-            ``False``: every block keeps its graph from the forward (its activations and its slot stay on the
-            device until its backward; the slot pool grows as needed), so each block is computed once.
-            ``"auto"`` (default): per forward pass, the last blocks keep their graphs while their measured
-            activations fit in half of the free device memory and two slots stay free for streaming; on
-            a device with no memory measure (the CPU) every block is recomputed. ``engine.stats["kept_calls"]``
-            counts the calls that kept their graph.
-        offload_inputs_dtype: how offloaded block inputs are stored on the host (and cross the link): ``None``
-            (default) exactly; ``"bf16"`` (32-true runs) as bfloat16, half the bytes; ``"fp8"`` as
-            float8_e4m3fn with one fp32 scale per token, 1 + 4/hidden_size bytes per element (a quarter of
-            fp32, half of bf16). Lossy: backward recomputes each block from the rounded input (see the user
-            guide for the measured cost). Encoded and decoded on the device. Does nothing to inputs kept on
-            the device (``offload_inputs=False``, or "auto" deciding not to offload).
-        host_layout: ``"default"`` keeps a pinned compute-dtype copy of every weight and a gradient slab per
-            unit (16 B/param in bf16); ``"lean"`` casts weights into a small ring of pinned staging buffers
-            just before each upload and lands gradients through a ring where the step consumes them at once
-            (12 B/param plus buffers in flight; with clipping a per-unit gradient stays, 2 B/param in bf16).
-        nvme_dir: a local directory for the Adam moments (8 B/param off host memory), read ahead and
-            written behind per unit by the host worker; scratch only (checkpoints stay the durable copy). With
-            several ranks each writes its own shards' files there.
-        host_threads: threads of the host optimizer (the native Adam kernel and torch's ops on the host
-            worker thread); default: the cores this process may use minus one, kept for the thread that
-            launches the GPU's kernels. Spread over the NUMA nodes when there are several
-            (:mod:`megatrain_lightning.optim.threads`). With several ranks on a machine, each rank's default is
-            its own share of the machine's CPUs (split node by node) minus one. Results do not depend on it.
-        checkpoint_format: ``"sharded"`` streams per-block shards to any fsspec URL and commits atomically
-            (see :mod:`megatrain_lightning.checkpoint`); ``"torch"`` writes Lightning's usual single file,
-            which ordinary strategies can also resume from (small models only: it is built in memory).
-        compile_blocks: run each decoder block's forward, and its recompute in backward, through
-            ``torch.compile`` (one compiled function per block class, shared by all its blocks; see
-            :class:`~megatrain_lightning.engine.block_fn.CompiledBlock`): twice per run (without and with
-            grad), more for other sequence lengths. Equal to eager training within round-off, not bit for bit.
-            A block that cannot compile as one graph raises at its first call, naming its class.
-        storage_options: fsspec options (credentials, endpoint, ...) for this strategy's checkpoints: every
-            save (unless ``trainer.save_checkpoint(..., storage_options=...)`` gives its own), the
-            ``ckpt_path`` it resumes from and the old checkpoints it deletes. A mapping (anything else is
-            refused here, without quoting it). Passed to fsspec only: never written into a checkpoint or a log
-            (the ``megatrain`` command's saved config holds ``<redacted>`` for each value). None: fsspec's
-            defaults (e.g. the ``AWS_*`` variables, ``AWS_PROFILE``), the way to keep credentials out of configs.
-        blocks: the ``nn.ModuleList``s of blocks to stream: a dotted name (``"model.layers"``), a list of names
-            (one per stack), or a callable model -> ModuleList (or a list of them). Default: the list holding
-            the most parameters, if it holds at least a fifth of them (otherwise setup refuses and names the
-            lists it found), and every other list outside it holding at least 4% (an encoder, a vision tower;
-            see "How blocks are found" in the user guide). Setup logs the stacks, their lengths and shares.
+        Args:
+            checkpoint_format: ``"sharded"`` streams per-block shards to any fsspec URL and commits atomically
+                (see :mod:`megatrain_lightning.checkpoint`); ``"torch"`` writes Lightning's usual single file,
+                which ordinary strategies can also resume from (small models only: it is built in memory).
+            storage_options: fsspec options (credentials, endpoint, ...) for this strategy's checkpoints: every
+                save (unless ``trainer.save_checkpoint(..., storage_options=...)`` gives its own), the
+                ``ckpt_path`` it resumes from and the old checkpoints it deletes. A mapping (anything else is
+                refused here, without quoting it). Passed to fsspec only: never written into a checkpoint or a log
+                (the ``megatrain`` command's saved config holds ``<redacted>`` for each value). None: fsspec's
+                defaults (e.g. the ``AWS_*`` variables, ``AWS_PROFILE``), the way to keep credentials out of configs.
+            **engine options**: every option :class:`~megatrain_lightning.engine.config.EngineConfig` declares, under
+                its name and with its default (the lines below are generated from those declarations; the
+                precision comes from ``Trainer(precision=...)``, clipping and accumulation from the Trainer too):
+    {engine_options}
     """
 
     strategy_name = "megatrain"
 
     def __init__(
         self,
-        device: torch.device | str | None = None,
-        num_slots: int | Literal["auto"] = "auto",
-        overlap_optimizer: bool = True,
-        offload_inputs: bool | Literal["auto"] = "auto",
-        recompute: bool | Literal["auto"] = "auto",
-        offload_inputs_dtype: Literal["bf16", "fp8"] | None = None,
-        host_layout: Literal["default", "lean"] = "default",
-        nvme_dir: str | None = None,
-        host_threads: int | None = None,
         checkpoint_format: Literal["sharded", "torch"] = "sharded",
-        compile_blocks: bool = False,
         storage_options: dict[str, Any] | None = None,
-        blocks: BlocksOption = None,
         **kwargs: Any,
     ) -> None:
-        check_options(
-            {
-                "compile_blocks": compile_blocks,
-                "overlap_optimizer": overlap_optimizer,
-                "blocks": blocks,
-                "checkpoint_format": checkpoint_format,
-                "num_slots": num_slots,
-                "offload_inputs": offload_inputs,
-                "recompute": recompute,
-                "offload_inputs_dtype": offload_inputs_dtype,
-                "host_layout": host_layout,
-                "nvme_dir": nvme_dir,
-                "host_threads": host_threads,  # ValueError for < 1 or more than the cores
-            }
-        )
+        # The engine's options by their declarations (engine/config.py: `__signature__` below shows them);
+        # the rest of kwargs is Lightning's (accelerator, parallel_devices, cluster_environment, ...).
+        options = {d.name: kwargs.pop(d.name, d.default) for d in declared("option")}
+        check_options({**options, "checkpoint_format": checkpoint_format}, OWN_CHECKS)  # host_threads: < 1, > cores
         storage_options = check_storage_options(storage_options)  # a mapping: fsspec takes them as keywords
         super().__init__(**kwargs)  # accelerator, parallel_devices, cluster_environment, checkpoint_io, ...
-        self._device_arg = device
+        self._device_arg = options.pop("device")
         self._num_nodes = 1  # set by Lightning from Trainer(num_nodes=...)
-        self.num_slots = num_slots
-        self.overlap_optimizer = overlap_optimizer
-        self.offload_inputs = offload_inputs
-        self.recompute = recompute
-        self.offload_inputs_dtype = offload_inputs_dtype
-        self.host_layout, self.nvme_dir = host_layout, nvme_dir
-        self.host_threads = host_threads  # None: resolved where the worker starts (cores - 1)
+        self.options = options  # every other engine option, as given (host_threads None: resolved by the worker)
+        for name, value in options.items():  # readable as before: strategy.host_layout, strategy.nvme_dir, ...
+            setattr(self, name, value)
         self.checkpoint_format = checkpoint_format
-        self.compile_blocks = compile_blocks
         self.storage_options = storage_options
-        self.blocks = blocks
         self.engine: Engine | None = None
         # The engine as fit left it (closed): after fit its units still hold the masters (the model's parameters)
         # and the host moments, so a save over a sharded checkpoint writes the same format from them.
@@ -455,14 +388,19 @@ class MegatrainStrategy(ParallelStrategy):
     @property
     @override
     def precision_plugin(self) -> MegatrainPrecision:
-        return self._precision_plugin if self._precision_plugin is not None else MegatrainPrecision()
+        if self._precision_plugin is None:
+            return MegatrainPrecision(strategy=self)
+        return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Any) -> None:
-        # Lightning builds a plugin from Trainer(precision=...); keep its flag, use our semantics.
-        if plugin is not None and not isinstance(plugin, MegatrainPrecision):
-            plugin = MegatrainPrecision(str(getattr(plugin, "precision", "32-true")))
-        self._precision_plugin = plugin
+        # Lightning builds a plugin from Trainer(precision=...); keep its flag, use the engine's semantics.
+        self._precision_plugin = for_strategy(plugin, MegatrainPrecision, self)
+
+    @property
+    def gradients_visible(self) -> bool:
+        """Whether hooks read or edit gradients (:func:`gradient_hooks`), which then see them in ``.grad``."""
+        return bool(self.grad_hooks)
 
     # -- setup / teardown -----------------------------------------------------------------------
     @override
@@ -477,14 +415,11 @@ class MegatrainStrategy(ParallelStrategy):
             self._refuse_under_ranks(trainer)
         if fitting:
             self.setup_optimizers(trainer)
-        plugin = self.precision_plugin
-        plugin.device_type = self.root_device.type
         if self.engine is None:
             self._released = None
-            self.engine = Engine(self.lightning_module, self.engine_config(trainer, plugin.precision, fitting))
+            precision = self.precision_plugin.precision
+            self.engine = Engine(self.lightning_module, self.engine_config(trainer, precision, fitting))
             log.info(self.engine.layout.describe(self.engine.model))
-        plugin.engine = self.engine
-        plugin.gradients_visible = bool(self.grad_hooks)
         if self.grad_hooks:
             log.info(
                 "%s read or edit gradients: every optimizer step lands all gradients in an fp32 host buffer that "
@@ -493,7 +428,6 @@ class MegatrainStrategy(ParallelStrategy):
                 ", ".join(self.grad_hooks),
                 4 * self.engine.num_parameters() / 2**30,
             )
-        self.precision_plugin = plugin
         if fitting:
             self.optimizers = self.engine.optimizers([_unwrapped(o) for o in self.optimizers])
         self.setup_precision_plugin()
@@ -543,18 +477,9 @@ class MegatrainStrategy(ParallelStrategy):
         clipping = bool(fitting and trainer.gradient_clip_val)
         visible = bool(fitting and self.grad_hooks)
         return EngineConfig(
+            **self.options,
             device=self.root_device,
             precision=precision,
-            num_slots=self.num_slots,
-            overlap_optimizer=self.overlap_optimizer,
-            offload_inputs=self.offload_inputs,
-            recompute=self.recompute,
-            offload_inputs_dtype=self.offload_inputs_dtype,
-            host_layout=self.host_layout,
-            nvme_dir=self.nvme_dir,
-            host_threads=self.host_threads,
-            compile_blocks=self.compile_blocks,
-            blocks=self.blocks,
             training=fitting,
             # The fp32 accumulator counts too; gradients visible to hooks live in it.
             accumulating=fitting and (_accumulates(trainer) or visible),
@@ -828,6 +753,25 @@ class MegatrainStrategy(ParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
             )
+
+
+OWN_CHECKS: dict[str, Callable[[Any], Any]] = {"checkpoint_format": check_checkpoint_format}
+"""The strategy's options besides the engine's, each by its check (storage_options has its own: it is never quoted)."""
+
+
+def _derive_options(cls: type) -> None:
+    """`cls`'s ``__init__`` signature and ``Args:`` docs with every declared engine option (engine/config.py):
+    what ``help()``, jsonargparse's ``init_args`` and the docs read, so an option declared there is taken here
+    without an edit."""
+    signature = inspect.signature(cls.__init__)
+    own = [p for p in signature.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.name != "self" else p for p in own]
+    rest = [p for p in signature.parameters.values() if p.kind == inspect.Parameter.VAR_KEYWORD]
+    cls.__init__.__signature__ = signature.replace(parameters=[*own, *parameters("option"), *rest])
+    cls.__doc__ = (cls.__doc__ or "").replace("{engine_options}", options_doc("option"))
+
+
+_derive_options(MegatrainStrategy)
 
 
 class _ScriptLauncher(_SubprocessScriptLauncher):

@@ -49,7 +49,7 @@ import yaml
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
-from megatrain_lightning.engine.config import check_host_layout
+from megatrain_lightning.engine import EngineConfig, check_host_layout, check_nvme_dir
 from megatrain_lightning.planner import parse_size
 
 SAMPLERS = ("grid", "choice", "uniform", "loguniform", "randint")
@@ -112,6 +112,8 @@ def _check_size(size: str) -> str:
 
 
 def _check_nvme_dir(path: str | None) -> str | None:
+    """The engine's check, then what a directory on other nodes must be beside it."""
+    check_nvme_dir(path)
     if path is not None and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path):
         raise ValueError(
             f"nvme_dir={path!r} is a URL, but the Adam moments are read and written every step on a local drive: "
@@ -279,20 +281,28 @@ class Resources:
     """Host memory added to the planner's figure for the Python process, data and allocator slack."""
 
 
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+"""Each engine option's default, as EngineConfig declares it (the trial strategy's keys default to them)."""
+
+
 @dataclass(config=_SECTION)
 class TrialStrategy:
     """Options of each trial's ``MegatrainStrategy`` (the trial builds the strategy itself, so
     ``base.trainer.strategy`` cannot set them). None of them changes what a trial computes: training is
-    bit-identical across host layouts, with or without the NVMe tier, and at any thread count."""
+    bit-identical across host layouts, with or without the NVMe tier, and at any thread count. Each is the
+    engine option of its name (engine/config.py): its default and the engine's check, with what a sweep adds
+    (host_layout "auto", an absolute nvme_dir, threads against the cores Ray reserves)."""
 
-    host_layout: Annotated[str, BeforeValidator(functools.partial(check_host_layout, allow_auto=True))] = "default"
+    host_layout: Annotated[str, BeforeValidator(functools.partial(check_host_layout, allow_auto=True))] = (
+        _ENGINE_DEFAULTS["host_layout"]
+    )
     """"default" (16 B/param in bf16), "lean" (12) or "auto": the first of default, lean and (given
     `nvme_dir`) lean with Adam on NVMe whose memory request fits the largest node that can run a trial,
     chosen by the driver once the cluster is known (ray_jobs/resources.py)."""
-    nvme_dir: Annotated[str | None, AfterValidator(_check_nvme_dir)] = None
+    nvme_dir: Annotated[str | None, AfterValidator(_check_nvme_dir)] = _ENGINE_DEFAULTS["nvme_dir"]
     """An absolute local directory on every node that runs trials (not a URL): the Adam moments go there,
     8 B/param per trial, taking them off the memory request. Each trial uses its own subdirectory."""
-    host_threads: Annotated[Int, Field(ge=1)] | None = None
+    host_threads: Annotated[Int, Field(ge=1)] | None = _ENGINE_DEFAULTS["host_threads"]
     """Threads of the trial's host optimizer; None: resources.cpus_per_trial minus one (at least 1). Checked
     against cpus_per_trial, not this machine's cores (the engine's check): trials run on other nodes."""
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatrain_lightning.engine import EngineConfig
 from megatrain_lightning.module import resolve_config
-from megatrain_lightning.planner import choose_tiers, format_size, parse_size, plan
+from megatrain_lightning.planner import RunShape, choose_tiers, format_size, parse_size, plan
 from ray_jobs.config import SweepConfig, TrainConfig, apply
 
 Tier = tuple[str, bool]
@@ -41,17 +42,20 @@ def trial_resources(
     run = apply(cfg.base, params or {})
     model, data, trainer = run.get("model", {}), run.get("data", {}), run.get("trainer", {})
     config = resolve_config(model.get("model") or model.get("init_from") or "tiny", model.get("overrides"))
-    p = plan(
+    shape = RunShape(
         config,
         seq_len=int(data.get("seq_len", 2048)),
         micro_batch=int(data.get("batch_size", 1)),
-        precision=str(trainer.get("precision", "bf16-mixed")),
         accumulate=int(trainer.get("accumulate_grad_batches", 1)),
+        nodes=scaling.num_workers if scaling is not None else 1,
+    )
+    options = EngineConfig(
+        precision=str(trainer.get("precision", "bf16-mixed")),
         host_layout=layout,
         nvme_dir=cfg.strategy.nvme_dir if nvme else None,
         clipping=bool(trainer.get("gradient_clip_val")),  # the lean layout then keeps each gradient until the step
-        nodes=scaling.num_workers if scaling is not None else 1,
     )
+    p = plan(shape, options)
     res = scaling if scaling is not None else cfg.resources
     gpus = (1.0 if scaling.use_gpu else 0.0) if scaling is not None else float(cfg.resources.gpus_per_trial)
     out = {

@@ -25,9 +25,8 @@ from lightning.pytorch.callbacks import Callback
 
 from megatrain_lightning.checkpoint import ModelCheckpoint, is_checkpoint
 from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.engine.nvme import PREFIX as NVME_SCRATCH_PREFIX
+from megatrain_lightning.engine import NVME_SCRATCH_PREFIX, usable_cpus
 from megatrain_lightning.module import CausalLMModule
-from megatrain_lightning.optim.threads import usable_cpus
 from megatrain_lightning.strategy import MegatrainStrategy
 
 Report = Callable[[dict[str, Any]], None]

@@ -25,7 +25,10 @@ def torch_adam(monkeypatch):
 
 
 def make_fabric(strategy="auto", precision="32-true") -> Fabric:
-    """One device, no ``fabric.launch()``: ordinary single-device Fabric needs none, and neither does this one."""
+    """One device, no ``fabric.launch()``: ordinary single-device Fabric needs none, and neither does this one.
+    "megatrain": with ``overlap_optimizer=False``, since these loops call ``clip_gradients`` after backward."""
+    if strategy == "megatrain":
+        strategy = MegatrainFabricStrategy(overlap_optimizer=False)
     return Fabric(accelerator="cpu", devices=1, precision=precision, strategy=strategy)
 
 

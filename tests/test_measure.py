@@ -143,14 +143,14 @@ def test_kept_graphs_are_measured_on_fake_tensors_as_the_planner_counts_them():
     though fake tensors have no data pointer) and, reading as free the capacity less the live bytes, keeps
     as many graphs as the planner's formula predicts where memory, not the slots, is the limit: here room
     for 2.5 blocks' activations in half the free memory, with 5 slots (3 could be pinned)."""
-    from megatrain_lightning.planner import CUDA_CONTEXT_BYTES, kept_bytes_per_token, plan
+    from megatrain_lightning.planner import CUDA_CONTEXT_BYTES, RunShape, kept_bytes_per_token, plan
 
     config, tokens = tiny(4), 256
-    base = plan(config, tokens, 1, gpu_mem=64 * GiB, num_slots=5)
+    base = plan(RunShape(config, tokens, 1), EngineConfig(num_slots=5), gpu_mem=64 * GiB)
     live = sum(base.gpu[k] for k in ("weight_slots", "grad_slots", "outer", "rope", "cuda_context"))
     per_block = kept_bytes_per_token(config, 2, None) * tokens
     gpu_mem = live + one_input(config, tokens) + 5 * per_block  # half of it: 2.5 blocks
-    assert plan(config, tokens, 1, gpu_mem=gpu_mem, num_slots=5).kept_blocks == 2
+    assert plan(RunShape(config, tokens, 1), EngineConfig(num_slots=5), gpu_mem=gpu_mem).kept_blocks == 2
     measured = measure_step(config, tokens, num_slots=5, recompute="auto", capacity=gpu_mem - CUDA_CONTEXT_BYTES)
     assert measured.kept_calls == 2
 
@@ -161,13 +161,18 @@ def test_the_tiled_attention_core_is_measured_as_planned():
     core's backward, as 1M tokens do at full size). They agree within 1%: the formula counts every weight
     gradient of the block, where the q, k, v projections' arrive only after the core's backward, and the
     workspace model bounds the block pair's allocations from above (tests/test_tiled_attention.py)."""
-    from megatrain_lightning.planner import plan
+    from megatrain_lightning.planner import RunShape, plan
 
     config = LlamaConfig(
         vocab_size=512, hidden_size=256, intermediate_size=896, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=2, head_dim=32, token_chunk_size=512, tiled_attention=True, loss_chunk_size=4096,
     )  # fmt: skip
-    p = plan(config, 16384, 1, num_slots=2, gpu_mem=80 * GiB, offload_inputs=True, measure=True, recompute=True)
+    p = plan(
+        RunShape(config, 16384, 1),
+        EngineConfig(num_slots=2, offload_inputs=True, recompute=True),
+        gpu_mem=80 * GiB,
+        measure=True,
+    )
     assert p.tiled_core and p.measured.workspace > 0
     assert p.gpu["recompute"] > p.gpu["loss"]  # the peak is the block's recompute
     assert abs(p.gpu_peak - p.measured_peak) <= 0.01 * p.measured_peak

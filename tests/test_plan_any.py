@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from megatrain_lightning.cli import run
+from megatrain_lightning.engine import EngineConfig
 from megatrain_lightning.plan_any import is_any_model, plan_model
 from megatrain_lightning.planner import GiB
 
@@ -145,8 +146,9 @@ def test_each_family_is_planned_from_its_config_json(name, tmp_path):
 def test_host_bytes_follow_the_layout_asked(tmp_path):
     """fp32 with accumulation: master 4, Adam 8, no copy (the master is the copy), fp32 slab 4, accumulator 4."""
     config = mistral()
+    options = EngineConfig(precision="32-true", host_layout="default")
     plan = plan_model(
-        write(config, tmp_path), seq_len=SEQ, precision="32-true", accumulate=2, host_layout="default", measure=False
+        write(config, tmp_path), seq_len=SEQ, accumulate=2, options=options, measure=False, host_layout=None
     )
     assert plan.host_total == 20 * own_parameters(config, "MistralForCausalLM")
     assert plan.measured is None and plan.gpu_peak is None
@@ -273,8 +275,9 @@ def test_host_bytes_are_what_the_engine_allocates(tmp_path, layout, accumulate):
     """T5 shares its embedding between encoder, decoder and head: held once, as the engine holds it. The
     lean layout's rings are sized from the largest unit, as the engine sizes them."""
     config = t5()
+    options = EngineConfig(host_layout=layout, clipping=False)
     plan = plan_model(
-        write(config, tmp_path), SEQ, accumulate=accumulate, host_layout=layout, measure=False, clipping=False
+        write(config, tmp_path), SEQ, accumulate=accumulate, options=options, measure=False, host_layout=None
     )
     assert plan.host_layout == layout
     assert plan.host_total == engine_host_bytes(config, layout, accumulate)
@@ -284,8 +287,8 @@ def test_recompute_auto_keeps_graphs_in_the_slots_beyond_two(tmp_path):
     """With 4 slots and room on the GPU the engine's own "auto" keeps the last 2 blocks' graphs (2 slots keep
     streaming) in the measured step, which then holds their activations; with recompute=True none."""
     directory = write(mistral(), tmp_path)
-    kept = plan_model(directory, SEQ, num_slots=4, gpu_mem=2 * GiB, recompute="auto")
-    recomputed = plan_model(directory, SEQ, num_slots=4, gpu_mem=2 * GiB, recompute=True)
+    kept = plan_model(directory, SEQ, options=EngineConfig(num_slots=4, recompute="auto"), gpu_mem=2 * GiB)
+    recomputed = plan_model(directory, SEQ, options=EngineConfig(num_slots=4, recompute=True), gpu_mem=2 * GiB)
     assert (kept.measured.kept_calls, recomputed.measured.kept_calls) == (2, 0)
     assert kept.measured.persistent == recomputed.measured.persistent
     assert kept.measured.backward_peak > recomputed.measured.backward_peak

@@ -15,6 +15,7 @@ from megatrain_lightning.engine.host import host_bytes_per_param
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.models.tiling import tile_bytes_per_token
 from megatrain_lightning.planner import (
+    RunShape,
     block_numel,
     format_size,
     host_breakdown,
@@ -70,7 +71,7 @@ def test_host_estimate_matches_engine_accounting(dtype, accumulate):
     config = small_config()
     engine = train(LlamaForCausalLM(config), dtype, accumulate)
     measured = engine.host_bytes()
-    estimate = plan(config, seq_len=32, micro_batch=1, precision=PRECISION[dtype], accumulate=accumulate)
+    estimate = plan(RunShape(config, 32, 1, accumulate=accumulate), EngineConfig(precision=PRECISION[dtype]))
     assert {k: v for k, v in estimate.host.items() if k != "activations"} == measured
     checked = host_bytes_per_param(dtype, training=True, accumulating=accumulate > 1) * engine.num_parameters()
     assert estimate.host_total == sum(measured.values()) == checked
@@ -87,13 +88,15 @@ def test_offloaded_inputs_are_planned_as_the_engine_allocates_them(dtype, stored
     fetched once its recompute is issued, tests/test_measure.py) instead of one per block."""
     config = small_config()
     engine = train(LlamaForCausalLM(config), dtype, accumulate=1, offload_inputs=True, stored=stored)
-    kwargs = dict(seq_len=32, micro_batch=1, precision=PRECISION[dtype])
-    offloaded = plan(config, **kwargs, offload_inputs=True, offload_inputs_dtype=stored)
-    kept = plan(config, **kwargs)
+    shape, precision = RunShape(config, seq_len=32, micro_batch=1), PRECISION[dtype]
+    offloaded = plan(shape, EngineConfig(precision=precision, offload_inputs=True, offload_inputs_dtype=stored))
+    kept = plan(shape, EngineConfig(precision=precision))
     assert offloaded.host["activations"] == engine.saved_inputs.host_bytes() > 0 == kept.host["activations"]
     if stored == "fp8":  # a byte per element and a 4-byte scale per token, whatever the compute dtype
         assert offloaded.host["activations"] == config.num_hidden_layers * 32 * (config.hidden_size + 4)
-        offloaded = plan(config, **kwargs, offload_inputs=True)  # the GPU items below are the lossless run's
+        offloaded = plan(
+            shape, EngineConfig(precision=precision, offload_inputs=True)
+        )  # the GPU items below are the lossless run's
     per_input = offloaded.host["activations"] // config.num_hidden_layers
     assert (
         kept.gpu["saved_inputs"] == config.num_hidden_layers * per_input and offloaded.gpu["saved_inputs"] == per_input
@@ -126,7 +129,7 @@ def test_host_estimate_matches_process_rss():
     is a roughly fixed ~35 MB (the host worker thread's malloc arena, transients), hence a ~50M model."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         r = pool.apply(_rss_growth, (torch.bfloat16,))
-    p = plan(r["config"], seq_len=32, micro_batch=1, precision="bf16-mixed")
+    p = plan(RunShape(r["config"], 32, 1), EngineConfig(precision="bf16-mixed"))
     device_on_host = p.gpu["weight_slots"] + p.gpu["grad_slots"] + p.gpu["outer"]
     allocated = r["growth"] + 4 * r["params"]  # the model's parameters existed before `before` was read
     ratio = (p.host_total + device_on_host) / allocated
@@ -136,7 +139,9 @@ def test_host_estimate_matches_process_rss():
 
 def test_refuses_a_model_too_big_for_host_memory():
     p = plan(
-        LlamaConfig.from_preset("qwen2.5-72b"), 4096, 1, host_mem=parse_size("512GiB"), gpu_mem=parse_size("80GiB")
+        RunShape(LlamaConfig.from_preset("qwen2.5-72b"), 4096, 1),
+        host_mem=parse_size("512GiB"),
+        gpu_mem=parse_size("80GiB"),
     )
     assert not p.fits
     [problem] = p.problems()
@@ -144,19 +149,26 @@ def test_refuses_a_model_too_big_for_host_memory():
 
 
 def test_refuses_when_no_micro_batch_fits_the_gpu():
-    p = plan(LlamaConfig.from_preset("llama-3.1-8b"), 131072, 1, gpu_mem=parse_size("24GiB"), offload_inputs=False)
+    p = plan(
+        RunShape(LlamaConfig.from_preset("llama-3.1-8b"), 131072, 1),
+        EngineConfig(offload_inputs=False),
+        gpu_mem=parse_size("24GiB"),
+    )
     assert p.max_micro_batch == 0 and not p.fits
     assert "no micro-batch fits" in p.problems()[0] and "seq_len" in p.problems()[0]
 
 
 def test_suggests_the_largest_micro_batch_that_fits():
     config, gpu = LlamaConfig.from_preset("llama-3.1-8b"), parse_size("80GiB")
-    p = plan(config, 4096, 64, gpu_mem=gpu, offload_inputs=False)
+    p = plan(RunShape(config, 4096, 64), EngineConfig(offload_inputs=False), gpu_mem=gpu)
     assert 1 <= p.max_micro_batch < 64
     assert f"--micro-batch {p.max_micro_batch}" in p.problems()[0]
-    fitting = plan(config, 4096, p.max_micro_batch, gpu_mem=gpu, offload_inputs=False)
+    fitting = plan(RunShape(config, 4096, p.max_micro_batch), EngineConfig(offload_inputs=False), gpu_mem=gpu)
     assert fitting.fits and fitting.gpu_peak <= gpu
-    assert plan(config, 4096, p.max_micro_batch + 1, gpu_mem=gpu, offload_inputs=False).gpu_peak > gpu
+    assert (
+        plan(RunShape(config, 4096, p.max_micro_batch + 1), EngineConfig(offload_inputs=False), gpu_mem=gpu).gpu_peak
+        > gpu
+    )
 
 
 def test_max_micro_batch_is_monotonic():
@@ -169,7 +181,7 @@ def test_max_micro_batch_is_monotonic():
 
 
 def test_table_states_every_item():
-    p = plan(LlamaConfig.from_preset("llama-3.1-8b"), 4096, 1)
+    p = plan(RunShape(LlamaConfig.from_preset("llama-3.1-8b"), 4096, 1))
     table = p.table()
     assert "8.03B parameters" in table and f"{p.host_total / 2**30:.2f}" in table
     for label in ("fp32 master weights", "Adam m + v", "gradient slab", "weight slots", "saved block inputs", "peak"):
@@ -179,9 +191,9 @@ def test_table_states_every_item():
 
 def test_fp32_has_no_separate_copy_and_accumulation_adds_four_bytes():
     config = LlamaConfig.from_preset("llama-3.2-1b")
-    assert plan(config, 1024, 1, precision="32-true").host["copy"] == 0
+    assert plan(RunShape(config, 1024, 1), EngineConfig(precision="32-true")).host["copy"] == 0
     n = config.num_parameters()
-    assert plan(config, 1024, 1, accumulate=4).host_total == 20 * n
+    assert plan(RunShape(config, 1024, 1, accumulate=4)).host_total == 20 * n
 
 
 @pytest.mark.parametrize(
@@ -209,11 +221,11 @@ def test_parse_size_errors(text, message):
 
 def test_plan_refuses_bad_settings():
     with pytest.raises(ValueError, match="num_slots=1"):
-        plan(LlamaConfig.from_preset("tiny"), 128, 1, num_slots=1)
+        plan(RunShape(LlamaConfig.from_preset("tiny"), 128, 1), EngineConfig(num_slots=1))
     with pytest.raises(ValueError, match="num_slots='all': give at least 2 slots .* or 'auto'"):
-        plan(LlamaConfig.from_preset("tiny"), 128, 1, num_slots="all")
+        plan(RunShape(LlamaConfig.from_preset("tiny"), 128, 1), EngineConfig(num_slots="all"))
     with pytest.raises(ValueError, match="precision='16-mixed'"):
-        plan(LlamaConfig.from_preset("tiny"), 128, 1, precision="16-mixed")
+        plan(RunShape(LlamaConfig.from_preset("tiny"), 128, 1), EngineConfig(precision="16-mixed"))
 
 
 def test_auto_slots_are_planned_by_the_engines_rule():
@@ -225,14 +237,14 @@ def test_auto_slots_are_planned_by_the_engines_rule():
     slot = block_numel(config) * 2
     for tokens, slots in [(4096, 32), (32768, 6), (131072, 2)]:
         # recompute=True: the slots alone (kept graphs: the test below)
-        auto = plan(config, tokens, 1, gpu_mem=gpu, recompute=True)
-        two = plan(config, tokens, 1, gpu_mem=gpu, num_slots=2, recompute=True)
+        auto = plan(RunShape(config, tokens, 1), EngineConfig(recompute=True), gpu_mem=gpu)
+        two = plan(RunShape(config, tokens, 1), EngineConfig(num_slots=2, recompute=True), gpu_mem=gpu)
         persistent = sum(two.gpu[k] for k in ("weight_slots", "grad_slots", "outer", "cuda_context"))
         assert auto.num_slots == auto_slot_count(gpu - persistent, two.gpu_peak - persistent, slot, 32) == slots
         assert auto.gpu["weight_slots"] == slots * slot and auto.fits
         assert auto.gpu_peak - two.gpu_peak == (slots - 2) * slot
         assert f"{slots} slots (auto)" in auto.table() and "2 slots," in two.table()
-    assert plan(config, 4096, 1).num_slots == 2  # no GPU limit to size from: auto's first step
+    assert plan(RunShape(config, 4096, 1)).num_slots == 2  # no GPU limit to size from: auto's first step
 
 
 def test_format_size():
@@ -244,27 +256,27 @@ def test_tiles_shrink_the_planned_recompute_to_one_tile_of_intermediates():
     is the attention core's tensors. Untiled, every intermediate grows with it."""
     config = LlamaConfig.from_preset("llama-3.1-8b")
     tokens, tile = 131072, 16384
-    untiled = plan(dataclasses.replace(config, token_chunk_size=None), seq_len=tokens, micro_batch=1)
-    tiled = plan(dataclasses.replace(config, token_chunk_size=tile), seq_len=tokens, micro_batch=1)
+    untiled = plan(RunShape(dataclasses.replace(config, token_chunk_size=None), tokens, 1))
+    tiled = plan(RunShape(dataclasses.replace(config, token_chunk_size=tile), tokens, 1))
     assert tiled.tile == tile and untiled.tile is None
     weight_grads = block_numel(config) * 2
     # 128k tokens: the attention's backward is the peak, nothing of a tile in it
     assert tiled.gpu["recompute"] == weight_grads + tiled.per_token["recompute"] * tokens
     assert tiled.per_token["recompute"] < untiled.per_token["recompute"] / 2
     # 32k tokens: a tile's backward (its intermediates for 16k tokens) is the larger moment
-    short = plan(dataclasses.replace(config, token_chunk_size=tile), seq_len=32768, micro_batch=1)
+    short = plan(RunShape(dataclasses.replace(config, token_chunk_size=tile), 32768, 1))
     fixed = tile * tile_bytes_per_token(config, 2)
     assert short.gpu["recompute"] == weight_grads + fixed + short.per_token["recompute"] * 32768
     assert short.per_token["recompute"] < tiled.per_token["recompute"]
-    short = plan(dataclasses.replace(config, token_chunk_size=tile), seq_len=8192, micro_batch=1)
-    assert short.tile is None and short.gpu["recompute"] == plan(config, seq_len=8192, micro_batch=1).gpu["recompute"]
+    short = plan(RunShape(dataclasses.replace(config, token_chunk_size=tile), 8192, 1))
+    assert short.tile is None and short.gpu["recompute"] == plan(RunShape(config, 8192, 1)).gpu["recompute"]
 
 
 def test_the_8b_models_fit_half_a_million_tokens_in_80_gib():
     """The defaults (tiles and input offload sized automatically) fit 512k tokens of llama-3.1-8b and
     qwen2.5-7b on an 80 GiB GPU, by formula; tests/test_measure.py checks the formula on fake tensors."""
     for name in ("llama-3.1-8b", "qwen2.5-7b"):
-        p = plan(LlamaConfig.from_preset(name), 524288, 1, gpu_mem=parse_size("80GiB"))
+        p = plan(RunShape(LlamaConfig.from_preset(name), 524288, 1), gpu_mem=parse_size("80GiB"))
         assert p.fits and p.offload_inputs and p.tile is not None, name
         assert p.gpu_peak <= parse_size("70GiB") and p.max_seq_len > 524288, name
         assert "largest sequence that fits" in p.table()
@@ -276,15 +288,15 @@ def test_a_million_tokens_of_llama_8b_plan_within_80_gib_with_the_tiled_core():
     block's output, incoming and input gradients; log-sum-exp and D), plus its block pair; the fused kernel's
     dq accumulator and expanded dk, dv (32 KiB/token) are gone. tests/test_measure.py checks it on fake tensors."""
     config = LlamaConfig.from_preset("llama-3.1-8b")
-    p = plan(config, 1048576, 1, gpu_mem=parse_size("80GiB"))
+    p = plan(RunShape(config, 1048576, 1), gpu_mem=parse_size("80GiB"))
     assert p.tiled_core and p.tile == 16384 and p.offload_inputs
     assert p.per_token["recompute"] == 2 * (4 * 4096 + 4 * 1024 + 3 * 4096) + 8 * 32 == 65792
     assert p.fits and p.gpu_peak <= parse_size("80GiB") and p.max_seq_len >= 1048576
     assert "attention core tiled too" in p.table()
-    fused = plan(dataclasses.replace(config, tiled_attention=False), 1048576, 1, gpu_mem=parse_size("80GiB"))
+    fused = plan(RunShape(dataclasses.replace(config, tiled_attention=False), 1048576, 1), gpu_mem=parse_size("80GiB"))
     assert not fused.tiled_core and not fused.fits
     assert fused.per_token["recompute"] - p.per_token["recompute"] == 4 * 4096 + 2 * 4096 * 2 - 4 * 32  # less D
-    assert not plan(config, 524288, 1, gpu_mem=parse_size("80GiB")).tiled_core  # the fused kernel fits there
+    assert not plan(RunShape(config, 524288, 1), gpu_mem=parse_size("80GiB")).tiled_core  # the fused kernel fits there
 
 
 # ---------------------------------------------------------------------------- host layouts and the NVMe tier
@@ -307,8 +319,9 @@ def test_lean_layout_is_twelve_bytes_per_param_plus_rings(precision, elt):
     staging = 4 * piece * elt if elt == 2 else 0
     rings = staging + grad_ring
 
-    def lean(**kw):
-        return plan(config, 4096, 1, precision=precision, host_layout="lean", **kw)
+    def lean(accumulate=1, clipping=False):
+        options = EngineConfig(precision=precision, host_layout="lean", clipping=clipping)
+        return plan(RunShape(config, 4096, 1, accumulate=accumulate), options)
 
     assert lean().host_total == 12 * n + rings
     assert lean().host["staging"] == staging and lean().host["grad_ring"] == grad_ring
@@ -321,8 +334,8 @@ def test_default_layout_ignores_clipping():
     """The default layout keeps a slab per unit anyway: clipping costs it nothing."""
     config = LlamaConfig.from_preset("llama-3.2-1b")
     assert (
-        plan(config, 1024, 1, clipping=True).host
-        == plan(config, 1024, 1).host
+        plan(RunShape(config, 1024, 1), EngineConfig(clipping=True)).host
+        == plan(RunShape(config, 1024, 1)).host
         == host_breakdown(config, "bf16-mixed", 1)
     )
 
@@ -334,7 +347,7 @@ def test_nvme_moves_adam_to_the_drive_keeping_four_pieces_in_flight():
     # multiple of 2^20 elements: 58 x 2^20. A block takes 32 pieces: 33 in the gradient ring, 4 staging.
     piece = 58 * 2**20
     assert unit == block_numel(config) and 57 * 2**20 < unit / 32 <= piece and 31 * piece < unit <= 32 * piece
-    p = plan(config, 4096, 1, host_layout="lean", nvme_dir="/mnt/nvme", nvme_gbps=4.0)
+    p = plan(RunShape(config, 4096, 1), EngineConfig(nvme_dir="/mnt/nvme", host_layout="lean"), nvme_gbps=4.0)
     assert p.nvme and "adam" not in p.host and p.host["nvme_buffers"] == 4 * piece * 8
     assert p.host_total == 4 * n + 4 * piece * 2 + 33 * piece * 2 + 4 * piece * 8
     assert p.nvme_bytes == 8 * n and p.nvme_traffic == 16 * n
@@ -348,20 +361,22 @@ def test_nvme_moves_adam_to_the_drive_keeping_four_pieces_in_flight():
 def test_llama_120b_fits_1536_gib_by_choosing_the_lean_layout():
     """16 bytes/param would be 1757 GiB; auto takes lean (12 + rings), which fits."""
     config = LlamaConfig.from_preset("llama-120b")
-    p = plan(config, 4096, 1, host_mem=parse_size("1536GiB"), host_layout="auto")
+    p = plan(RunShape(config, 4096, 1), host_mem=parse_size("1536GiB"), host_layout="auto")
     assert p.fits and p.host_layout == "lean" and not p.nvme and p.nvme_bytes == 0
-    assert plan(config, 4096, 1, host_mem=parse_size("1536GiB")).host_total > parse_size("1536GiB")  # default
+    assert plan(RunShape(config, 4096, 1), host_mem=parse_size("1536GiB")).host_total > parse_size("1536GiB")  # default
     assert "chosen by auto" in p.table() and "host_layout='default' needs 1757.0 GiB" in p.table()
-    roomy = plan(config, 4096, 1, host_mem=parse_size("2TiB"), host_layout="auto", nvme_dir="/mnt/nvme")
+    roomy = plan(
+        RunShape(config, 4096, 1), EngineConfig(nvme_dir="/mnt/nvme"), host_mem=parse_size("2TiB"), host_layout="auto"
+    )
     assert roomy.host_layout == "default" and not roomy.nvme and "not used" in roomy.table()  # the fastest that fits
 
 
 def test_llama_120b_fits_512_gib_only_with_adam_on_nvme():
     config, limit = LlamaConfig.from_preset("llama-120b"), parse_size("512GiB")
     assert config.num_parameters() > 100e9
-    p = plan(config, 4096, 1, host_mem=limit, host_layout="auto", nvme_dir="/mnt/nvme")
+    p = plan(RunShape(config, 4096, 1), EngineConfig(nvme_dir="/mnt/nvme"), host_mem=limit, host_layout="auto")
     assert p.fits and (p.host_layout, p.nvme) == ("lean", True) and p.host_total <= limit and p.nvme_bytes > 0
-    without = plan(config, 4096, 1, host_mem=limit, host_layout="auto")
+    without = plan(RunShape(config, 4096, 1), host_mem=limit, host_layout="auto")
     assert not without.fits and (without.host_layout, without.nvme) == ("lean", False)
     [problem] = without.problems()
     nvme_host = 4 * config.num_parameters() + (4 * 2 + 33 * 2 + 4 * 8) * 58 * 2**20  # master + rings + NVMe buffers
@@ -371,10 +386,12 @@ def test_llama_120b_fits_512_gib_only_with_adam_on_nvme():
 
 def test_an_explicit_layout_that_does_not_fit_names_the_options_that_would():
     config, limit = LlamaConfig.from_preset("llama-120b"), parse_size("1536GiB")
-    [problem] = plan(config, 4096, 1, host_mem=limit, host_layout="default").problems()
+    [problem] = plan(RunShape(config, 4096, 1), EngineConfig(host_layout="default"), host_mem=limit).problems()
     assert "--host-layout lean (MegatrainStrategy(host_layout='lean')" in problem and "fits: 1321.9 GiB" in problem
     [problem] = plan(
-        config, 4096, 1, host_mem=parse_size("256GiB"), host_layout="lean", nvme_dir="d", clipping=True
+        RunShape(config, 4096, 1),
+        EngineConfig(nvme_dir="d", clipping=True, host_layout="lean"),
+        host_mem=parse_size("256GiB"),
     ).problems()
     assert "more host memory" in problem and "without gradient clipping lean drops the 2 bytes/param" in problem
 
@@ -382,9 +399,9 @@ def test_an_explicit_layout_that_does_not_fit_names_the_options_that_would():
 def test_plan_refuses_bad_host_options():
     tiny = LlamaConfig.from_preset("tiny")
     with pytest.raises(ValueError, match="host_layout='small': choose one of default, lean, auto"):
-        plan(tiny, 128, 1, host_layout="small")
+        plan(RunShape(tiny, 128, 1), host_layout="small")
     with pytest.raises(ValueError, match="nvme_gbps=0 must be a positive number"):
-        plan(tiny, 128, 1, nvme_gbps=0)
+        plan(RunShape(tiny, 128, 1), nvme_gbps=0)
 
 
 @pytest.mark.parametrize(("name", "count"), [("llama-120b", 117_909_663_744), ("llama-3.1-405b", 405_853_388_800)])
@@ -408,7 +425,10 @@ def test_a_node_holds_its_share_of_one_state_copy_and_each_ranks_own_buffers(dev
     + bf16 slab 2 + fp32 accumulator 4 = 20 bytes, one copy over all ranks (1/nodes of it per node, each kind
     rounded up); each rank keeps its own micro-batch's block inputs (layers x tokens x hidden x 2 bytes)."""
     config, seq = small_config(), 32
-    got = plan(config, seq, 1, "bf16-mixed", accumulate=2, offload_inputs=True, devices=devices, nodes=nodes)
+    got = plan(
+        RunShape(config, seq, 1, accumulate=2, devices=devices, nodes=nodes),
+        EngineConfig(precision="bf16-mixed", offload_inputs=True),
+    )
     n = config.num_parameters()
     state = sum(-(-per_param * n // nodes) for per_param in (4, 8, 2, 2, 4))
     inputs = config.num_hidden_layers * seq * config.hidden_size * 2
@@ -422,7 +442,10 @@ def test_lean_rings_are_each_ranks_own(devices, nodes):
     (4 pieces) and the gradient ring (a block's pieces + 1) per rank, a piece being the largest unit here
     (under 2^22 elements)."""
     config = small_config()
-    got = plan(config, 32, 1, "bf16-mixed", host_layout="lean", clipping=True, devices=devices, nodes=nodes)
+    got = plan(
+        RunShape(config, 32, 1, devices=devices, nodes=nodes),
+        EngineConfig(precision="bf16-mixed", clipping=True, host_layout="lean"),
+    )
     n, piece = config.num_parameters(), max(block_numel(config), config.vocab_size * config.hidden_size)
     rings = 4 * piece * 2 + (-(-block_numel(config) // piece) + 1) * piece * 2
     assert got.host_total == sum(-(-b * n // nodes) for b in (4, 8, 2)) + devices * rings
@@ -432,7 +455,7 @@ def test_one_gpu_one_node_is_todays_plan():
     """devices=1, nodes=1: 16 bytes/param (bf16, default layout), the table and summary line of a plan that
     never heard of data parallelism, and no collective allowance on the GPU."""
     config = small_config()
-    today = plan(config, 32, 1, "bf16-mixed", gpu_mem=80 * 2**30)
+    today = plan(RunShape(config, 32, 1), EngineConfig(precision="bf16-mixed"), gpu_mem=80 * 2**30)
     assert today.host_total == 16 * config.num_parameters()
     assert "collectives" not in today.gpu and "per node" not in today.table()
     assert today.host_plan_line().endswith("fits=yes")
@@ -440,8 +463,8 @@ def test_one_gpu_one_node_is_todays_plan():
 
 def test_gpu_memory_per_gpu_is_the_single_gpu_figure_plus_the_collective_allowance():
     config = dataclasses.replace(small_config(), vocab_size=4096)  # the embedding (262144) outweighs a block
-    one = plan(config, 32, 1, "bf16-mixed", num_slots=2)
-    many = plan(config, 32, 1, "bf16-mixed", num_slots=2, devices=8, nodes=2)
+    one = plan(RunShape(config, 32, 1), EngineConfig(precision="bf16-mixed", num_slots=2))
+    many = plan(RunShape(config, 32, 1, devices=8, nodes=2), EngineConfig(precision="bf16-mixed", num_slots=2))
     # The allowance, and the gradient exchange of the largest unit (here the embedding): its 16 chunks in
     # bf16, then one chunk's fp32 sum and bf16 result (engine/partition.py's reduce_scatter).
     chunk = -(-config.vocab_size * config.hidden_size // 16)
@@ -506,17 +529,17 @@ def test_auto_keeps_the_last_blocks_whose_activations_fit_half_the_free_memory()
     per_token = 2 * (4 * 4096 + 2 * 4096 + 2 * 1024 + 4 * 14336 + 2 * 128) + 8 * 4096 + 4 * 32 + 8
     assert per_token == 201352
     for gpu_mem, tokens, slots in [("80GiB", 4096, "auto"), ("80GiB", 32768, "auto"), ("40GiB", 4096, 8)]:
-        p = plan(config, tokens, 1, gpu_mem=parse_size(gpu_mem), num_slots=slots)
+        p = plan(RunShape(config, tokens, 1), EngineConfig(num_slots=slots), gpu_mem=parse_size(gpu_mem))
         live = sum(p.gpu[k] for k in ("weight_slots", "grad_slots", "outer", "rope", "cuda_context"))
         free = parse_size(gpu_mem) - live - tokens * 4096 * 2
         expected = min(32, p.num_slots - 2, int(0.5 * free) // (per_token * tokens))
         assert p.kept_blocks == expected and p.gpu["kept_graphs"] == expected * per_token * tokens
         assert f"recompute='auto': {expected} of 32 blocks keep their graph" in p.table()
-    assert plan(config, 4096, 1, gpu_mem=parse_size("80GiB")).kept_blocks == 30  # 32 slots, 2 streaming
-    never = plan(config, 4096, 1, gpu_mem=parse_size("80GiB"), recompute=True)
-    always = plan(config, 4096, 1, num_slots=2, recompute=False)
+    assert plan(RunShape(config, 4096, 1), gpu_mem=parse_size("80GiB")).kept_blocks == 30  # 32 slots, 2 streaming
+    never = plan(RunShape(config, 4096, 1), EngineConfig(recompute=True), gpu_mem=parse_size("80GiB"))
+    always = plan(RunShape(config, 4096, 1), EngineConfig(num_slots=2, recompute=False))
     assert (never.kept_blocks, never.gpu["kept_graphs"], always.kept_blocks, always.num_slots) == (0, 0, 32, 32)
-    assert plan(config, 4096, 1).kept_blocks == 0  # no GPU memory figure: auto keeps nothing
+    assert plan(RunShape(config, 4096, 1)).kept_blocks == 0  # no GPU memory figure: auto keeps nothing
 
 
 def test_megatrain_plan_recompute(capsys):

@@ -428,9 +428,10 @@ def _expected_request(cfg, layout: str, nvme: bool) -> float:
     is not per parameter (the lean rings, the NVMe working buffers: the planner's items), plus headroom."""
     import torch
 
+    from megatrain_lightning.engine import EngineConfig
     from megatrain_lightning.engine.host import host_bytes_per_param
     from megatrain_lightning.module import resolve_config
-    from megatrain_lightning.planner import parse_size, plan
+    from megatrain_lightning.planner import RunShape, parse_size, plan
 
     trainer = cfg.base["trainer"]
     config = resolve_config("tiny", cfg.base["model"].get("overrides"))
@@ -439,14 +440,13 @@ def _expected_request(cfg, layout: str, nvme: bool) -> float:
     accumulate, clipping = trainer.get("accumulate_grad_batches", 1), bool(trainer.get("gradient_clip_val"))
     need = host_bytes_per_param(dtype, True, accumulate > 1, layout, clipping) * n - (8 * n if nvme else 0)
     p = plan(
-        config,
-        64,
-        8,
-        trainer["precision"],
-        accumulate,
-        host_layout=layout,
-        nvme_dir="/mnt/nvme" if nvme else None,
-        clipping=clipping,
+        RunShape(config, 64, 8, accumulate),
+        EngineConfig(
+            precision=trainer["precision"],
+            host_layout=layout,
+            nvme_dir="/mnt/nvme" if nvme else None,
+            clipping=clipping,
+        ),
     )
     buffers = {k: v for k, v in p.host.items() if k in ("staging", "grad_ring", "nvme_buffers")}
     assert set(buffers) == ({"staging", "grad_ring"} if layout == "lean" else set()) | (
@@ -654,8 +654,9 @@ def test_bad_run_file_is_one_line_naming_the_key(overrides, expected):
 def test_a_worker_asks_for_its_share_of_the_host_state():
     """A worker of W asks for the planner's figure for one rank of W (W nodes of one device), which shrinks
     with W; without a GPU none is asked for."""
+    from megatrain_lightning.engine import EngineConfig
     from megatrain_lightning.module import resolve_config
-    from megatrain_lightning.planner import parse_size, plan
+    from megatrain_lightning.planner import RunShape, parse_size, plan
     from ray_jobs.resources import trial_resources
 
     base = {**BASE, "model": {"model": "llama-3.2-1b"}}
@@ -663,7 +664,9 @@ def test_a_worker_asks_for_its_share_of_the_host_state():
     for workers in (1, 2, 8):
         cfg = run_cfg(base=base, scaling={"num_workers": workers, "cpus_per_worker": 3, "node_resource": "bigmem"})
         asked[workers] = trial_resources(cfg)
-        expected = plan(resolve_config("llama-3.2-1b"), seq_len=64, micro_batch=8, precision="32-true", nodes=workers)
+        expected = plan(
+            RunShape(resolve_config("llama-3.2-1b"), 64, 8, nodes=workers), EngineConfig(precision="32-true")
+        )
         assert asked[workers]["memory"] == expected.host_total + parse_size("4GiB")
         assert {k: v for k, v in asked[workers].items() if k != "memory"} == {"GPU": 1.0, "CPU": 3.0, "bigmem": 1.0}
     assert asked[1]["memory"] > asked[2]["memory"] > asked[8]["memory"]

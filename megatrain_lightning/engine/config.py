@@ -1,15 +1,21 @@
-"""The engine's options: one dataclass, validated once, and one ``check_*`` per option.
+"""The engine's options: one dataclass, each field declared once with its type, default, check and help
+(:class:`Option`), validated once, and one ``check_*`` per option.
 
 Every place that takes one of these options from a user (the Trainer and Fabric strategies, the planner,
-the ``megatrain`` command, a sweep's YAML) calls the same check, so a bad value gets the same one-line
-error naming it and the fix wherever it enters. :class:`EngineConfig` runs them all in ``__post_init__``.
+the ``megatrain`` command, a sweep's YAML) derives its parameters from these declarations (:func:`declared`)
+and calls the same check, so a bad value gets the same one-line error naming it and the fix wherever it
+enters. :class:`EngineConfig` runs them all in ``__post_init__``.
 
-It imports nothing of the engine: the planner, the command line and the sweeps import it alone.
+Of the engine it imports only the option types (discover.py, recompute.py); clients reach it through the
+engine's facade, engine/__init__.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import textwrap
+import typing
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -17,6 +23,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from megatrain_lightning.engine.discover import BlocksOption
 from megatrain_lightning.engine.recompute import Recompute, check_recompute
 from megatrain_lightning.optim.threads import resolve_host_threads
 
@@ -165,105 +172,226 @@ def check_blocks(value: Any) -> str | tuple[str, ...] | Callable | None:
     )
 
 
-_OPTION_CHECKS: dict[str, Callable[[Any], Any]] = {
-    "compile_blocks": lambda v: check_flag("compile_blocks", v),
-    "overlap_optimizer": lambda v: check_flag("overlap_optimizer", v),
-    "blocks": check_blocks,
-    "checkpoint_format": check_checkpoint_format,
-    "num_slots": check_num_slots,
-    "offload_inputs": check_offload_inputs,
-    "recompute": check_recompute,
-    "offload_inputs_dtype": check_offload_inputs_dtype,
-    "host_layout": check_host_layout,
-    "nvme_dir": check_nvme_dir,
-    "host_threads": check_host_threads,
-}
+@dataclass(frozen=True)
+class Option:
+    """What :class:`EngineConfig` declares of one field besides its type and default: its `help` (the text every
+    client's docs show), its `check` (value -> value, a one-line ValueError otherwise), who sets it (`role`) and
+    the argparse keywords of its ``megatrain plan`` flag (`flag`; None: no flag).
+
+    Roles: ``"option"``, the user's, which both strategies take under its name with its default; ``"loop"``,
+    what the training loop does (clipping, accumulating): the Trainer strategy reads it from the Trainer, a
+    Fabric loop declares it to the Fabric strategy; ``"run"``, what the client tells the engine itself (the
+    precision flag, training or evaluation, the process group)."""
+
+    help: str
+    check: Callable[[Any], Any] | None = None
+    role: Literal["option", "loop", "run"] = "option"
+    flag: Mapping[str, Any] | None = None
 
 
-def check_options(options: Mapping[str, Any]) -> None:
-    """The strategies' options among `options`, each checked (a one-line ValueError): by MegatrainStrategy's
-    constructor, and by the megatrain command before jsonargparse would build the strategy."""
-    for key, check in _OPTION_CHECKS.items():
-        if key in options:
-            check(options[key])
+def option(default: Any, help: str, check: Callable[[Any], Any] | None = None, **declared: Any) -> Any:
+    """A field of :class:`EngineConfig` with its :class:`Option` (see there)."""
+    return dataclasses.field(default=default, metadata={"option": Option(help, check, **declared)})
+
+
+def _flag_check(name: str) -> Callable[[Any], bool]:
+    return lambda value: check_flag(name, value)
+
+
+def _optional_flag(name: str) -> Callable[[Any], bool | None]:
+    return lambda value: value if value is None else check_flag(name, value)
+
+
+def _int_or_auto(text: str) -> int | str:
+    """--num-slots: a count or the word auto (argparse's type; the option's check follows)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of slots or auto") from None
+
+
+def _recompute_word(text: str) -> bool | str:
+    """--recompute auto|true|false as the option's value: "auto", True or False."""
+    choices = {"auto": "auto", "true": True, "false": False}
+    if text.lower() not in choices:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: choose auto (keep the last blocks' graphs while they fit), true (recompute every block "
+            "in backward) or false (keep every block's graph)"
+        )
+    return choices[text.lower()]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine streams a model. Validated on construction; every field has a working default."""
+    """How the engine streams a model: each option declared once, here, with its type, default, check and help
+    (:class:`Option`). The Trainer and Fabric strategies take every ``"option"`` field under its name with its
+    default, ``megatrain plan`` has a flag for every field that declares one, and the planner takes the whole
+    config; their parameters and docs are derived from these fields (:func:`declared`). Validated on
+    construction; every field has a working default."""
 
-    device: torch.device | str | None = None
-    """The compute device; None: the current CUDA device when there is one, else the CPU."""
-    precision: Precision = "bf16-mixed"
-    """``32-true`` streams fp32 weights; ``bf16-mixed`` and ``bf16-true`` stream bf16 copies of the fp32
-    masters, ``bf16-mixed`` with the forward under autocast (:meth:`Engine.autocast`)."""
-    num_slots: NumSlots = "auto"
-    """Device weight slots (>= 2: one computing, one loading). "auto": 2, then after the first optimizer
-    step as many more as the device memory that step left free allows (at most one per block)."""
-    overlap_optimizer: bool = True
-    """Step each unit on the host as soon as its gradient of the step's last backward lands (not when a
-    global-norm clip needs every gradient first)."""
-    offload_inputs: OffloadInputs = "auto"
-    """Where saved block inputs wait for backward: True host (pinned), False device, "auto" decided per
-    forward pass from the device memory free."""
-    recompute: Recompute = "auto"
-    """Recompute each block in backward (True), keep every block's graph from the forward (False), or keep
-    the last blocks' graphs while they fit in free device memory ("auto"; engine/recompute.py)."""
-    offload_inputs_dtype: OffloadInputsDtype = None
-    """How offloaded block inputs are stored on the host (engine/input_codec.py). None: exactly, as they are;
-    "bf16" (fp32 runs): as bfloat16, half the bytes; "fp8": float8_e4m3fn with one fp32 scale per token. Lossy
-    but for None; nothing changes while the inputs stay on the device."""
-    host_layout: HostLayout = "default"
-    """``default``: a pinned compute copy and a gradient slab per unit (16 B/param in bf16); ``lean``: rings
-    of staging and gradient buffers instead (12 B/param plus buffers in flight)."""
-    nvme_dir: str | None = None
-    """A local directory for the Adam moments (scratch files; 8 B/param off host memory)."""
-    host_threads: int | None = None
-    """Threads of the host optimizer; None: the cores this process may use minus one."""
-    compile_blocks: bool = False
-    """Run each block's forward and recompute through ``torch.compile`` (one per block class)."""
-    piece: int | None = None
-    """Elements per piece of the lean layout's rings and the NVMe tier; None picks a size (engine/ring.py)."""
-    pin_memory: bool | None = None
-    """Page-lock the DMA buffers; None: on a CUDA device."""
-    preserve_rng_state: bool = True
-    """Replay the forward's RNG state in the recompute (dropout), as ``torch.utils.checkpoint`` does."""
-    training: bool = True
-    """Allocate what training needs (moments, gradient buffers); False for evaluation only."""
-    accumulating: bool = False
-    """Gradients will be summed over micro-batches: the fp32 accumulator counts in the host-memory check."""
-    clipping: bool = False
-    """Gradients will be clipped to a global norm: the lean layout keeps a gradient per unit until the step."""
-    blocks: str | tuple[str, ...] | Callable | None = None
-    """The nn.ModuleList to stream: a dotted module name, a callable model -> ModuleList, or None to find it
-    (engine/discover.py)."""
-    group: Any = None
-    """The ``torch.distributed`` process group of the data-parallel ranks (None: this process alone). With
-    more than one rank every unit's host state is partitioned among them (engine/partition.py)."""
+    device: torch.device | str | None = option(
+        None,
+        "the compute device. Default: the Trainer's or Fabric's device (the GPU when there is one; with several "
+        "devices, each rank's own); for a plain Engine the current CUDA device when there is one, else the CPU.",
+        check_device,
+    )
+    precision: Precision = option(
+        "bf16-mixed",
+        "``32-true`` streams fp32 weights; ``bf16-mixed`` and ``bf16-true`` stream bf16 copies of the fp32 masters, "
+        "``bf16-mixed`` with the forward under autocast (:meth:`Engine.autocast`). The strategies take it from "
+        "the Trainer's or Fabric's precision flag.",
+        check_precision,
+        role="run",
+        flag={"choices": PRECISIONS},
+    )
+    num_slots: NumSlots = option(
+        "auto",
+        'device weight slots blocks stream through (>= 2: one computing, one loading). ``"auto"`` (default): 2, '
+        "then, after the first optimizer step, as many more as the device memory that step left free allows "
+        "beyond four times what it needed (at most one per block; the CPU keeps 2). More slots keep more blocks "
+        "resident from a forward to its backward and across the micro-batches of an accumulation, so fewer "
+        "uploads; with one per block the backward uploads nothing.",
+        check_num_slots,
+        flag={"type": _int_or_auto, "metavar": "NUM_SLOTS"},
+    )
+    overlap_optimizer: bool = option(
+        True,
+        "step each block on the host as soon as its gradient of the step's last backward lands, while backward "
+        "goes on (only when nothing needs the whole gradient first: no clipping, no hook reading gradients). "
+        "Under Fabric this declares that every ``fabric.backward`` outside ``no_backward_sync`` completes the "
+        "step's gradient (micro-batches before it run under ``no_backward_sync``); a loop that breaks the "
+        "promise has already stepped on a partial gradient when the engine raises at its next backward, so "
+        "pass False for a loop that does not keep it (the gradients then land and wait for "
+        "``optimizer.step()``, exact whatever the loop does next), or ``clipping=True`` to clip.",
+        _flag_check("overlap_optimizer"),
+    )
+    offload_inputs: OffloadInputs = option(
+        "auto",
+        "where each block's input, saved for its backward, waits. ``True``: in pinned host memory (copied back one "
+        "block ahead in backward), so device memory no longer grows with depth, at the cost of one more transfer "
+        'of the hidden states each way (long context). ``False``: on the device. ``"auto"`` (default): decided '
+        "at the start of each forward pass, offloading when the inputs would take more than half of the device "
+        'memory free at that moment (on a CPU device: never). ``engine.stats["offloaded_passes"]`` counts the '
+        "passes that offloaded.",
+        check_offload_inputs,
+        flag={"action": argparse.BooleanOptionalAction},
+    )
+    recompute: Recompute = option(
+        "auto",
+        "``True``: every block is run again, with grad, in backward (the least device memory). ``False``: every "
+        "block keeps its graph from the forward (its activations and its slot stay on the device until its "
+        'backward; the slot pool grows as needed), so each block is computed once. ``"auto"`` (default): per '
+        "forward pass, the last blocks keep their graphs while their measured activations fit in half of the "
+        "free device memory and two slots stay free for streaming; on a device with no memory measure (the "
+        'CPU) every block is recomputed. ``engine.stats["kept_calls"]`` counts the calls that kept their graph '
+        "(engine/recompute.py).",
+        check_recompute,
+        flag={"type": _recompute_word, "metavar": "{auto,true,false}"},
+    )
+    offload_inputs_dtype: OffloadInputsDtype = option(
+        None,
+        "how offloaded block inputs are stored on the host (and cross the link): ``None`` (default) exactly; "
+        '``"bf16"`` (32-true runs) as bfloat16, half the bytes; ``"fp8"`` as float8_e4m3fn with one fp32 '
+        "scale per token, 1 + 4/hidden_size bytes per element (a quarter of fp32, half of bf16). Lossy: backward "
+        "recomputes each block from the rounded input (see the user guide for the measured cost). Encoded and "
+        "decoded on the device (engine/input_codec.py). Does nothing to inputs kept on the device "
+        '(``offload_inputs=False``, or "auto" deciding not to offload).',
+        check_offload_inputs_dtype,
+        flag={"choices": OFFLOAD_INPUTS_DTYPES},
+    )
+    host_layout: HostLayout = option(
+        "default",
+        '``"default"`` keeps a pinned compute-dtype copy of every weight and a gradient slab per unit (16 B/param '
+        'in bf16); ``"lean"`` casts weights into a small ring of pinned staging buffers just before each upload '
+        "and lands gradients through a ring where the step consumes them at once (12 B/param plus buffers in "
+        "flight; with clipping a per-unit gradient stays, 2 B/param in bf16).",
+        check_host_layout,
+        flag={"choices": (*HOST_LAYOUTS, "auto")},
+    )
+    nvme_dir: str | None = option(
+        None,
+        "a local directory for the Adam moments (8 B/param off host memory), read ahead and written behind per "
+        "unit by the host worker; scratch only (checkpoints stay the durable copy). With several ranks each "
+        "writes its own shards' files there.",
+        check_nvme_dir,
+        flag={"metavar": "DIR"},
+    )
+    host_threads: int | None = option(
+        None,
+        "threads of the host optimizer (the native Adam kernel and torch's ops on the host worker thread); "
+        "default: the cores this process may use minus one, kept for the thread that launches the GPU's kernels. "
+        "Spread over the NUMA nodes when there are several (:mod:`megatrain_lightning.optim.threads`). With "
+        "several ranks on a machine, each rank's default is its own share of the machine's CPUs (split node by "
+        "node) minus one. Results do not depend on it.",
+        check_host_threads,
+    )
+    compile_blocks: bool = option(
+        False,
+        "run each block's forward, and its recompute in backward, through ``torch.compile`` (one compiled "
+        "function per block class, shared by all its blocks; see "
+        ":class:`~megatrain_lightning.engine.block_fn.CompiledBlock`): twice per run (without and with grad), "
+        "more for other sequence lengths. Equal to eager training within round-off, not bit for bit. A block "
+        "that cannot compile as one graph raises at its first call, naming its class.",
+        _flag_check("compile_blocks"),
+    )
+    piece: int | None = option(
+        None,
+        "elements per piece of the lean layout's rings and the NVMe tier; None picks a size (engine/ring.py).",
+        check_piece,
+    )
+    pin_memory: bool | None = option(
+        None, "page-lock the DMA buffers; None: on a CUDA device.", _optional_flag("pin_memory")
+    )
+    preserve_rng_state: bool = option(
+        True,
+        "replay the forward's RNG state in the recompute (dropout), as ``torch.utils.checkpoint`` does.",
+        _flag_check("preserve_rng_state"),
+    )
+    training: bool = option(
+        True,
+        "allocate what training needs (moments, gradient buffers); False for evaluation only.",
+        _flag_check("training"),
+        role="run",
+    )
+    accumulating: bool = option(
+        False,
+        "gradients will be summed over micro-batches: the fp32 accumulator counts in the host-memory check.",
+        _flag_check("accumulating"),
+        role="loop",
+    )
+    clipping: bool = option(
+        False,
+        "gradients will be clipped to a global norm (``fabric.clip_gradients`` with ``max_norm=`` or "
+        "``clip_val=`` before each step): nothing steps during backward, the norms are taken as the gradients "
+        "go down, and the lean layout keeps a gradient per unit until the step.",
+        _flag_check("clipping"),
+        role="loop",
+    )
+    blocks: BlocksOption = option(
+        None,
+        'the ``nn.ModuleList``s of blocks to stream: a dotted name (``"model.layers"``), a list of names (one per '
+        "stack), or a callable model -> ModuleList (or a list of them). Default: the list holding the most "
+        "parameters, if it holds at least a fifth of them (otherwise setup refuses and names the lists it "
+        'found), and every other list outside it holding at least 4% (an encoder, a vision tower; see "How '
+        'blocks are found" in the user guide and engine/discover.py). Setup logs the stacks, their lengths and '
+        "shares.",
+        check_blocks,
+    )
+    group: Any = option(
+        None,
+        "the ``torch.distributed`` process group of the data-parallel ranks (None: this process alone). With "
+        "more than one rank every unit's host state is partitioned among them (engine/partition.py).",
+        role="run",
+    )
 
     def __post_init__(self) -> None:
-        check_device(self.device)
-        check_precision(self.precision)
-        check_num_slots(self.num_slots)
-        check_offload_inputs(self.offload_inputs)
-        check_recompute(self.recompute)
-        check_offload_inputs_dtype(self.offload_inputs_dtype, self.precision)
-        check_host_layout(self.host_layout)
-        check_host_threads(self.host_threads)
-        check_piece(self.piece)
-        check_blocks(self.blocks)
-        check_nvme_dir(self.nvme_dir)
-        for name in (
-            "overlap_optimizer",
-            "compile_blocks",
-            "preserve_rng_state",
-            "training",
-            "accumulating",
-            "clipping",
-        ):
-            check_flag(name, getattr(self, name))
-        if self.pin_memory is not None:
-            check_flag("pin_memory", self.pin_memory)
+        for f in dataclasses.fields(self):
+            declared = f.metadata.get("option")
+            if declared is not None and declared.check is not None:
+                declared.check(getattr(self, f.name))
+        check_offload_inputs_dtype(self.offload_inputs_dtype, self.precision)  # the one check across options
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -276,3 +404,59 @@ class EngineConfig:
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with `changes` (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One field of :class:`EngineConfig` as its clients derive a parameter, a flag or a doc line from it."""
+
+    name: str
+    default: Any
+    type: Any
+    option: Option
+
+    @property
+    def help(self) -> str:
+        return self.option.help
+
+
+def declared(*roles: str) -> list[Declared]:
+    """:class:`EngineConfig`'s fields in their order, each with its type and :class:`Option`; of `roles` only
+    when given. Clients build their parameters from this list (it reads the class at call time)."""
+    hints = typing.get_type_hints(EngineConfig)
+    out = []
+    for f in dataclasses.fields(EngineConfig):
+        opt = f.metadata.get("option")
+        if opt is not None and (not roles or opt.role in roles):
+            out.append(Declared(f.name, f.default, hints[f.name], opt))
+    return out
+
+
+def check_options(options: Mapping[str, Any], extra: Mapping[str, Callable[[Any], Any]] | None = None) -> None:
+    """The declared options among `options`, each by its own check (a one-line ValueError), and the `extra`
+    checks of a client's own options: by the strategies' constructors, and by the megatrain command before
+    jsonargparse would build the strategy. Across options (offload_inputs_dtype against the precision) the
+    check comes when the config is built."""
+    checks = {d.name: d.option.check for d in declared() if d.option.check is not None}
+    checks.update(extra or {})
+    for key, check in checks.items():
+        if key in options:
+            check(options[key])
+
+
+def parameters(*roles: str) -> list[typing.Any]:
+    """``inspect.Parameter``s (keyword-only, typed, with their defaults) of the declared options of `roles`:
+    what a strategy's ``__init__`` signature shows for them (jsonargparse builds ``init_args`` from it)."""
+    import inspect
+
+    kind = inspect.Parameter.KEYWORD_ONLY
+    return [inspect.Parameter(d.name, kind, default=d.default, annotation=d.type) for d in declared(*roles)]
+
+
+def options_doc(*roles: str, indent: int = 8) -> str:
+    """Google-style ``name: help`` lines of the declared options of `roles`, for a client's ``Args:`` section."""
+    pad = " " * indent
+    lines = []
+    for d in declared(*roles):
+        lines.append(textwrap.fill(f"{d.name}: {d.help}", 116, initial_indent=pad, subsequent_indent=pad + "    "))
+    return "\n".join(lines)
