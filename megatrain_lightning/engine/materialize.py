@@ -32,10 +32,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from megatrain_lightning.engine.host import HostUnit
-
-SOURCE_ATTR = "_megatrain_source"
-"""Attribute of a meta parameter: a callable returning the tensor (any dtype, the parameter's shape) to fill
-it from. Set by the checkpoint loader, read and removed here (models never import the engine)."""
+from megatrain_lightning.models.hf_io import SOURCE_ATTR  # (set by the checkpoint loader, read and removed here)
 
 _local = threading.local()  # the hook below is process-wide; only the thread inside empty_init() is affected
 

@@ -23,10 +23,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from megatrain_lightning.engine.materialize import SOURCE_ATTR
-
 from .config import LlamaConfig
 from .llama import LlamaForCausalLM
+
+SOURCE_ATTR = "_megatrain_source"
+"""Attribute of a meta parameter: a callable returning the tensor (any dtype, the parameter's shape) to fill
+it from. Set by the loader here, read and removed by the engine when it fills its masters
+(engine/materialize.py); models never import the engine."""
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
