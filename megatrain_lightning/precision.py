@@ -69,13 +69,13 @@ class PrecisionCore:
         return None if self.strategy is None else self.strategy.engine
 
 
-class MegatrainPrecision(Precision):
-    """``Trainer(strategy="megatrain", precision=...)``: :class:`PrecisionCore` for the Trainer, which also shows
-    hooks every gradient in ``.grad`` when they ask for it and hands clipping to the engine."""
+class _OnCore:
+    """What both plugins are: their :class:`PrecisionCore`'s flag, strategy, device type, compute dtype and
+    forward context, and the module left alone (listed first in each plugin's bases, so these win)."""
 
     def __init__(self, precision: str = "32-true", strategy: Streaming | None = None) -> None:
         self.core = PrecisionCore(precision, strategy)
-        self.precision = self.core.precision  # type: ignore[assignment]
+        self.precision = self.core.precision
 
     @property
     def strategy(self) -> Streaming | None:
@@ -89,14 +89,17 @@ class MegatrainPrecision(Precision):
     def compute_dtype(self) -> torch.dtype:
         return self.core.compute_dtype
 
-    @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Leave dtypes alone: the engine keeps fp32 masters and makes compute copies itself."""
+        """Leave dtypes alone: the engine keeps fp32 masters and makes the compute copies itself."""
         return module
 
-    @override
     def forward_context(self) -> ContextManager:
         return self.core.forward_context()
+
+
+class MegatrainPrecision(_OnCore, Precision):
+    """``Trainer(strategy="megatrain", precision=...)``: :class:`PrecisionCore` for the Trainer, which also shows
+    hooks every gradient in ``.grad`` when they ask for it and hands clipping to the engine."""
 
     def _visible(self) -> ContextManager:
         engine = self.core.engine
@@ -135,34 +138,9 @@ class MegatrainPrecision(Precision):
             engine.clip_grad_norm_(float(clip_val))
 
 
-class MegatrainFabricPrecision(FabricPrecision):
+class MegatrainFabricPrecision(_OnCore, FabricPrecision):
     """``Fabric(strategy="megatrain", precision=...)``: :class:`PrecisionCore` for Fabric (Fabric clips through
     the strategy, so there is nothing more)."""
-
-    def __init__(self, precision: str = "32-true", strategy: Streaming | None = None) -> None:
-        self.core = PrecisionCore(precision, strategy)
-        self.precision = self.core.precision  # type: ignore[assignment]
-
-    @property
-    def strategy(self) -> Streaming | None:
-        return self.core.strategy
-
-    @property
-    def device_type(self) -> str:
-        return self.core.device_type
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.core.compute_dtype
-
-    @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        """Leave the module as it is: the engine keeps fp32 masters and makes the compute copies itself."""
-        return module
-
-    @override
-    def forward_context(self) -> ContextManager:
-        return self.core.forward_context()
 
 
 def for_strategy(plugin: Any, cls: type, strategy: Streaming) -> Any:
