@@ -17,7 +17,8 @@ never popped in its place (ours then stays, inert, until it is on top again).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -65,15 +66,33 @@ class PendingReads(TorchFunctionMode):
         if not self._params:
             self._leave()
 
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Off the stack for the engine's own call of a block: its weights are bound to its slot (its step was
+        waited for), so nothing in it reads a pending block, and a compiled block sees the mode stack it was
+        compiled with (a mode on it would make torch.compile compile the block again)."""
+        if not self._on_top():
+            yield
+            return
+        torch._C._pop_torch_function_stack()
+        try:
+            yield
+        finally:
+            if self._params:
+                torch._C._push_on_torch_function_stack(self)
+
     def clear(self) -> None:
         self._owners.clear()
         self._params.clear()
         self._leave()
 
     def _leave(self) -> None:
-        n = torch._C._len_torch_function_stack()
-        if not self._inside and n and torch._C._get_function_stack_at(n - 1) is self:
+        if self._on_top():
             torch._C._pop_torch_function_stack()
+
+    def _on_top(self) -> bool:
+        n = torch._C._len_torch_function_stack()
+        return not self._inside and n > 0 and torch._C._get_function_stack_at(n - 1) is self
 
     def _on_stack(self) -> bool:
         return any(torch._C._get_function_stack_at(i) is self for i in range(torch._C._len_torch_function_stack()))

@@ -273,7 +273,7 @@ class BlockStreamer:
         (the block's parameters are bound to it too, for a checkpoint inside the block that recomputes)."""
         unit = self.units[idx]
         slot = self._load(idx, {idx}) if kept is None else kept.slot
-        with self._bound(idx, self.pool.acquire(slot, unit.slot_numel), fresh=keep) as leaves:
+        with self._bound(idx, self.pool.acquire(slot, unit.slot_numel), fresh=keep) as leaves, self.reads.suspended():
             out = fn()
         self.pool.release(slot)
         if kept is not None:
