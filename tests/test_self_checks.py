@@ -4,6 +4,7 @@ and parameters pruned or re-parametrized after setup are followed, each against 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -186,6 +187,24 @@ def test_fingerprints_tell_a_different_output_from_rounding():
     masks = [torch.rand(4, 7, 32, generator=torch.Generator().manual_seed(s)) > 0.1 for s in (1, 2)]
     outs = [t + h * m / 0.9 for m in masks]
     assert bool(differs(fingerprint([outs[0]]), fingerprint([outs[1]]), rtol))
+
+
+def test_a_run_that_diverges_to_nan_goes_on_with_nan_as_ordinary_training_does():
+    """A NaN output reproduces itself in the recompute: the bitwise comparison is of bit patterns, so a
+    diverged run is not stopped as a differing recompute (ordinary training goes on with NaN losses)."""
+
+    def poisoned() -> nn.Module:
+        model = StackLM()
+        with torch.no_grad():
+            model.layers[1].lin.weight[0, 0] = float("nan")
+        return model
+
+    a, b = two_models(poisoned)
+    want, got = train(a, streamed=False), train(b, streamed=True)
+    assert all(map(math.isnan, want)) and all(map(math.isnan, got))
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        torch.testing.assert_close(y, x, rtol=0, atol=0, equal_nan=True, msg=name)
+    assert differs(fingerprint([torch.full((2, 3), float("nan"))]), fingerprint([torch.ones(2, 3)]), None)
 
 
 # -- no stray gradients ---------------------------------------------------------------------------------

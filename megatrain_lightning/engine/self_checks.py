@@ -109,7 +109,10 @@ def differs(forward: torch.Tensor, recompute: torch.Tensor, rtol: float | None) 
     if forward.shape != recompute.shape:
         return True
     if rtol is None:
-        return not torch.equal(forward, recompute)
+        # Bit patterns, not values: a block whose output is NaN (a run that diverged) reproduces its NaN,
+        # and NaN != NaN would report a recompute difference where ordinary training just goes on with NaN.
+        return not torch.equal(forward.view(torch.int32), recompute.view(torch.int32))
+    # (A NaN on either side compares False: a diverged block is not reported as a differing recompute.)
     return ((recompute - forward).abs() > rtol * forward[:, 1:].abs()).any()
 
 
