@@ -401,7 +401,7 @@ def schedule_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--clip", type=float, help="global-norm gradient clipping, as Trainer(gradient_clip_val) (default: none)"
     )
-    add_engine_flags(ap, ("num_slots",), {"num_slots": "auto"})
+    add_engine_flags(ap, ("num_slots", "device_grad_sums"), {"num_slots": "auto", "device_grad_sums": 0})
     ap.add_argument(
         "--steps", type=int, default=3, help="optimizer steps recorded; the last is measured (default 3, at least 2)"
     )
@@ -438,6 +438,7 @@ def schedule_command(argv: list[str]) -> ModelledStep:
         gpus=args.gpus,
         link=args.link,
         recompute=args.recompute,
+        grad_sums=args.device_grad_sums,
     )
     print("\n".join(step.report()), flush=True)
     return step

@@ -94,10 +94,12 @@ def measure_step(
     offload_inputs: bool = False,
     recompute: bool | str = True,
     capacity: int | None = None,
+    grad_sums: int = 0,
 ) -> Measured:
     """Run one training step of `config` on fake tensors and measure its device memory; with `recompute`
     other than True and the device bytes the engine may take (`capacity`), the step after a first one,
-    when kept graphs are decided (module docstring)."""
+    when kept graphs are decided (module docstring). `grad_sums`: that many blocks keep their gradient sums
+    on the device (``device_grad_sums``), so the measured backward is an accumulating micro-batch's."""
     if getattr(config, "token_chunk_size", None) == "auto":
         # "auto" sizes tiles from free CUDA memory; on the fake CPU it would pick the CPU's fixed tile.
         raise ValueError("token_chunk_size='auto' depends on the GPU's free memory; measure a fixed tile size")
@@ -114,16 +116,17 @@ def measure_step(
                 offload_inputs=offload_inputs,
                 pin_memory=False,
                 recompute=recompute,
+                device_grad_sums=grad_sums,
             )
             free = None if capacity is None else (lambda: capacity - counter.live)
             engine = Engine(model, options, Probes(host_available_bytes=lambda: 1 << 62, device_free_bytes=free))
             try:
                 persistent = counter.live
-                forward, backward = _step(model, engine, counter, micro_batch, seq_len)
+                forward, backward = _step(model, engine, counter, micro_batch, seq_len, grad_sums > 0)
                 kept = engine.stats["kept_calls"]
                 if recompute is not True and capacity is not None:  # the first step measured, this one keeps
                     engine.zero_grad()  # a fresh step, not an accumulation into the first one's gradients
-                    forward, backward = _step(model, engine, counter, micro_batch, seq_len)
+                    forward, backward = _step(model, engine, counter, micro_batch, seq_len, grad_sums > 0)
                     kept = engine.stats["kept_calls"] - kept
             finally:
                 release_quietly(engine)
@@ -139,14 +142,16 @@ def measure_step(
 
 
 def _step(
-    model: LlamaForCausalLM, engine: Engine, counter: DeviceBytes, micro_batch: int, seq_len: int
+    model: LlamaForCausalLM, engine: Engine, counter: DeviceBytes, micro_batch: int, seq_len: int, accumulate: bool
 ) -> tuple[int, int]:
-    """(forward peak, backward peak) of one step; the batch lives on the device, as in training."""
+    """(forward peak, backward peak) of one step (`accumulate`: of a micro-batch that more follow, whose block
+    gradients may be summed on the device); the batch lives on the device, as in training."""
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.int64)
     counter.reset_peak()
     loss = model(ids, targets=ids)
     forward = counter.reset_peak()
-    loss.backward()
+    with engine.backward(accumulate=accumulate):
+        loss.backward()
     engine.flush()
     return forward, counter.reset_peak()
 

@@ -37,6 +37,10 @@ part per token of the micro-batch (``elt`` = compute dtype bytes, ``n`` = micro_
                       recompute and loss) and 1 GiB allows, at most one per block (what the engine settles
                       on after its first step, device_memory.auto_slot_count, from the same figures measured)
     gradient slots    2 x largest block x elt
+    gradient sums     (accumulate > 1) (sums x block + outer) x 4 / W: the blocks whose fp32 gradient sum stays
+                      on the device across micro-batches, and with them the outer parameters'
+                      (``device_grad_sums``: a count, or "auto": after the slots, as many as the memory beyond
+                      4 x the transient and 1 GiB allows, the outer ones first; engine/grad_sums.py)
     outer parameters  (embedding + final norm + head, a tied head counted once) x elt
     saved inputs      layers x n x H x elt                      (the only activations kept for backward)
                       with offloaded inputs: n x H x elt (the block in use; the next one is fetched
@@ -130,6 +134,7 @@ from typing import Any
 from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.config import HOST_LAYOUTS as ENGINE_HOST_LAYOUTS
 from megatrain_lightning.engine.config import EngineConfig, OffloadInputsDtype, check_host_layout, check_precision
+from megatrain_lightning.engine.grad_sums import auto_sum_count
 from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
 from megatrain_lightning.engine.recompute import KEEP_SHARE, STREAMING_SLOTS, Recompute, check_recompute, kept_count
@@ -600,6 +605,8 @@ class Plan:
     recompute: Recompute = True
     """``recompute`` as asked: True, False or "auto" (engine/recompute.py)."""
     kept_blocks: int = 0
+    grad_sums: int = 0
+    """Blocks whose gradient sum over the micro-batches stays on the device (``device_grad_sums``)."""
     """Blocks per forward pass that keep their graph (:func:`kept_blocks`); their activations are the
     ``kept_graphs`` GPU item."""
     options: EngineConfig | None = field(default=None, repr=False)
@@ -887,6 +894,7 @@ class Plan:
             h=c.hidden_size,
             elt=compute_bytes(self.precision),
             kept=self.kept_blocks,
+            sums=self.grad_sums,
         )
 
     def _gpu_lines(self) -> list[str]:
@@ -972,6 +980,7 @@ _LEAN_LABELS = {"slab": "gradient slab until the step (clipping only, {dtype})"}
 _GPU_LABELS = {
     "weight_slots": "weight slots ({s} x largest block)",
     "grad_slots": "gradient slots (2 x largest block)",
+    "grad_sums": "device gradient sums ({sums} blocks + outer, 4 B/param, accumulate > 1)",
     "outer": "embedding, final norm, head (tied counted once)",
     "saved_inputs": "saved block inputs ({layers} x {b} x {t} x {h} x {elt} B)",
     "rope": "RoPE cos and sin (all blocks share them)",
@@ -1044,6 +1053,11 @@ def plan(
     """
     options = EngineConfig() if options is None else options
     config, seq_len, micro_batch, accumulate = shape.config, shape.seq_len, shape.micro_batch, shape.accumulate
+    sum_bytes = -(-block_numel(config) // (shape.devices * shape.nodes)) * 4  # one block's fp32 sum (its shard)
+    sums_asked = options.device_grad_sums if accumulate > 1 else 0
+    sums = 0 if sums_asked == "auto" else min(sums_asked, config.num_hidden_layers)
+    outer_sums = -(-outer_numel(config) // (shape.devices * shape.nodes)) * 4  # with any block's: the outer units'
+    fixed_sums = sums * sum_bytes + (outer_sums if sums else 0)
     devices, nodes, tokens = shape.devices, shape.nodes, shape.tokens
     precision, recompute, clipping = options.precision, options.recompute, options.clipping
     offload_inputs, offload_inputs_dtype, nvme_dir = (
@@ -1057,7 +1071,8 @@ def plan(
         raise ValueError(f"nvme_gbps={nvme_gbps!r} must be a positive number of GB/s, e.g. 6.0 for a PCIe 4.0 drive")
     elt = compute_bytes(precision)
     collectives = collective_bytes(config, precision, devices * nodes)
-    room = None if gpu_mem is None else gpu_mem - collectives  # what everything sized from the GPU limit gets
+    # What everything sized from the GPU limit gets (sums asked by count are there from the first step).
+    room = None if gpu_mem is None else gpu_mem - collectives - fixed_sums
     if offload_inputs == "auto":
         offload_inputs = auto_offloads_inputs(config, seq_len, micro_batch, precision, num_slots, room)
     best = None if room is None else max_micro_batch(config, seq_len, precision, num_slots, room, offload_inputs)
@@ -1067,6 +1082,10 @@ def plan(
     if recompute is False:  # every block pins its slot until its backward: the pool grows to one per block
         num_slots = max(num_slots, config.num_hidden_layers)
     kept = kept_blocks(config, seq_len, micro_batch, precision, num_slots, offload_inputs, room, recompute)
+    if sums_asked == "auto" and room is not None:  # from what the slots leave (the engine's order)
+        free, transient = free_and_transient(config, seq_len, micro_batch, precision, offload_inputs, room)
+        free -= (num_slots - 2) * block_numel(config) * compute_bytes(precision)
+        sums = auto_sum_count(free, transient, [sum_bytes // 4] * config.num_hidden_layers, 0, outer_sums // 4)
 
     def host(layout: str, nvme: bool) -> dict[str, int]:
         one = host_breakdown(
@@ -1088,6 +1107,8 @@ def plan(
     items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, room, kept)
     if collectives:
         items["collectives"] = (collectives, 0)
+    if sums:
+        items["grad_sums"] = (sums * sum_bytes + outer_sums, 0)
     tile = planned_tile(config, seq_len, micro_batch, elt, room)
     core = planned_core(config, seq_len, micro_batch, elt, room, tile)
     measured = None
@@ -1110,6 +1131,7 @@ def plan(
             offload_inputs,
             recompute,
             capacity,
+            grad_sums=sums,
         )
     return Plan(
         name=name,
@@ -1142,6 +1164,7 @@ def plan(
         offload_inputs_dtype=offload_inputs_dtype,
         recompute=recompute,
         kept_blocks=kept,
+        grad_sums=sums,
         options=options,
     )
 

@@ -64,6 +64,7 @@ def test_plan_flags_are_the_declared_ones():
         "offload_inputs_dtype",
         "host_layout",
         "nvme_dir",
+        "device_grad_sums",
     }
     assert declared_flags <= flags
 

@@ -23,6 +23,7 @@ from megatrain_lightning.engine import host_memory, materialize, pinned
 from megatrain_lightning.engine.block_fn import compile_block_calls
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.discover import find_blocks, unit_parameters
+from megatrain_lightning.engine.grad_sums import DeviceGradSums
 from megatrain_lightning.engine.host import HostMemoryError, HostUnit, host_bytes_by_kind, host_bytes_per_param
 from megatrain_lightning.engine.host_memory import available_host_bytes
 from megatrain_lightning.engine.host_steps import HostSide
@@ -153,6 +154,16 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
         overlap_optimizer=config.overlap_optimizer,
         invalidate=engine.pool.invalidate,
         partition=partition,
+        sums=(
+            DeviceGradSums(
+                engine.units + outer_units,
+                len(engine.units),
+                engine.device,
+                0 if config.device_grad_sums == "auto" else config.device_grad_sums,
+            )
+            if training
+            else None
+        ),
     )
     outer_buffers_to(model, engine.blocks, engine.device)
     engine.outer = OuterParams(outer_units, engine.device, engine.streams, engine.uploads, engine.host)

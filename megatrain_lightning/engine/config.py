@@ -32,6 +32,7 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 HostLayout = Literal["default", "lean"]
 HOST_LAYOUTS: tuple[str, ...] = get_args(HostLayout)
 NumSlots = int | Literal["auto"]
+GradSums = int | Literal["auto"]
 OffloadInputs = bool | Literal["auto"]
 OffloadInputsDtype = Literal["bf16", "fp8"] | None
 OFFLOAD_INPUTS_DTYPES: tuple[str, ...] = ("bf16", "fp8")
@@ -70,6 +71,16 @@ def check_num_slots(value: Any) -> NumSlots:
     raise ValueError(
         f"num_slots={value!r}: give at least 2 slots (one computing, one loading) or 'auto' (2, then after "
         "the first step as many as the device memory that step left free allows)"
+    )
+
+
+def check_device_grad_sums(value: Any) -> GradSums:
+    """`value` if it is a block count of at least 0 or "auto", else a ValueError naming it and the choices."""
+    if (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or value == "auto":
+        return value
+    raise ValueError(
+        f"device_grad_sums={value!r}: give a number of blocks (0: every micro-batch's gradient lands on the host) "
+        "or 'auto' (after the first step, as many as the device memory left free allows)"
     )
 
 
@@ -212,6 +223,16 @@ def _int_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of slots or auto") from None
 
 
+def _count_or_auto(text: str) -> int | str:
+    """--device-grad-sums: a count or the word auto (argparse's type; the option's check follows)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of blocks or auto") from None
+
+
 def _recompute_word(text: str) -> bool | str:
     """--recompute auto|true|false as the option's value: "auto", True or False."""
     choices = {"auto": "auto", "true": True, "false": False}
@@ -255,6 +276,20 @@ class EngineConfig:
         "uploads; with one per block the backward uploads nothing.",
         check_num_slots,
         flag={"type": _int_or_auto, "metavar": "NUM_SLOTS"},
+    )
+    device_grad_sums: GradSums = option(
+        0,
+        "blocks whose gradient stays on the device across the micro-batches of a step (gradient accumulation): "
+        "summed there in fp32 (4 bytes per parameter of device memory each; the embedding, final norm and head "
+        "too whenever a block is) and sent to the host once, at the step's last backward, instead of every "
+        "micro-batch's gradient going down and being added on the host. Bit for bit the same sums. 0 (default): "
+        'every gradient lands on the host; a number: the model\'s first that many blocks; ``"auto"``: after the '
+        "first optimizer step, as many as the device memory the weight slots leave allows (none on the CPU, "
+        "which has no memory measure). It saves host work and downloads, and costs GPU time and the memory "
+        "kept graphs would use: worth it where the host or the link bounds the step, not where the optimizer "
+        "chain does (docs/benchmarks.md; engine/grad_sums.py).",
+        check_device_grad_sums,
+        flag={"type": _count_or_auto, "metavar": "BLOCKS"},
     )
     overlap_optimizer: bool = option(
         True,

@@ -211,6 +211,8 @@ class Engine:
         self.optimizer_steps += 1
         if self.optimizer_steps == 1 and self.config.num_slots == "auto":
             self.streamer.size_slots()  # the step's device memory is known now, its activations freed
+        if self.optimizer_steps == 1 and self.config.device_grad_sums == "auto":
+            self.streamer.size_sums()  # (with what the slots left)
         # What the next forward reads first goes up now, each as soon as its own step is done: the outer
         # parameters (every device copy is current when this returns), then its first blocks. (Always, not
         # only when the steps happen to be done: the uploads a step makes do not depend on timing.)
@@ -339,9 +341,17 @@ class Engine:
 
     # -- accounting and teardown -------------------------------------------------------------------
     def device_bytes(self) -> dict[str, int]:
-        """Bytes the engine holds on the device: they do not grow with the number of blocks."""
-        grad_slots = sum(g.numel() * g.element_size() for g in self.host.grad_slots)
-        return {"weight_slots": self.pool.nbytes(), "grad_slots": grad_slots, "outer": self.outer.nbytes()}
+        """Bytes the engine holds on the device: they do not grow with the number of blocks, except the gradient
+        sums of the blocks given one (``device_grad_sums``)."""
+        host = self.host
+        grad_slots = sum(g.numel() * g.element_size() for g in host.grad_slots)
+        sums = 0 if host.sums is None else host.sums.nbytes()
+        return {
+            "weight_slots": self.pool.nbytes(),
+            "grad_slots": grad_slots,
+            "outer": self.outer.nbytes(),
+            "grad_sums": sums,
+        }
 
     def host_bytes(self) -> dict[str, int]:
         total: dict[str, int] = {}

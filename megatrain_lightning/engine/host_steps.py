@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from megatrain_lightning.engine.grad_sums import DeviceGradSums
 from megatrain_lightning.engine.host import GradState, HostUnit, spans
 from megatrain_lightning.engine.pinned import host_empty
 from megatrain_lightning.engine.ring import HostRing, pieces
@@ -84,10 +85,12 @@ class HostSide:
         overlap_optimizer: bool = True,
         invalidate: Callable[[int], None] = lambda idx: None,
         partition=None,
+        sums: DeviceGradSums | None = None,
     ) -> None:
         """`invalidate(i)`: block i's weights on the host changed, so a device slot holding it is stale.
         `partition` (engine/partition.py): each unit holds this rank's shard; gradients are reduce-scattered."""
         self.partition = partition
+        self.sums = sums  # engine/grad_sums.py: blocks whose micro-batch gradients are summed on the device
         self.blocks, self.outer, self.streams, self.worker, self.stats = blocks, outer, streams, worker, stats
         self.piece, self.tier, self.overlap_optimizer, self.invalidate = piece, tier, overlap_optimizer, invalidate
         self.block_index = {id(u): i for i, u in enumerate(blocks)}
@@ -173,7 +176,13 @@ class HostSide:
         task = graph_task()
         if unit.held is not None and unit.held.task != task:
             self.land_held(unit, block_idx, this_pass=False)  # an earlier backward's sum is complete
+        if self._into_sum(unit, flat, present, block_idx, more):
+            if grad_slot is not None:
+                self.grad_slot_free[grad_slot] = None  # (read on the compute stream, which reuses the slot after)
+            return
         self.wait(unit)  # the worker must be done reading the slab before it is overwritten
+        if self.sums is not None and self.sums.is_open(unit):
+            self._spill(unit)  # a block called again in this backward: its calls are summed on the host
         if unit.held is not None:
             done = self._add_to_held(unit, flat, present)
             if not more:
@@ -186,6 +195,97 @@ class HostSide:
             self.grad_slot_free[grad_slot] = done
         elif self.streams.is_cuda:
             flat.record_stream(self.streams.d2h)  # autograd's grad buffer lives until the copy has read it
+
+    # -- sums kept on the device (engine/grad_sums.py) ----------------------------------------------------
+    def sum_grads(
+        self, unit: HostUnit, grads: list[torch.Tensor | None], present: list[bool], block_idx: int, more: bool
+    ) -> bool:
+        """A block's parameter gradients (None: got none) added straight into its device sum, with no packing
+        into a grad slot first, where this backward's gradient goes there (see :meth:`_into_sum`); False: it
+        does not (pack and :meth:`ship` it). A partitioned unit's gradient is reduce-scattered whole first."""
+        if self.sums is None or unit.partitioned or unit in self._eager:
+            return False  # (ship refuses a second gradient of a unit already stepped)
+        if unit.held is not None and unit.held.task != graph_task():
+            return False  # (ship lands the earlier backward's held sum first)
+        return self._into_sum(unit, grads, present, block_idx, more)
+
+    def _into_sum(
+        self, unit: HostUnit, grad: torch.Tensor | list, present: list[bool], block_idx: int | None, more: bool
+    ) -> bool:
+        """Add this backward's gradient of `unit` (flat, or per parameter) to its device sum, if it goes there:
+        the only call of a unit allowed one, in an accumulating backward when the unit has a sum open or holds
+        no gradient on the host (so no host sum is reordered), or in the step's last backward when a sum is
+        open, which then goes down as the backward's one gradient of the unit."""
+        sums = self.sums
+        if sums is None or more or unit.held is not None or not sums.takes(unit):
+            return False
+        if self.mode == "accumulate":
+            # A unit not pending holds no gradient once its queued jobs (last step's, or a drop) are done, so
+            # the sum needs no wait for them: the host may still be stepping it while its next ones are summed.
+            if not (sums.is_open(unit) or unit not in self._pending):
+                return False
+            sums.add(unit, grad, present)
+            self._pending.add(unit)
+            return True
+        if not sums.is_open(unit):
+            return False
+        self.wait(unit)  # the sum goes down into the accumulator, which the last step's jobs may still read
+        sums.add(unit, grad, present)
+        self._ship_sum(unit, block_idx)
+        return True
+
+    def _ship_sum(self, unit: HostUnit, block_idx: int | None) -> None:
+        """The unit's complete device sum goes down as the backward's one gradient of it (into the fp32
+        accumulator) and lands: stepped at once where the optimizer overlaps backward, else kept for the step."""
+        eager = self._eager_ok()
+        hyper = self.hyper() if eager else None
+        done, present = self._download_sum(unit)
+        want_norm = self.want_norms
+        rank = self.step_rank(unit) if hyper is not None else 0
+        clamp = self._clip_value if eager else None
+        self.submit(unit, partial(self._land_sum, unit, done, present, want_norm, hyper, clamp), rank, done)
+        self._shipped(unit, eager, block_idx)
+
+    def _spill(self, unit: HostUnit) -> None:
+        """Something needs the gradient on the host before the step's last backward: the device sum goes down
+        into the fp32 accumulator, where the host path goes on adding (nothing steps)."""
+        done, present = self._download_sum(unit)
+        self.submit(unit, partial(self._land_sum, unit, done, present, False, None, None), 0, done)
+        self._pending.add(unit)
+
+    def spill_all(self) -> None:
+        if self.sums is not None:
+            for unit in self.sums.open_units():
+                self.wait(unit)
+                self._spill(unit)
+
+    def _download_sum(self, unit: HostUnit) -> tuple[object, list[bool]]:
+        total, present = self.sums.close(unit)
+        if unit.acc is None or (unit.pin and self.streams.is_cuda and not unit.acc.is_pinned()):
+            unit.acc = host_empty(unit.numel, torch.float32, pin=unit.pin and self.streams.is_cuda)
+        self._before_download(total)
+        self.streams.copy(self.streams.d2h, unit.acc, total[: unit.numel])
+        return self.streams.event(self.streams.d2h), present
+
+    def _land_sum(
+        self,
+        unit: HostUnit,
+        done: Any,
+        present: list[bool],
+        want_norm: bool,
+        hyper: list[AdamHyper] | None,
+        clamp: float | None,
+    ) -> None:
+        """A device sum has come down into the accumulator: the unit holds it as its gradient (as the host path
+        holds a sum of micro-batches), and steps it when `hyper` says so."""
+        t0 = time.perf_counter()
+        done.synchronize()  # never read pinned memory before its copy has finished
+        unit.has_grad = [a or b for a, b in zip(unit.has_grad, present)]
+        unit.grad_state = GradState.ACC
+        unit.norms = self._norms(unit) if want_norm else None
+        self.stats["host_land_seconds"] += time.perf_counter() - t0
+        if hyper is not None:
+            self._clamp_and_step(unit, hyper, 1.0, clamp)
 
     def _ship_whole(self, unit: HostUnit, flat: torch.Tensor, present: list[bool], block_idx: int | None) -> object:
         """A unit's whole gradient of this backward: land it (into the accumulator, or stepped at once when
@@ -526,7 +626,9 @@ class HostSide:
             self._read_ahead(self.blocks[::-1] + later + [u for u in self.outer if u in self._eager])
 
     def _land_all_held(self) -> None:
-        """Land the held sum of every unit a call of whose block has not come back (the sum of those that did)."""
+        """Land the held sum of every unit a call of whose block has not come back (the sum of those that did),
+        and bring down the device sums still open (the gradients are wanted on the host now)."""
+        self.spill_all()
         for unit in self.all_units():
             if unit.held is not None:
                 self.land_held(unit, self.block_index.get(id(unit)), this_pass=False)
@@ -631,6 +733,8 @@ class HostSide:
         dropped = self._pending.intersection(units)
         for unit in dropped:
             unit.held = None
+            if self.sums is not None:
+                self.sums.drop(unit)
             self.submit(unit, lambda unit=unit: self._finish_step(unit, stepped=False))
         for unit in units:
             for e in unit.entries:
@@ -641,6 +745,8 @@ class HostSide:
     def close(self) -> None:
         self.worker.shutdown(wait=True)
         self.grad_slots.clear()
+        if self.sums is not None:
+            self.sums.release()
 
     def rings(self) -> list[HostRing]:
         return [r for r in {id(r): r for r in (self.grad_ring, self.sum_ring) if r}.values()]

@@ -30,6 +30,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, select_side
 from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
+from megatrain_lightning.engine.grad_sums import auto_sum_count
 from megatrain_lightning.engine.host import HostUnit
 from megatrain_lightning.engine.host_steps import HostSide, graph_task
 from megatrain_lightning.engine.outer import OuterParams
@@ -135,6 +136,21 @@ class BlockStreamer:
             slot / 2**30,
             transient / 2**30,
             free / 2**30,
+        )
+
+    def size_sums(self) -> None:
+        """``device_grad_sums="auto"``, after the first optimizer step (and the slots' sizing): as many blocks get
+        a device gradient sum as the memory left free allows (engine/grad_sums.auto_sum_count); none on a device
+        with no memory measure (the CPU)."""
+        transient = self._transient()
+        free = None if transient is None else self._free_device_bytes()
+        sums = self.host.sums
+        if free is None or sums is None:
+            return
+        outer = sum(u.device_numel for u in self.host.outer)
+        sums.grow_to(auto_sum_count(free, transient, [u.device_numel for u in self.units], sums.count, outer))
+        log.info(
+            "device_grad_sums='auto': %d of %d blocks sum their gradients on the device", sums.count, len(self.units)
         )
 
     def forward_block(
@@ -256,8 +272,9 @@ class BlockStreamer:
         present = [g is not None for g in by_entry]
         # Partitioned, every rank ships (a collective) and a parameter has a gradient if any rank's has one.
         if any(present) or (self.partition is not None and trained):
-            flat, grad_slot = self.host.pack_grads(unit, by_entry)
-            self.host.ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot, more=more)
+            if not self.host.sum_grads(unit, by_entry, present, idx, more):
+                flat, grad_slot = self.host.pack_grads(unit, by_entry)
+                self.host.ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot, more=more)
         elif unit.held is not None and not more:
             self.host.land_held(unit, idx, this_pass=unit.held.task == graph_task())  # it was the last call
         return tuple(grads_in)

@@ -83,6 +83,8 @@ class ModelledStep:
         slots = f"{self.trace.slots} weight slots" + (
             " (auto: 2 in the first step)" if self.num_slots == "auto" else ""
         )
+        if self.micro_batches > 1:
+            slots += f", {self.trace.grad_sums} blocks sum their gradients on the GPU"
         flops, attention = self.summary.model_flops, attention_flops(c, self.step_tokens, self.seq_len)
         micro = f"{self.micro_batches} micro-batches of " if self.micro_batches > 1 else ""
         return [
@@ -157,6 +159,7 @@ def modelled_step(
     gpus: int = 1,
     link: str = "nvlink",
     recompute: bool | str = "auto",
+    grad_sums: int | str = 0,
 ) -> ModelledStep:
     """Record `steps` optimizer steps of `config` as the strategy runs them and replay them on `profile`
     (module docstring); with `gpus` > 1, one rank of that many joined by `link`, each step `micro_batches`
@@ -186,6 +189,7 @@ def modelled_step(
         micro_batches,
         dp if gpus > 1 else None,
         recompute,
+        grad_sums,
     )
     record_s = time.perf_counter() - t0
     timeline = replay(trace, profile, launch_s)

@@ -102,6 +102,7 @@ def record_steps(
     micro_batches: int = 1,
     data_parallel: DataParallel | None = None,
     recompute: bool | str = "auto",
+    grad_sums: int | str = 0,
 ) -> Trace:
     """The trace of `steps` bf16-mixed training steps of `config`, each of `micro_batches` micro-batches of
     1 x `tokens`, on fake tensors (measure.py's way: the engine and model run for real, the tensors have
@@ -131,12 +132,14 @@ def record_steps(
                 clipping=clip is not None,
                 accumulating=micro_batches > 1,
                 recompute=recompute,
+                device_grad_sums=grad_sums,
             )
             engine = Engine(model, options, recorder.probes(device_memory))
             recorder.attach(engine)
             try:
                 train_steps(engine, model, batch, recorder, steps, clip, micro_batches=micro_batches)
                 recorder.trace.slots = engine.pool.num_slots
+                recorder.trace.grad_sums = 0 if engine.host.sums is None else engine.host.sums.count
             finally:
                 recorder.detach()
                 release_quietly(engine)

@@ -105,4 +105,5 @@ class Trace:
     job_order: list[int] = field(default_factory=list)  # its order on the worker (engine/worker.py)
     job_after: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)  # (events, jobs) first
     slots: int = 0  # the engine's weight slots when the recording ended (num_slots="auto" grows them)
+    grad_sums: int = 0  # blocks summing their gradients on the device when the recording ended (device_grad_sums)
     kept_calls: list[int] = field(default_factory=list)  # per recorded step, block calls that kept their graph
