@@ -39,7 +39,9 @@ RUNS = {"plain": (3, 2, None), "clipped": (1, 2, 1.0), "twice": (1, 1, None), "t
 # summed (ordinary training sums them first), and a block's two calls can nearly cancel, so the sum keeps
 # fewer correct bits: measured up to 1.0e-6 with W=3.
 BOUND = {"clipped": 1e-6, "twice": 1e-5}
-LAYOUTS = {"lean": {"host_layout": "lean"}, "nvme": {"nvme_dir": "NVME"}}  # the plain run, stored otherwise
+# The plain run, stored otherwise, or with its gradient shards summed on the device across micro-batches
+# ("nvme" last: the checkpoint read back below is its).
+LAYOUTS = {"lean": {"host_layout": "lean"}, "sums": {"device_grad_sums": 3}, "nvme": {"nvme_dir": "NVME"}}
 
 
 def _batches(n: int) -> list[torch.Tensor]:
@@ -238,8 +240,8 @@ def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
                 err = ((params[name] - ref).abs().max() / ref.abs().max()).item()
                 assert err < BOUND[run], f"{name}: {err:.2e} relative"
     if world == 2:
-        # Late copy streams change nothing, nor the lean layout or the NVMe tier; the all-gather issued off
-        # the stream does.
+        # Late copy streams change nothing, nor the lean layout, the sums on the device or the NVMe tier; the
+        # all-gather issued off the stream does.
         plain = load_file(f"{tmp_path}/plain.safetensors")
         for name in ("late", *LAYOUTS):
             assert all(torch.equal(t, plain[n]) for n, t in load_file(f"{tmp_path}/{name}.safetensors").items()), name
