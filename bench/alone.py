@@ -197,7 +197,7 @@ def transfer_alone(engine: Any, accumulate: int) -> dict[str, float]:
 
     Only buffers without state between steps are written: the weight slots (the pool then forgets which
     blocks they held) and the gradient slabs, which must hold no gradient waiting for a step."""
-    waiting = [u.name for u in engine.all_units() if u.grad_state is not GradState.EMPTY]
+    waiting = [u.name for u in engine.all_units() if u.grad.state is not GradState.EMPTY]
     if waiting:
         raise RuntimeError(f"transfer_alone runs between steps; {waiting[:3]} still hold gradients")
     units, slots = engine.units, engine.pool.buffers

@@ -150,8 +150,8 @@ def host_state(engine, slabs: bool = True) -> list:
                 u.name,
                 tensors + ([u.slab.clone()] if slabs and u.slab is not None else []),
                 list(u.steps),
-                list(u.has_grad),
-                u.grad_state,
+                list(u.grad.present),
+                u.grad.state,
             )
         )
     return out

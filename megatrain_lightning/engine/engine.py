@@ -192,7 +192,7 @@ class Engine:
         units = self.all_units()
         for unit in units:
             views = unit.views(unit.acc) if unit.acc is not None else {}
-            for e, has in zip(unit.entries, unit.has_grad):
+            for e, has in zip(unit.entries, unit.grad.present):
                 e.param.grad = views[e.name] if has else None
         try:
             yield

@@ -218,7 +218,7 @@ class GenericSteps:
                     flat.clamp_(-clamp, clamp)
                 if scale != 1.0:
                     flat.mul_(scale)
-                for e, has in zip(unit.entries, unit.has_grad):
+                for e, has in zip(unit.entries, unit.grad.present):
                     e.param.grad = flat[e.offset : e.offset + e.numel].view(e.shape) if has else None
             for opt in self._stepping_now():
                 opt.optimizer.step()

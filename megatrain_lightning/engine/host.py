@@ -52,6 +52,73 @@ class GradState(enum.Enum):
     ACC = "acc"  # a sum of gradients in the fp32 accumulator
 
 
+class UnitGrad:
+    """Where a unit's gradient is on its way to the optimizer step, and which of its parameters have one.
+
+    It changes only through the named transitions below, each made by the host worker's job that moved the
+    gradient (landing, stepping) or, where noted, by the training thread once the unit's jobs are done:
+    EMPTY -> SLAB (:meth:`in_slab`: one gradient kept in the transfer slab) -> ACC (:meth:`accumulating`: a
+    sum in the fp32 accumulator, where a second gradient, hooks or a device sum put it) -> EMPTY
+    (:meth:`stepped`, or :meth:`empty` when dropped unstepped). :meth:`arriving` records which parameters a
+    gradient covers, :meth:`landed` the norms of the complete gradient, :meth:`hold` and :meth:`unhold` a
+    block's calls summed before landing (host_steps.Held)."""
+
+    def __init__(self, n: int) -> None:
+        self.state = GradState.EMPTY
+        # Per parameter, as torch.optim keeps them: a parameter that got no gradient (frozen, or unused by
+        # the loss) is skipped by the step and its Adam step count (bias correction) does not advance.
+        self.present = [False] * n  # got a gradient since the last step / zero_grad
+        self.norms: list[torch.Tensor] | None = None  # per-parameter norms of the complete gradient
+        self.device_norms: list[tuple[torch.Tensor, bool]] | None = None  # (norm, got a gradient), on the device
+        self.held: Any = None  # host_steps.Held: a block called again in this backward sums its gradients in the slab
+
+    def arriving(self, present: list[bool]) -> None:
+        """A gradient of the parameters `present` marks is landing (as `.grad`: once any micro-batch gave one)."""
+        self.present = [a or b for a, b in zip(self.present, present)]
+
+    def in_slab(self) -> None:
+        """The step's one gradient so far waits in the transfer slab."""
+        self.state = GradState.SLAB
+
+    def accumulating(self) -> None:
+        """The gradient is a sum in the fp32 accumulator (the slab's moved there, or more added)."""
+        self.state = GradState.ACC
+
+    def landed(self, norms: list[torch.Tensor] | None) -> None:
+        """The gradient on the host is complete for now: its per-parameter norms (None: not taken; a later
+        micro-batch would make them stale)."""
+        self.norms = norms
+
+    def measured_on_device(self, norms: list[tuple[torch.Tensor, bool]] | None) -> None:
+        """Norms taken on the device from a gradient that is the whole of the step's (None: none)."""
+        self.device_norms = norms
+
+    def hold(self, held: Any) -> None:
+        """A block's first call of several in one backward: its gradient waits in the slab for the others."""
+        self.held, self.device_norms = held, None  # (norms of a part of the gradient would be wrong)
+
+    def unhold(self) -> Any:
+        held, self.held = self.held, None
+        return held
+
+    def taken_back(self, present: list[bool]) -> None:
+        """Training thread, after hooks read or edited `.grad`: `present` says which parameters keep one; the
+        norms are taken again at the step, from what the hooks left."""
+        self.present = list(present)
+        self.norms = self.device_norms = None
+
+    def stepped(self) -> list[bool]:
+        """The optimizer step consumed the gradient; returns which parameters it stepped."""
+        present = self.present
+        self.empty()
+        return present
+
+    def empty(self) -> None:
+        """No gradient (after a step, or dropped by ``zero_grad``)."""
+        self.state, self.norms, self.device_norms = GradState.EMPTY, None, None
+        self.present = [False] * len(self.present)
+
+
 @dataclass(frozen=True)
 class ParamEntry:
     """Where one parameter lives inside its unit's flat buffers."""
@@ -141,15 +208,9 @@ class HostUnit:
         self.v: torch.Tensor | None = None
         self.slab: torch.Tensor | None = None
         self.acc: torch.Tensor | None = None
-        self.grad_state = GradState.EMPTY
-        self.norms: list[torch.Tensor] | None = None  # per-parameter norms of the complete gradient
-        self.device_norms: list[tuple[torch.Tensor, bool]] | None = None  # (norm, got a gradient), on the device
-        # Per parameter, as torch.optim keeps them: a parameter that got no gradient (frozen, or unused by
-        # the loss) is skipped by the step and its Adam step count (bias correction) does not advance.
-        self.has_grad = [False] * len(self.entries)  # got a gradient since the last step / zero_grad
+        self.grad = UnitGrad(len(self.entries))  # where the gradient is, which parameters have one
         self.steps = [0] * len(self.entries)  # optimizer steps taken
         self.future: Future | None = None  # last host job touching this unit
-        self.held: Any = None  # host_steps.Held: a block called again in this backward sums its gradients in the slab
         self.upload_done: object | None = None  # event: the last H2D read of `copy` finished
 
     # -- layout ---------------------------------------------------------------------------------
@@ -161,7 +222,7 @@ class HostUnit:
         """(group, step, start, end) runs of consecutive parameters the next optimizer step updates: owned
         by one param group, holding a gradient, and at the same Adam step count."""
         runs: list[tuple[int, int, int, int]] = []
-        for e, has_grad, step in zip(self.entries, self.has_grad, self.steps):
+        for e, has_grad, step in zip(self.entries, self.grad.present, self.steps):
             if e.group is None or not has_grad:
                 continue
             if runs and runs[-1][:2] == (e.group, step) and runs[-1][3] == e.offset:

@@ -21,9 +21,13 @@ others come down through a ring and are added to it, and the last call lands the
 Hooks that read or edit gradients (``engine.gradients_visible``) get them after :meth:`HostSide.expose` has
 landed every one into the fp32 accumulator; :meth:`HostSide.take_back` folds what they left into it.
 
-Why one file of about 580 lines: every path a gradient takes to the host (whole, in pieces, held for a
-second call, accumulated, shown to hooks, stepped at once or at the step) moves the unit's grad state,
-which this object keeps consistent; split, that state machine would be spread over several files.
+A unit given a device sum (engine/grad_sums.py) adds its accumulating micro-batches' gradients on the device
+instead, and the sum comes down once, at the step's last backward, into the accumulator.
+
+Why one file of about 780 lines: every path a gradient takes to the host (whole, in pieces, held for a
+second call, summed on the device, accumulated, shown to hooks, stepped at once or at the step) moves the
+unit's gradient state (host.UnitGrad, whose transitions are named), and this object decides which path
+each gradient takes; split, those decisions would be spread over several files.
 """
 
 from __future__ import annotations
@@ -174,7 +178,7 @@ class HostSide:
                 "gradients must reach a unit once per optimizer step when the optimizer overlaps backward"
             )
         task = graph_task()
-        if unit.held is not None and unit.held.task != task:
+        if unit.grad.held is not None and unit.grad.held.task != task:
             self.land_held(unit, block_idx, this_pass=False)  # an earlier backward's sum is complete
         if self._into_sum(unit, flat, present, block_idx, more):
             if grad_slot is not None:
@@ -183,7 +187,7 @@ class HostSide:
         self.wait(unit)  # the worker must be done reading the slab before it is overwritten
         if self.sums is not None and self.sums.is_open(unit):
             self._spill(unit)  # a block called again in this backward: its calls are summed on the host
-        if unit.held is not None:
+        if unit.grad.held is not None:
             done = self._add_to_held(unit, flat, present)
             if not more:
                 self.land_held(unit, block_idx, this_pass=True)
@@ -205,7 +209,7 @@ class HostSide:
         does not (pack and :meth:`ship` it). A partitioned unit's gradient is reduce-scattered whole first."""
         if self.sums is None or unit.partitioned or unit in self._eager:
             return False  # (ship refuses a second gradient of a unit already stepped)
-        if unit.held is not None and unit.held.task != graph_task():
+        if unit.grad.held is not None and unit.grad.held.task != graph_task():
             return False  # (ship lands the earlier backward's held sum first)
         return self._into_sum(unit, grads, present, block_idx, more)
 
@@ -217,7 +221,7 @@ class HostSide:
         no gradient on the host (so no host sum is reordered), or in the step's last backward when a sum is
         open, which then goes down as the backward's one gradient of the unit."""
         sums = self.sums
-        if sums is None or more or unit.held is not None or not sums.takes(unit):
+        if sums is None or more or unit.grad.held is not None or not sums.takes(unit):
             return False
         if self.mode == "accumulate":
             # A unit not pending holds no gradient once its queued jobs (last step's, or a drop) are done, so
@@ -280,9 +284,9 @@ class HostSide:
         holds a sum of micro-batches), and steps it when `hyper` says so."""
         t0 = time.perf_counter()
         done.synchronize()  # never read pinned memory before its copy has finished
-        unit.has_grad = [a or b for a, b in zip(unit.has_grad, present)]
-        unit.grad_state = GradState.ACC
-        unit.norms = self._norms(unit) if want_norm else None
+        unit.grad.arriving(present)
+        unit.grad.accumulating()
+        unit.grad.landed(self._norms(unit) if want_norm else None)
         self.stats["host_land_seconds"] += time.perf_counter() - t0
         if hyper is not None:
             self._clamp_and_step(unit, hyper, 1.0, clamp)
@@ -290,14 +294,14 @@ class HostSide:
     def _ship_whole(self, unit: HostUnit, flat: torch.Tensor, present: list[bool], block_idx: int | None) -> object:
         """A unit's whole gradient of this backward: land it (into the accumulator, or stepped at once when
         the optimizer overlaps backward, or kept for the step). Returns the event of its last copy."""
-        if unit.grad_state is GradState.SLAB:
+        if unit.grad.state is GradState.SLAB:
             self._promote(unit)
         accumulate = self.mode == "accumulate"
         eager = self._eager_ok()
-        self._device_norms(unit, flat, present, single=not accumulate and unit.grad_state is GradState.EMPTY)
+        self._device_norms(unit, flat, present, single=not accumulate and unit.grad.state is GradState.EMPTY)
         # Lean layout: a gradient the landing job consumes at once (into the accumulator, or by the step
         # itself) goes through the gradient ring; one that waits for the optimizer step needs its own slab.
-        to_acc = accumulate or unit.grad_state is GradState.ACC
+        to_acc = accumulate or unit.grad.state is GradState.ACC
         hyper = self.hyper() if eager else None
         # Clipping by value said before backward, and this unit steps as it lands: the whole step's gradient
         # is clamped on the device before it goes down; a sum of micro-batches by the landing job.
@@ -306,7 +310,7 @@ class HostSide:
             flat.clamp_(-clamp, clamp)
             clamp = None
         self._before_download(flat)
-        want_norm = self.want_norms and not accumulate and unit.device_norms is None
+        want_norm = self.want_norms and not accumulate and unit.grad.device_norms is None
         if self.grad_ring is not None and (to_acc or eager):
             done = self._ship_pieces(unit, flat, present, to_acc, want_norm, hyper, clamp)
         else:
@@ -337,13 +341,12 @@ class HostSide:
     def _hold(self, unit: HostUnit, flat: torch.Tensor, present: list[bool], task: int) -> object:
         """The first gradient of a block that has another call still to come back in this backward: kept in
         the slab, where the others are added (:class:`Held`); nothing lands or steps yet."""
-        if unit.grad_state is GradState.SLAB:
+        if unit.grad.state is GradState.SLAB:
             self._promote(unit)  # an earlier backward's gradient leaves the slab for the accumulator
-        unit.device_norms = None  # (norms of a part of the gradient would be wrong; the landing takes them)
         self._before_download(flat)
         self.streams.copy(self.streams.d2h, unit.ensure_slab(), flat)
         done = self.streams.event(self.streams.d2h)
-        unit.held = Held(task, self.mode == "accumulate", list(present))
+        unit.grad.hold(Held(task, self.mode == "accumulate", list(present)))  # (its norms are the landing's)
         self.submit(unit, done.synchronize, 0, done)  # the unit's future covers the copy
         self._pending.add(unit)
         return done
@@ -354,7 +357,7 @@ class HostSide:
         if self.sum_ring is None:
             count, pin = self.ring_shape
             self.sum_ring = self.grad_ring or HostRing("sum", count, self.piece, self.compute_dtype, pin)
-        unit.held.present = [a or b for a, b in zip(unit.held.present, present)]
+        unit.grad.held.present = [a or b for a, b in zip(unit.grad.held.present, present)]
         self._before_download(flat)
         for lo, hi in pieces(unit.numel, self.piece):
             i, buf = self.sum_ring.take(hi - lo)
@@ -374,7 +377,7 @@ class HostSide:
         """The sum held in the slab is complete: land it as the backward's one gradient of the unit, as
         :meth:`_ship_whole` lands one (stepped at once only when it is this backward's and the optimizer
         overlaps it; a sum left from an earlier backward, or landed by the optimizer step, waits for the step)."""
-        held, unit.held = unit.held, None
+        held = unit.grad.unhold()
         eager = this_pass and not held.accumulate and self._eager_ok()
         hyper = self.hyper() if eager else None
         want_norm = self.want_norms and not held.accumulate
@@ -397,7 +400,7 @@ class HostSide:
         `hyper`, clamped to `clamp` and stepped) by its own host job; returns the event of the last copy. A
         ring buffer is taken again only after the job that consumed it, so the host holds the ring's pieces,
         no slab."""
-        first = unit.grad_state is GradState.EMPTY  # (stable: the unit's earlier jobs are done)
+        first = unit.grad.state is GradState.EMPTY  # (stable: the unit's earlier jobs are done)
         for lo, hi in pieces(unit.numel, self.piece):
             i, buf = self.grad_ring.take(hi - lo)
             self.streams.copy(self.streams.d2h, buf, flat[lo:hi])
@@ -427,15 +430,15 @@ class HostSide:
         t0 = time.perf_counter()
         done.synchronize()  # never read pinned memory before its copy has finished
         if lo == 0:  # the step's runs depend on which parameters got a gradient
-            unit.has_grad = [a or b for a, b in zip(unit.has_grad, present)]
+            unit.grad.arriving(present)
         if to_acc:
             if unit.acc is None:
                 unit.acc = host_empty(unit.numel, torch.float32, pin=False)
             kernels.accumulate_(unit.acc[lo:hi], buf, first)
         last = hi == unit.numel
         if last and hyper is None:
-            unit.grad_state = GradState.ACC
-            unit.norms = self._norms(unit) if want_norm else None
+            unit.grad.accumulating()
+            unit.grad.landed(self._norms(unit) if want_norm else None)
         self.stats["host_land_seconds"] += time.perf_counter() - t0
         if hyper is not None:
             grad = unit.acc[lo:hi] if to_acc else buf
@@ -447,10 +450,10 @@ class HostSide:
         """With clipping, a gradient that is the whole of its unit's gradient for this step (one micro-batch,
         the unit's first) gets its per-parameter norms computed on the device before it goes down: the
         clipping coefficient then needs no host pass over the gradients, and waits for no landing."""
-        unit.device_norms = None
+        norms = None
         if self.want_norms and single:
-            norms = kernels.param_norms(flat, [(e.offset, e.numel) for e in unit.entries])
-            unit.device_norms = list(zip(norms, present))
+            norms = list(zip(kernels.param_norms(flat, [(e.offset, e.numel) for e in unit.entries]), present))
+        unit.grad.measured_on_device(norms)
 
     def _eager_ok(self) -> bool:
         """Step a unit the moment its last gradient lands: the optimizer overlaps the rest of backward."""
@@ -477,17 +480,17 @@ class HostSide:
         if done is not None:  # (a held sum: its copies were waited for by the jobs that added them)
             done.synchronize()  # never read pinned memory before its copy has finished
         # As `.grad` in ordinary training: a parameter has a gradient once any micro-batch produced one.
-        unit.has_grad = [a or b for a, b in zip(unit.has_grad, present)]
-        if accumulate or unit.grad_state is GradState.ACC:
-            first = unit.grad_state is GradState.EMPTY
+        unit.grad.arriving(present)
+        if accumulate or unit.grad.state is GradState.ACC:
+            first = unit.grad.state is GradState.EMPTY
             if unit.acc is None:
                 unit.acc = host_empty(unit.numel, torch.float32, pin=False)
             kernels.accumulate_(unit.acc, unit.slab, first)
-            unit.grad_state = GradState.ACC
+            unit.grad.accumulating()
         else:
-            unit.grad_state = GradState.SLAB
+            unit.grad.in_slab()
         # A norm is only meaningful for the complete gradient; a later micro-batch makes it stale.
-        unit.norms = self._norms(unit) if want_norm else None
+        unit.grad.landed(self._norms(unit) if want_norm else None)
         self.stats["host_land_seconds"] += time.perf_counter() - t0
         if hyper is not None:
             self._clamp_and_step(unit, hyper, 1.0, clamp)
@@ -497,13 +500,13 @@ class HostSide:
         if unit.acc is None:
             unit.acc = host_empty(unit.numel, torch.float32, pin=False)
         kernels.accumulate_(unit.acc, unit.slab, True)
-        unit.grad_state = GradState.ACC
+        unit.grad.accumulating()
 
     def _norms(self, unit: HostUnit) -> list[torch.Tensor]:
         return kernels.param_norms(self._grad_of(unit), [(e.offset, e.numel) for e in unit.entries])
 
     def _grad_of(self, unit: HostUnit) -> torch.Tensor:
-        return unit.acc if unit.grad_state is GradState.ACC else unit.slab
+        return unit.acc if unit.grad.state is GradState.ACC else unit.slab
 
     # -- gradients shown to hooks (engine.gradients_visible) --------------------------------------
     def expose(self) -> None:
@@ -511,27 +514,26 @@ class HostSide:
         self._land_all_held()
         self.flush()
         for unit in self.all_units():
-            if unit.grad_state is GradState.SLAB:
+            if unit.grad.state is GradState.SLAB:
                 self._promote(unit)
 
     def take_back(self, unit: HostUnit, grads: list[torch.Tensor | None]) -> None:
         """After the hooks: `grads` (per parameter, what its `.grad` holds now) is the unit's gradient. One edited
         in place is already in the accumulator; an assigned one is copied there; None drops the parameter's
         gradient (not stepped, and a later micro-batch starts afresh, as after ``p.grad = None``)."""
-        if unit.grad_state is GradState.EMPTY and any(g is not None for g in grads):
+        if unit.grad.state is GradState.EMPTY and any(g is not None for g in grads):
             if unit.acc is None:
                 unit.acc = host_empty(unit.numel, torch.float32, pin=False)
             unit.acc.zero_()  # (an earlier step's values must not count for the parameters given none)
-            unit.grad_state = GradState.ACC
-        for i, (e, g) in enumerate(zip(unit.entries, grads)):
+            unit.grad.accumulating()
+        for e, g in zip(unit.entries, grads):
             view = None if unit.acc is None else unit.acc[e.offset : e.offset + e.numel].view(e.shape)
             if g is None and view is not None:
                 view.zero_()
             elif g is not None and not (g.data_ptr() == view.data_ptr() and g.stride() == view.stride()):
                 view.copy_(g)
-            unit.has_grad[i] = g is not None
-        unit.norms = unit.device_norms = None  # taken again at the step, from what the hooks left
-        if unit.grad_state is not GradState.EMPTY:
+        unit.grad.taken_back([g is not None for g in grads])
+        if unit.grad.state is not GradState.EMPTY:
             self._pending.add(unit)
 
     # -- optimizer step ---------------------------------------------------------------------
@@ -597,7 +599,7 @@ class HostSide:
         self.flush()
         todo = stepper.units([u for u in self.all_units() if u in self._pending])
         for unit in todo:
-            if unit.grad_state is GradState.SLAB and unit.slab.dtype != torch.float32:
+            if unit.grad.state is GradState.SLAB and unit.slab.dtype != torch.float32:
                 self._promote(unit)
         scale = self._clip_scale(todo, clip_val) if clip_val else 1.0
         stepper.step(todo, [self._grad_of(u) for u in todo], scale, clamp)
@@ -630,7 +632,7 @@ class HostSide:
         and bring down the device sums still open (the gradients are wanted on the host now)."""
         self.spill_all()
         for unit in self.all_units():
-            if unit.held is not None:
+            if unit.grad.held is not None:
                 self.land_held(unit, self.block_index.get(id(unit)), this_pass=False)
 
     def _clamp_and_step(self, unit: HostUnit, hyper: list[AdamHyper], scale: float, clamp: float | None) -> None:
@@ -650,17 +652,21 @@ class HostSide:
     def _param_norms(self, todo: list[HostUnit]) -> list[torch.Tensor]:
         by_param: dict[int, torch.Tensor] = {}
         on_device = [
-            (id(e.param), n) for u in todo if u.device_norms for e, (n, g) in zip(u.entries, u.device_norms) if g
+            (id(e.param), n)
+            for u in todo
+            if u.grad.device_norms
+            for e, (n, g) in zip(u.entries, u.grad.device_norms)
+            if g
         ]
         if on_device:  # one copy to the host for all of them (it waits for the backward to finish on the device)
             by_param.update(zip([i for i, _ in on_device], torch.stack([n for _, n in on_device]).cpu().unbind()))
         for unit in todo:
-            if unit.device_norms is not None:
+            if unit.grad.device_norms is not None:
                 continue
             unit.wait()
-            if unit.norms is None:
-                unit.norms = self._norms(unit)
-            by_param.update((id(e.param), n) for e, n, g in zip(unit.entries, unit.norms, unit.has_grad) if g)
+            if unit.grad.norms is None:
+                unit.grad.landed(self._norms(unit))
+            by_param.update((id(e.param), n) for e, n, g in zip(unit.entries, unit.grad.norms, unit.grad.present) if g)
         # clip_grad_norm_ walks the optimizer's parameters that have a gradient, in group order; so does this.
         if self.partition is not None:
             return self._whole_norms(by_param)
@@ -719,11 +725,10 @@ class HostSide:
     def _finish_step(self, unit: HostUnit, stepped: bool = True) -> None:
         """After a unit's step (or, `stepped=False`, instead of it): its gradient is gone."""
         if stepped:
-            unit.steps = [
-                s + int(g and e.group is not None) for s, g, e in zip(unit.steps, unit.has_grad, unit.entries)
-            ]
-        unit.grad_state, unit.norms, unit.device_norms = GradState.EMPTY, None, None
-        unit.has_grad = [False] * len(unit.entries)
+            present = unit.grad.stepped()
+            unit.steps = [s + int(g and e.group is not None) for s, g, e in zip(unit.steps, present, unit.entries)]
+        else:
+            unit.grad.empty()
 
     def zero_grad(self, units: list[HostUnit] | None = None) -> None:
         """Drop the gradients not stepped yet (of `units` only, when given: one of several optimizers'). Nothing
@@ -732,7 +737,7 @@ class HostSide:
         units = self.all_units() if units is None else units
         dropped = self._pending.intersection(units)
         for unit in dropped:
-            unit.held = None
+            unit.grad.unhold()
             if self.sums is not None:
                 self.sums.drop(unit)
             self.submit(unit, lambda unit=unit: self._finish_step(unit, stepped=False))

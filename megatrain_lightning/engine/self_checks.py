@@ -245,7 +245,7 @@ class SelfChecks:
             unit = self.engine.units[idx]
             views = unit.views(unit.acc) if unit.acc is not None else {}
             grads = []
-            for e, has in zip(unit.entries, unit.has_grad):
+            for e, has in zip(unit.entries, unit.grad.present):
                 stray, view = e.param.grad, views.get(e.name) if has else None
                 if stray is not None:
                     stray = stray.to(torch.float32).reshape(e.shape)

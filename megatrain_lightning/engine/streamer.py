@@ -275,8 +275,8 @@ class BlockStreamer:
             if not self.host.sum_grads(unit, by_entry, present, idx, more):
                 flat, grad_slot = self.host.pack_grads(unit, by_entry)
                 self.host.ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot, more=more)
-        elif unit.held is not None and not more:
-            self.host.land_held(unit, idx, this_pass=unit.held.task == graph_task())  # it was the last call
+        elif unit.grad.held is not None and not more:
+            self.host.land_held(unit, idx, this_pass=unit.grad.held.task == graph_task())  # it was the last call
         return tuple(grads_in)
 
     def _run(
