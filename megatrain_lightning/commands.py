@@ -399,6 +399,9 @@ def schedule_parser() -> argparse.ArgumentParser:
         help="micro-batches per optimizer step, as Trainer(accumulate_grad_batches) (default 1)",
     )
     ap.add_argument(
+        "--batch-size", type=int, default=1, help="rows (sequences of --seq-len tokens) per micro-batch (default 1)"
+    )
+    ap.add_argument(
         "--clip", type=float, help="global-norm gradient clipping, as Trainer(gradient_clip_val) (default: none)"
     )
     add_engine_flags(ap, ("num_slots", "device_grad_sums"), {"num_slots": "auto", "device_grad_sums": 0})
@@ -422,7 +425,7 @@ def schedule_command(argv: list[str]) -> ModelledStep:
     try:  # every input checked before the recording, so that an error inside it is not taken for the user's
         device = profile(args.device)
         config = resolve_config(args.model)
-        check_options(args.seq_len, args.micro_batches, args.clip, args.num_slots, args.steps)
+        check_options(args.seq_len, args.micro_batches, args.clip, args.num_slots, args.steps, args.batch_size)
         DataParallel(args.gpus, args.link).rank_profile(device)
     except (ValueError, FileNotFoundError) as err:
         user_error(str(err), ap.prog)
@@ -439,6 +442,7 @@ def schedule_command(argv: list[str]) -> ModelledStep:
         link=args.link,
         recompute=args.recompute,
         grad_sums=args.device_grad_sums,
+        batch_size=args.batch_size,
     )
     print("\n".join(step.report()), flush=True)
     return step

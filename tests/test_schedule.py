@@ -476,3 +476,19 @@ def test_kept_blocks_forward_is_recorded_once(capsys):
     assert steps["false"].trace.kept_calls == [layers, layers] and steps["true"].trace.kept_calls == [0, 0]
     assert flops("true", "forward block") == flops("false", "forward block") > 0
     assert flops("true", "backward block") - flops("false", "backward block") == flops("true", "forward block")
+
+
+def test_rows_per_micro_batch_are_recorded_as_rows(capsys):
+    """`megatrain schedule --batch-size 2`: the engine runs micro-batches of 2 rows, so every matmul and
+    attention kernel of the recording does exactly twice the FLOPs of the one-row run's, and the step's
+    tokens and model FLOPs are twice as many."""
+    args = ["schedule", "--model", "tiny", "--device", "a100", "--seq-len", "32", "--steps", "2"]
+    one, two = run(args), run([*args, "--batch-size", "2"])
+    out = capsys.readouterr().out
+    assert "2 x 32 tokens/step" in out and "1 x 32 tokens/step" in out
+    recorded = [sum(k.flops for k in step.trace.issue if isinstance(k, Kernel)) for step in (one, two)]
+    assert recorded[1] == 2 * recorded[0] > 0
+    assert (two.step_tokens, two.summary.model_flops) == (2 * one.step_tokens, 2 * one.summary.model_flops)
+    with pytest.raises(SystemExit):
+        run([*args, "--batch-size", "0"])
+    assert "batch_size=0 must be an integer >= 1" in capsys.readouterr().err

@@ -36,7 +36,7 @@ FIRST_SLOTS = 2  # what num_slots="auto" starts with: the planner's figures for 
 @dataclass(frozen=True)
 class ModelledStep:
     """The last of `steps` recorded optimizer steps of `name`, each `micro_batches` micro-batches of
-    1 x `seq_len` tokens, replayed on `profile`."""
+    `batch_size` x `seq_len` tokens, replayed on `profile`."""
 
     name: str
     config: LlamaConfig
@@ -56,11 +56,12 @@ class ModelledStep:
     summary: Summary
     data_parallel: DataParallel = DataParallel()
     recompute: bool | str = "auto"  # as asked; trace.kept_calls is what the engine kept
+    batch_size: int = 1  # rows (sequences) per micro-batch
 
     @property
     def step_tokens(self) -> int:
         """Tokens per step of this rank (of the only GPU with gpus=1)."""
-        return self.micro_batches * self.seq_len
+        return self.micro_batches * self.batch_size * self.seq_len
 
     @property
     def gpus(self) -> int:
@@ -89,7 +90,7 @@ class ModelledStep:
         micro = f"{self.micro_batches} micro-batches of " if self.micro_batches > 1 else ""
         return [
             f"schedule model: {self.name} ({c.num_parameters() / 1e9:.2f}B params, {c.num_hidden_layers} blocks), "
-            f"{micro}1 x {self.seq_len} tokens/step, {PRECISION}, clip {clip}, modelled {p.name}",
+            f"{micro}{self.batch_size} x {self.seq_len} tokens/step, {PRECISION}, clip {clip}, modelled {p.name}",
             f"engine decisions: token tiles {self.tile or 'none'}, block inputs {inputs} (planner, "
             f"{p.gpu_mem_gib:g} GiB), {slots}, {self.kept_text()}; {self.steps} steps recorded on fake tensors in {self.record_s:.1f} s "
             f"({len(self.trace.issue)} issued items, {len(self.trace.jobs)} host jobs)",
@@ -160,19 +161,20 @@ def modelled_step(
     link: str = "nvlink",
     recompute: bool | str = "auto",
     grad_sums: int | str = 0,
+    batch_size: int = 1,
 ) -> ModelledStep:
     """Record `steps` optimizer steps of `config` as the strategy runs them and replay them on `profile`
     (module docstring); with `gpus` > 1, one rank of that many joined by `link`, each step `micro_batches`
     of the rank's own. A ValueError names a bad option."""
-    check_options(seq_len, micro_batches, clip, num_slots, steps)
+    check_options(seq_len, micro_batches, clip, num_slots, steps, batch_size)
     check_recompute(recompute)
     dp = DataParallel(gpus, link)
     base, profile = profile, dp.rank_profile(profile)
     gpu_mem = int(profile.gpu_mem_gib * planner.GiB) - planner.collective_bytes(config, PRECISION, gpus)
     elt = planner.compute_bytes(PRECISION)
-    tile = planner.planned_tile(config, seq_len, 1, elt, gpu_mem)
-    offload = planner.auto_offloads_inputs(config, seq_len, 1, PRECISION, FIRST_SLOTS, gpu_mem)
-    transient = planner.free_and_transient(config, seq_len, 1, PRECISION, offload, gpu_mem)[1]
+    tile = planner.planned_tile(config, seq_len, batch_size, elt, gpu_mem)
+    offload = planner.auto_offloads_inputs(config, seq_len, batch_size, PRECISION, FIRST_SLOTS, gpu_mem)
+    transient = planner.free_and_transient(config, seq_len, batch_size, PRECISION, offload, gpu_mem)[1]
     memory = (gpu_mem - planner.CUDA_CONTEXT_BYTES, transient)  # free = this less what is live (Recorder.probes)
     t0 = time.perf_counter()
     trace = record_steps(
@@ -190,10 +192,11 @@ def modelled_step(
         dp if gpus > 1 else None,
         recompute,
         grad_sums,
+        batch_size,
     )
     record_s = time.perf_counter() - t0
     timeline = replay(trace, profile, launch_s)
-    flops = model_flops(config, micro_batches * seq_len, seq_len)
+    flops = model_flops(config, micro_batches * batch_size * seq_len, seq_len)
     summary = summarize(timeline, profile, flops, steps, clip is not None, micro_batches)
     if adam_source is None:
         adam_source = "28 B/param over host bandwidth" if profile.host_adam_gparams is None else "given"
@@ -216,12 +219,15 @@ def modelled_step(
         summary=summary,
         data_parallel=dp,
         recompute=recompute,
+        batch_size=batch_size,
     )
 
 
-def check_options(seq_len: int, micro_batches: int, clip: float | None, num_slots: int | str, steps: int) -> None:
+def check_options(
+    seq_len: int, micro_batches: int, clip: float | None, num_slots: int | str, steps: int, batch_size: int = 1
+) -> None:
     """One-line ValueErrors for options the recording cannot take."""
-    for key, value in (("seq_len", seq_len), ("micro_batches", micro_batches)):
+    for key, value in (("seq_len", seq_len), ("micro_batches", micro_batches), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}={value!r} must be an integer >= 1")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:

@@ -103,9 +103,10 @@ def record_steps(
     data_parallel: DataParallel | None = None,
     recompute: bool | str = "auto",
     grad_sums: int | str = 0,
+    batch_size: int = 1,
 ) -> Trace:
     """The trace of `steps` bf16-mixed training steps of `config`, each of `micro_batches` micro-batches of
-    1 x `tokens`, on fake tensors (measure.py's way: the engine and model run for real, the tensors have
+    `batch_size` x `tokens`, on fake tensors (measure.py's way: the engine and model run for real, the tensors have
     shapes but no memory). `tile` and `offload_inputs` are fixed: their "auto" choices read the free memory
     of a device there is not. With a
     `profile` the engine's timing decisions (prefetch a block whose step is done) get that device's answers
@@ -121,7 +122,7 @@ def record_steps(
     recorder = Recorder(profile, launch_s) if data_parallel is None else RankRecorder(data_parallel, profile, launch_s)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = LlamaForCausalLM(config)  # built before recording: host memory the engine takes over
-        batch = torch.zeros(1, tokens, dtype=torch.int64)
+        batch = torch.zeros(batch_size, tokens, dtype=torch.int64)
         with recorder.recording():
             options = EngineConfig(
                 device="cpu",
