@@ -492,3 +492,23 @@ def test_rows_per_micro_batch_are_recorded_as_rows(capsys):
     with pytest.raises(SystemExit):
         run([*args, "--batch-size", "0"])
     assert "batch_size=0 must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_the_engines_own_kernels_are_told_from_the_models(capsys):
+    """Each recorded kernel says whose work it is: the engine's packing of gradients and its recompute
+    fingerprints (and, with device sums, their adds) are the engine's, named by the function that issued
+    them; every matmul and attention kernel is the model's. The table's GPU line gives the engine's share."""
+    args = ["schedule", "--model", "tiny", "--device", "a100", "--seq-len", "32", "--steps", "2"]
+    plain, sums = run([*args, "--micro-batches", "2"]), run([*args, "--micro-batches", "2", "--device-grad-sums", "4"])
+    out = capsys.readouterr().out
+
+    def origins(step) -> set[str]:
+        return {k.origin for k in step.trace.issue if isinstance(k, Kernel)}
+
+    assert {"engine:pack_grads", "engine:fingerprint", "model"} <= origins(plain)
+    assert "engine:_add" in origins(sums) and "engine:_add" not in origins(plain)
+    kernels = [k for k in plain.trace.issue if isinstance(k, Kernel)]
+    assert all(k.origin == "model" for k in kernels if k.attention or k.name in ("mm", "addmm", "bmm"))
+    own = plain.summary.engine_kernels
+    assert own and set(own) <= {o.removeprefix("engine:") for o in origins(plain)}
+    assert f"the engine's own {sum(own.values()):.4f} s" in out

@@ -30,6 +30,7 @@ per block output and a walk over each block's parameter dict:
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
@@ -49,19 +50,28 @@ if TYPE_CHECKING:
 FINGERPRINT_BYTES = 8
 
 _SIGNS: dict[tuple[int, int, str, torch.dtype], torch.Tensor] = {}
+# Fake tensors (the planner's measurement, the schedule model) each belong to one fake mode: cached per mode,
+# so a recording sees the signs made once, as a real run does.
+_FAKE_SIGNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _signs(n: int, salt: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """n fixed pseudo-random +-1 on `device`, the same in every call of the process (cached, except fake
-    tensors: each belongs to one fake mode)."""
+    """n fixed pseudo-random +-1 on `device`, the same in every call of the process (cached)."""
     key = (n, salt, str(device), dtype)
-    if key in _SIGNS:
-        return _SIGNS[key]
+    mode = _active_fake_mode()
+    cache = _SIGNS if mode is None else _FAKE_SIGNS.setdefault(mode, {})
+    if key in cache:
+        return cache[key]
     g = torch.Generator().manual_seed(0x5E1F + salt)
     signs = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).to(device=device, dtype=dtype)
-    if not isinstance(signs, FakeTensor):
-        _SIGNS[key] = signs
+    if mode is not None or not isinstance(signs, FakeTensor):
+        cache[key] = signs
     return signs
+
+
+def _active_fake_mode() -> Any:
+    """The fake tensor mode on the dispatch stack now, or None (one lookup: this runs per block call)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
 def fingerprint(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:

@@ -55,6 +55,7 @@ class Interval:
     step: int
     what: str  # kernel name / copy / host kind / where a thread blocked
     phase: str = ""
+    origin: str = ""  # a kernel's: "model" or "engine:<function>" (trace.Kernel)
 
     @property
     def seconds(self) -> float:
@@ -219,8 +220,8 @@ class Replay:
         t.clock = issued
         start = max(issued, self.frontier[lane])
         self.frontier[lane] = start + seconds
-        what = item.name if isinstance(item, Kernel) else item.what
-        self.timeline.intervals.append(Interval(lane, start, start + seconds, item.step, what, item.phase))
+        what, origin = (item.name, item.origin) if isinstance(item, Kernel) else (item.what, "")
+        self.timeline.intervals.append(Interval(lane, start, start + seconds, item.step, what, item.phase, origin))
 
     def _block(self, t: _Thread, until: float, where: str) -> None:
         if until > t.clock:

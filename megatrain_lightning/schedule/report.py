@@ -24,7 +24,7 @@ hair above it).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.replay import Interval, Timeline
@@ -49,6 +49,9 @@ class Summary:
     gpu_idle_s: float  # seconds of the window with no kernel on the GPU
     resource: str  # the busiest resource (the bound unless the clipping chain is longer)
     chain_s: float = 0.0  # the optimizer step's chain: see the module docstring
+    # The GPU's busy seconds of the engine's own kernels (casts, packing, norms, sums, fingerprints), by the
+    # engine function that issued them (record.origin); the rest of the GPU's time is the model's.
+    engine_kernels: dict[str, float] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -104,6 +107,7 @@ def summarize(
         gpu_idle_s=(hi - lo) - _covered(compute, lo, hi),
         resource=resource,
         chain_s=chain,
+        engine_kernels=_engine_kernels(mine),
     )
 
 
@@ -134,7 +138,9 @@ def table(s: Summary) -> str:
         f"{CHAIN} {s.chain_s:>5.4f} {s.chain_s / s.step_s:>7.1%}{mark}  (Adam, then the GPU work that waits for it)"
     )
     rows.append(f"step   {s.step_s:>9.4f}  (bound {s.bound_s:.4f} s on {s.bound}; GPU idle {s.gpu_idle_s:.4f} s of it)")
-    rows.append("gpu:   " + _listing(s.gpu_kinds))
+    own = sum(s.engine_kernels.values())
+    engine = f"; the engine's own {own:.4f} s ({_listing(dict(list(s.engine_kernels.items())[:4]))})" if own else ""
+    rows.append("gpu:   " + _listing(s.gpu_kinds) + engine)
     rows.append("host:  " + _listing(s.host_kinds))
     top = dict(list(s.blocked.items())[:4])
     rows.append("issuing thread blocked: " + (_listing(top) if top else "never"))
@@ -147,6 +153,15 @@ def _listing(seconds: dict[str, float]) -> str:
 
 def _gpu_kind(name: str) -> str:
     return "attention" if "attention" in name else "matmul" if name in MATMULS else "memory-bound"
+
+
+def _engine_kernels(intervals: list[Interval]) -> dict[str, float]:
+    """Seconds of the engine's own kernels by the engine function that issued them, longest first."""
+    out: dict[str, float] = defaultdict(float)
+    for iv in intervals:
+        if iv.lane == "compute" and iv.origin.startswith("engine:"):
+            out[iv.origin.removeprefix("engine:")] += iv.seconds
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def _by(intervals: list[Interval], lane: str, kind) -> dict[str, float]:

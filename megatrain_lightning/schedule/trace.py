@@ -21,6 +21,7 @@ class Kernel:
     causal: bool
     step: int
     phase: str
+    origin: str = "model"  # "model", or "engine:<function>" for the engine's own work (record.origin)
 
 
 @dataclass(frozen=True)
