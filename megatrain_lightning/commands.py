@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -22,7 +21,7 @@ import torch
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning import plots
-from megatrain_lightning.engine import EngineConfig, declared
+from megatrain_lightning.engine import EngineConfig, declared, int_or_auto
 from megatrain_lightning.module import resolve_config
 from megatrain_lightning.plan_any import ModelPlan, is_any_model, plan_from_args
 from megatrain_lightning.planner import NVME_GBPS, Plan, RunShape, parse_size, plan
@@ -176,20 +175,6 @@ def plan_parser() -> argparse.ArgumentParser:
         "pip install 'megatrain_lightning[plot]')",
     )
     return ap
-
-
-def int_or_auto(what: str) -> Callable[[str], int | str]:
-    """An argparse type: an integer, or the word auto; otherwise an error naming `what` was expected."""
-
-    def parse(text: str) -> int | str:
-        if text == "auto":
-            return text
-        try:
-            return int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what} or auto") from None
-
-    return parse
 
 
 FLAG_DEFAULTS = {

@@ -27,6 +27,7 @@ from megatrain_lightning.engine.config import (
     compute_dtype,
     declared,
     forward_context,
+    int_or_auto,
     options_doc,
     parameters,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "declared",
     "empty_init",
     "forward_context",
+    "int_or_auto",
     "materialize",
     "options_doc",
     "parameters",

@@ -213,24 +213,19 @@ def _optional_flag(name: str) -> Callable[[Any], bool | None]:
     return lambda value: value if value is None else check_flag(name, value)
 
 
-def _int_or_auto(text: str) -> int | str:
-    """--num-slots: a count or the word auto (argparse's type; the option's check follows)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of slots or auto") from None
+def int_or_auto(what: str) -> Callable[[str], int | str]:
+    """An argparse type: an integer, or the word auto; otherwise an error naming `what` was expected (the
+    option's own check follows)."""
 
+    def parse(text: str) -> int | str:
+        if text == "auto":
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what} or auto") from None
 
-def _count_or_auto(text: str) -> int | str:
-    """--device-grad-sums: a count or the word auto (argparse's type; the option's check follows)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of blocks or auto") from None
+    return parse
 
 
 def _recompute_word(text: str) -> bool | str:
@@ -275,7 +270,7 @@ class EngineConfig:
         "resident from a forward to its backward and across the micro-batches of an accumulation, so fewer "
         "uploads; with one per block the backward uploads nothing.",
         check_num_slots,
-        flag={"type": _int_or_auto, "metavar": "NUM_SLOTS"},
+        flag={"type": int_or_auto("a number of slots"), "metavar": "NUM_SLOTS"},
     )
     device_grad_sums: GradSums = option(
         0,
@@ -289,7 +284,7 @@ class EngineConfig:
         "kept graphs would use: worth it where the host or the link bounds the step, not where the optimizer "
         "chain does (docs/benchmarks.md; engine/grad_sums.py).",
         check_device_grad_sums,
-        flag={"type": _count_or_auto, "metavar": "BLOCKS"},
+        flag={"type": int_or_auto("a number of blocks"), "metavar": "BLOCKS"},
     )
     overlap_optimizer: bool = option(
         True,
