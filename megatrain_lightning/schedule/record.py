@@ -74,6 +74,7 @@ _PASSING = (
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 # Engine functions through which the model's own work runs: autograd differentiating a block's ops, and
 # the calls that run a block, so an op issued under them (and under no nearer engine function) is the model's.
+_MODES = {"__torch_function__", "__torch_dispatch__"}
 _RUNS_THE_MODEL = {"differentiate", "recompute", "forward", "backward", "__call__", "call", "run_block", "inner"}
 
 
@@ -84,7 +85,8 @@ def origin() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if path.startswith(_PASSING) or (path.startswith(_STDLIB) and "site-packages" not in path):
+        passing = path.startswith(_PASSING) or frame.f_code.co_name in _MODES  # (a mode passes the caller's op on)
+        if passing or (path.startswith(_STDLIB) and "site-packages" not in path):
             frame = frame.f_back
             continue
         if path.startswith(_ENGINE) and frame.f_code.co_name not in _RUNS_THE_MODEL:
