@@ -117,7 +117,7 @@ largest unit (the embedding or head, or a block) adds that buffer and the chunk'
 (``COLLECTIVE_BYTES``, not measured); everything sized from the GPU limit (micro-batch, sequence, slots)
 leaves them free.
 
-Why one file of about 900 lines: every figure here (host per buffer kind, drive, GPU per item and per
+Why one file of about 1,200 lines: every figure here (host per buffer kind, drive, GPU per item and per
 token, the tiers "auto" tries, the longest sequence that fits) is read by the one ``plan`` and printed by
 the one table, and each is short; the engine-side facts it counts with (buffer kinds, ring and piece sizes,
 slot counts, option checks) are imported from the engine, so they cannot drift.

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from megatrain_lightning import Engine, EngineConfig, Probes
+from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.device_memory import SLOT_RESERVE_BYTES
+from megatrain_lightning.engine import Probes
 from megatrain_lightning.engine.build import worker_init
 from megatrain_lightning.engine.host import HostUnit
 from megatrain_lightning.engine.optimizer import HostAdamW

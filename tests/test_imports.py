@@ -11,6 +11,8 @@ run."""
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 from pathlib import Path
 
 import megatrain_lightning
@@ -123,3 +125,35 @@ def test_a_long_file_says_why():
             assert "Why one file" in doc, (
                 f"{path.relative_to(ROOT.parent)}: {text.count(chr(10))} lines, no reason given"
             )
+
+
+def test_the_package_top_holds_the_small_stable_set_and_the_configs_name_it():
+    """What users import or name in a config comes from the package top, and that set stays small: the
+    strategies, the engine with its options and errors, the module, the data module, the checkpoint
+    callback and the loaders. The shipped configs name their callbacks' classes through it where it has them."""
+    import megatrain_lightning as top
+
+    assert set(top.__all__) == {
+        "CausalLMModule",
+        "Engine",
+        "EngineConfig",
+        "HostAdamW",
+        "HostMemoryError",
+        "MegatrainFabricStrategy",
+        "MegatrainStrategy",
+        "ModelCheckpoint",
+        "PinnedMemoryError",
+        "TextDataModule",
+        "empty_init",
+        "load_from_checkpoint",
+        "load_hf_weights",
+    }
+    assert all(getattr(top, name) is not None for name in top.__all__)
+    named = set()
+    for config in (ROOT.parent / "configs").glob("*.yaml"):
+        named.update(re.findall(r"class_path: (megatrain_lightning\.\S+)", config.read_text()))
+    assert "megatrain_lightning.ModelCheckpoint" in named
+    for path in named:
+        module, _, name = path.rpartition(".")
+        assert module != "megatrain_lightning" or name in top.__all__, path
+        assert getattr(importlib.import_module(module), name) is not None, path

@@ -22,7 +22,8 @@ from torch import nn
 
 import megatrain_lightning
 import megatrain_lightning.engine.build as build_module
-from megatrain_lightning import HostMemoryError, MegatrainPrecision, MegatrainStrategy
+from megatrain_lightning import HostMemoryError, MegatrainStrategy
+from megatrain_lightning.precision import MegatrainPrecision
 from tests.helpers import (
     VOCAB,
     CausalLM,

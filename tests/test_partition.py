@@ -305,8 +305,7 @@ def _cuda_paths(rank: int, world: int, out: str) -> None:
     """Decisions of a partitioned engine that only show on GPUs, taken with stand-ins on the CPU: the slot
     count after ``num_slots="auto"`` when one rank's allocation fails midway, the blocks whose steps a forward
     waits for before each block runs, and what stays page-locked after close in fp32."""
-    from megatrain_lightning import Probes
-    from megatrain_lightning.engine import pinned
+    from megatrain_lightning.engine import Probes, pinned
 
     said: dict = {}
     with gloo_rank(rank, world, out):

@@ -11,8 +11,8 @@ import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 import megatrain_lightning.engine.build as build_module
-from megatrain_lightning import Engine, EngineConfig, HostMemoryError, Probes
-from megatrain_lightning.engine import pinned
+from megatrain_lightning import Engine, EngineConfig, HostMemoryError
+from megatrain_lightning.engine import Probes, pinned
 from megatrain_lightning.engine.host import host_bytes_per_param
 from megatrain_lightning.models import LlamaForCausalLM
 from tests.helpers import CausalLM, fit, hf_llama, own_llama, token_batches

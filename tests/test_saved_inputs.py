@@ -29,8 +29,9 @@ import pytest
 import torch
 
 import megatrain_lightning.engine.build as build_module
-from megatrain_lightning import Engine, EngineConfig, MegatrainFabricStrategy, MegatrainStrategy, Probes
+from megatrain_lightning import Engine, EngineConfig, MegatrainFabricStrategy, MegatrainStrategy
 from megatrain_lightning.device_memory import free_device_bytes
+from megatrain_lightning.engine import Probes
 from megatrain_lightning.engine.input_codec import InputCodec
 from megatrain_lightning.engine.saved_inputs import offload_needed
 from megatrain_lightning.models import LlamaForCausalLM

@@ -26,7 +26,6 @@ also run, and the copies are done at once, as on the CPU stand-in streams.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import weakref
@@ -44,6 +43,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.measure import DeviceBytes, observe_host_allocations, storage_key, tensors_in
 from megatrain_lightning.optim import kernels
+from megatrain_lightning.schedule.origin import origin
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.replay import LAUNCH_S, Replay
 from megatrain_lightning.schedule.trace import (
@@ -61,38 +61,6 @@ from megatrain_lightning.schedule.trace import (
 )
 
 aten = torch.ops.aten
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_ENGINE = tuple(os.path.join(_PACKAGE, d) + os.sep for d in ("engine", "optim"))
-# The recorder, torch and measure.py's device-bytes mode (stacked under the recorder) only pass an op on;
-# the recorded training loop (schedule/steps.py) is the user's code, its ops the model's.
-_PASSING = (
-    os.path.abspath(__file__),
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.join(_PACKAGE, "measure.py"),
-)
-_STDLIB = os.path.dirname(os.__file__) + os.sep
-# Engine functions through which the model's own work runs: autograd differentiating a block's ops, and
-# the calls that run a block, so an op issued under them (and under no nearer engine function) is the model's.
-_MODES = {"__torch_function__", "__torch_dispatch__"}
-_RUNS_THE_MODEL = {"differentiate", "recompute", "forward", "backward", "__call__", "call", "run_block", "inner"}
-
-
-def origin() -> str:
-    """Whose work the op being issued is: ``"engine:<function>"`` when the nearest caller outside torch, the
-    standard library and this recorder is a function of the engine (engine/, optim/) other than those that
-    run the model's code, else ``"model"`` (the model's forward, its autograd backward, the loss)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        passing = path.startswith(_PASSING) or frame.f_code.co_name in _MODES  # (a mode passes the caller's op on)
-        if passing or (path.startswith(_STDLIB) and "site-packages" not in path):
-            frame = frame.f_back
-            continue
-        if path.startswith(_ENGINE) and frame.f_code.co_name not in _RUNS_THE_MODEL:
-            return f"engine:{frame.f_code.co_name}"
-        return "model"
-    return "model"
 
 
 # -- the recorder ----------------------------------------------------------------------------------------
