@@ -465,6 +465,7 @@ def plan_from_args(args: Any, options: EngineConfig, host_layout: str | None) ->
         ("--png", args.png is not None),
         ("--token-chunk-size", args.token_chunk_size is not None),
         ("--devices/--nodes", args.devices * args.nodes > 1),
+        ("--device-grad-sums", options.device_grad_sums != 0),  # (the measured step is not an accumulating one)
     ]
     for flag, given in refused:
         if given:

@@ -240,6 +240,7 @@ def test_which_models_take_this_path(tmp_path):
         (["--model", "no_such_module_here:build"], "cannot import 'no_such_module_here'"),
         (["--token-chunk-size", "1024"], "--token-chunk-size plans the project's Llama"),
         (["--devices", "2"], "--devices/--nodes plans the project's Llama"),
+        (["--device-grad-sums", "2"], "--device-grad-sums plans the project's Llama"),
     ],
 )
 def test_refusals_are_one_line(tmp_path, capsys, args, message):
