@@ -3,6 +3,13 @@ from contextlib import ExitStack
 import pytest
 import torch
 
+# One intra-op thread for the tests' own torch work (the main thread's team, and the default of threads started
+# later; the engine's host worker sets its own). The tests' models are tiny: a second OpenMP thread splits ops too
+# small to gain from it, and on a busy machine every parallel region waits for a descheduled teammate while the
+# other spins: one twenty-step test measured 250-270 s with two threads beside another CPU-heavy job, 12 s with
+# one (hf-llama in tests/test_strategy.py). Processes the tests start keep their own defaults.
+torch.set_num_threads(1)
+
 # The Ray cluster the Ray end-to-end tests share (the `ray_cluster` fixture), and the last collected test that
 # uses it: the cluster stops after that test, not at the end of the session (pytest_runtest_teardown).
 _RAY = ExitStack()

@@ -593,8 +593,14 @@ def gloo_rank(rank: int, world: int, out: str) -> Iterator[None]:
     one CPU thread each. The ranks meet through a file in `out`, not a TCP port found free beforehand: the
     ranks take seconds to start on a busy machine, time for another process to take that port (another run of
     the same test on the machine among them, whose ranks would then meet ours)."""
+    import faulthandler
+
     import torch.distributed as dist
 
+    # A rank that dies of a signal (an abort inside gloo or torch) leaves only "terminated with signal" in
+    # the spawning test: print the Python stack of each of its threads first, to its stderr, which the test
+    # shows.
+    faulthandler.enable()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
     try:
