@@ -300,6 +300,13 @@ class HostUnit:
             self.slab = host_empty(self.numel, self.compute_dtype, self.pin)
         return self.slab
 
+    def ensure_acc(self, pin: bool = False) -> torch.Tensor:
+        """The fp32 accumulator, allocated at first use; `pin`: page-locked, as a DMA target must be (an
+        unpinned one is replaced: it holds nothing yet whenever a download is to land in it)."""
+        if self.acc is None or (pin and not self.acc.is_pinned()):
+            self.acc = host_empty(self.numel, torch.float32, pin=pin)
+        return self.acc
+
     def nbytes(self) -> dict[str, int]:
         """Bytes held per buffer kind (the copy counts zero when it is the master itself; on the NVMe tier
         m and v are None: the tier's working buffers are counted by the engine)."""

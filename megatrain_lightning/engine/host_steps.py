@@ -42,7 +42,6 @@ import torch
 
 from megatrain_lightning.engine.grad_sums import DeviceGradSums
 from megatrain_lightning.engine.host import GradState, HostUnit, spans
-from megatrain_lightning.engine.pinned import host_empty
 from megatrain_lightning.engine.ring import HostRing, pieces
 from megatrain_lightning.engine.self_checks import gated
 from megatrain_lightning.optim import kernels
@@ -265,10 +264,9 @@ class HostSide:
 
     def _download_sum(self, unit: HostUnit) -> tuple[object, list[bool]]:
         total, present = self.sums.close(unit)
-        if unit.acc is None or (unit.pin and self.streams.is_cuda and not unit.acc.is_pinned()):
-            unit.acc = host_empty(unit.numel, torch.float32, pin=unit.pin and self.streams.is_cuda)
+        acc = unit.ensure_acc(pin=unit.pin and self.streams.is_cuda)
         self._before_download(total)
-        self.streams.copy(self.streams.d2h, unit.acc, total[: unit.numel])
+        self.streams.copy(self.streams.d2h, acc, total[: unit.numel])
         return self.streams.event(self.streams.d2h), present
 
     def _land_sum(
@@ -432,8 +430,7 @@ class HostSide:
         if lo == 0:  # the step's runs depend on which parameters got a gradient
             unit.grad.arriving(present)
         if to_acc:
-            if unit.acc is None:
-                unit.acc = host_empty(unit.numel, torch.float32, pin=False)
+            unit.ensure_acc()
             kernels.accumulate_(unit.acc[lo:hi], buf, first)
         last = hi == unit.numel
         if last and hyper is None:
@@ -483,8 +480,7 @@ class HostSide:
         unit.grad.arriving(present)
         if accumulate or unit.grad.state is GradState.ACC:
             first = unit.grad.state is GradState.EMPTY
-            if unit.acc is None:
-                unit.acc = host_empty(unit.numel, torch.float32, pin=False)
+            unit.ensure_acc()
             kernels.accumulate_(unit.acc, unit.slab, first)
             unit.grad.accumulating()
         else:
@@ -497,8 +493,7 @@ class HostSide:
 
     def _promote(self, unit: HostUnit) -> None:
         """A second gradient arrives while the first still sits in the slab: move the first to fp32."""
-        if unit.acc is None:
-            unit.acc = host_empty(unit.numel, torch.float32, pin=False)
+        unit.ensure_acc()
         kernels.accumulate_(unit.acc, unit.slab, True)
         unit.grad.accumulating()
 
@@ -522,8 +517,7 @@ class HostSide:
         in place is already in the accumulator; an assigned one is copied there; None drops the parameter's
         gradient (not stepped, and a later micro-batch starts afresh, as after ``p.grad = None``)."""
         if unit.grad.state is GradState.EMPTY and any(g is not None for g in grads):
-            if unit.acc is None:
-                unit.acc = host_empty(unit.numel, torch.float32, pin=False)
+            unit.ensure_acc()
             unit.acc.zero_()  # (an earlier step's values must not count for the parameters given none)
             unit.grad.accumulating()
         for e, g in zip(unit.entries, grads):

@@ -110,10 +110,10 @@ class BlockStreamer:
         last blocks of a forward resident for its backward, and with one per block the backward uploads
         nothing and the next micro-batch of an accumulation finds every block resident. Runs once; on a
         device with no memory measure (the CPU) the pool keeps its 2 slots."""
-        transient = self._transient()
-        free = None if transient is None else self._free_device_bytes()
-        if free is None:
+        measured = self._memory_after_step()
+        if measured is None:
             return
+        free, transient = measured
         have, slot = self.pool.num_slots, self.pool.slot_bytes
         want = auto_slot_count(free, transient, slot, len(self.units), have)
         if self.partition is not None:  # every rank must stream alike: as many slots as the fullest device allows
@@ -138,15 +138,21 @@ class BlockStreamer:
             free / 2**30,
         )
 
+    def _memory_after_step(self) -> tuple[int, int] | None:
+        """(free device bytes, what the first step needed beyond the persistent buffers), read after that
+        step; None on a device with no memory measure (the CPU)."""
+        transient = self._transient()
+        free = None if transient is None else self._free_device_bytes()
+        return None if free is None else (free, transient)
+
     def size_sums(self) -> None:
         """``device_grad_sums="auto"``, after the first optimizer step (and the slots' sizing): as many blocks get
         a device gradient sum as the memory left free allows (engine/grad_sums.auto_sum_count); none on a device
         with no memory measure (the CPU)."""
-        transient = self._transient()
-        free = None if transient is None else self._free_device_bytes()
-        sums = self.host.sums
-        if free is None or sums is None:
+        measured, sums = self._memory_after_step(), self.host.sums
+        if measured is None or sums is None:
             return
+        free, transient = measured
         outer = sum(u.device_numel for u in self.host.outer)
         sums.grow_to(auto_sum_count(free, transient, [u.device_numel for u in self.units], sums.count, outer))
         log.info(

@@ -29,7 +29,7 @@ _STDLIB = os.path.dirname(os.__file__) + os.sep
 _MODES = {"__torch_function__", "__torch_dispatch__"}
 # Engine functions through which the model's own work runs: autograd differentiating a block's ops, and
 # the calls that run a block, so an op issued under them (and under no nearer engine function) is the model's.
-_RUNS_THE_MODEL = {"differentiate", "recompute", "forward", "backward", "__call__", "call", "run_block", "inner"}
+_RUNS_THE_MODEL = {"differentiate", "recompute", "forward", "backward", "__call__", "call"}
 
 
 def origin() -> str:
