@@ -61,7 +61,10 @@ def run(
         *([] if dtype == "none" else [f"{strategy}offload_inputs_dtype={dtype}"]),
     ]
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:  # the run's own words, not only its exit status
+        tail = "\n".join(done.stderr.splitlines()[-40:])
+        sys.exit(f"{' '.join(cmd)}\nexited with {done.returncode}; the end of its stderr:\n{tail}")
     seconds = time.perf_counter() - t0
     (metrics,) = out.glob("lightning_logs/version_*/metrics.csv")
     with metrics.open() as f:

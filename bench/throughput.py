@@ -410,6 +410,7 @@ def run(spec: dict) -> dict:
     rows = RandomTokens(steps * k * spec["micro_batch"], spec["seq_len"], config.vocab_size)
     data = DataLoader(rows, batch_size=spec["micro_batch"], pin_memory=device.type == "cuda")
     if device.type == "cuda":
+        torch.cuda.init()  # before any allocation the allocator has no device: resetting it would fail
         torch.cuda.reset_peak_memory_stats(device)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")

@@ -231,7 +231,9 @@ def own_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def update_error(params: dict, ref: dict, start: dict) -> float:
-    """||params - ref|| / ||ref - start|| over the whole model: the relative error of the total update."""
+    """||params - ref|| / ||ref - start|| over the whole model: the relative error of the total update (on the
+    CPU: a run on a GPU may leave some of its parameters there)."""
+    params, ref, start = ({k: v.cpu() for k, v in d.items()} for d in (params, ref, start))
     num = sum(float((params[k] - ref[k]).norm()) ** 2 for k in start) ** 0.5
     return num / sum(float((ref[k] - start[k]).norm()) ** 2 for k in start) ** 0.5
 
