@@ -290,8 +290,11 @@ class ExportAndSample(L.Callback):
 
         tokenizer = getattr(trainer.datamodule, "tokenizer", None) or ByteTokenizer()
         prompt = torch.as_tensor(tokenizer.encode([self.prompt])[0], dtype=torch.long)[None]
+        # Where the weights are after fit, not the strategy's root device: megatrain's teardown leaves them
+        # on the host (a model larger than the GPU could not go there), ordinary strategies on the device.
+        device = next(model.parameters()).device
         ids = model.generate(
-            prompt.to(trainer.strategy.root_device),
+            prompt.to(device),
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
             top_k=self.top_k,

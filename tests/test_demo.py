@@ -65,6 +65,21 @@ def test_demo_trains_and_writes_artifacts(tmp_path, capsys):
         assert "loss curves: not drawn: drawing needs matplotlib" in out
 
 
+def test_the_sample_is_drawn_where_the_weights_are_after_fit():
+    """After a megatrain fit on a GPU the weights are back on the host while the strategy's root device is the
+    GPU: the sample is drawn on the weights' device (a trainer standing in, its root device a GPU that the
+    CPU-only test machine cannot reach and that a GPU machine holds no weights on)."""
+    from types import SimpleNamespace
+
+    from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.from_preset("tiny"))
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), datamodule=None)
+    sample = ExportAndSample(prompt="The ", max_new_tokens=4, temperature=0.0)._generate(trainer, model)
+    assert sample.startswith("The ") and len(sample.encode()) > len("The ")
+
+
 def assert_generates_with_transformers_alone(directory: Path) -> None:
     """The export's own tokenizer and weights, read by transformers, continue a prompt of the demo's bytes."""
     import transformers
