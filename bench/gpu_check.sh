@@ -13,6 +13,9 @@
 #   throughput  bench/throughput.py: llama-3.2-1b (1.24B), seq 4096, micro-batch 1, 4k and 32k tokens per
 #               step (accumulate 1 and 8), recompute true and auto, clipped: tokens/s, MFU (flops.py),
 #               step time, slots, kept and offloaded blocks per pass, peak GPU memory and the planner's
+#   sums        bench/throughput.py at 32k tokens per step (accumulate 8), recompute auto, clipped, with the
+#               gradient sums on the GPU (device_grad_sums auto): tokens/s beside the throughput step's same point
+#               without them (dry: SKIP; tests/test_bench_throughput.py checks the option reaches the runs)
 #   peers       FSDP CPU offload (and DeepSpeed ZeRO-3 offload when importable) at 4k tokens, clipped; tokens/s
 #               over megatrain's (recompute auto) from the throughput step
 #   fp8         bench/offload_inputs_dtype.py: the demo with offloaded inputs stored exactly and as fp8, one
@@ -44,7 +47,7 @@ mkdir -p "$OUT_DIR" || exit 2
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 SCALE=$((DRY ? 3 : 1))
 BUDGET=${GPU_CHECK_BUDGET_S:-$((540 * SCALE))}
-SELECTED=,${GPU_CHECK_STEPS:-env,install,pytest,throughput,peers,fp8},
+SELECTED=,${GPU_CHECK_STEPS:-env,install,pytest,throughput,sums,peers,fp8},
 SITE=${TMPDIR:-/tmp}/gpu_check_site  # wheels from .whl/ (installed with --target, never into the image)
 # This checkout's code whatever an earlier editable install points at; the carried wheels after it.
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
@@ -169,6 +172,29 @@ step_throughput() {
     return $rc
 }
 
+# tokens/s of bench/throughput.py's `run:` line for megatrain, recompute auto, at $2 tokens per step, in log $1
+auto_tokens_per_s() {
+    grep -h "^run: kind=megatrain recompute=auto tokens_per_step=$2 clip=1 " "$1" 2>/dev/null |
+        sed -n 's/.* tokens_per_s=\([0-9.]*\).*/\1/p' | head -1
+}
+
+step_sums() {
+    local left=$(($1 - 15)) with without
+    if [ "$DRY" = 1 ]; then
+        echo "KEY: dry run: nothing to compare without a GPU (the option's path: tests/test_bench_throughput.py)"
+        return $SKIP_RC
+    fi
+    python3 bench/throughput.py --shape llama-3.2-1b --seq-len 4096 --micro-batch 1 --tokens-per-step 32k \
+        --steps 2 --warmup 1 --parts megatrain --recompute auto --clip on --device-grad-sums auto \
+        --timeout "$left" --budget-s "$left" --out "$OUT_DIR/sums"
+    local rc=$?
+    with=$(auto_tokens_per_s "$OUT_DIR/sums.log" 32768)
+    without=$(auto_tokens_per_s "$OUT_DIR/throughput.log" 32768)
+    echo "KEY: 32768 tokens/step, clip 1: ${with:-na} tok/s with device sums (auto), ${without:-na} without" \
+        "$(awk -v a="$with" -v b="$without" 'BEGIN { if (a > 0 && b > 0) printf "(x%.2f)", a / b }')"
+    return $rc
+}
+
 step_peers() {
     local left=$(($1 - 15)) args mine point=4096
     if [ "$DRY" = 1 ]; then
@@ -180,8 +206,7 @@ step_peers() {
         --budget-s "$left" --out "$OUT_DIR/peers"
     local rc=$?
     # megatrain's tokens/s at the same point (recompute auto, clipped), from the throughput step
-    mine=$(grep -h "^run: kind=megatrain recompute=auto tokens_per_step=$point clip=1 " "$OUT_DIR/throughput.log" \
-        2>/dev/null | sed -n 's/.* tokens_per_s=\([0-9.]*\).*/\1/p' | head -1)
+    mine=$(auto_tokens_per_s "$OUT_DIR/throughput.log" "$point")
     grep -h '^run: kind=\(fsdp\|deepspeed\)' "$OUT_DIR/peers.log" | awk -v mine="$mine" '{
         match($0, /tokens_per_s=[0-9.]+/); theirs = substr($0, RSTART + 13, RLENGTH - 13)
         split($2, k, "=")
@@ -209,7 +234,8 @@ step_fp8() {
         awk -F'|' '{gsub(/ /, "", $2); gsub(/ /, "", $4); printf "%s %s, ", $2, $4}' | sed 's/, $//')"
     return $rc
 }
-export -f step_env native_check step_install step_pytest run_cells step_throughput step_peers step_fp8
+export -f step_env native_check step_install step_pytest run_cells step_throughput auto_tokens_per_s step_sums \
+    step_peers step_fp8
 export SKIP_RC
 
 # -- running them -------------------------------------------------------------------------------------------
@@ -249,12 +275,13 @@ run_step env 20 1
 run_step install 90 1
 run_step pytest 120 1
 run_step throughput 180 1 60
-run_step peers 75 0 30
+run_step sums 75 0 45
+run_step peers 180 0 30  # DeepSpeed builds its CPU Adam first: 98 s of its run on the first GPU machine
 run_step fp8 "$BUDGET" 0 30
 
 echo
 echo "figures per run (bench/throughput.py 'run:' lines; tables in $OUT_DIR/*/throughput.md):"
-grep -h '^run: ' "$OUT_DIR/throughput.log" "$OUT_DIR/peers.log" 2>/dev/null | sed 's/^/  /'
+grep -h '^run: ' "$OUT_DIR/throughput.log" "$OUT_DIR/sums.log" "$OUT_DIR/peers.log" 2>/dev/null | sed 's/^/  /'
 echo
 printf '%-11s %-8s %5s  %s\n' step status s "key figures"
 for i in "${!NAMES[@]}"; do

@@ -105,6 +105,11 @@ COMPILE_NOTE = (
     "--compile: each block's forward and recompute run through torch.compile (MegatrainStrategy("
     "compile_blocks=True)); compiling happens in the warm-up steps, outside the timed window"
 )
+SUMS_NOTE = (
+    "--device-grad-sums {}: that many blocks keep their fp32 gradient sums on the GPU across a step's "
+    "micro-batches (MegatrainStrategy(device_grad_sums=)); the others, and every run without it, land each "
+    "micro-batch's gradient on the host"
+)
 RECOMPUTE_CHOICES = {"true": True, "false": False, "auto": "auto"}
 
 
@@ -382,15 +387,7 @@ def run(spec: dict) -> dict:
     config = dataclasses.replace(LlamaConfig.from_preset(spec["shape"]), num_hidden_layers=spec["layers"])
     k, steps = spec["accumulate"], spec["warmup"] + spec["steps"] + (1 if spec.get("timeline") else 0)
     module, window = (FsdpBenchLM if kind == "fsdp" else BenchLM)(config, kind), Window(spec, device)
-    strategy = (
-        MegatrainStrategy(
-            num_slots=spec["num_slots"],
-            recompute=spec.get("recompute", "auto"),
-            compile_blocks=bool(spec.get("compile")),
-        )
-        if kind == "megatrain"
-        else peers.make_strategy(kind)
-    )
+    strategy = megatrain_strategy(spec) if kind == "megatrain" else peers.make_strategy(kind)
     trainer = L.Trainer(
         accelerator="cpu" if spec["dry"] else "gpu",
         devices=1,
@@ -423,6 +420,16 @@ def run(spec: dict) -> dict:
         "optimizer": module.optimizer_note,
         "gradient_clip_val": trainer.gradient_clip_val,
     }
+
+
+def megatrain_strategy(spec: dict) -> MegatrainStrategy:
+    """The strategy of a megatrain run: the spec's options, the strategy's defaults for the rest."""
+    return MegatrainStrategy(
+        num_slots=spec["num_slots"],
+        recompute=spec.get("recompute", "auto"),
+        compile_blocks=bool(spec.get("compile")),
+        device_grad_sums=spec.get("device_grad_sums", 0),
+    )
 
 
 # -- the parent: spawning runs -----------------------------------------------------------------------
@@ -516,6 +523,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "false (every graph kept), auto (the last blocks keep theirs while they fit; default, the strategy's)",
     )
     add("--compile", action="store_true", help="torch.compile each block (MegatrainStrategy(compile_blocks=True))")
+    add(
+        "--device-grad-sums",
+        type=int_or_auto("a number of blocks"),
+        default=0,
+        help="blocks whose gradient sums stay on the GPU across a step's micro-batches, or auto "
+        "(MegatrainStrategy(device_grad_sums=); default 0, the strategy's: every gradient lands on the host)",
+    )
     add("--timeout", type=float, help="seconds a training run may take before it is killed (default 300)")
     add(
         "--budget-s",
@@ -577,6 +591,8 @@ def setup_state(args: argparse.Namespace, device: torch.device) -> dict:
     clips = {"both": [clip_val, 0.0], "on": [clip_val], "off": [0.0]}[args.clip]
     clips = list(dict.fromkeys(clips))  # a config without clipping gives one row, not two equal ones
     notes = [COMPILE_NOTE] if args.compile else []
+    if args.device_grad_sums:
+        notes.append(SUMS_NOTE.format(args.device_grad_sums))
     notes.append(peers.NOTE)
     if args.dry:
         notes.append(
@@ -686,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     state = setup_state(args, device)
     if args.compile:
         log_line(COMPILE_NOTE)
+    if args.device_grad_sums:
+        log_line(SUMS_NOTE.format(args.device_grad_sums))
     state["peaks"] = {"matmul": matmul_peak(device), "copy": copy_peak(device)}
     if "megatrain" in args.parts:
         one_layer = build_model(dataclasses.replace(state["config"], num_hidden_layers=1), device, torch.bfloat16)
@@ -708,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "num_slots": args.num_slots,
         "compile": args.compile,
+        "device_grad_sums": args.device_grad_sums,
         "threads": args.threads,
         "dry": args.dry,
     }

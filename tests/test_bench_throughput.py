@@ -402,6 +402,22 @@ def test_recompute_rows_run_in_the_order_given_and_say_so():
     assert jobs[0][0].endswith("clip 1") and jobs[1][0].endswith("clip 1 recompute=True")
 
 
+def test_device_grad_sums_reach_every_megatrain_run_and_the_notes():
+    args = tp.parse_args(["--dry", "--device-grad-sums", "auto"])
+    assert args.device_grad_sums == "auto"
+    assert tp.megatrain_strategy({"num_slots": "auto", "device_grad_sums": args.device_grad_sums}).device_grad_sums == (
+        "auto"
+    )
+    assert tp.megatrain_strategy({"num_slots": "auto"}).device_grad_sums == 0  # the strategy's default
+    state = tp.setup_state(tp.parse_args(["--dry", "--device-grad-sums", "3"]), torch.device("cpu"))
+    assert any(note.startswith("--device-grad-sums 3:") for note in state["notes"])
+    assert not any(
+        "device-grad-sums" in note for note in tp.setup_state(tp.parse_args(["--dry"]), torch.device("cpu"))["notes"]
+    )
+    with pytest.raises(SystemExit), redirect_stderr(io.StringIO()):
+        tp.parse_args(["--dry", "--device-grad-sums", "some"])
+
+
 def test_overlap_figure_and_bound():
     times = {"GPU compute": 2.0, "transfer": 1.0, "CPU worker": 0.5}
     assert report.overlap_figure(3.0, times) == 1.5
