@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is a folder o
 
 from timeline import draw_lanes  # noqa: E402
 
-from megatrain_lightning.commands import add_data_parallel, add_recompute, int_or_auto
+from megatrain_lightning.commands import add_data_parallel, add_host_rates, add_recompute, int_or_auto
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.schedule import (
     PROFILES,
@@ -101,6 +101,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     host.add_argument("--host-adam-gparams", type=float, default=None, help="host Adam rate, 10^9 params/s")
     add_recompute(ap)
     add_data_parallel(ap)
+    add_host_rates(ap, adam=False)  # (the Adam rate: the group above)
     ap.add_argument(
         "--scaling",
         type=_counts,
@@ -132,7 +133,10 @@ def _counts(text: str) -> list[int]:
 
 def device_profile(args: argparse.Namespace) -> tuple[Profile, str | None]:
     """The profile asked for, with the host Adam rate measured or given; and where that rate comes from."""
-    base = profile(args.device)
+    try:
+        base = profile(args.device).with_host(args.host_gbps)
+    except ValueError as err:
+        raise SystemExit(f"bench/schedule.py: {err}") from None
     if args.measure_host:
         return base.with_host_adam(measure_host_adam()), "measured on this machine"
     if args.host_adam_gparams is not None:

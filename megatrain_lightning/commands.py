@@ -395,7 +395,22 @@ def schedule_parser() -> argparse.ArgumentParser:
     )
     add_recompute(ap)
     add_data_parallel(ap)
+    add_host_rates(ap)
     return ap
+
+
+def add_host_rates(ap: argparse.ArgumentParser, adam: bool = True) -> None:
+    """--host-gbps (and --host-adam-gparams): the host's rates as measured on a machine, in place of the
+    profile's spec figures (megatrain schedule, bench/schedule.py)."""
+    ap.add_argument(
+        "--host-gbps",
+        type=float,
+        help="host memory bandwidth the worker achieves, GB/s, for gradient accumulation and norms (and Adam at 28 "
+        "B/param unless --host-adam-gparams); default: the profile's socket spec x 0.75. The first H100 machine "
+        "measured about 60 while a step ran (docs/benchmarks.md, GPU)",
+    )
+    if adam:
+        ap.add_argument("--host-adam-gparams", type=float, help="host Adam rate, 10^9 params/s, as measured")
 
 
 def add_data_parallel(ap: argparse.ArgumentParser) -> None:
@@ -408,7 +423,7 @@ def schedule_command(argv: list[str]) -> ModelledStep:
     ap = schedule_parser()
     args = ap.parse_args(argv)
     try:  # every input checked before the recording, so that an error inside it is not taken for the user's
-        device = profile(args.device)
+        device = profile(args.device).with_host(args.host_gbps, args.host_adam_gparams)
         config = resolve_config(args.model)
         check_options(args.seq_len, args.micro_batches, args.clip, args.num_slots, args.steps, args.batch_size)
         DataParallel(args.gpus, args.link).rank_profile(device)

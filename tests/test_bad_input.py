@@ -253,6 +253,11 @@ CASES = [
         ["RAW", "schedule", "--model", "tiny", "--device", "rtx4090", "--gpus", "2"],
         r"'rtx4090' has no NVLink; .*link='pcie'",
     ),
+    (
+        "schedule-host-gbps",
+        ["RAW", "schedule", "--model", "tiny", "--device", "a100", "--host-gbps", "0"],
+        r"host_gbps=0.0: give the rate measured on the machine, a positive number",
+    ),
     ("convert-missing", ["RAW", "convert", "{d}/nope.ckpt", "--to", "torch", "{d}/out.ckpt"], r"nope.ckpt"),
 ]
 

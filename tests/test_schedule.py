@@ -27,7 +27,8 @@ from megatrain_lightning.cli import run
 from megatrain_lightning.flops import matmul_params, model_flops
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.schedule import PROFILES, Profile, Recorder, replay, summarize, table, train_steps
-from megatrain_lightning.schedule.profiles import LINK_EFFICIENCY
+from megatrain_lightning.schedule.profiles import ADAM_BYTES_PER_PARAM, HOST_EFFICIENCY, LINK_EFFICIENCY, profile
+from megatrain_lightning.schedule.ranks import DataParallel
 from megatrain_lightning.schedule.replay import Interval, Replay, Timeline
 from megatrain_lightning.schedule.report import CHAIN
 from megatrain_lightning.schedule.trace import (
@@ -437,6 +438,35 @@ def test_megatrain_schedule_prints_the_lanes_table_and_the_summary_line(capsys):
     match = LAST.match(lines[-1])
     assert match and match.group(1, 2, 3) == ("tiny", "128", "1"), lines[-1]
     assert lines[-1] == step.summary_line() and len(lines) == header + 12
+
+
+def test_host_rates_measured_on_a_machine_replace_the_profiles_spec_figures():
+    """A host measured at 60 GB/s and 4 Gparams/s of Adam: the worker's rates are those, not the socket's spec
+    times the efficiency; the GPU's and the link's stay; a rank of 2 has half of each."""
+    spec = profile("h100-sxm")
+    assert spec.host_bytes() == pytest.approx(307e9 * HOST_EFFICIENCY) and not spec.host_given
+    measured = spec.with_host(60, 4.0)
+    assert measured.host_given and measured.host_bytes() == pytest.approx(60e9)
+    assert measured.adam_params() == pytest.approx(4e9)
+    assert (measured.link_bytes(), measured.hbm_bytes(), measured.matmul_flops()) == (
+        spec.link_bytes(),
+        spec.hbm_bytes(),
+        spec.matmul_flops(),
+    )
+    assert spec.with_host(60).adam_params() == pytest.approx(60e9 / ADAM_BYTES_PER_PARAM)  # Adam from it
+    assert spec.with_host() == spec
+    rank = DataParallel(2, "nvlink").rank_profile(measured)
+    assert rank.host_bytes() == pytest.approx(30e9) and rank.adam_params() == pytest.approx(2e9)
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="give the rate measured on the machine"):
+            spec.with_host(bad)
+
+
+def test_megatrain_schedule_says_which_host_rates_were_given(capsys):
+    args = ["--model", "tiny", "--device", "a100", "--seq-len", "64", "--steps", "2"]
+    run(["schedule", *args, "--host-gbps", "60", "--host-adam-gparams", "4"])
+    rates = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("rates: "))
+    assert "host 60 GB/s (given), Adam 4 Gparams/s (given)" in rates
 
 
 def test_megatrain_schedule_names_the_profiles_for_an_unknown_device(capsys):

@@ -96,7 +96,7 @@ class ModelledStep:
             f"({len(self.trace.issue)} issued items, {len(self.trace.jobs)} host jobs)",
             f"rates: matmul {p.matmul_tflops:g} TFLOP/s, attention {p.attention_tflops:g} (peak {p.bf16_peak_tflops:g}), "
             f"HBM {p.hbm_bytes() / 1e9:.0f} GB/s, link {p.link_bytes() / 1e9:.1f} GB/s each way, "
-            f"host {p.host_bytes() / 1e9:.0f} GB/s, Adam {p.adam_params() / 1e9:.3g} Gparams/s "
+            f"host {p.host_bytes() / 1e9:.0f} GB/s{' (given)' if p.host_given else ''}, Adam {p.adam_params() / 1e9:.3g} Gparams/s "
             f"({self.adam_source}), launch {self.launch_s * 1e6:g} us",
             f"model FLOPs/step {flops:.4g} = 6·N·tokens (N: weight matrices and head) + causal attention forward and "
             f"backward {attention:.3g}; no recompute",

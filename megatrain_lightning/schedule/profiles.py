@@ -51,6 +51,9 @@ class Profile:
     the card has none, its peers are reached over PCIe."""
     peer_gbps: float = 0.0
     """The link a data-parallel rank's collectives use (ranks.py sets it); 0: no peers."""
+    host_efficiency: float = HOST_EFFICIENCY
+    """Share of ``host_gbps`` the worker's streaming work (accumulation, norms) achieves: 1 where ``host_gbps``
+    is a rate measured on a machine rather than its socket's spec (:meth:`with_host`)."""
 
     def matmul_flops(self) -> float:
         return self.matmul_tflops * 1e12
@@ -68,7 +71,11 @@ class Profile:
         return self.peer_gbps * 1e9 * PEER_EFFICIENCY
 
     def host_bytes(self) -> float:
-        return self.host_gbps * 1e9 * HOST_EFFICIENCY
+        return self.host_gbps * 1e9 * self.host_efficiency
+
+    @property
+    def host_given(self) -> bool:
+        return self.host_efficiency == 1.0
 
     def adam_params(self) -> float:
         """Parameters the host steps per second."""
@@ -78,6 +85,15 @@ class Profile:
 
     def with_host_adam(self, gparams: float) -> Profile:
         return dataclasses.replace(self, host_adam_gparams=gparams)
+
+    def with_host(self, gbps: float | None = None, adam_gparams: float | None = None) -> Profile:
+        """This GPU in a host whose worker achieves `gbps` (GB/s, accumulation and norms) and steps Adam at
+        `adam_gparams` (10^9 params/s), each as measured there; None keeps the profile's."""
+        for name, value in (("host_gbps", gbps), ("host_adam_gparams", adam_gparams)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value!r}: give the rate measured on the machine, a positive number")
+        out = self if gbps is None else dataclasses.replace(self, host_gbps=gbps, host_efficiency=1.0)
+        return out if adam_gparams is None else out.with_host_adam(adam_gparams)
 
 
 # PCIe 5.0 x16: 32 GT/s x 16 lanes x 128/130 / 8 = 63 GB/s each way; PCIe 4.0 x16: 31.5 GB/s.
