@@ -144,3 +144,33 @@ def test_the_calls_are_summed_in_the_compute_dtype():
     for unit in engine.units:
         for name, e in zip(engine.qualified_names(unit), unit.entries):
             assert torch.equal(unit.slab[e.offset : e.offset + e.numel].view(e.shape), grads[name]), name
+
+
+@pytest.mark.parametrize("accurate", [False, True])
+def test_the_clipping_norm_is_ordinary_cpu_trainings_to_the_bit_or_accurate_as_a_gpus(accurate):
+    """Two accumulated micro-batches land on the host, where their norms are taken. On a CPU device they are
+    torch's fp32 norms, bit for bit what ordinary CPU training clips with; where the engine computes on a GPU
+    (`accurate_norms`, set here as a GPU engine sets it) they are summed in fp64, as accurate as a GPU's
+    reductions, where torch's CPU norm of the 2M-element embedding is not."""
+    from tests.helpers import hf_llama, hf_loss
+
+    build = lambda: hf_llama(layers=2, vocab_size=32768, hidden_size=64)  # noqa: E731
+    ref, model = build(), build()
+    batches = token_batches(2)
+    for batch in batches:
+        (hf_loss(ref, batch) / 2).backward()
+    truth = sum(float(p.grad.double().square().sum()) for p in ref.parameters()) ** 0.5
+    ordinary = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true", blocks="model.layers"))
+    assert engine.host.accurate_norms is False  # the CPU device's own
+    engine.host.accurate_norms = accurate
+    engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for i, batch in enumerate(batches):
+        with engine.backward(accumulate=i == 0, clip="norm"):
+            (hf_loss(model, batch) / 2).backward()
+    norm = engine.grad_norm()
+    engine.close()
+    if accurate:
+        assert abs(float(norm) / truth - 1) < 1e-6 and not torch.equal(norm, ordinary)
+    else:
+        assert torch.equal(norm, ordinary)

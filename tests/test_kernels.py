@@ -53,3 +53,19 @@ def test_backend_choice_is_validated(monkeypatch):
     monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "fast")
     with pytest.raises(ValueError, match="MEGATRAIN_CPU_ADAM='fast'"):
         kernels.backend()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accurate_norms_sum_in_fp64_and_the_default_is_torchs_to_the_bit(dtype):
+    """A 16M-element span: torch's fp32 norm on the CPU (what ordinary CPU training clips with) is off by about
+    1e-3 of the truth; the accurate one (for runs whose ordinary counterpart reduces on a GPU) is within fp32
+    rounding; the default is torch's to the last bit."""
+    torch.manual_seed(0)
+    flat = torch.randn(16 * 2**20 + 5).to(dtype)
+    spans = [(0, 5), (5, 16 * 2**20)]
+    truth = [flat[o : o + n].double().square().sum().sqrt() for o, n in spans]
+    default, accurate = kernels.param_norms(flat, spans), kernels.param_norms(flat, spans, accurate=True)
+    for (o, n), d, a, t in zip(spans, default, accurate, truth):
+        assert torch.equal(d, torch.linalg.vector_norm(flat[o : o + n], dtype=torch.float32))
+        assert a.dtype == torch.float32 and abs(float(a) / float(t) - 1) < 1e-7
+    assert abs(float(default[1]) / float(truth[1]) - 1) > 1e-5  # what the accurate norm is for

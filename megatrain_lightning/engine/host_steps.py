@@ -98,6 +98,9 @@ class HostSide:
         self.piece, self.tier, self.overlap_optimizer, self.invalidate = piece, tier, overlap_optimizer, invalidate
         self.block_index = {id(u): i for i, u in enumerate(blocks)}
         self.compute_dtype, self.device = blocks[0].compute_dtype, streams.device
+        # The clipping norms taken here, on the host: as ordinary training takes them on this device, bit for bit
+        # on the CPU, and in fp64 where ordinary training reduces on a GPU (kernels.param_norms says why).
+        self.accurate_norms = self.device.type != "cpu"
         max_numel = max(u.device_numel for u in blocks)
         self.grad_slots = [torch.empty(max_numel, dtype=self.compute_dtype, device=self.device) for _ in range(2)]
         self.grad_slot_free: list[object | None] = [None, None]
@@ -498,7 +501,8 @@ class HostSide:
         unit.grad.accumulating()
 
     def _norms(self, unit: HostUnit) -> list[torch.Tensor]:
-        return kernels.param_norms(self._grad_of(unit), [(e.offset, e.numel) for e in unit.entries])
+        spans = [(e.offset, e.numel) for e in unit.entries]
+        return kernels.param_norms(self._grad_of(unit), spans, self.accurate_norms)
 
     def _grad_of(self, unit: HostUnit) -> torch.Tensor:
         return unit.acc if unit.grad.state is GradState.ACC else unit.slab
