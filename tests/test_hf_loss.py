@@ -92,6 +92,23 @@ def test_labels_default_to_the_input_ids():
     assert torch.equal(hf_causal_lm_loss(model, ids), hf_causal_lm_loss(model, ids, labels=ids))
 
 
+def test_the_forward_is_checked_once_per_model_and_head(monkeypatch):
+    """The check reads its results on the host (a device sync): not at every step, but again for a new head."""
+    from megatrain_lightning.models import hf_loss
+
+    runs = []
+    check = hf_loss._forward_with
+    monkeypatch.setattr(hf_loss, "_forward_with", lambda *args: runs.append(1) or check(*args))
+    model = llama()
+    ids, _, _ = padded_batch()
+    hf_causal_lm_loss(model, ids)
+    hf_causal_lm_loss(model, ids)
+    assert len(runs) == 1
+    model.lm_head = torch.nn.Linear(32, VOCAB, bias=False)
+    hf_causal_lm_loss(model, ids)
+    assert len(runs) == 2
+
+
 # -- under the engine --------------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """The chunked vocabulary loss for a Hugging Face causal LM (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...).
 
 ``model(input_ids, labels=labels).loss`` makes the logits of every token before its cross entropy, and an
-fp32 copy of them for the loss: for 8k tokens of Llama 3's 128k vocabulary that is 4 GiB (bf16) plus 4 GiB,
+fp32 copy of them for the loss: for 8k tokens of Llama 3's 128k vocabulary 2 GiB in bf16 plus 4 GiB in fp32,
 and as much again for their gradient, more than a decoder layer. :func:`hf_causal_lm_loss` asks the model's
 decoder (``model.get_decoder()``) for the final hidden states and hands them with the head's weight to
 :func:`chunked_cross_entropy`, so only ``chunk_size x vocab`` logits exist at a time.
@@ -9,13 +9,18 @@ decoder (``model.get_decoder()``) for the final hidden states and hands them wit
 That is the model's own loss only where its forward turns the decoder's output into logits by
 ``lm_head(hidden_states)`` alone and takes transformers' causal-LM loss of them. Many do more: Gemma2 soft-caps
 the logits, Cohere and Granite scale them, GPT-J's head has a bias, an MoE adds its routers' loss. That is
-checked at each call, not looked up in a list of families: the model's forward is run once more with a stand-in
-decoder and head (no blocks run; one ``3 x vocab`` product), and whatever it does between the two, or to the
-head's output before the loss, refuses the call.
+checked, not looked up in a list of families: at the first call for a model (and again if its head or decoder
+module is replaced), its forward runs once with a stand-in decoder and head (no block runs; one ``3 x vocab``
+product), and whatever it does between the two, or to the head's output before the loss, refuses the call.
+Checked once because the check reads its results on the host, a device sync a training step should not pay; a
+config changed after that first call is not seen.
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -32,6 +37,8 @@ LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "out
 # The stand-in head's logits span this range: far beyond any soft-cap's knee (Gemma2's is 30), so a cap, a
 # scale or a mask cannot leave them bit for bit unchanged.
 PROBE_RANGE = 1000.0
+# The models checked, each with the (decoder, head) it was checked with.
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, nn.Module]] = weakref.WeakKeyDictionary()
 
 
 def hf_causal_lm_loss(
@@ -124,13 +131,16 @@ def _check_forward(model: nn.Module, decoder: nn.Module, head: nn.Linear) -> Non
     output unchanged as its logits, and takes the shifted mean cross entropy of those as its loss.
 
     Runs the forward on 3 tokens with the decoder standing in (it returns a fixed tensor) and the head's output
-    replaced by fixed logits, under no_grad."""
+    replaced by fixed logits, under no_grad. Once per model, decoder and head."""
+    checked = _CHECKED.get(model)
+    if checked is not None and checked[0] is decoder and checked[1] is head:
+        return
     weight = head.weight
     vocab, width = weight.shape
     hidden = torch.linspace(-1.0, 1.0, 3 * width, device=weight.device).reshape(1, 3, width).to(weight.dtype)
     ramp = torch.linspace(-PROBE_RANGE, PROBE_RANGE, vocab, device=weight.device)
     logits = torch.stack([ramp.roll(p) for p in range(3)]).unsqueeze(0).to(weight.dtype)
-    target = int(logits[0, 1].argmin())  # a large loss: compared relatively, it has no cancellation
+    target = 1  # the smallest logit of row 1 (the ramp rolled by 1): a large loss, compared without cancellation
     labels = torch.tensor([[0, IGNORE, target]], device=weight.device)
     seen: list[torch.Tensor] = []
     out = _forward_with(model, decoder, head, hidden, logits, seen, labels)
@@ -149,6 +159,7 @@ def _check_forward(model: nn.Module, decoder: nn.Module, head: nn.Linear) -> Non
     loss = getattr(out, "loss", None)
     if loss is None or not torch.allclose(loss.float(), expected, rtol=1e-5, atol=0.0):
         raise ValueError(_refusal(model, "computes another loss than the shifted mean cross entropy of its logits"))
+    _CHECKED[model] = (decoder, head)
 
 
 def _forward_with(model, decoder, head, hidden, logits, seen, labels):
@@ -158,7 +169,7 @@ def _forward_with(model, decoder, head, hidden, logits, seen, labels):
 
     def stand_in(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
-        return _stand_in_output(hidden)
+        return _stand_in_class()(last_hidden_state=hidden)
 
     own = decoder.__dict__.get("forward")  # an instance attribute someone set: restored afterwards
     decoder.forward = stand_in
@@ -183,11 +194,10 @@ def _forward_with(model, decoder, head, hidden, logits, seen, labels):
     return out
 
 
-def _stand_in_output(hidden: torch.Tensor) -> Any:
-    """A decoder output holding `hidden` as its last hidden state and None in any other field a model's forward
-    reads (``router_logits``, ``cross_attentions``, ...), whichever output class its real decoder returns."""
-    from dataclasses import dataclass
-
+@cache  # one class: transformers registers each output class with torch's pytree
+def _stand_in_class() -> type:
+    """A decoder output with None in any field a model's forward reads beyond the last hidden state
+    (``router_logits``, ``cross_attentions``, ...), whichever output class its real decoder returns."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     @dataclass
@@ -197,7 +207,7 @@ def _stand_in_output(hidden: torch.Tensor) -> Any:
                 raise AttributeError(name)
             return None
 
-    return StandIn(last_hidden_state=hidden)
+    return StandIn
 
 
 def _refusal(model: nn.Module, what: str) -> str:
