@@ -1,8 +1,8 @@
 """Llama-family decoders (Llama 3.x, Qwen2.5) with Hugging Face checkpoint I/O.
 
 Nothing here imports ``transformers``: checkpoints are read and written as config.json plus
-safetensors files directly. ``hf_causal_lm_loss`` (the chunked loss for a transformers causal LM) imports it
-when called.
+safetensors files directly, and ``hf_causal_lm_loss`` (the chunked loss for a transformers causal LM) works
+on the model it is given.
 """
 
 from .config import PRESETS, LlamaConfig

@@ -19,8 +19,6 @@ config changed after that first call is not seen.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 import torch
@@ -169,7 +167,7 @@ def _forward_with(model, decoder, head, hidden, logits, seen, labels):
 
     def stand_in(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
-        return _stand_in_class()(last_hidden_state=hidden)
+        return _StandInOutput(hidden)
 
     own = decoder.__dict__.get("forward")  # an instance attribute someone set: restored afterwards
     decoder.forward = stand_in
@@ -194,20 +192,24 @@ def _forward_with(model, decoder, head, hidden, logits, seen, labels):
     return out
 
 
-@cache  # one class: transformers registers each output class with torch's pytree
-def _stand_in_class() -> type:
-    """A decoder output with None in any field a model's forward reads beyond the last hidden state
-    (``router_logits``, ``cross_attentions``, ...), whichever output class its real decoder returns."""
-    from transformers.modeling_outputs import BaseModelOutputWithPast
+class _StandInOutput:
+    """The stand-in decoder's output: the last hidden state by name and at index 0, as a decoder's output gives
+    it, and None in any other field a model's forward reads (``past_key_values``, ``router_logits``, ...),
+    whichever output class its real decoder returns. (A plain class: this package does not import
+    transformers, and a subclass of its output classes would be registered with torch's pytree.)"""
 
-    @dataclass
-    class StandIn(BaseModelOutputWithPast):
-        def __getattr__(self, name: str) -> None:
-            if name.startswith("_"):
-                raise AttributeError(name)
-            return None
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.last_hidden_state = hidden
 
-    return StandIn
+    def __getitem__(self, key: int | str) -> torch.Tensor:
+        if key in (0, "last_hidden_state"):
+            return self.last_hidden_state
+        raise KeyError(f"the stand-in decoder output holds only the last hidden state, not {key!r}")
+
+    def __getattr__(self, name: str) -> None:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return None
 
 
 def _refusal(model: nn.Module, what: str) -> str:
