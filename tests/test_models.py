@@ -270,6 +270,23 @@ def test_chunked_cross_entropy_bf16_grad_dtypes():
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_chunked_cross_entropy_under_autocast_backs_its_products_as_autocast_does():
+    """Under bf16 autocast (bf16-mixed: fp32 hidden states and head weight) the backward recomputes the logits
+    and takes its products under the forward's autocast, as autograd runs an autocast matmul's backward: the
+    hidden states' gradient is the ordinary one's but for the order of additions (the chunks' rows are
+    independent), where recomputing in fp32 left it 1e-2 off (the logits' bf16 rounding against the forward's
+    log-sum-exp). The weight's gradient sums one bf16 product per chunk, so within bf16 rounding."""
+    hidden, weight, targets = _ce_inputs(64)
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_cross_entropy(hidden, weight, targets, 16)
+        ref = F.cross_entropy((hidden @ weight.T).float(), targets)
+    gh, gw = torch.autograd.grad(loss, (hidden, weight))
+    rh, rw = torch.autograd.grad(ref, (hidden, weight))
+    assert torch.equal(loss, ref)
+    assert rel(gh, rh) < 1e-4 and rel(gw, rw) < 2**-7
+
+
 # ---------------------------------------------------------------------------- RoPE
 
 

@@ -49,11 +49,21 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             total += torch.where(valid[start:end], nll, torch.zeros_like(nll)).sum()
         ctx.save_for_backward(hidden, weight, targets, lse, n_valid, norm_weight)
         ctx.chunk_size, ctx.ignore_index, ctx.norm_eps = chunk_size, ignore_index, norm_eps
+        ctx.autocast = _autocast_state(hidden.device.type)
         return total / n_valid
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
+        # The recomputed logits and the gradient products under the forward's autocast, as ordinary autograd
+        # runs an autocast matmul's backward: without it (autograd leaves autocast off in backward) they would
+        # be fp32, slower on a GPU and off the forward's log-sum-exp by the compute dtype's rounding.
+        device_type, enabled, dtype = ctx.autocast
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return _ChunkedCrossEntropy._backward(ctx, grad_loss)
+
+    @staticmethod
+    def _backward(ctx, grad_loss):
         hidden, weight, targets, lse, n_valid, norm_weight = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_nw = norm_weight is not None and ctx.needs_input_grad[5]
@@ -82,6 +92,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_w = grad_w32.to(weight.dtype) if need_w else None
         grad_nw = grad_nw32.to(norm_weight.dtype) if need_nw else None
         return grad_h, grad_w, None, None, None, grad_nw, None
+
+
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
 class _ChunkNorm:
