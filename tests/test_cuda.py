@@ -203,3 +203,59 @@ def test_odd_sized_parameters_are_aligned_in_their_slot_on_the_gpu():
     _odd_loss(model, ids).backward()
     engine.close()
     assert starts and all(p % 16 == 0 for p in starts)
+
+
+def cuda_loop(model, config: EngineConfig, micro: int = 3, steps: int = 2) -> tuple[list[float], list[float]]:
+    """A plain accumulation loop on the GPU with the engine: `micro` micro-batches per step, clipped by norm
+    at 1.0. Returns the losses and each step's total norm."""
+    from tests.helpers import hf_loss
+
+    engine = Engine(model, config)
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    losses, norms = [], []
+    batches = [b.cuda() for b in token_batches(micro * steps)]
+    for step in range(steps):
+        for i in range(micro):
+            with engine.autocast():
+                loss = hf_loss(model, batches[step * micro + i])
+            with engine.backward(accumulate=i < micro - 1, clip="norm"):
+                (loss / micro).backward()
+            losses.append(loss.item())
+        norms.append(float(engine.grad_norm()))
+        engine.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    engine.flush()
+    engine.close()
+    return losses, norms
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_device_grad_sums_on_cuda_are_the_host_paths_to_the_bit(precision):
+    """The gradient sums kept on the GPU across micro-batches add the same fp32 values in the same order as the
+    host's accumulators (tests/test_grad_sums.py on the CPU): losses, norms and weights equal to the bit."""
+    runs = {}
+    for sums in (0, "auto"):
+        model = hf_llama(layers=4)
+        runs[sums] = (*cuda_loop(model, EngineConfig(device="cuda", precision=precision, device_grad_sums=sums)),)
+        runs[sums] += (params_of(model),)
+    (losses, norms, params), (s_losses, s_norms, s_params) = runs[0], runs["auto"]
+    assert s_losses == losses and s_norms == norms
+    assert all(torch.equal(s_params[k], params[k]) for k in params)
+
+
+def test_the_clipping_norm_on_cuda_is_ordinary_gpu_trainings_within_rounding():
+    """Accumulated micro-batches have their norms taken on the host, in fp64 on a GPU run: the total norm is the
+    one ordinary GPU training's clip_grad_norm_ gives, within fp32 rounding (torch's fp32 norm on the CPU
+    would be 2e-5 off for the 2M-element embedding; tests/test_host_steps.py)."""
+    from tests.helpers import hf_loss
+
+    build = lambda: hf_llama(layers=2, vocab_size=32768, hidden_size=64)  # noqa: E731
+    ref = build().cuda()
+    batches = [b.cuda() for b in token_batches(2)]
+    for batch in batches:
+        (hf_loss(ref, batch) / 2).backward()
+    ordinary = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+    config = EngineConfig(device="cuda", precision="32-true", blocks="model.layers")
+    _, norms = cuda_loop(build(), config, micro=2, steps=1)
+    assert abs(norms[0] / ordinary - 1) < 1e-6
