@@ -102,7 +102,9 @@ def train(fabric, model, opt, steps: int, vocab: int) -> list[float]:
     return losses
 
 
-def measure(directory: Path, layers: int, hidden: int, ordinary: bool = False, steps: int = 0) -> dict:
+def measure(
+    directory: Path, layers: int, hidden: int, ordinary: bool = False, steps: int = 0, precision: str = "bf16-mixed"
+) -> dict:
     """One setup from the checkpoint, in this (fresh) process; `ordinary`: the model loaded whole in fp32 by
     ``from_pretrained`` first (the timing then covers ``fabric.setup`` alone, the RSS both). With `steps`,
     then that many training steps, and digests of the masters before and after them."""
@@ -113,7 +115,7 @@ def measure(directory: Path, layers: int, hidden: int, ordinary: bool = False, s
 
     cuda = torch.cuda.is_available()
     config = qwen2_config(layers, hidden)
-    fabric = Fabric(accelerator="cuda" if cuda else "cpu", devices=1, strategy="megatrain", precision="bf16-mixed")
+    fabric = Fabric(accelerator="cuda" if cuda else "cpu", devices=1, strategy="megatrain", precision=precision)
     fabric.launch()
     try:  # the peak so far (imports) is not setup's: reset VmHWM to the current RSS (Linux >= 4.0)
         Path("/proc/self/clear_refs").write_text("5")
@@ -162,11 +164,17 @@ def main() -> None:
     ap.add_argument("--shard-mb", type=int, default=200)
     ap.add_argument("--ordinary", action="store_true", help="load with from_pretrained first, for comparison")
     ap.add_argument("--steps", type=int, default=0, help="train this many steps after setup; digests of the masters")
+    ap.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        help="Fabric's precision (default bf16-mixed, as training on a GPU; 32-true trains the steps many times "
+        "faster on a CPU, whose bf16 matmuls are emulated)",
+    )
     ap.add_argument("--json", action="store_true", help="print only the result, as one JSON line")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # (the fresh measuring process)
     args = ap.parse_args()
     if args.measure:
-        print(json.dumps(measure(Path(args.dir), args.layers, args.hidden, args.ordinary, args.steps)))
+        print(json.dumps(measure(Path(args.dir), args.layers, args.hidden, args.ordinary, args.steps, args.precision)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(args.dir or tmp)
@@ -175,6 +183,7 @@ def main() -> None:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
         cmd = [sys.executable, __file__, "--measure", "--dir", str(directory)]
         cmd += ["--layers", str(args.layers), "--hidden", str(args.hidden), "--steps", str(args.steps)]
+        cmd += ["--precision", args.precision]
         cmd += ["--ordinary"] if args.ordinary else []
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
