@@ -30,11 +30,10 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
-import torch
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 from torch import nn
 
-from megatrain_lightning.engine import Engine, HostUnit
+from megatrain_lightning.engine import Engine
 
 # Hooks that run between steps while the engine exists (not inside a forward, backward or optimizer step, and
 # not on_fit_end, which comes after the strategy's teardown): a view may be taken there.
@@ -112,38 +111,6 @@ _ABSENT = object()
 # The key under which WeightAveraging.on_save_checkpoint moves the module's own state when it puts its
 # average in the checkpoint's "state_dict".
 AVERAGED_STATE = "current_model_state"
-
-
-def replaced_weights(engine: Engine, state_dict: dict[str, Any]) -> Callable[[HostUnit], torch.Tensor] | None:
-    """For a sharded checkpoint whose ``state_dict`` a callback replaced (WeightAveraging's average): per unit,
-    the flat fp32 weights the state dict holds. None when every parameter in it is still its master's view."""
-
-    def own(unit: HostUnit) -> bool:
-        names = engine.qualified_names(unit)
-        return all(_is_master(_entry(state_dict, n), unit, e) for n, e in zip(names, unit.entries))
-
-    def weights(unit: HostUnit) -> torch.Tensor:
-        if own(unit):
-            return unit.master
-        tensors = [_entry(state_dict, n) for n in engine.qualified_names(unit)]
-        return torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors])
-
-    return None if all(own(u) for u in engine.all_units()) else weights
-
-
-def _entry(state_dict: dict[str, Any], name: str) -> torch.Tensor:
-    if name not in state_dict:
-        raise ValueError(
-            f"the checkpoint's state_dict lacks {name!r} (a callback's on_save_checkpoint replaced it); a "
-            "sharded checkpoint needs every parameter: keep them all, or use checkpoint_format='torch'"
-        )
-    return state_dict[name]
-
-
-def _is_master(t: torch.Tensor, unit: HostUnit, e: Any) -> bool:
-    """Whether `t` is parameter `e`'s view of the unit's fp32 master (what the strategy put in the state dict)."""
-    own = unit.master[e.offset : e.offset + e.numel]
-    return t.dtype == torch.float32 and t.device == own.device and t.data_ptr() == own.data_ptr()
 
 
 def check_swa(module: nn.Module) -> None:

@@ -61,9 +61,10 @@ from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning import peers
-from megatrain_lightning.averaging import AVERAGED_STATE, AveragingViews, replaced_weights
+from megatrain_lightning.averaging import AVERAGED_STATE, AveragingViews
 from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.checkpoint.options import check_storage_options
+from megatrain_lightning.checkpoint.replaced import replaced_weights
 from megatrain_lightning.convert import lightning_checkpoint
 from megatrain_lightning.engine import (
     Engine,
