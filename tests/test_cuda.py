@@ -9,7 +9,7 @@ import torch
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from tests.helpers import CausalLM, fit, hf_llama, params_of, token_batches, twin, update_error
+from tests.helpers import CausalLM, fit, hf_llama, hf_loss, params_of, token_batches, twin, update_error
 
 pytestmark = pytest.mark.cuda
 
@@ -208,8 +208,6 @@ def test_odd_sized_parameters_are_aligned_in_their_slot_on_the_gpu():
 def cuda_loop(model, config: EngineConfig, micro: int = 3, steps: int = 2) -> tuple[list[float], list[float]]:
     """A plain accumulation loop on the GPU with the engine: `micro` micro-batches per step, clipped by norm
     at 1.0. Returns the losses and each step's total norm."""
-    from tests.helpers import hf_loss
-
     engine = Engine(model, config)
     opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
     losses, norms = [], []
@@ -248,8 +246,6 @@ def test_the_clipping_norm_on_cuda_is_ordinary_gpu_trainings_within_rounding():
     """Accumulated micro-batches have their norms taken on the host, in fp64 on a GPU run: the total norm is the
     one ordinary GPU training's clip_grad_norm_ gives, within fp32 rounding (torch's fp32 norm on the CPU
     would be 2e-5 off for the 2M-element embedding; tests/test_host_steps.py)."""
-    from tests.helpers import hf_loss
-
     build = lambda: hf_llama(layers=2, vocab_size=32768, hidden_size=64)  # noqa: E731
     ref = build().cuda()
     batches = [b.cuda() for b in token_batches(2)]
