@@ -15,7 +15,7 @@ import torch
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.models import LlamaForCausalLM
-from tests.helpers import CausalLM, fit, own_llama, params_of, token_batches
+from tests.helpers import CausalLM, fit, hf_llama, hf_loss, own_llama, params_of, token_batches
 from tests.streamed import precision_of
 
 pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need torch's own AdamW arithmetic
@@ -152,8 +152,6 @@ def test_the_clipping_norm_is_ordinary_cpu_trainings_to_the_bit_or_accurate_as_a
     torch's fp32 norms, bit for bit what ordinary CPU training clips with; where the engine computes on a GPU
     (`accurate_norms`, set here as a GPU engine sets it) they are summed in fp64, as accurate as a GPU's
     reductions, where torch's CPU norm of the 2M-element embedding is not."""
-    from tests.helpers import hf_llama, hf_loss
-
     build = lambda: hf_llama(layers=2, vocab_size=32768, hidden_size=64)  # noqa: E731
     ref, model = build(), build()
     batches = token_batches(2)
