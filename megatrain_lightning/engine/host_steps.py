@@ -452,7 +452,7 @@ class HostSide:
         clipping coefficient then needs no host pass over the gradients, and waits for no landing."""
         norms = None
         if self.want_norms and single:
-            norms = list(zip(kernels.param_norms(flat, [(e.offset, e.numel) for e in unit.entries]), present))
+            norms = list(zip(kernels.param_norms(flat, _norm_spans(unit)), present))
         unit.grad.measured_on_device(norms)
 
     def _eager_ok(self) -> bool:
@@ -501,8 +501,7 @@ class HostSide:
         unit.grad.accumulating()
 
     def _norms(self, unit: HostUnit) -> list[torch.Tensor]:
-        spans = [(e.offset, e.numel) for e in unit.entries]
-        return kernels.param_norms(self._grad_of(unit), spans, self.accurate_norms)
+        return kernels.param_norms(self._grad_of(unit), _norm_spans(unit), self.accurate_norms)
 
     def _grad_of(self, unit: HostUnit) -> torch.Tensor:
         return unit.acc if unit.grad.state is GradState.ACC else unit.slab
@@ -782,3 +781,8 @@ class HostSide:
         """A step's order on the worker: 1 for outer units (``optimizer_step`` waits for them), then
         2 + i for block i, as the next forward reads them."""
         return 1 if unit in self.outer else 2 + self.block_index[id(unit)]
+
+
+def _norm_spans(unit: HostUnit) -> list[tuple[int, int]]:
+    """(offset, numel) of each of the unit's parameters: the spans kernels.param_norms takes."""
+    return [(e.offset, e.numel) for e in unit.entries]
