@@ -65,6 +65,7 @@ def test_plan_flags_are_the_declared_ones():
         "host_layout",
         "nvme_dir",
         "device_grad_sums",
+        "row_chunk",
     }
     assert declared_flags <= flags
 

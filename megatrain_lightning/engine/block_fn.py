@@ -40,6 +40,7 @@ from torch import nn
 
 from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.replay import HostRngs, direct_checkpoints
+from megatrain_lightning.engine.rows import rows_of
 from megatrain_lightning.engine.sinks import Sinks
 
 
@@ -100,6 +101,9 @@ class CallState:
         self.extra_ids: dict[int, int] = {}  # id of a tensor in `extra` -> its index among those outputs
         self.offload = False  # this call saves its input in host memory (the engine's decision for its pass)
         self.saved: Any = None  # the input in host memory when the call offloads it
+        self.row_spans: list[tuple[int, int]] = []  # the call ran in these chunks of rows (engine/rows.py)
+        self.chunk_prints: list[Any] = []  # the forward's fingerprint of each chunk's output
+        self.drew = False  # the chunked forward drew random numbers (refused: engine/rows.py)
         types = {"cpu", device.type}
         self.autocast = [
             (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t), torch.is_autocast_cache_enabled())
@@ -133,10 +137,13 @@ class CallState:
         self.grad_inputs += params
         return originals
 
-    def call(self, forward: Callable[..., Any], hidden: torch.Tensor) -> Any:
+    def call(self, forward: Callable[..., Any], hidden: torch.Tensor, rows: tuple[int, int, int] | None = None) -> Any:
         """Run the block's own forward on `hidden` with the captured arguments (each run on its own copy of
-        the lists and dicts among them: engine/sinks.py)."""
+        the lists and dicts among them: engine/sinks.py); `rows` (rows of the call, start, end): `hidden` is
+        that chunk of the call's rows, and so are the per-row arguments it gets (engine/rows.py)."""
         args, kwargs = (self.args, self.kwargs) if self.sinks is None else self.sinks.fresh()
+        if rows is not None:
+            args, kwargs = rows_of((args, kwargs), *rows)
         with direct_checkpoints() if torch.is_grad_enabled() else nullcontext():
             if self.hidden_kw is None:
                 out = forward(hidden, *args, **kwargs)
@@ -190,6 +197,7 @@ class CallState:
     def clear(self) -> None:
         self.args, self.kwargs, self.extra, self.saved, self.grad_inputs, self.changed = (), {}, (), None, [], None
         self.kept = None
+        self.row_spans, self.chunk_prints = [], []
         self.cpu_rng = self.dev_rng = None
         self.sinks = self.host_rngs = None
 

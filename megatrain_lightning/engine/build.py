@@ -35,6 +35,7 @@ from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.engine.recompute import KeepPolicy
 from megatrain_lightning.engine.replay import refuse_compiled
 from megatrain_lightning.engine.ring import HostRing, piece_numel, ring_counts
+from megatrain_lightning.engine.rows import RowChunks
 from megatrain_lightning.engine.saved_inputs import SavedInputs
 from megatrain_lightning.engine.self_checks import SelfChecks
 from megatrain_lightning.engine.streamer import BlockStreamer, ParamRefs, block_buffers, param_refs
@@ -188,6 +189,7 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
         saved_inputs=engine.saved_inputs,
         checks=engine.checks,
         reads=engine.reads,
+        rows=RowChunks(config.row_chunk),
         transient=transient,
         free_device_bytes=free,
     )

@@ -6,7 +6,10 @@ the ``megatrain`` command, a sweep's YAML) derives its parameters from these dec
 and calls the same check, so a bad value gets the same one-line error naming it and the fix wherever it
 enters. :class:`EngineConfig` runs them all in ``__post_init__``.
 
-Of the engine it imports only the option types (discover.py, recompute.py); clients reach it through the
+Why one file of about 500 lines: it is the one declaration of every option (the point of it), and each
+option's check sits beside its field.
+
+Of the engine it imports only the option types (discover.py, recompute.py, rows.py); clients reach it through the
 engine's facade, engine/__init__.py.
 """
 
@@ -25,6 +28,7 @@ import torch
 
 from megatrain_lightning.engine.discover import BlocksOption
 from megatrain_lightning.engine.recompute import Recompute, check_recompute
+from megatrain_lightning.engine.rows import check_row_chunk
 from megatrain_lightning.optim.threads import resolve_host_threads
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
@@ -285,6 +289,18 @@ class EngineConfig:
         "chain does (docs/benchmarks.md; engine/grad_sums.py).",
         check_device_grad_sums,
         flag={"type": int_or_auto("a number of blocks"), "metavar": "BLOCKS"},
+    )
+    row_chunk: int | None = option(
+        None,
+        "layer-major steps: a training call of a block on more rows (the hidden state's first dimension) than this "
+        "runs in chunks of this many rows, every chunk through the block before the next block, in the forward "
+        "and in the backward's recompute; each block's weights go up and its gradient comes down once per "
+        "micro-batch, and the device holds one chunk's activations inside a block. Equal to one call up to the "
+        "order the weights' gradients are summed in (over each chunk, then over the chunks, in fp32). A block "
+        "whose rows affect each other (BatchNorm), that draws random numbers, changes its state or has side "
+        "outputs is refused at its first call. None (default): every call whole (engine/rows.py).",
+        check_row_chunk,
+        flag={"type": int, "metavar": "ROWS"},
     )
     overlap_optimizer: bool = option(
         True,

@@ -17,6 +17,7 @@ upload the next forward's first blocks, and to give the blocks back when it clos
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -37,6 +38,7 @@ from megatrain_lightning.engine.outer import OuterParams
 from megatrain_lightning.engine.partition import Partition
 from megatrain_lightning.engine.pending_reads import PendingReads
 from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph, nothing_saved
+from megatrain_lightning.engine.rows import RowChunks
 from megatrain_lightning.engine.saved_inputs import SavedInputs
 from megatrain_lightning.engine.self_checks import SelfChecks
 from megatrain_lightning.engine.streams import SlotPool
@@ -70,12 +72,14 @@ class BlockStreamer:
         saved_inputs: SavedInputs,
         checks: SelfChecks,
         reads: PendingReads,
+        rows: RowChunks,
         transient: Callable[[], int | None],
         free_device_bytes: Callable[[], int | None],
     ) -> None:
         self.blocks, self.units, self.device, self.preserve_rng_state = blocks, units, device, preserve_rng_state
         self.partition, self.pool, self.uploads, self.host, self.outer = partition, pool, uploads, host, outer
         self.keep, self.saved_inputs, self.checks, self.reads = keep, saved_inputs, checks, reads
+        self.rows = rows
         self._transient, self._free_device_bytes = transient, free_device_bytes
         # Per block, (first block, number of blocks) of its stack: a stack's blocks are consecutive, and each
         # stack's forward pass is decided on anew (offloaded inputs, kept graphs).
@@ -101,8 +105,9 @@ class BlockStreamer:
         return self.saved_inputs.offloads_call(idx - first, hidden, count)
 
     def keeps_call(self, idx: int, hidden: torch.Tensor) -> bool:
-        """Whether this call of block `idx` (under grad) keeps its graph instead of a recompute (engine/recompute.py)."""
-        return self.keep.keeps(idx, *self._spans[idx], hidden)
+        """Whether this call of block `idx` (under grad) keeps its graph instead of a recompute (engine/recompute.py);
+        a call in chunks of rows never does (its graph is each chunk's, made again in backward)."""
+        return not self.rows.applies(hidden) and self.keep.keeps(idx, *self._spans[idx], hidden)
 
     def size_slots(self) -> None:
         """``num_slots="auto"``, after the first optimizer step: add the slots that the device memory the step
@@ -172,6 +177,9 @@ class BlockStreamer:
         x = hidden.detach().requires_grad_(input_requires_grad) if record else hidden
         side = SideOutputs(blk) if record else None
         keep = record and state.keep
+        chunked = record and self.rows.applies(x)
+        if chunked:
+            self.rows.refuse_before(self.units[idx].name, blk, state, x)
 
         def call() -> Any:
             if side is None:
@@ -181,6 +189,8 @@ class BlockStreamer:
                     return state.call(runner.inner, x)
             # (inside the binding: a buffer's changes are seen on its device copy)
             with side.recording(), Mutations.watch(blk) as state.changed:
+                if chunked:
+                    return self.rows.forward(idx, self.units[idx].name, state, runner.inner, x, self.checks)
                 return state.call(runner.inner, x)
 
         # Training: in grad mode, as ordinary training's forward and the recompute (engine/recompute.py).
@@ -190,6 +200,8 @@ class BlockStreamer:
         if side is None:
             return out, []
         state.own_input = x
+        if chunked:
+            self.rows.refuse_after(self.units[idx].name, state, [*side.tensors, *state.sunk()], state.drew)
         side.add(state.extra)
         side.add(state.sunk())
         state.recorded = len(side.tensors)
@@ -207,7 +219,7 @@ class BlockStreamer:
             kept.x = x
             kept.outputs = [get_gradient_edge(t) if t.requires_grad else None for t in [out, *picked]]
             state.kept = kept
-        else:
+        elif not chunked:  # (a chunked call's fingerprints are its chunks': engine/rows.py)
             self.checks.forward_done(state, [out, *picked])
         return out, picked
 
@@ -270,7 +282,13 @@ class BlockStreamer:
             outs, gouts = zip(*pairs)
             return torch.autograd.grad(outs, inputs, gouts, allow_unused=True)
 
-        grads = list(self._run(idx, -1, recompute, kept=kept)[0])
+        def recompute_rows() -> tuple:
+            measuring = functools.partial(self._measuring, idx)
+            done = functools.partial(self.checks.recompute_done, idx, state)
+            weights = [params[i] for i in trained]
+            return self.rows.backward(state, runner.inner, hidden, grads_out, needs[0], weights, done, measuring)
+
+        grads = list(self._run(idx, -1, recompute_rows if state.row_spans else recompute, kept=kept)[0])
         grads_in = [grads.pop(0) if need else None for need in needs]
         by_entry: list[torch.Tensor | None] = [None] * len(unit.layout)
         for i, g in zip(trained, grads):

@@ -1,0 +1,225 @@
+"""Layer-major steps: a block call of many rows run as chunks of ``row_chunk`` rows.
+
+With ``row_chunk`` set, a training call of a block whose hidden state has more rows (its first dimension) than
+that runs the block once per chunk of rows: every chunk through this block, then every chunk through the
+next, in the forward and in the backward's recompute (the backward differentiates each chunk's recompute and
+sums the weights' gradients over the chunks in fp32, in chunk order). So a block's weights go up once and its
+gradient comes down once however many rows the micro-batch has, and the device holds one chunk's activations
+inside a block, not the whole micro-batch's: the rows a step takes no longer depend on device memory. The
+block inputs, one hidden state per block, are saved as any block input is (on the host with
+``offload_inputs``).
+
+Rows are independent in a transformer block (attention mixes positions within a row, never rows), so each
+chunk computes exactly what its rows would in the whole call, up to the reduction order of the weight
+gradients: ordinary training sums a weight's gradient over all rows in one product, the engine over each
+chunk and then over the chunks. Blocks where that is not so, or where the engine could not replay a chunked
+call exactly, are refused at their first chunked call, in one line naming the block and the cause:
+
+- rows that affect each other: a module that normalizes over the batch (BatchNorm in training) is refused
+  before the call, and every block, at its first chunked call, passes a behavioural test: its first chunk's
+  output must not change (bit for bit) when the second chunk's rows change;
+- random numbers drawn in the call (dropout): each chunk would draw its own, not the slice of one draw;
+- buffers or attributes the call changes, tensors that leave the block besides its hidden state (hooks, side
+  outputs, lists it writes into), arguments or shared parameters that require grad: each would be produced
+  once per chunk, where ordinary training produces it once.
+
+Which arguments are per row: every tensor argument with two or more dimensions whose first is the number of
+rows (an attention mask, per-row positions) is sliced with the rows; every other argument goes to each chunk
+whole (a sequence-long cache position, positions shared by all rows). When the number of rows equals another
+dimension of the hidden state (as many rows as positions), an argument of that first dimension could be
+either, and the call is refused rather than guessed.
+
+Evaluation calls (no grad) are not chunked: they keep no activations for backward, and a KV cache filled
+chunk by chunk would not be the cache of one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatrain_lightning.engine.block_state import flatten
+
+
+def check_row_chunk(value: Any) -> int | None:
+    """`value` if it is None or a row count of at least 1, else a ValueError naming it and the fix."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(
+        f"row_chunk={value!r}: give the rows each chunk of a block call computes at a time (an int >= 1), or "
+        "None to run each block call whole"
+    )
+
+
+RANDOM = "draws random numbers (dropout?), which each chunk would draw anew"
+
+
+class RowChunks:
+    """Decides which calls run in chunks of rows, and refuses the blocks that cannot (module docstring)."""
+
+    def __init__(self, row_chunk: int | None) -> None:
+        self.size = check_row_chunk(row_chunk)
+        self._independent: set[int] = set()  # blocks whose rows were shown independent
+
+    def applies(self, hidden: torch.Tensor) -> bool:
+        """Whether a training call on `hidden` runs in chunks."""
+        return self.size is not None and hidden.dim() >= 2 and hidden.shape[0] > self.size
+
+    def spans(self, rows: int) -> list[tuple[int, int]]:
+        """(start, end) of each chunk of `rows` rows, in order."""
+        assert self.size is not None
+        return [(s, min(s + self.size, rows)) for s in range(0, rows, self.size)]
+
+    def refuse_before(self, name: str, block: nn.Module, state: Any, hidden: torch.Tensor) -> None:
+        """Refuse, before anything runs, a call the chunks could not reproduce (from what it was given)."""
+        norm = next((type(m).__name__ for m in block.modules() if _batch_norm_training(m)), None)
+        if norm is not None:
+            self._refuse(name, f"normalizes over the rows of a batch ({norm} in training mode)")
+        if state.sinks is not None:
+            self._refuse(name, "is passed lists or dicts it writes tensors into")
+        if state.grad_inputs:
+            self._refuse(name, "takes arguments or parameters shared with other modules that require grad")
+        rows, others = hidden.shape[0], set(hidden.shape[1:])
+        if rows in others and any(_per_row(t, rows) for t in flatten((state.args, state.kwargs))[0]):
+            self._refuse(
+                name,
+                f"has as many rows as positions or features ({rows}), so a tensor argument of first dimension "
+                f"{rows} could be per row or not",
+            )
+
+    def refuse_after(self, name: str, state: Any, side: list[torch.Tensor], rng_drawn: bool) -> None:
+        """Refuse a chunked forward that did what the chunks cannot reproduce (seen once it ran)."""
+        if rng_drawn:
+            self._refuse(name, RANDOM)
+        if state.changed:
+            self._refuse(name, "changes its buffers or attributes in forward, which each chunk would do again")
+        if side or any(isinstance(t, torch.Tensor) for t in state.extra):
+            self._refuse(name, "outputs tensors besides its hidden state (side outputs, hooks, attributes)")
+
+    def check_independent(
+        self,
+        idx: int,
+        name: str,
+        run: Callable[[torch.Tensor, int], torch.Tensor],
+        x: torch.Tensor,
+        device: torch.device,
+    ) -> None:
+        """At block `idx`'s first chunked call: its first chunk's output must not change when the rows of the
+        second chunk do (``run(rows, n)``: the block's hidden output on `rows`, the first `n` rows of the call).
+        The generators are left as they were."""
+        if idx in self._independent:
+            return
+        assert self.size is not None
+        n = min(2 * self.size, x.shape[0])
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            before = rng_states(device)
+            first = run(x[:n], n)[: self.size]
+            if drew(before, device):
+                self._refuse(name, RANDOM)
+            other = x[:n].clone()
+            other[self.size :] = other[self.size :].flip(-1) * 2 + 1
+            again = run(other, n)[: self.size]
+        if not torch.equal(first, again):
+            self._refuse(name, "lets rows affect each other (its first rows' output changed with the next rows)")
+        self._independent.add(idx)
+
+    def forward(self, idx: int, name: str, state: Any, inner: Callable[..., Any], x: torch.Tensor, checks: Any) -> Any:
+        """Block `idx`'s call on `x` in chunks (a CallState `state`, the block's own forward `inner`): each chunk's
+        hidden output written into one output of all the rows, each chunk's fingerprint kept for its recompute
+        (engine/self_checks.py); the call's other outputs are its chunks', which hold no tensor."""
+        rows = x.shape[0]
+
+        def run(part: torch.Tensor, n: int) -> torch.Tensor:
+            return state.split(state.call(inner, part, rows=(rows, 0, n)))[0]
+
+        self.check_independent(idx, name, run, x, x.device)
+        before, out, unsplit = rng_states(x.device), None, None
+        for start, end in self.spans(rows):
+            part, unsplit, state.extra = state.split(state.call(inner, x[start:end], rows=(rows, start, end)))
+            if part.dim() == 0 or part.shape[0] != end - start:
+                self._refuse(name, f"returns a hidden state of shape {tuple(part.shape)} for {end - start} rows")
+            if out is None:
+                out = part.new_empty((rows, *part.shape[1:]))
+            with torch.no_grad():
+                out[start:end] = part
+            checks.forward_done(state, [part])
+            state.chunk_prints.append(state.fingerprint)
+            state.row_spans.append((start, end))
+        state.drew = drew(before, x.device)
+        return unsplit(out, state.extra)
+
+    @staticmethod
+    def backward(
+        state: Any,
+        inner: Callable[..., Any],
+        hidden: torch.Tensor,
+        grads_out: list[torch.Tensor | None],
+        input_grad: bool,
+        weights: list[torch.Tensor],
+        recompute_done: Callable[[list[torch.Tensor]], None],
+        measuring: Callable[[torch.Tensor], Any],
+    ) -> tuple:
+        """The backward of a chunked call: each chunk recomputed and differentiated alone, in the forward's
+        order; the gradients of the `weights` summed over the chunks in fp32, in chunk order, then given the
+        dtype a whole call's gradients have. Returns (the input's gradient if `input_grad`, *the weights')."""
+        (grad_out,) = grads_out  # (a chunked call has no side outputs and no grad arguments: refused)
+        grad_x = torch.zeros_like(hidden) if input_grad else None
+        sums: list[torch.Tensor | None] = [None] * len(weights)
+        rows = hidden.shape[0]
+        for (start, end), print_ in zip(state.row_spans, state.chunk_prints):
+            x = hidden[start:end].detach().requires_grad_(input_grad)
+            with torch.enable_grad(), state.replay(), measuring(x):
+                out = state.split(state.call(inner, x, rows=(rows, start, end)))[0]
+            state.fingerprint = print_
+            recompute_done([out])
+            if grad_out is None or not out.requires_grad:
+                continue
+            grads = list(
+                torch.autograd.grad(
+                    [out], ([x] if input_grad else []) + weights, [grad_out[start:end]], allow_unused=True
+                )
+            )
+            if input_grad and (g := grads.pop(0)) is not None:
+                grad_x[start:end] = g
+            for k, g in enumerate(grads):
+                if g is not None:
+                    sums[k] = g.to(torch.float32, copy=True) if sums[k] is None else sums[k].add_(g)
+        return (
+            *([grad_x] if input_grad else []),
+            *(s if s is None else s.to(w.dtype) for s, w in zip(sums, weights)),
+        )
+
+    def _refuse(self, name: str, cause: str) -> None:
+        raise RuntimeError(
+            f"row_chunk={self.size}: block {name} {cause}, which chunks of rows would not compute as one call "
+            "does; set row_chunk=None for this model"
+        )
+
+
+def rows_of(args: Any, rows: int, start: int, end: int) -> Any:
+    """`args` (any tree) with each per-row tensor (module docstring) cut to rows `start`..`end`."""
+    leaves, unflatten = flatten(args)
+    return unflatten([t[start:end] if _per_row(t, rows) else t for t in leaves])
+
+
+def _per_row(t: Any, rows: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == rows
+
+
+def _batch_norm_training(m: nn.Module) -> bool:
+    return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+
+
+def rng_states(device: torch.device) -> list[torch.Tensor]:
+    """The generators a block call may draw from: the CPU's, and the device's when it is a GPU."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def drew(before: list[torch.Tensor], device: torch.device) -> bool:
+    return any(not torch.equal(a, b) for a, b in zip(before, rng_states(device)))
