@@ -283,3 +283,29 @@ def test_row_chunk_is_checked_with_the_fix_in_one_line(bad):
     with pytest.raises(ValueError, match=r"^row_chunk=.*: give the rows each chunk") as err:
         EngineConfig(row_chunk=bad)
     assert "\n" not in str(err.value)
+
+
+def test_packed_documents_keep_to_their_rows_in_chunks():
+    """This project's Llama with positions restarting inside rows (packed documents): the per-row positions and
+    document spans are cut with the rows, and training is ordinary training's."""
+    g = torch.Generator().manual_seed(2)
+    positions = torch.stack([torch.cat([torch.arange(k), torch.arange(SEQ - k)]) for k in (3, 5, 8, 11, 2, 9)])
+    batch = torch.randint(0, 97, (6, SEQ), generator=g)
+
+    def loss(model: nn.Module) -> torch.Tensor:
+        targets = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], -100)], dim=1)
+        return model(batch, targets=targets, position_ids=positions)
+
+    ref, model = own_llama(), own_llama()
+    first = loss(ref)
+    first.backward()
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true", row_chunk=4, overlap_optimizer=False))
+    engine.optimizer(torch.optim.AdamW(model.parameters()))
+    with engine.backward():
+        got = loss(model)
+        got.backward()
+    assert got.item() == first.item()
+    with engine.gradients_visible():
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert grad_error(grads, {n: p.grad for n, p in ref.named_parameters()}) < 1e-6
+    engine.close()

@@ -24,8 +24,10 @@ call exactly, are refused at their first chunked call, in one line naming the bl
   once per chunk, where ordinary training produces it once.
 
 Which arguments are per row: every tensor argument with two or more dimensions whose first is the number of
-rows (an attention mask, per-row positions) is sliced with the rows; every other argument goes to each chunk
-whole (a sequence-long cache position, positions shared by all rows). When the number of rows equals another
+rows (an attention mask, per-row positions), and every argument that is a list or tuple of plain values (no
+tensor) with one element per row (this project's Llama's document spans), is cut with the rows; every other
+argument goes to each chunk whole (a sequence-long cache position, positions shared by all rows, spans given
+once for all rows). When the number of rows equals another
 dimension of the hidden state (as many rows as positions), an argument of that first dimension could be
 either, and the call is refused rather than guessed.
 
@@ -199,9 +201,19 @@ class RowChunks:
         )
 
 
-def rows_of(args: Any, rows: int, start: int, end: int) -> Any:
-    """`args` (any tree) with each per-row tensor (module docstring) cut to rows `start`..`end`."""
-    leaves, unflatten = flatten(args)
+def rows_of(args: tuple[tuple, dict], rows: int, start: int, end: int) -> tuple[tuple, dict]:
+    """A call's (positional, keyword) arguments with each per-row one (module docstring) cut to rows
+    `start`..`end`."""
+    positional, named = args
+    return tuple(_cut(a, rows, start, end) for a in positional), {
+        k: _cut(v, rows, start, end) for k, v in named.items()
+    }
+
+
+def _cut(value: Any, rows: int, start: int, end: int) -> Any:
+    leaves, unflatten = flatten(value)
+    if isinstance(value, (list, tuple)) and len(value) == rows and not any(isinstance(t, torch.Tensor) for t in leaves):
+        return value[start:end]  # a sequence of plain values, one per row (this project's Llama's document spans)
     return unflatten([t[start:end] if _per_row(t, rows) else t for t in leaves])
 
 
