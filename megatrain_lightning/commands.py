@@ -21,7 +21,7 @@ import torch
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning import plots
-from megatrain_lightning.engine import EngineConfig, declared, int_or_auto
+from megatrain_lightning.engine import EngineConfig, check_row_chunk, declared, int_or_auto
 from megatrain_lightning.module import resolve_config
 from megatrain_lightning.plan_any import ModelPlan, is_any_model, plan_from_args
 from megatrain_lightning.planner import NVME_GBPS, Plan, RunShape, parse_size, plan
@@ -389,7 +389,11 @@ def schedule_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--clip", type=float, help="global-norm gradient clipping, as Trainer(gradient_clip_val) (default: none)"
     )
-    add_engine_flags(ap, ("num_slots", "device_grad_sums"), {"num_slots": "auto", "device_grad_sums": 0})
+    add_engine_flags(
+        ap,
+        ("num_slots", "device_grad_sums", "row_chunk"),
+        {"num_slots": "auto", "device_grad_sums": 0, "row_chunk": None},
+    )
     ap.add_argument(
         "--steps", type=int, default=3, help="optimizer steps recorded; the last is measured (default 3, at least 2)"
     )
@@ -426,6 +430,7 @@ def schedule_command(argv: list[str]) -> ModelledStep:
         device = profile(args.device).with_host(args.host_gbps, args.host_adam_gparams)
         config = resolve_config(args.model)
         check_options(args.seq_len, args.micro_batches, args.clip, args.num_slots, args.steps, args.batch_size)
+        check_row_chunk(args.row_chunk)
         DataParallel(args.gpus, args.link).rank_profile(device)
     except (ValueError, FileNotFoundError) as err:
         user_error(str(err), ap.prog)
@@ -443,6 +448,7 @@ def schedule_command(argv: list[str]) -> ModelledStep:
         recompute=args.recompute,
         grad_sums=args.device_grad_sums,
         batch_size=args.batch_size,
+        row_chunk=args.row_chunk,
     )
     print("\n".join(step.report()), flush=True)
     return step

@@ -95,11 +95,13 @@ def measure_step(
     recompute: bool | str = True,
     capacity: int | None = None,
     grad_sums: int = 0,
+    row_chunk: int | None = None,
 ) -> Measured:
     """Run one training step of `config` on fake tensors and measure its device memory; with `recompute`
     other than True and the device bytes the engine may take (`capacity`), the step after a first one,
     when kept graphs are decided (module docstring). `grad_sums`: that many blocks keep their gradient sums
-    on the device (``device_grad_sums``), so the measured backward is an accumulating micro-batch's."""
+    on the device (``device_grad_sums``), so the measured backward is an accumulating micro-batch's.
+    `row_chunk`: block calls of that many rows at a time (engine/rows.py)."""
     if getattr(config, "token_chunk_size", None) == "auto":
         # "auto" sizes tiles from free CUDA memory; on the fake CPU it would pick the CPU's fixed tile.
         raise ValueError("token_chunk_size='auto' depends on the GPU's free memory; measure a fixed tile size")
@@ -117,6 +119,7 @@ def measure_step(
                 pin_memory=False,
                 recompute=recompute,
                 device_grad_sums=grad_sums,
+                row_chunk=row_chunk,
             )
             free = None if capacity is None else (lambda: capacity - counter.live)
             engine = Engine(model, options, Probes(host_available_bytes=lambda: 1 << 62, device_free_bytes=free))

@@ -348,26 +348,39 @@ def gpu_items(
     offload_inputs: bool = False,
     gpu_mem: int | None = None,
     kept: int = 0,
+    row_chunk: int | None = None,
 ) -> dict[str, tuple[int, int]]:
     """GPU memory per item as (fixed bytes, bytes per token of the micro-batch), with `kept` blocks keeping
-    their graph (:func:`kept_blocks`); see the module docstring."""
+    their graph (:func:`kept_blocks`); see the module docstring. With `row_chunk` rows a call (engine/rows.py)
+    a block's recompute holds one chunk's activations and an fp32 sum of its weights' gradients."""
     elt, block, h, v = compute_bytes(precision), block_numel(config), config.hidden_size, config.vocab_size
     tokens = micro_batch * seq_len
     inputs = 1 if offload_inputs else config.num_hidden_layers  # offloaded: at the peak, the input of the block in use
-    tile = planned_tile(config, seq_len, micro_batch, elt, gpu_mem)
-    core = planned_core(config, seq_len, micro_batch, elt, gpu_mem, tile)
-    per_token, fixed = recompute_terms(config, elt, tile, tokens, core, micro_batch)
+    rows = call_rows(micro_batch, row_chunk)
+    tile = planned_tile(config, seq_len, rows, elt, gpu_mem)
+    core = planned_core(config, seq_len, rows, elt, gpu_mem, tile)
+    per_token, fixed = recompute_terms(config, elt, tile, rows * seq_len, core, rows)
+    recompute = (fixed + block * elt, per_token)
+    if rows < micro_batch:
+        # One chunk's activations and an fp32 sum of the block's gradients, whatever the rows of the micro-batch;
+        # per token of it, the block's input, its output's gradient, its input's and the next input prefetched.
+        recompute = (fixed + block * elt + per_token * rows * seq_len + 4 * block, 4 * h * elt)
     return {
         "weight_slots": (num_slots * block * elt, 0),
         "grad_slots": (2 * block * elt, 0),
         "outer": (outer_numel(config) * elt, 0),
         "saved_inputs": (0, inputs * h * elt),
         "rope": (0, 2 * config.head_dim * elt),
-        "recompute": (fixed + block * elt, per_token),
+        "recompute": recompute,
         "loss": (min(config.loss_chunk_size, tokens) * v * 4 * 3 + v * h * (4 + elt), 2 * h * elt),
         "kept_graphs": (0, kept * kept_bytes_per_token(config, elt, tile, core)),
         "cuda_context": (CUDA_CONTEXT_BYTES, 0),
     }
+
+
+def call_rows(micro_batch: int, row_chunk: int | None) -> int:
+    """Rows a block call computes at a time: the micro-batch's, or with ``row_chunk`` at most that many."""
+    return micro_batch if row_chunk is None else min(micro_batch, row_chunk)
 
 
 def kept_bytes_per_token(config: LlamaConfig, elt: int, tile: int | None, tiled_core: bool = False) -> int:
@@ -390,12 +403,16 @@ def kept_blocks(
     offload_inputs: bool,
     gpu_mem: int | None,
     recompute: Recompute = "auto",
+    row_chunk: int | None = None,
 ) -> int:
     """Blocks per forward pass that keep their graph instead of a recompute (engine/recompute.py): none with
     True, all with False; "auto" the engine's rule on the plan's figures, from the last block back, while
     their activations fit :data:`KEEP_SHARE` of the memory free at the pass's first block and
-    :data:`STREAMING_SLOTS` of the `num_slots` stay unpinned (none without `gpu_mem`: no memory measure)."""
+    :data:`STREAMING_SLOTS` of the `num_slots` stay unpinned (none without `gpu_mem`: no memory measure).
+    None either when calls run in chunks of rows (`row_chunk`): a chunked call keeps no graph."""
     layers, mode = config.num_hidden_layers, check_recompute(recompute)
+    if call_rows(micro_batch, row_chunk) < micro_batch:
+        return 0
     if mode is True or mode is False:
         return layers if mode is False else 0
     room = num_slots - STREAMING_SLOTS
@@ -420,10 +437,11 @@ def gpu_breakdown(
     offload_inputs: bool = False,
     gpu_mem: int | None = None,
     kept: int = 0,
+    row_chunk: int | None = None,
 ) -> dict[str, int]:
     """GPU bytes per item for a micro-batch of `micro_batch` x `seq_len` tokens."""
     tokens = micro_batch * seq_len
-    items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, gpu_mem, kept)
+    items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, gpu_mem, kept, row_chunk)
     return {key: fixed + per_token * tokens for key, (fixed, per_token) in items.items()}
 
 
@@ -486,35 +504,54 @@ def gpu_peak(gpu: dict[str, int]) -> int:
 
 
 def planned_slots(
-    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, offload_inputs: bool, gpu_mem: int | None
+    config: LlamaConfig,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    offload_inputs: bool,
+    gpu_mem: int | None,
+    row_chunk: int | None = None,
 ) -> int:
     """The weight slots ``num_slots="auto"`` settles on for this run in `gpu_mem` (2 without a limit): the
     engine's rule (device_memory.auto_slot_count) on the plan's figures with 2 slots, free = `gpu_mem` less
     the persistent items and the context, transient = the rest of the peak."""
     if gpu_mem is None:
         return 2
-    free, transient = free_and_transient(config, seq_len, micro_batch, precision, offload_inputs, gpu_mem)
+    free, transient = free_and_transient(config, seq_len, micro_batch, precision, offload_inputs, gpu_mem, row_chunk)
     slot = block_numel(config) * compute_bytes(precision)
     return auto_slot_count(free, transient, slot, config.num_hidden_layers)
 
 
 def free_and_transient(
-    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, offload_inputs: bool, gpu_mem: int
+    config: LlamaConfig,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    offload_inputs: bool,
+    gpu_mem: int,
+    row_chunk: int | None = None,
 ) -> tuple[int, int]:
     """What the engine measures after its first step with 2 slots, as the plan has it: the GPU memory free
     beyond the persistent items and the context, and what the step needed on top of them."""
-    gpu = gpu_breakdown(config, seq_len, micro_batch, precision, 2, offload_inputs, gpu_mem)
+    gpu = gpu_breakdown(config, seq_len, micro_batch, precision, 2, offload_inputs, gpu_mem, row_chunk=row_chunk)
     persistent = gpu["weight_slots"] + gpu["grad_slots"] + gpu["outer"] + gpu["cuda_context"]
     return gpu_mem - persistent, gpu_peak(gpu) - persistent
 
 
 def auto_offloads_inputs(
-    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int, gpu_mem: int | None
+    config: LlamaConfig,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    num_slots: int,
+    gpu_mem: int | None,
+    row_chunk: int | None = None,
 ) -> bool:
     """Whether ``offload_inputs="auto"`` offloads: when the run would not fit `gpu_mem` with its inputs kept."""
     if gpu_mem is None:
         return False
-    return gpu_peak(gpu_breakdown(config, seq_len, micro_batch, precision, num_slots, False, gpu_mem)) > gpu_mem
+    gpu = gpu_breakdown(config, seq_len, micro_batch, precision, num_slots, False, gpu_mem, row_chunk=row_chunk)
+    return gpu_peak(gpu) > gpu_mem
 
 
 def _largest(fits: Callable[[int], bool], limit: int = 2**24) -> int:
@@ -531,12 +568,36 @@ def _largest(fits: Callable[[int], bool], limit: int = 2**24) -> int:
 
 
 def max_micro_batch(
-    config: LlamaConfig, seq_len: int, precision: str, num_slots: int, gpu_mem: int, offload_inputs: bool = False
+    config: LlamaConfig,
+    seq_len: int,
+    precision: str,
+    num_slots: int,
+    gpu_mem: int,
+    offload_inputs: bool = False,
+    row_chunk: int | None = None,
 ) -> int:
     """Largest micro-batch whose GPU peak fits in ``gpu_mem`` (0 when even one sequence does not)."""
     return _largest(
-        lambda b: gpu_peak(gpu_breakdown(config, seq_len, b, precision, num_slots, offload_inputs, gpu_mem)) <= gpu_mem
+        lambda b: (
+            gpu_peak(
+                gpu_breakdown(config, seq_len, b, precision, num_slots, offload_inputs, gpu_mem, row_chunk=row_chunk)
+            )
+            <= gpu_mem
+        )
     )
+
+
+def max_row_chunk(
+    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, num_slots: int, gpu_mem: int
+) -> int:
+    """The most rows a block call may compute at a time (``row_chunk``) for a micro-batch of `micro_batch` rows
+    to fit ``gpu_mem``, its block inputs offloaded (0 when not even one row a call does)."""
+
+    def fits(rows: int) -> bool:
+        gpu = gpu_breakdown(config, seq_len, micro_batch, precision, num_slots, True, gpu_mem, row_chunk=rows)
+        return rows <= micro_batch and gpu_peak(gpu) <= gpu_mem
+
+    return _largest(fits, limit=micro_batch + 1)
 
 
 def max_seq_len(
@@ -609,6 +670,11 @@ class Plan:
     """Blocks whose gradient sum over the micro-batches stays on the device (``device_grad_sums``)."""
     """Blocks per forward pass that keep their graph (:func:`kept_blocks`); their activations are the
     ``kept_graphs`` GPU item."""
+    row_chunk: int | None = None
+    """Rows a block call computes at a time (``row_chunk``, engine/rows.py; None: the micro-batch's)."""
+    max_row_chunk: int | None = None
+    """The most rows a block call may compute at a time for this micro-batch to fit ``gpu_mem`` with its inputs
+    offloaded (None without a GPU limit or with one row a micro-batch, 0 when not even one row does)."""
     options: EngineConfig | None = field(default=None, repr=False)
     """The engine's options as planned (what the fields above resolved "auto" from)."""
 
@@ -760,11 +826,19 @@ class Plan:
             f"micro-batch {self.micro_batch} at seq_len {self.seq_len} needs {format_size(self.gpu_peak)} of GPU memory"
         )
         limit = f"the limit is {format_size(self.gpu_mem)}"
+        rows = ""
+        if self.max_row_chunk and self.max_row_chunk < self.micro_batch:
+            rows = (
+                f" Or keep the micro-batch and run each block call in chunks: --row-chunk {self.max_row_chunk} "
+                "--offload-inputs."
+            )
         if self.max_micro_batch:
             return (
                 f"GPU memory: {need} but {limit}. The largest micro-batch that fits is {self.max_micro_batch}: use "
-                f"--micro-batch {self.max_micro_batch} and raise --accumulate to keep the tokens per step."
+                f"--micro-batch {self.max_micro_batch} and raise --accumulate to keep the tokens per step.{rows}"
             )
+        if rows:
+            return f"GPU memory: {need} but {limit}.{rows}"
         big = max(("saved_inputs", "recompute", "loss"), key=lambda k: self.gpu[k])
         offload = "" if self.offload_inputs else "offload the saved block inputs (--offload-inputs), "
         return (
@@ -944,6 +1018,11 @@ class Plan:
                 f"largest sequence that fits at micro-batch {self.micro_batch} (inputs offloaded): "
                 f"{self.max_seq_len} tokens{auto}"
             )
+            if self.micro_batch > 1:
+                lines.append(
+                    f"most rows a block call may take at micro-batch {self.micro_batch} (row_chunk, inputs "
+                    f"offloaded): {self.max_row_chunk}{auto}"
+                )
         return lines if len(lines) > 1 else []
 
 
@@ -1065,7 +1144,7 @@ def plan(
         options.offload_inputs_dtype,
         options.nvme_dir,
     )
-    slots_asked = options.num_slots
+    slots_asked, row_chunk = options.num_slots, options.row_chunk
     num_slots = 2 if slots_asked == "auto" else slots_asked  # the sizes below: auto's least
     if isinstance(nvme_gbps, bool) or not isinstance(nvme_gbps, (int, float)) or not nvme_gbps > 0:
         raise ValueError(f"nvme_gbps={nvme_gbps!r} must be a positive number of GB/s, e.g. 6.0 for a PCIe 4.0 drive")
@@ -1074,16 +1153,19 @@ def plan(
     # What everything sized from the GPU limit gets (sums asked by count are there from the first step).
     room = None if gpu_mem is None else gpu_mem - collectives - fixed_sums
     if offload_inputs == "auto":
-        offload_inputs = auto_offloads_inputs(config, seq_len, micro_batch, precision, num_slots, room)
+        offload_inputs = auto_offloads_inputs(config, seq_len, micro_batch, precision, num_slots, room, row_chunk)
     best = None if room is None else max_micro_batch(config, seq_len, precision, num_slots, room, offload_inputs)
     longest = None if room is None else max_seq_len(config, micro_batch, precision, num_slots, room)
+    most_rows = None
+    if room is not None and micro_batch > 1:
+        most_rows = max_row_chunk(config, seq_len, micro_batch, precision, num_slots, room)
     if slots_asked == "auto":
-        num_slots = planned_slots(config, seq_len, micro_batch, precision, offload_inputs, room)
+        num_slots = planned_slots(config, seq_len, micro_batch, precision, offload_inputs, room, row_chunk)
     if recompute is False:  # every block pins its slot until its backward: the pool grows to one per block
         num_slots = max(num_slots, config.num_hidden_layers)
-    kept = kept_blocks(config, seq_len, micro_batch, precision, num_slots, offload_inputs, room, recompute)
+    kept = kept_blocks(config, seq_len, micro_batch, precision, num_slots, offload_inputs, room, recompute, row_chunk)
     if sums_asked == "auto" and room is not None:  # from what the slots leave (the engine's order)
-        free, transient = free_and_transient(config, seq_len, micro_batch, precision, offload_inputs, room)
+        free, transient = free_and_transient(config, seq_len, micro_batch, precision, offload_inputs, room, row_chunk)
         free -= (num_slots - 2) * block_numel(config) * compute_bytes(precision)
         sums = auto_sum_count(free, transient, [sum_bytes // 4] * config.num_hidden_layers, 0, outer_sums // 4)
 
@@ -1104,13 +1186,14 @@ def plan(
 
     host_layout = options.host_layout if host_layout is None else check_host_layout(host_layout, allow_auto=True)
     layout, nvme = choose_tiers(lambda *t: sum(host(*t).values()), host_layout, nvme_dir, host_mem)
-    items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, room, kept)
+    items = gpu_items(config, seq_len, micro_batch, precision, num_slots, offload_inputs, room, kept, row_chunk)
     if collectives:
         items["collectives"] = (collectives, 0)
     if sums:
         items["grad_sums"] = (sums * sum_bytes + outer_sums, 0)
-    tile = planned_tile(config, seq_len, micro_batch, elt, room)
-    core = planned_core(config, seq_len, micro_batch, elt, room, tile)
+    rows = call_rows(micro_batch, row_chunk)
+    tile = planned_tile(config, seq_len, rows, elt, room)
+    core = planned_core(config, seq_len, rows, elt, room, tile)
     measured = None
     if measure:
         from megatrain_lightning.measure import measure_step  # imports the engine; only when asked
@@ -1132,6 +1215,7 @@ def plan(
             recompute,
             capacity,
             grad_sums=sums,
+            row_chunk=row_chunk,
         )
     return Plan(
         name=name,
@@ -1165,6 +1249,8 @@ def plan(
         recompute=recompute,
         kept_blocks=kept,
         grad_sums=sums,
+        row_chunk=row_chunk,
+        max_row_chunk=most_rows,
         options=options,
     )
 

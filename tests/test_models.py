@@ -499,3 +499,24 @@ def test_failed_save_leaves_no_files(tmp_path):
     with pytest.raises(RuntimeError, match="disk on fire"):
         save_hf_checkpoint(failing_stream(), model.config, tmp_path, max_shard_bytes=20_000)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_more_tokens_than_one_loss_chunk_fold_the_final_norm_into_the_loss():
+    """Many rows (a layer-major micro-batch) untiled: the final norm runs chunk by chunk inside the loss, never
+    on the whole micro-batch (whose backward would hold five fp32 copies of it); the loss and gradients are those
+    of the norm applied whole, up to the fp32 order of the norm weight's gradient sum."""
+    torch.manual_seed(0)
+    config = LlamaConfig.from_preset("tiny", token_chunk_size=None, loss_chunk_size=32)
+    ids = torch.randint(0, config.vocab_size, (4, 24))  # 96 tokens: three loss chunks
+    folded = LlamaForCausalLM(config)
+    whole = LlamaForCausalLM(dataclasses.replace(config, loss_chunk_size=96))  # one chunk: the norm whole
+    whole.load_state_dict(folded.state_dict())
+    calls = []
+    folded.model.norm.register_forward_hook(lambda m, args, out: calls.append(args[0].shape))
+    a, b = folded(ids, targets=ids), whole(ids, targets=ids)
+    assert calls == []
+    assert torch.allclose(a, b, rtol=1e-6, atol=0)
+    a.backward()
+    b.backward()
+    for (name, p), q in zip(folded.named_parameters(), whole.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name

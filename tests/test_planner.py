@@ -550,3 +550,30 @@ def test_megatrain_plan_recompute(capsys):
     assert "recompute=True: 0 of 32 blocks keep their graph" in capsys.readouterr().out
     assert run([*args, "--recompute", "FALSE"]).kept_blocks == 32
     assert run(args).recompute == "auto" and "recompute='auto': 30 of 32" in capsys.readouterr().out
+
+
+def test_row_chunks_let_a_micro_batch_too_big_for_the_gpu_fit_and_the_plan_says_how_many_rows():
+    """A micro-batch of 160 rows does not fit 80 GiB whole; the plan names the most rows a block call may take
+    (``--row-chunk``), and planning with that many fits while one more does not."""
+    config, gpu = LlamaConfig.from_preset("llama-3.1-8b"), parse_size("80GiB")
+    shape = RunShape(config, 8192, 160)
+    whole = plan(shape, EngineConfig(offload_inputs=True), gpu_mem=gpu)
+    rows = whole.max_row_chunk
+    assert not whole.fits and 1 <= rows < 160
+    assert f"--row-chunk {rows} --offload-inputs" in whole.problems()[0]
+    fits = plan(shape, EngineConfig(offload_inputs=True, row_chunk=rows), gpu_mem=gpu)
+    assert fits.fits and fits.kept_blocks == 0 and fits.row_chunk == rows
+    assert not plan(shape, EngineConfig(offload_inputs=True, row_chunk=rows + 1), gpu_mem=gpu).fits
+
+
+def test_the_planned_gpu_peak_of_row_chunks_covers_the_measured_one():
+    """On fake tensors: calls of 2 rows take less GPU memory than whole calls of 16, and the plan's figure is
+    at least what the step measures."""
+    config = LlamaConfig.from_preset("tiny", token_chunk_size=None)
+    shape = RunShape(config, 256, 16)
+    peaks = {}
+    for rows in (None, 2):
+        p = plan(shape, EngineConfig(offload_inputs=True, row_chunk=rows, recompute=True), measure=True)
+        peaks[rows] = p.measured.peak
+        assert p.gpu_peak >= p.measured_peak, rows
+    assert peaks[2] < peaks[None]

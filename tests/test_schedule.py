@@ -542,3 +542,28 @@ def test_the_engines_own_kernels_are_told_from_the_models(capsys):
     own = plain.summary.engine_kernels
     assert own and set(own) <= {o.removeprefix("engine:") for o in origins(plain)}
     assert f"the engine's own {sum(own.values()):.4f} s" in out
+
+
+def test_layer_major_rows_are_recorded_as_chunks_with_the_weights_up_once(capsys):
+    """`megatrain schedule --batch-size 8 --row-chunk 2`: the same matmul FLOPs as whole calls of 8 rows, in more
+    than three times as many matmuls (each block call runs as 4 chunks; the head's are per micro-batch), and the
+    same bytes up and down the link: each block's weights go up, and its gradient comes down, once per
+    micro-batch. (The attention kernels' FLOPs follow the tiles, planned for a chunk's rows.)"""
+    args = ["schedule", "--model", "tiny", "--device", "a100", "--seq-len", "32", "--steps", "2", "--batch-size", "8"]
+    args += ["--recompute", "true"]  # (whole calls may keep their last blocks' graphs; chunked calls never do)
+    whole, chunked = run(args), run([*args, "--row-chunk", "2"])
+    assert "layer-major: block calls of 2 rows" in capsys.readouterr().out
+
+    def kernels(step) -> list[Kernel]:
+        model = (k for k in step.trace.issue if isinstance(k, Kernel) and k.origin == "model")
+        return [k for k in model if k.name in ("mm", "addmm", "bmm")]
+
+    def link(step, lane: str) -> int:
+        return sum(c.nbytes for c in step.trace.issue if isinstance(c, Copy) and c.lane == lane)
+
+    assert sum(k.flops for k in kernels(chunked)) == sum(k.flops for k in kernels(whole)) > 0
+    assert len(kernels(chunked)) > 3 * len(kernels(whole))
+    assert (link(chunked, "h2d"), link(chunked, "d2h")) == (link(whole, "h2d"), link(whole, "d2h"))
+    with pytest.raises(SystemExit):
+        run([*args, "--row-chunk", "0"])
+    assert "row_chunk=0: give the rows each chunk" in capsys.readouterr().err

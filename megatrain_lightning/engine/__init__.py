@@ -41,6 +41,7 @@ from megatrain_lightning.engine.nvme import NvmeTierError
 from megatrain_lightning.engine.optimizer import HostAdamW, check_optimizer
 from megatrain_lightning.engine.pinned import PinnedMemoryError
 from megatrain_lightning.engine.probes import Probes
+from megatrain_lightning.engine.rows import check_row_chunk
 from megatrain_lightning.optim.threads import usable_cpus
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "check_optimizer",
     "check_options",
     "check_precision",
+    "check_row_chunk",
     "compute_dtype",
     "declared",
     "empty_init",

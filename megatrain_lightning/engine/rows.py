@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from megatrain_lightning.engine.block_state import flatten
 
@@ -112,14 +114,14 @@ class RowChunks:
         """At block `idx`'s first chunked call: its first chunk's output must not change when the rows of the
         second chunk do (``run(rows, n)``: the block's hidden output on `rows`, the first `n` rows of the call).
         The generators are left as they were."""
-        if idx in self._independent:
+        if idx in self._independent or _no_values(x):
             return
         assert self.size is not None
         n = min(2 * self.size, x.shape[0])
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             before = rng_states(device)
             first = run(x[:n], n)[: self.size]
-            if drew(before, device):
+            if drew(before, device, x):
                 self._refuse(name, RANDOM)
             other = x[:n].clone()
             other[self.size :] = other[self.size :].flip(-1) * 2 + 1
@@ -150,7 +152,7 @@ class RowChunks:
             checks.forward_done(state, [part])
             state.chunk_prints.append(state.fingerprint)
             state.row_spans.append((start, end))
-        state.drew = drew(before, x.device)
+        state.drew = drew(before, x.device, x)
         return unsplit(out, state.extra)
 
     @staticmethod
@@ -233,5 +235,12 @@ def rng_states(device: torch.device) -> list[torch.Tensor]:
     return states
 
 
-def drew(before: list[torch.Tensor], device: torch.device) -> bool:
-    return any(not torch.equal(a, b) for a, b in zip(before, rng_states(device)))
+def drew(before: list[torch.Tensor], device: torch.device, x: torch.Tensor) -> bool:
+    """Whether the generators moved since `before` (never told on fake tensors, see _no_values)."""
+    return not _no_values(x) and any(not torch.equal(a, b) for a, b in zip(before, rng_states(device)))
+
+
+def _no_values(x: torch.Tensor) -> bool:
+    """Fake tensors, or a dispatch mode recording the ops (the planner's measurement, the schedule model): no
+    values to compare, and no extra calls to record."""
+    return isinstance(x, FakeTensor) or _get_current_dispatch_mode() is not None

@@ -355,9 +355,10 @@ class LlamaForCausalLM(nn.Module):
         core = self.model.tiled_core_for(input_ids, tile)
         if targets is None:
             return self.lm_head(self.model(input_ids, position_ids, tile=tile, tiled_core=core))
-        # Tiled (long context): the final norm runs chunk by chunk inside the loss, so neither the normed
-        # states nor the norm's fp32 copies of the whole sequence are kept for backward.
-        fold = tile is not None
+        # Tiled (long context), or more tokens than one loss chunk (many rows: layer-major steps): the final norm
+        # runs chunk by chunk inside the loss, so neither the normed states nor the norm's fp32 copies of the
+        # whole micro-batch (five of them in its backward) are made.
+        fold = tile is not None or input_ids.numel() > self.config.loss_chunk_size
         hidden_states = self.model(input_ids, position_ids, final_norm=not fold, tile=tile, tiled_core=core)
         return self.loss_from_hidden(hidden_states, targets, normed=not fold)
 

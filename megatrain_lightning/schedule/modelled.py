@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from megatrain_lightning import planner
+from megatrain_lightning.engine import check_row_chunk
 from megatrain_lightning.engine.config import check_num_slots
 from megatrain_lightning.engine.recompute import check_recompute
 from megatrain_lightning.flops import attention_flops, model_flops
@@ -57,6 +58,7 @@ class ModelledStep:
     data_parallel: DataParallel = DataParallel()
     recompute: bool | str = "auto"  # as asked; trace.kept_calls is what the engine kept
     batch_size: int = 1  # rows (sequences) per micro-batch
+    row_chunk: int | None = None  # rows a block call computes at a time (layer-major; None: the micro-batch's)
 
     @property
     def step_tokens(self) -> int:
@@ -88,6 +90,8 @@ class ModelledStep:
             slots += f", {self.trace.grad_sums} blocks sum their gradients on the GPU"
         flops, attention = self.summary.model_flops, attention_flops(c, self.step_tokens, self.seq_len)
         micro = f"{self.micro_batches} micro-batches of " if self.micro_batches > 1 else ""
+        if self.row_chunk is not None and self.row_chunk < self.batch_size:
+            slots += f", layer-major: block calls of {self.row_chunk} rows"
         return [
             f"schedule model: {self.name} ({c.num_parameters() / 1e9:.2f}B params, {c.num_hidden_layers} blocks), "
             f"{micro}{self.batch_size} x {self.seq_len} tokens/step, {PRECISION}, clip {clip}, modelled {p.name}",
@@ -162,19 +166,22 @@ def modelled_step(
     recompute: bool | str = "auto",
     grad_sums: int | str = 0,
     batch_size: int = 1,
+    row_chunk: int | None = None,
 ) -> ModelledStep:
     """Record `steps` optimizer steps of `config` as the strategy runs them and replay them on `profile`
     (module docstring); with `gpus` > 1, one rank of that many joined by `link`, each step `micro_batches`
-    of the rank's own. A ValueError names a bad option."""
+    of the rank's own. `row_chunk`: layer-major block calls of that many rows (engine/rows.py), the tile and the
+    memory figures those of one chunk. A ValueError names a bad option."""
     check_options(seq_len, micro_batches, clip, num_slots, steps, batch_size)
     check_recompute(recompute)
+    check_row_chunk(row_chunk)
     dp = DataParallel(gpus, link)
     base, profile = profile, dp.rank_profile(profile)
     gpu_mem = int(profile.gpu_mem_gib * planner.GiB) - planner.collective_bytes(config, PRECISION, gpus)
     elt = planner.compute_bytes(PRECISION)
-    tile = planner.planned_tile(config, seq_len, batch_size, elt, gpu_mem)
-    offload = planner.auto_offloads_inputs(config, seq_len, batch_size, PRECISION, FIRST_SLOTS, gpu_mem)
-    transient = planner.free_and_transient(config, seq_len, batch_size, PRECISION, offload, gpu_mem)[1]
+    tile = planner.planned_tile(config, seq_len, planner.call_rows(batch_size, row_chunk), elt, gpu_mem)
+    offload = planner.auto_offloads_inputs(config, seq_len, batch_size, PRECISION, FIRST_SLOTS, gpu_mem, row_chunk)
+    transient = planner.free_and_transient(config, seq_len, batch_size, PRECISION, offload, gpu_mem, row_chunk)[1]
     memory = (gpu_mem - planner.CUDA_CONTEXT_BYTES, transient)  # free = this less what is live (Recorder.probes)
     t0 = time.perf_counter()
     trace = record_steps(
@@ -193,6 +200,7 @@ def modelled_step(
         recompute,
         grad_sums,
         batch_size,
+        row_chunk=row_chunk,
     )
     record_s = time.perf_counter() - t0
     timeline = replay(trace, profile, launch_s)
@@ -220,6 +228,7 @@ def modelled_step(
         data_parallel=dp,
         recompute=recompute,
         batch_size=batch_size,
+        row_chunk=row_chunk,
     )
 
 

@@ -104,6 +104,7 @@ def record_steps(
     recompute: bool | str = "auto",
     grad_sums: int | str = 0,
     batch_size: int = 1,
+    row_chunk: int | None = None,
 ) -> Trace:
     """The trace of `steps` bf16-mixed training steps of `config`, each of `micro_batches` micro-batches of
     `batch_size` x `tokens`, on fake tensors (measure.py's way: the engine and model run for real, the tensors have
@@ -116,7 +117,8 @@ def record_steps(
     pass's first block), and what the first step needed beyond the persistent buffers (the planner's figure:
     there is no device to measure). `recompute`: the engine's option (True: every block is recomputed in
     backward; False or "auto": kept graphs stay in device memory and their blocks' forward is recorded once;
-    without `device_memory` "auto" keeps none, as on a device with no memory measure). `data_parallel`: record one rank of that many GPUs instead (ranks.py), replayed live on
+    without `device_memory` "auto" keeps none, as on a device with no memory measure). `row_chunk`: the engine's
+    option (layer-major calls of that many rows at a time). `data_parallel`: record one rank of that many GPUs instead (ranks.py), replayed live on
     the rank's profile."""
     config = dataclasses.replace(config, token_chunk_size=tile)
     recorder = Recorder(profile, launch_s) if data_parallel is None else RankRecorder(data_parallel, profile, launch_s)
@@ -134,6 +136,7 @@ def record_steps(
                 accumulating=micro_batches > 1,
                 recompute=recompute,
                 device_grad_sums=grad_sums,
+                row_chunk=row_chunk,
             )
             engine = Engine(model, options, recorder.probes(device_memory))
             recorder.attach(engine)
