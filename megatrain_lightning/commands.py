@@ -23,8 +23,8 @@ from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning import plots
 from megatrain_lightning.engine import EngineConfig, declared, int_or_auto
 from megatrain_lightning.module import resolve_config
-from megatrain_lightning.plan_any import ModelPlan, is_any_model, plan_from_args
-from megatrain_lightning.planner import NVME_GBPS, Plan, RunShape, parse_size, plan
+from megatrain_lightning.planning.plan_any import ModelPlan, is_any_model, plan_from_args
+from megatrain_lightning.planning.planner import NVME_GBPS, Plan, RunShape, parse_size, plan
 from megatrain_lightning.schedule import LINKS, PROFILES, DataParallel, ModelledStep, modelled_step, profile
 from megatrain_lightning.schedule.modelled import check_options
 

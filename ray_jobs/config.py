@@ -50,7 +50,7 @@ from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, TypeAda
 from pydantic.dataclasses import dataclass
 
 from megatrain_lightning.engine import EngineConfig, check_host_layout, check_nvme_dir
-from megatrain_lightning.planner import parse_size
+from megatrain_lightning.planning.planner import parse_size
 
 SAMPLERS = ("grid", "choice", "uniform", "loguniform", "randint")
 SECTIONS = ("model", "data", "trainer", "seed")

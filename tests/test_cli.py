@@ -22,7 +22,7 @@ from megatrain_lightning.cli import MegatrainProgressBar, one_line, run
 from megatrain_lightning.commands import plan_from_config
 from megatrain_lightning.models import LlamaForCausalLM, save_pretrained
 from megatrain_lightning.module import resolve_config
-from megatrain_lightning.planner import format_size
+from megatrain_lightning.planning.planner import format_size
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs" / "demo.yaml")

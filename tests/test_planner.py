@@ -10,11 +10,11 @@ import torch
 
 from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.callbacks import rss_bytes
-from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.host import host_bytes_per_param
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.models.tiling import tile_bytes_per_token
-from megatrain_lightning.planner import (
+from megatrain_lightning.planning.device_memory import auto_slot_count
+from megatrain_lightning.planning.planner import (
     RunShape,
     block_numel,
     format_size,
@@ -495,7 +495,7 @@ def test_kept_graph_bytes_are_what_a_block_saves_for_backward(dtype, tile, core)
     grad (saved-tensor hooks on a real block, each storage once, the weights excluded), as the engine
     measures it; grouped-query heads, so bf16 shares kv heads and fp32 repeats them."""
     from megatrain_lightning.models.llama import DecoderLayer, RotaryEmbedding
-    from megatrain_lightning.planner import kept_bytes_per_token
+    from megatrain_lightning.planning.planner import kept_bytes_per_token
 
     config = LlamaConfig(
         vocab_size=64, hidden_size=64, intermediate_size=160, num_hidden_layers=1, num_attention_heads=4,

@@ -431,7 +431,7 @@ def _expected_request(cfg, layout: str, nvme: bool) -> float:
     from megatrain_lightning.engine import EngineConfig
     from megatrain_lightning.engine.host import host_bytes_per_param
     from megatrain_lightning.module import resolve_config
-    from megatrain_lightning.planner import RunShape, parse_size, plan
+    from megatrain_lightning.planning.planner import RunShape, parse_size, plan
 
     trainer = cfg.base["trainer"]
     config = resolve_config("tiny", cfg.base["model"].get("overrides"))
@@ -656,7 +656,7 @@ def test_a_worker_asks_for_its_share_of_the_host_state():
     with W; without a GPU none is asked for."""
     from megatrain_lightning.engine import EngineConfig
     from megatrain_lightning.module import resolve_config
-    from megatrain_lightning.planner import RunShape, parse_size, plan
+    from megatrain_lightning.planning.planner import RunShape, parse_size, plan
     from ray_jobs.resources import trial_resources
 
     base = {**BASE, "model": {"model": "llama-3.2-1b"}}
