@@ -69,11 +69,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from megatrain_lightning.commands import int_or_auto
 from megatrain_lightning.engine.host_memory import available_host_bytes
+from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.planning import flops
 from megatrain_lightning.planning.planner import format_size, host_breakdown, parse_size
-from megatrain_lightning.strategy import MegatrainStrategy
 
 PARTS = ("megatrain", "compare", "timeline", "depth")
 CLIP_ROWS = ("both", "on", "off")

@@ -33,7 +33,6 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning import console
-from megatrain_lightning.callbacks import MegatrainMonitor
 from megatrain_lightning.checkpoint.options import REDACTED, SECRET_KEYS, redact_secrets
 from megatrain_lightning.cli_checks import (
     OPTION_HINTS,
@@ -55,11 +54,12 @@ from megatrain_lightning.commands import (
     schedule_command,
     user_error,
 )
-from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.engine import HostMemoryError, NvmeTierError
 from megatrain_lightning.env_report import env_lines
-from megatrain_lightning.module import CausalLMModule, check_init_from, check_optimizer_args, resolve_config
-from megatrain_lightning.peers import RankExitedError
+from megatrain_lightning.lightning.callbacks import MegatrainMonitor
+from megatrain_lightning.lightning.data import TextDataModule
+from megatrain_lightning.lightning.module import CausalLMModule, check_init_from, check_optimizer_args, resolve_config
+from megatrain_lightning.lightning.peers import RankExitedError
 
 USAGE = """usage: megatrain {fit,validate,test,predict,plan,schedule,convert,env} ...
 

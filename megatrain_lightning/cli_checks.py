@@ -17,7 +17,7 @@ from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.checkpoint.options import check_storage_options
 from megatrain_lightning.commands import read_config, user_error
 from megatrain_lightning.engine import check_offload_inputs_dtype, check_options, check_precision
-from megatrain_lightning.strategy import OWN_CHECKS, check_trainer_args
+from megatrain_lightning.lightning.strategy import OWN_CHECKS, check_trainer_args
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 

@@ -20,9 +20,9 @@ import torch
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
-from megatrain_lightning import plots
 from megatrain_lightning.engine import EngineConfig, declared, int_or_auto
-from megatrain_lightning.module import resolve_config
+from megatrain_lightning.lightning import plots
+from megatrain_lightning.lightning.module import resolve_config
 from megatrain_lightning.planning.plan_any import ModelPlan, is_any_model, plan_from_args
 from megatrain_lightning.planning.planner import NVME_GBPS, Plan, RunShape, parse_size, plan
 from megatrain_lightning.schedule import LINKS, PROFILES, DataParallel, ModelledStep, modelled_step, profile
@@ -477,7 +477,7 @@ def convert_parser() -> argparse.ArgumentParser:
 
 
 def convert_command(argv: list[str]) -> str:
-    from megatrain_lightning.convert import to_hf, to_lightning
+    from megatrain_lightning.lightning.convert import to_hf, to_lightning
 
     ap = convert_parser()
     args = ap.parse_args(argv)

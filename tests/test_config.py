@@ -88,7 +88,8 @@ ADDED_OPTION = textwrap.dedent(
         stream_priority: int = cfg.option(0, "priority of the copy streams.", check_priority, flag={"type": int})
 
     cfg.EngineConfig = facade.EngineConfig = Extended
-    from megatrain_lightning import commands, fabric, strategy
+    from megatrain_lightning import commands
+    from megatrain_lightning.lightning import fabric, strategy
     from megatrain_lightning.planning import planner, plan_any
     for module in (planner, plan_any, commands, fabric, strategy):
         importlib.reload(module)

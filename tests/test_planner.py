@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.callbacks import rss_bytes
 from megatrain_lightning.engine.host import host_bytes_per_param
+from megatrain_lightning.lightning.callbacks import rss_bytes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.models.tiling import tile_bytes_per_token
 from megatrain_lightning.planning.device_memory import auto_slot_count

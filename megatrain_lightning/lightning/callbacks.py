@@ -274,7 +274,7 @@ class ExportAndSample(L.Callback):
         """Draw the CSV logger's losses into `out`; returns the path, or why nothing was drawn."""
         from lightning.pytorch.loggers import CSVLogger
 
-        from megatrain_lightning import plots
+        from megatrain_lightning.lightning import plots
 
         logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
         if logger is None:
@@ -286,7 +286,7 @@ class ExportAndSample(L.Callback):
             return f"not drawn: {err}"
 
     def _generate(self, trainer: L.Trainer, model: nn.Module) -> str:
-        from megatrain_lightning.data import ByteTokenizer
+        from megatrain_lightning.lightning.data import ByteTokenizer
 
         tokenizer = getattr(trainer.datamodule, "tokenizer", None) or ByteTokenizer()
         prompt = torch.as_tensor(tokenizer.encode([self.prompt])[0], dtype=torch.long)[None]
