@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy, load_from_checkpoint
 from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, store, trust, versions
-from megatrain_lightning.cli import run
+from megatrain_lightning.cli.main import run
 from megatrain_lightning.lightning.data import TextDataModule
 from megatrain_lightning.lightning.module import CausalLMModule
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM

@@ -17,8 +17,8 @@ import yaml
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from megatrain_lightning import MegatrainStrategy
-from megatrain_lightning.cli import MegatrainProgressBar, one_line, run
-from megatrain_lightning.commands import plan_from_config
+from megatrain_lightning.cli.commands import plan_from_config
+from megatrain_lightning.cli.main import MegatrainProgressBar, one_line, run
 from megatrain_lightning.lightning.callbacks import MegatrainMonitor
 from megatrain_lightning.lightning.module import resolve_config
 from megatrain_lightning.models import LlamaForCausalLM, save_pretrained
@@ -336,7 +336,7 @@ def test_plan_prints_the_host_plan_line_last_on_stdout_of_the_process():
         [
             sys.executable,
             "-m",
-            "megatrain_lightning.cli",
+            "megatrain_lightning.cli.main",
             "plan",
             "--model",
             "llama-120b",

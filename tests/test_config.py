@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from megatrain_lightning import MegatrainFabricStrategy, MegatrainStrategy
-from megatrain_lightning.commands import plan_parser
+from megatrain_lightning.cli.commands import plan_parser
 from megatrain_lightning.engine import EngineConfig, declared
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.planning.planner import RunShape, plan
@@ -88,7 +88,7 @@ ADDED_OPTION = textwrap.dedent(
         stream_priority: int = cfg.option(0, "priority of the copy streams.", check_priority, flag={"type": int})
 
     cfg.EngineConfig = facade.EngineConfig = Extended
-    from megatrain_lightning import commands
+    from megatrain_lightning.cli import commands
     from megatrain_lightning.lightning import fabric, strategy
     from megatrain_lightning.planning import planner, plan_any
     for module in (planner, plan_any, commands, fabric, strategy):

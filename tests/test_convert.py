@@ -21,7 +21,7 @@ from torch import nn
 
 import megatrain_lightning as mt
 from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, is_checkpoint, store, stream
-from megatrain_lightning.cli import run
+from megatrain_lightning.cli.main import run
 from megatrain_lightning.lightning.convert import lightning_checkpoint, to_hf
 from megatrain_lightning.lightning.data import TextDataModule
 from megatrain_lightning.lightning.module import CausalLMModule, resolve_config

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from megatrain_lightning.cli import run
+from megatrain_lightning.cli.main import run
 from megatrain_lightning.lightning.data import (
     PackedWindows,
     ResumableLoader,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from megatrain_lightning.cli import run
+from megatrain_lightning.cli.main import run
 from megatrain_lightning.lightning.callbacks import ExportAndSample
 from megatrain_lightning.lightning.data import ByteTokenizer
 from megatrain_lightning.lightning.demo import python_docs

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from megatrain_lightning.cli import run
+from megatrain_lightning.cli.main import run
 from megatrain_lightning.engine import EngineConfig
 from megatrain_lightning.planning.plan_any import is_any_model, plan_model
 from megatrain_lightning.planning.planner import GiB

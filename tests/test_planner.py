@@ -474,7 +474,7 @@ def test_gpu_memory_per_gpu_is_the_single_gpu_figure_plus_the_collective_allowan
 
 
 def test_megatrain_plan_devices_and_nodes(capsys):
-    from megatrain_lightning.cli import run
+    from megatrain_lightning.cli.main import run
 
     result = run(["plan", "--model", "tiny", "--devices", "4", "--nodes", "2", "--no-measure"])
     out = capsys.readouterr().out.splitlines()
@@ -543,7 +543,7 @@ def test_auto_keeps_the_last_blocks_whose_activations_fit_half_the_free_memory()
 
 
 def test_megatrain_plan_recompute(capsys):
-    from megatrain_lightning.cli import run
+    from megatrain_lightning.cli.main import run
 
     args = ["plan", "--model", "llama-3.1-8b", "--gpu-mem", "80GiB", "--no-measure"]
     assert run([*args, "--recompute", "true"]).recompute is True

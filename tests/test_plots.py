@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from megatrain_lightning.cli import run
+from megatrain_lightning.cli.main import run
 from megatrain_lightning.lightning import plots
 from megatrain_lightning.lightning.callbacks import ExportAndSample
 

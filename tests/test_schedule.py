@@ -23,7 +23,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.cli import run
+from megatrain_lightning.cli.main import run
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.planning.flops import matmul_params, model_flops
 from megatrain_lightning.schedule import PROFILES, Profile, Recorder, replay, summarize, table, train_steps

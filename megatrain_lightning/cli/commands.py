@@ -1,6 +1,6 @@
 """``megatrain plan``, ``schedule`` and ``convert``: the commands that size, predict and convert without
-training (``cli.py`` dispatches them on the first argument; ``fit`` and friends are the LightningCLI there;
-``env`` is env_report.py). A mistake in the user's input ends in one line, ``megatrain <command>: error: ...``
+training (``main.py`` dispatches them on the first argument; ``fit`` and friends are the LightningCLI there;
+``env`` is env.py). A mistake in the user's input ends in one line, ``megatrain <command>: error: ...``
 (exit status 2), not a traceback.
 
 Why one file of about 490 lines: the commands share their option parsers (sizes, "auto or a number", the
