@@ -40,7 +40,7 @@ import torch
 from nvme import measure_sequential, measure_tier
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.callbacks import rss_bytes
+from megatrain_lightning.lightning.callbacks import rss_bytes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 
 

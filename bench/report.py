@@ -1,6 +1,6 @@
 """bench/throughput.py's report: the figures of each run, the markdown tables and the summary line.
 
-MFU has one definition (megatrain_lightning/flops.py): model FLOPs per second over the GPU's dense
+MFU has one definition (megatrain_lightning/planning/flops.py): model FLOPs per second over the GPU's dense
 bf16 peak from the vendor's datasheet. A large bf16 matmul measured in the same run is printed beside
 it as the matmul-relative utilization, never as MFU.
 """
@@ -14,9 +14,9 @@ from typing import Any
 from alone import micro_batch_seconds
 from peers import COMPETITORS
 
-from megatrain_lightning import flops
 from megatrain_lightning.engine import EngineConfig
-from megatrain_lightning.planner import RunShape, plan
+from megatrain_lightning.planning import flops
+from megatrain_lightning.planning.planner import RunShape, plan
 
 GiB = 2**30
 PRECISION = "bf16-mixed"
@@ -362,7 +362,7 @@ def mfu_lines(state: dict) -> list[str]:
     n = flops.matmul_params(s["config"])
     return [
         "- model FLOPs per step = 6·N·tokens + 6·layers·heads·head_dim·(seq+1)·tokens "
-        f"(megatrain_lightning/flops.py): N = {n:,} weights of the matmuls (head included, input embedding not), "
+        f"(megatrain_lightning/planning/flops.py): N = {n:,} weights of the matmuls (head included, input embedding not), "
         "causal attention forward and backward; recompute (the engine's per block, the loss's logits) not counted",
         f"- MFU = model FLOP/s / {peak['what']}" if peak["flops"] else f"- MFU: na: {peak['what']}",
         f"- matmul-relative util = model FLOP/s / {mm['flops'] / 1e12:.4g} TFLOP/s measured in this run "

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is a folder o
 
 from timeline import draw_lanes  # noqa: E402
 
-from megatrain_lightning.commands import add_data_parallel, add_host_rates, add_recompute, int_or_auto
+from megatrain_lightning.cli.commands import add_data_parallel, add_host_rates, add_recompute, int_or_auto
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.schedule import (
     PROFILES,

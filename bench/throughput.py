@@ -15,7 +15,7 @@ offload and FSDP CPU offload train the same model at the comparison point, clipp
 
 What the columns count (bench/report.py):
 
-- model FLOPs (megatrain_lightning/flops.py) = 6·N·tokens + causal attention forward and backward,
+- model FLOPs (megatrain_lightning/planning/flops.py) = 6·N·tokens + causal attention forward and backward,
   N = the weights of the matmuls (head included, input embedding not); no recompute counted.
 - MFU = model FLOP/s over the GPU's dense bf16 peak from its datasheet (flops.PEAK_BF16_FLOPS, or
   --peak-tflops); "na" for a device not in the table. The matmul-relative utilization divides by a bf16
@@ -67,13 +67,13 @@ from timeline import OneStepTrace
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from megatrain_lightning import flops
-from megatrain_lightning.commands import int_or_auto
+from megatrain_lightning.cli.commands import int_or_auto
 from megatrain_lightning.engine.host_memory import available_host_bytes
+from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim import kernels
-from megatrain_lightning.planner import format_size, host_breakdown, parse_size
-from megatrain_lightning.strategy import MegatrainStrategy
+from megatrain_lightning.planning import flops
+from megatrain_lightning.planning.planner import format_size, host_breakdown, parse_size
 
 PARTS = ("megatrain", "compare", "timeline", "depth")
 CLIP_ROWS = ("both", "on", "off")
@@ -575,7 +575,7 @@ def peak_choice(args: argparse.Namespace, device: torch.device, device_name: str
     if peak is None:
         return {
             "flops": None,
-            "what": f"no dense bf16 peak known for {device_name} (megatrain_lightning/flops.py "
+            "what": f"no dense bf16 peak known for {device_name} (megatrain_lightning/planning/flops.py "
             "PEAK_BF16_FLOPS); pass --peak-tflops",
         }
     return {"flops": peak, "what": f"{peak / 1e12:g} TFLOP/s, the dense bf16 peak of {device_name} (datasheet)"}

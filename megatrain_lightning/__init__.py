@@ -11,13 +11,13 @@ masters for a model built with ``init_module(empty_init=True)``.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from megatrain_lightning.checkpoint.callback import ModelCheckpoint
-from megatrain_lightning.convert import load_from_checkpoint
-from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.engine import Engine, EngineConfig, HostAdamW, HostMemoryError, PinnedMemoryError, empty_init
-from megatrain_lightning.fabric import MegatrainFabricStrategy
+from megatrain_lightning.lightning.convert import load_from_checkpoint
+from megatrain_lightning.lightning.data import TextDataModule
+from megatrain_lightning.lightning.fabric import MegatrainFabricStrategy
+from megatrain_lightning.lightning.module import CausalLMModule
+from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from megatrain_lightning.models.hf_io import load_hf_weights
-from megatrain_lightning.module import CausalLMModule
-from megatrain_lightning.strategy import MegatrainStrategy
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
-"""``python -m megatrain_lightning ...`` is the ``megatrain`` command (see megatrain_lightning.cli)."""
+"""``python -m megatrain_lightning ...`` is the ``megatrain`` command (see megatrain_lightning.cli.main)."""
 
-from megatrain_lightning.cli import main
+from megatrain_lightning.cli.main import main
 
 main()

@@ -50,7 +50,7 @@ from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, TypeAda
 from pydantic.dataclasses import dataclass
 
 from megatrain_lightning.engine import EngineConfig, check_host_layout, check_nvme_dir
-from megatrain_lightning.planner import parse_size
+from megatrain_lightning.planning.planner import parse_size
 
 SAMPLERS = ("grid", "choice", "uniform", "loguniform", "randint")
 SECTIONS = ("model", "data", "trainer", "seed")
@@ -167,9 +167,9 @@ def _check_base(base: dict[str, Any]) -> dict[str, Any]:
 
 
 def _range_checks() -> dict[str, Callable[..., None]]:
-    from megatrain_lightning.data import check_data_args
-    from megatrain_lightning.module import check_optimizer_args
-    from megatrain_lightning.strategy import check_trainer_args
+    from megatrain_lightning.lightning.data import check_data_args
+    from megatrain_lightning.lightning.module import check_optimizer_args
+    from megatrain_lightning.lightning.strategy import check_trainer_args
 
     return {"model": check_optimizer_args, "data": check_data_args, "trainer": check_trainer_args}
 
@@ -219,9 +219,9 @@ def _argument(where: str, key: str) -> TypeAdapter | None:
 def _parameters(section: str) -> dict[str, TypeAdapter] | None:
     """Keyword arguments (name -> type) of the class a base section configures; None: any keyword."""
     if section == "model":
-        from megatrain_lightning.module import CausalLMModule as target
+        from megatrain_lightning.lightning.module import CausalLMModule as target
     elif section == "data":
-        from megatrain_lightning.data import TextDataModule as target
+        from megatrain_lightning.lightning.data import TextDataModule as target
     else:
         import lightning.pytorch as L
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from megatrain_lightning.engine import EngineConfig
-from megatrain_lightning.module import resolve_config
-from megatrain_lightning.planner import RunShape, choose_tiers, format_size, parse_size, plan
+from megatrain_lightning.lightning.module import resolve_config
+from megatrain_lightning.planning.planner import RunShape, choose_tiers, format_size, parse_size, plan
 from ray_jobs.config import SweepConfig, TrainConfig, apply
 
 Tier = tuple[str, bool]
-"""(host layout, Adam on NVMe) of every trial, as the planner's :data:`~megatrain_lightning.planner.TIERS`."""
+"""(host layout, Adam on NVMe) of every trial, as the planner's :data:`~megatrain_lightning.planning.planner.TIERS`."""
 
 
 class SweepRefused(RuntimeError):
@@ -72,7 +72,7 @@ def trial_resources(
 
 def planned_tier(cfg: SweepConfig | TrainConfig, nodes: list[dict[str, Any]] | None = None) -> Tier:
     """(host layout, Adam on NVMe) every trial runs with. A layout the sweep names is used as given (on NVMe
-    when `nvme_dir` is set). "auto" is the planner's own choice (:func:`~megatrain_lightning.planner.choose_tiers`)
+    when `nvme_dir` is set). "auto" is the planner's own choice (:func:`~megatrain_lightning.planning.planner.choose_tiers`)
     for the host memory of the largest alive node that offers everything else a trial asks for: the first of
     default, lean and (given `nvme_dir`) lean with Adam on NVMe whose memory request fits it. All trials share
     it, since they share one request; without `nodes`, or when no node qualifies, "auto" plans "default"

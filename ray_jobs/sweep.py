@@ -28,7 +28,7 @@ from typing import Any
 import fsspec
 import yaml
 
-from megatrain_lightning.planner import format_size
+from megatrain_lightning.planning.planner import format_size
 from ray_jobs.config import (
     RECORD,
     SweepConfig,

@@ -43,9 +43,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from megatrain_lightning.checkpoint import is_checkpoint
-from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.module import CausalLMModule
-from megatrain_lightning.planner import format_size
+from megatrain_lightning.lightning.data import TextDataModule
+from megatrain_lightning.lightning.module import CausalLMModule
+from megatrain_lightning.planning.planner import format_size
 from ray_jobs.config import SweepConfigError, TrainConfig, error_line, is_shipped, load, resolve
 from ray_jobs.resources import SweepRefused, Tier, check_workers_fit, planned_tier, strategy_options, trial_resources
 from ray_jobs.sweep import check_data_paths, check_unchanged, connect, driver_main, record_config

@@ -24,10 +24,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from megatrain_lightning.checkpoint import ModelCheckpoint, is_checkpoint
-from megatrain_lightning.data import TextDataModule
 from megatrain_lightning.engine import NVME_SCRATCH_PREFIX, usable_cpus
-from megatrain_lightning.module import CausalLMModule
-from megatrain_lightning.strategy import MegatrainStrategy
+from megatrain_lightning.lightning.data import TextDataModule
+from megatrain_lightning.lightning.module import CausalLMModule
+from megatrain_lightning.lightning.strategy import MegatrainStrategy
 
 Report = Callable[[dict[str, Any]], None]
 CHECKPOINT = "model.ckpt"  # a Ray Train run's checkpoint name inside each reported directory (ray_jobs/train.py)

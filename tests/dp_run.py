@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from megatrain_lightning import MegatrainStrategy
 from megatrain_lightning.checkpoint import stream
-from megatrain_lightning.convert import lightning_checkpoint
+from megatrain_lightning.lightning.convert import lightning_checkpoint
 from tests.helpers import CausalLM, loader, own_llama, own_loss, params_of, quiet, token_batches, trainer
 from tests.s3_server import free_port
 

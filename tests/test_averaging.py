@@ -1,4 +1,4 @@
-"""Lightning's weight averaging callbacks under strategy='megatrain' (megatrain_lightning/averaging.py): the
+"""Lightning's weight averaging callbacks under strategy='megatrain' (megatrain_lightning/lightning/averaging.py): the
 averaged model, the weights handed back, validation with the average swapped in, checkpoints saved with it
 and a resume from them are those of ordinary training, bit for bit (fp32 on the CPU, torch-op AdamW)."""
 
@@ -20,8 +20,8 @@ from lightning.pytorch.callbacks import (
 from torch import nn
 
 from megatrain_lightning import MegatrainStrategy
-from megatrain_lightning.convert import lightning_checkpoint, to_lightning
 from megatrain_lightning.engine.engine import Engine
+from megatrain_lightning.lightning.convert import lightning_checkpoint, to_lightning
 from megatrain_lightning.optim import kernels
 from tests.async_streams import install
 from tests.helpers import (

@@ -23,10 +23,10 @@ import pytest
 import yaml
 
 import megatrain_lightning.engine.build as build_module
-from megatrain_lightning.cli import run
-from megatrain_lightning.data import write_tokens
+from megatrain_lightning.cli.main import run
 from megatrain_lightning.engine import host_memory
-from megatrain_lightning.peers import rank_exited
+from megatrain_lightning.lightning.data import write_tokens
+from megatrain_lightning.lightning.peers import rank_exited
 
 BASE = {
     "seed_everything": 0,

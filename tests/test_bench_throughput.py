@@ -29,8 +29,8 @@ from torch.utils.data import DataLoader
 
 from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.engine.probes import Probes
+from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from megatrain_lightning.models import LlamaConfig
-from megatrain_lightning.strategy import MegatrainStrategy
 from tests.helpers import hf_llama, hf_loss, token_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench/ is a folder of scripts

@@ -11,10 +11,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from megatrain_lightning import callbacks
-from megatrain_lightning.callbacks import MegatrainMonitor, model_flops_of, peak_flops
-from megatrain_lightning.data import TextDataModule
-from megatrain_lightning.module import CausalLMModule
+from megatrain_lightning.lightning import callbacks
+from megatrain_lightning.lightning.callbacks import MegatrainMonitor, model_flops_of, peak_flops
+from megatrain_lightning.lightning.data import TextDataModule
+from megatrain_lightning.lightning.module import CausalLMModule
 from tests import helpers
 
 ENGINE_FIELDS = (

@@ -220,7 +220,7 @@ MEMORY_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     import torch
     from megatrain_lightning import Engine, EngineConfig
-    from megatrain_lightning.callbacks import rss_bytes as rss
+    from megatrain_lightning.lightning.callbacks import rss_bytes as rss
     from megatrain_lightning.checkpoint import save
     from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 

@@ -21,10 +21,10 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy, load_from_checkpoint
 from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, store, trust, versions
-from megatrain_lightning.cli import run
-from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.cli.main import run
+from megatrain_lightning.lightning.data import TextDataModule
+from megatrain_lightning.lightning.module import CausalLMModule
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-from megatrain_lightning.module import CausalLMModule
 from ray_jobs.trial import run_trial
 from tests.helpers import quiet, trainer
 

@@ -17,12 +17,12 @@ import yaml
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from megatrain_lightning import MegatrainStrategy
-from megatrain_lightning.callbacks import MegatrainMonitor
-from megatrain_lightning.cli import MegatrainProgressBar, one_line, run
-from megatrain_lightning.commands import plan_from_config
+from megatrain_lightning.cli.commands import plan_from_config
+from megatrain_lightning.cli.main import MegatrainProgressBar, one_line, run
+from megatrain_lightning.lightning.callbacks import MegatrainMonitor
+from megatrain_lightning.lightning.module import resolve_config
 from megatrain_lightning.models import LlamaForCausalLM, save_pretrained
-from megatrain_lightning.module import resolve_config
-from megatrain_lightning.planner import format_size
+from megatrain_lightning.planning.planner import format_size
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs" / "demo.yaml")
@@ -336,7 +336,7 @@ def test_plan_prints_the_host_plan_line_last_on_stdout_of_the_process():
         [
             sys.executable,
             "-m",
-            "megatrain_lightning.cli",
+            "megatrain_lightning.cli.main",
             "plan",
             "--model",
             "llama-120b",
@@ -485,7 +485,7 @@ def secret_run(tmp_path: Path, *extra: str) -> list[str]:
         "--trainer.enable_progress_bar=false",
         "--trainer.callbacks+=megatrain_lightning.checkpoint.ModelCheckpoint",
         "--trainer.callbacks.save_last=true",
-        "--trainer.callbacks+=megatrain_lightning.callbacks.ExportAndSample",
+        "--trainer.callbacks+=megatrain_lightning.lightning.callbacks.ExportAndSample",
         "--trainer.callbacks.max_new_tokens=2",
         "--trainer.strategy=megatrain_lightning.MegatrainStrategy",
         f"--trainer.strategy.init_args.storage_options={json.dumps(SECRETS)}",

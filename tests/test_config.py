@@ -11,10 +11,10 @@ import textwrap
 import pytest
 
 from megatrain_lightning import MegatrainFabricStrategy, MegatrainStrategy
-from megatrain_lightning.commands import plan_parser
+from megatrain_lightning.cli.commands import plan_parser
 from megatrain_lightning.engine import EngineConfig, declared
 from megatrain_lightning.models import LlamaConfig
-from megatrain_lightning.planner import RunShape, plan
+from megatrain_lightning.planning.planner import RunShape, plan
 
 
 def test_both_strategies_take_every_option_with_its_default():
@@ -89,7 +89,9 @@ ADDED_OPTION = textwrap.dedent(
         stream_priority: int = cfg.option(0, "priority of the copy streams.", check_priority, flag={"type": int})
 
     cfg.EngineConfig = facade.EngineConfig = Extended
-    from megatrain_lightning import planner, plan_any, commands, fabric, strategy
+    from megatrain_lightning.cli import commands
+    from megatrain_lightning.lightning import fabric, strategy
+    from megatrain_lightning.planning import planner, plan_any
     for module in (planner, plan_any, commands, fabric, strategy):
         importlib.reload(module)
 

@@ -21,11 +21,11 @@ from torch import nn
 
 import megatrain_lightning as mt
 from megatrain_lightning.checkpoint import CheckpointError, ModelCheckpoint, is_checkpoint, store, stream
-from megatrain_lightning.cli import run
-from megatrain_lightning.convert import lightning_checkpoint, to_hf
-from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.cli.main import run
+from megatrain_lightning.lightning.convert import lightning_checkpoint, to_hf
+from megatrain_lightning.lightning.data import TextDataModule
+from megatrain_lightning.lightning.module import CausalLMModule, resolve_config
 from megatrain_lightning.models import LlamaForCausalLM, save_pretrained
-from megatrain_lightning.module import CausalLMModule, resolve_config
 from tests.helpers import fit, hf_llama, hf_loss, quiet, token_batches, trainer, warmup_cosine
 
 transformers = pytest.importorskip("transformers")
@@ -109,7 +109,7 @@ FRESH = textwrap.dedent(
     import sys, torch
     sys.path.insert(0, {repo!r})
     import megatrain_lightning as mt
-    from megatrain_lightning.module import CausalLMModule
+    from megatrain_lightning.lightning.module import CausalLMModule
     from tests.test_convert import HFLM, logits_of
 
     results = {{}}

@@ -14,8 +14,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from megatrain_lightning.cli import run
-from megatrain_lightning.data import (
+from megatrain_lightning.cli.main import run
+from megatrain_lightning.lightning.data import (
     PackedWindows,
     ResumableLoader,
     ResumableSampler,
@@ -23,7 +23,7 @@ from megatrain_lightning.data import (
     TokenFile,
     write_tokens,
 )
-from megatrain_lightning.module import CausalLMModule
+from megatrain_lightning.lightning.module import CausalLMModule
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
 DOCS = ["the cat sat on the mat", "a dog barked", "hello world, once more"]

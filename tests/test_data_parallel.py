@@ -54,7 +54,7 @@ from safetensors.torch import load_file
 
 from megatrain_lightning import MegatrainStrategy
 from megatrain_lightning.checkpoint import load_trainer_state
-from megatrain_lightning.convert import lightning_checkpoint
+from megatrain_lightning.lightning.convert import lightning_checkpoint
 from tests.dp_run import CASES, KILLED, LAYERS, RESUMED, checkpoint, global_batches, module
 from tests.helpers import fit, own_llama, params_of, trainer, update_error
 

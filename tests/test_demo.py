@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from megatrain_lightning.callbacks import ExportAndSample
-from megatrain_lightning.cli import run
-from megatrain_lightning.data import ByteTokenizer
-from megatrain_lightning.demo import python_docs
+from megatrain_lightning.cli.main import run
+from megatrain_lightning.lightning.callbacks import ExportAndSample
+from megatrain_lightning.lightning.data import ByteTokenizer
+from megatrain_lightning.lightning.demo import python_docs
 from megatrain_lightning.models import from_pretrained
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatrain_lightning.device_memory import SLOT_RESERVE_BYTES, auto_slot_count, step_transient_bytes
+from megatrain_lightning.planning.device_memory import SLOT_RESERVE_BYTES, auto_slot_count, step_transient_bytes
 
 GiB = 2**30
 

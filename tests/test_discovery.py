@@ -254,7 +254,7 @@ def test_a_block_kept_under_a_second_name_trains_like_ordinary_training():
 def test_fabric_strategy_streams_the_named_list():
     from lightning.fabric import Fabric
 
-    from megatrain_lightning.fabric import MegatrainFabricStrategy
+    from megatrain_lightning.lightning.fabric import MegatrainFabricStrategy
 
     strategy = MegatrainFabricStrategy(blocks="more")
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true", strategy=strategy)

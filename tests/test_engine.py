@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.device_memory import SLOT_RESERVE_BYTES
 from megatrain_lightning.engine import Probes
 from megatrain_lightning.engine.build import worker_init
 from megatrain_lightning.engine.host import HostUnit
 from megatrain_lightning.engine.optimizer import HostAdamW
+from megatrain_lightning.planning.device_memory import SLOT_RESERVE_BYTES
 from tests.helpers import CausalLM, fit, hf_llama, own_llama, own_loop, params_of, token_batches, twin
 from tests.streamed import precision_of
 

@@ -12,7 +12,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
-from megatrain_lightning.fabric import MegatrainFabricPrecision, MegatrainFabricStrategy
+from megatrain_lightning.lightning.fabric import MegatrainFabricPrecision, MegatrainFabricStrategy
 from tests.helpers import hf_llama, token_batches, warmup_cosine
 
 STEPS, MICRO, CLIP, SAVE_AT = 6, 2, 0.5, 3

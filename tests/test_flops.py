@@ -1,4 +1,4 @@
-"""megatrain_lightning.flops: model FLOPs against torch's FLOP counter and Hugging Face models, and the
+"""megatrain_lightning.planning.flops: model FLOPs against torch's FLOP counter and Hugging Face models, and the
 peak table's lookups."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatrain_lightning import flops
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+from megatrain_lightning.planning import flops
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen"])  # untied head; tied head with q/k/v biases

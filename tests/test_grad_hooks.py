@@ -14,9 +14,9 @@ from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor
 from lightning.pytorch.utilities import grad_norm
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.callbacks import ExportAndSample, MegatrainMonitor
 from megatrain_lightning.checkpoint import ModelCheckpoint as MegatrainCheckpoint
-from megatrain_lightning.strategy import gradient_hooks
+from megatrain_lightning.lightning.callbacks import ExportAndSample, MegatrainMonitor
+from megatrain_lightning.lightning.strategy import gradient_hooks
 from tests.helpers import (
     CausalLM,
     assert_same,

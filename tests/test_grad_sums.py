@@ -13,8 +13,8 @@ from lightning.fabric import Fabric
 
 from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.engine.grad_sums import auto_sum_count
-from megatrain_lightning.fabric import MegatrainFabricStrategy
-from megatrain_lightning.strategy import MegatrainStrategy
+from megatrain_lightning.lightning.fabric import MegatrainFabricStrategy
+from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from tests.helpers import ZOO, CausalLM, assert_same, fit, hf_llama, hf_loss, token_batches, trainer, twin
 from tests.test_zoo import ACCUMULATE, MODULE_KWARGS, OPT_STEPS, TRAIN_KWARGS, assert_bitwise, ordinary_fit, seeded_fit
 

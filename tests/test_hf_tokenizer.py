@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megatrain_lightning.data import ByteTokenizer, HFTokenizer, tokenizer_of
+from megatrain_lightning.lightning.data import ByteTokenizer, HFTokenizer, tokenizer_of
 from megatrain_lightning.models.hf_tokenizer import byte_level_chars
 
 transformers = pytest.importorskip("transformers")

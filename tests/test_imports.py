@@ -116,6 +116,25 @@ def test_engine_and_optim_import_no_lightning():
             assert not lightning, f"{name} imports {lightning}"
 
 
+def inside(module: str, *folders: str) -> bool:
+    """Whether `module` is one of the package's `folders` (subpackages) or a module in one."""
+    return any(module == f"{PACKAGE}.{f}" or module.startswith(f"{PACKAGE}.{f}.") for f in folders)
+
+
+def test_the_folders_are_layers_with_the_command_line_on_top():
+    """cli/ (the command) sits on lightning/ (the Lightning glue) and planning/ (sizing a run), which sit on the
+    engine: only ``python -m megatrain_lightning`` imports the command line from outside it, and the engine,
+    the optimizer, the models, the checkpoint store, the planner and the schedule model import nothing of
+    lightning/ or cli/."""
+    edges = graph()
+    assert f"{PACKAGE}.cli.main" in edges[f"{PACKAGE}.__main__"]  # the walker sees an import of cli/
+    outside = {m: sorted(t for t in to if inside(t, "cli")) for m, to in edges.items() if not inside(m, "cli")}
+    assert {m: t for m, t in outside.items() if t} == {f"{PACKAGE}.__main__": [f"{PACKAGE}.cli.main"]}
+    below = ("engine", "optim", "models", "checkpoint", "planning", "schedule")
+    up = {m: sorted(t for t in to if inside(t, "lightning", "cli")) for m, to in edges.items() if inside(m, *below)}
+    assert not {m: t for m, t in up.items() if t}
+
+
 def test_a_long_file_says_why():
     """Files of roughly 100-400 lines; one over 500 states the reason in its docstring ("Why one file")."""
     for path in modules().values():

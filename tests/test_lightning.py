@@ -23,7 +23,7 @@ from torch import nn
 import megatrain_lightning
 import megatrain_lightning.engine.build as build_module
 from megatrain_lightning import HostMemoryError, MegatrainStrategy
-from megatrain_lightning.precision import MegatrainPrecision
+from megatrain_lightning.lightning.precision import MegatrainPrecision
 from tests.helpers import (
     VOCAB,
     CausalLM,

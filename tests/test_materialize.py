@@ -24,8 +24,8 @@ import megatrain_lightning as mt
 from megatrain_lightning.engine import materialize
 from megatrain_lightning.engine.host import HostUnit
 from megatrain_lightning.engine.materialize import SOURCE_ATTR
+from megatrain_lightning.lightning.module import CausalLMModule
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM, save_pretrained
-from megatrain_lightning.module import CausalLMModule
 from tests import helpers as H
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""measure_step: one training step's device memory, counted on fake tensors (megatrain_lightning/measure.py).
+"""measure_step: one training step's device memory, counted on fake tensors (megatrain_lightning/planning/measure.py).
 
 The long-context cases use llama-3.1-8b shapes at 128k tokens; on fake tensors they cost time in the
 number of ops (about 3 s for 8 layers, 7 s for 32), not in memory.
@@ -16,8 +16,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.engine.pinned import host_empty
 from megatrain_lightning.engine.self_checks import FINGERPRINT_BYTES
-from megatrain_lightning.measure import DeviceBytes, Measured, flash_workspace, measure_step, observe_host_allocations
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+from megatrain_lightning.planning.measure import (
+    DeviceBytes,
+    Measured,
+    flash_workspace,
+    measure_step,
+    observe_host_allocations,
+)
 
 GiB = 2**30
 LONG = 131072
@@ -143,7 +149,7 @@ def test_kept_graphs_are_measured_on_fake_tensors_as_the_planner_counts_them():
     though fake tensors have no data pointer) and, reading as free the capacity less the live bytes, keeps
     as many graphs as the planner's formula predicts where memory, not the slots, is the limit: here room
     for 2.5 blocks' activations in half the free memory, with 5 slots (3 could be pinned)."""
-    from megatrain_lightning.planner import CUDA_CONTEXT_BYTES, RunShape, kept_bytes_per_token, plan
+    from megatrain_lightning.planning.planner import CUDA_CONTEXT_BYTES, RunShape, kept_bytes_per_token, plan
 
     config, tokens = tiny(4), 256
     base = plan(RunShape(config, tokens, 1), EngineConfig(num_slots=5), gpu_mem=64 * GiB)
@@ -161,7 +167,7 @@ def test_the_tiled_attention_core_is_measured_as_planned():
     core's backward, as 1M tokens do at full size). They agree within 1%: the formula counts every weight
     gradient of the block, where the q, k, v projections' arrive only after the core's backward, and the
     workspace model bounds the block pair's allocations from above (tests/test_tiled_attention.py)."""
-    from megatrain_lightning.planner import RunShape, plan
+    from megatrain_lightning.planning.planner import RunShape, plan
 
     config = LlamaConfig(
         vocab_size=512, hidden_size=256, intermediate_size=896, num_hidden_layers=2, num_attention_heads=8,

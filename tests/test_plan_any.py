@@ -1,4 +1,4 @@
-"""megatrain plan --model of any model (megatrain_lightning/plan_any.py, measure_any.py).
+"""megatrain plan --model of any model (megatrain_lightning/planning/plan_any.py, measure_any.py).
 
 One tiny config per family, written as a Hugging Face config.json (no download): the stacks the engine's
 discovery finds, host bytes against an independent count of the model's own parameters (16 bytes each in
@@ -17,10 +17,10 @@ import pytest
 import torch
 import transformers
 
-from megatrain_lightning.cli import run
+from megatrain_lightning.cli.main import run
 from megatrain_lightning.engine import EngineConfig
-from megatrain_lightning.plan_any import is_any_model, plan_model
-from megatrain_lightning.planner import GiB
+from megatrain_lightning.planning.plan_any import is_any_model, plan_model
+from megatrain_lightning.planning.planner import GiB
 
 BYTES_PER_PARAM = 16  # bf16-mixed, default layout, accumulate 1 (the module docstring above)
 SEQ = 16

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.callbacks import rss_bytes
-from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.host import host_bytes_per_param
+from megatrain_lightning.lightning.callbacks import rss_bytes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.models.tiling import tile_bytes_per_token
-from megatrain_lightning.planner import (
+from megatrain_lightning.planning.device_memory import auto_slot_count
+from megatrain_lightning.planning.planner import (
     RunShape,
     block_numel,
     format_size,
@@ -474,7 +474,7 @@ def test_gpu_memory_per_gpu_is_the_single_gpu_figure_plus_the_collective_allowan
 
 
 def test_megatrain_plan_devices_and_nodes(capsys):
-    from megatrain_lightning.cli import run
+    from megatrain_lightning.cli.main import run
 
     result = run(["plan", "--model", "tiny", "--devices", "4", "--nodes", "2", "--no-measure"])
     out = capsys.readouterr().out.splitlines()
@@ -495,7 +495,7 @@ def test_kept_graph_bytes_are_what_a_block_saves_for_backward(dtype, tile, core)
     grad (saved-tensor hooks on a real block, each storage once, the weights excluded), as the engine
     measures it; grouped-query heads, so bf16 shares kv heads and fp32 repeats them."""
     from megatrain_lightning.models.llama import DecoderLayer, RotaryEmbedding
-    from megatrain_lightning.planner import kept_bytes_per_token
+    from megatrain_lightning.planning.planner import kept_bytes_per_token
 
     config = LlamaConfig(
         vocab_size=64, hidden_size=64, intermediate_size=160, num_hidden_layers=1, num_attention_heads=4,
@@ -543,7 +543,7 @@ def test_auto_keeps_the_last_blocks_whose_activations_fit_half_the_free_memory()
 
 
 def test_megatrain_plan_recompute(capsys):
-    from megatrain_lightning.cli import run
+    from megatrain_lightning.cli.main import run
 
     args = ["plan", "--model", "llama-3.1-8b", "--gpu-mem", "80GiB", "--no-measure"]
     assert run([*args, "--recompute", "true"]).recompute is True

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from megatrain_lightning import plots
-from megatrain_lightning.callbacks import ExportAndSample
-from megatrain_lightning.cli import run
+from megatrain_lightning.cli.main import run
+from megatrain_lightning.lightning import plots
+from megatrain_lightning.lightning.callbacks import ExportAndSample
 
 
 def assert_png(path: Path) -> None:

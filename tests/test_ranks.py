@@ -13,7 +13,7 @@ import functools
 
 import pytest
 
-from megatrain_lightning.cli import run
+from megatrain_lightning.cli.main import run
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.schedule import PROFILES, DataParallel, modelled_step, replay, scaling, summarize
 from megatrain_lightning.schedule.steps import record_steps

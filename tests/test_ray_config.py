@@ -430,8 +430,8 @@ def _expected_request(cfg, layout: str, nvme: bool) -> float:
 
     from megatrain_lightning.engine import EngineConfig
     from megatrain_lightning.engine.host import host_bytes_per_param
-    from megatrain_lightning.module import resolve_config
-    from megatrain_lightning.planner import RunShape, parse_size, plan
+    from megatrain_lightning.lightning.module import resolve_config
+    from megatrain_lightning.planning.planner import RunShape, parse_size, plan
 
     trainer = cfg.base["trainer"]
     config = resolve_config("tiny", cfg.base["model"].get("overrides"))
@@ -568,7 +568,7 @@ def test_a_trials_strategy_and_its_own_nvme_directory(tmp_path):
 
 
 def test_a_trial_trains_with_its_strategy(tmp_path, monkeypatch):
-    from megatrain_lightning.strategy import MegatrainStrategy
+    from megatrain_lightning.lightning.strategy import MegatrainStrategy
     from ray_jobs import trial as trial_mod
 
     used = []
@@ -655,8 +655,8 @@ def test_a_worker_asks_for_its_share_of_the_host_state():
     """A worker of W asks for the planner's figure for one rank of W (W nodes of one device), which shrinks
     with W; without a GPU none is asked for."""
     from megatrain_lightning.engine import EngineConfig
-    from megatrain_lightning.module import resolve_config
-    from megatrain_lightning.planner import RunShape, parse_size, plan
+    from megatrain_lightning.lightning.module import resolve_config
+    from megatrain_lightning.planning.planner import RunShape, parse_size, plan
     from ray_jobs.resources import trial_resources
 
     base = {**BASE, "model": {"model": "llama-3.2-1b"}}

@@ -137,8 +137,8 @@ def recorded_statuses(name: str) -> list[str]:
 def final_masters(url: str) -> list[bytes]:
     from megatrain_lightning import Engine, EngineConfig
     from megatrain_lightning.checkpoint import restore
+    from megatrain_lightning.lightning.module import CausalLMModule
     from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
-    from megatrain_lightning.module import CausalLMModule
 
     module = CausalLMModule(model="tiny")
     engine = Engine(module, EngineConfig(device="cpu", precision="32-true"))

@@ -80,7 +80,7 @@ def final_masters(url: str) -> list[bytes]:
     """The fp32 masters of a checkpoint (a run's directory: its last step's), read back in one process."""
     from megatrain_lightning import Engine, EngineConfig
     from megatrain_lightning.checkpoint import restore
-    from megatrain_lightning.module import CausalLMModule
+    from megatrain_lightning.lightning.module import CausalLMModule
 
     module = CausalLMModule(model="tiny")
     engine = Engine(module, EngineConfig(device="cpu", precision="32-true"))

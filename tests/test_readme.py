@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain_lightning.cli import USAGE
+from megatrain_lightning.cli.main import USAGE
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

@@ -21,8 +21,8 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.fabric import MegatrainFabricStrategy
-from megatrain_lightning.strategy import MegatrainStrategy
+from megatrain_lightning.lightning.fabric import MegatrainFabricStrategy
+from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from tests.helpers import CausalLM, fit, hf_llama, hf_loss, own_llama, own_loss, params_of, token_batches
 
 pytestmark = pytest.mark.usefixtures("torch_adam")  # bit-for-bit claims need torch's own AdamW arithmetic

@@ -23,9 +23,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.cli import run
-from megatrain_lightning.flops import matmul_params, model_flops
+from megatrain_lightning.cli.main import run
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+from megatrain_lightning.planning.flops import matmul_params, model_flops
 from megatrain_lightning.schedule import PROFILES, Profile, Recorder, replay, summarize, table, train_steps
 from megatrain_lightning.schedule.profiles import ADAM_BYTES_PER_PARAM, HOST_EFFICIENCY, LINK_EFFICIENCY, profile
 from megatrain_lightning.schedule.ranks import DataParallel

@@ -19,7 +19,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatrain_lightning.measure import DeviceBytes
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.models.llama import Attention, document_segments
 from megatrain_lightning.models.tiled_attention import (
@@ -29,6 +28,7 @@ from megatrain_lightning.models.tiled_attention import (
     tiled_attention,
     workspace_bytes,
 )
+from megatrain_lightning.planning.measure import DeviceBytes
 
 HEADS, KV, T, D = 4, 2, 29, 16  # grouped-query attention (2 query heads per kv head), an uneven length
 SEGMENTS = document_segments(torch.tensor([[*range(11), *range(7), *range(11)], list(range(T))]))

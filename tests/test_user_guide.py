@@ -69,7 +69,7 @@ def test_the_generate_example_runs_on_an_exported_folder(tmp_path, monkeypatch, 
     """The guide's transformers block, on a folder exported as the demo exports: this project's Llama with
     byte tokens, saved with its tokenizer. The text it prints is what the model generated, decoded."""
     pytest.importorskip("transformers")
-    from megatrain_lightning.data import ByteTokenizer
+    from megatrain_lightning.lightning.data import ByteTokenizer
     from megatrain_lightning.models import save_pretrained
 
     torch.manual_seed(0)

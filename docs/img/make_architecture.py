@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from megatrain_lightning import plots
+from megatrain_lightning.lightning import plots
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.schedule import modelled_step, profile
 from megatrain_lightning.schedule.replay import Interval

@@ -16,7 +16,7 @@ Python's RNG state, ``inf`` in a scheduler's state, hyper-parameters of any type
 format keeps all of it as it was; torch's restricted unpickler accepts exactly the builtin types plus the
 classes registered, and building an allowed class never calls its ``__init__`` or anything it names.
 A fit with ``ModelCheckpoint``, ``EarlyStopping``, LR schedulers (LambdaLR, OneCycleLR, SequentialLR,
-ReduceLROnPlateau) and :class:`~megatrain_lightning.module.CausalLMModule`'s hyper-parameters needs no
+ReduceLROnPlateau) and :class:`~megatrain_lightning.lightning.module.CausalLMModule`'s hyper-parameters needs no
 class at all; :data:`TRAINER_GLOBALS` adds the ones typical ``save_hyperparameters`` arguments bring.
 
 A trainer state needing any other class is refused with one line naming the file and the class. A user

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatrain_lightning.device_memory import free_device_bytes, step_transient_bytes
 from megatrain_lightning.engine import host_memory, materialize, pinned
 from megatrain_lightning.engine.block_fn import compile_block_calls
 from megatrain_lightning.engine.config import EngineConfig
@@ -49,6 +48,7 @@ from megatrain_lightning.optim.threads import (
     resolve_host_threads,
     usable_cpus,
 )
+from megatrain_lightning.planning.device_memory import free_device_bytes, step_transient_bytes
 
 
 def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from megatrain_lightning.device_memory import SLOT_RESERVE_BYTES
+from megatrain_lightning.planning.device_memory import SLOT_RESERVE_BYTES
 
 
 class DeviceGradSums:

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, select_side
 from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.grad_sums import auto_sum_count
@@ -43,6 +42,7 @@ from megatrain_lightning.engine.saved_inputs import SavedInputs
 from megatrain_lightning.engine.self_checks import SelfChecks
 from megatrain_lightning.engine.streams import SlotPool
 from megatrain_lightning.engine.uploads import Uploader
+from megatrain_lightning.planning.device_memory import auto_slot_count
 
 log = logging.getLogger("megatrain_lightning")
 

@@ -316,7 +316,7 @@ def save_hf_checkpoint(
     embeddings are tied. ``dtype`` casts every tensor (None keeps each tensor's own dtype). ``config`` is
     a :class:`LlamaConfig`, or the contents of another model's config.json (its dtype is updated).
 
-    ``tokenizer`` (the run's: :class:`~megatrain_lightning.data.ByteTokenizer` or ``HFTokenizer``, anything
+    ``tokenizer`` (the run's: :class:`~megatrain_lightning.lightning.data.ByteTokenizer` or ``HFTokenizer``, anything
     with ``save_pretrained(dir)`` and ``token_ids``) is written beside the weights for ``AutoTokenizer``, and
     its end-of-text id goes into config.json where the config names none, so that ``generate`` stops there.
     Files get the modes of ordinary new files (0644 under umask 022).

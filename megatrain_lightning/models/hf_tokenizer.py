@@ -2,7 +2,7 @@
 reads the very tokenizer the model was trained with, without ``transformers`` or ``tokenizers`` here.
 
 Byte tokens (the data module's default) become a ``tokenizers`` byte-level BPE with no merges: each UTF-8
-byte of the text is one token whose id is the byte's value, as :class:`~megatrain_lightning.data.ByteTokenizer`
+byte of the text is one token whose id is the byte's value, as :class:`~megatrain_lightning.lightning.data.ByteTokenizer`
 encodes; decoding joins the bytes and reads them as UTF-8, invalid sequences replaced, as it decodes. The
 end-of-text byte is a special token, so ``generate`` stops on it and ``skip_special_tokens`` drops it.
 

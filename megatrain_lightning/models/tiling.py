@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatrain_lightning.device_memory import free_device_bytes
+from megatrain_lightning.planning.device_memory import free_device_bytes
 
 from .config import LlamaConfig
 

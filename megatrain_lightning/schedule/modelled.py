@@ -17,12 +17,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from megatrain_lightning import planner
 from megatrain_lightning.engine import check_row_chunk
 from megatrain_lightning.engine.config import check_num_slots
 from megatrain_lightning.engine.recompute import check_recompute
-from megatrain_lightning.flops import attention_flops, model_flops
 from megatrain_lightning.models import LlamaConfig
+from megatrain_lightning.planning import planner
+from megatrain_lightning.planning.flops import attention_flops, model_flops
 from megatrain_lightning.schedule.profiles import PEER_EFFICIENCY, Profile
 from megatrain_lightning.schedule.ranks import DataParallel
 from megatrain_lightning.schedule.replay import LAUNCH_S, Timeline, replay

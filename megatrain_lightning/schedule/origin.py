@@ -18,12 +18,12 @@ import torch
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ENGINE = tuple(os.path.join(_PACKAGE, d) + os.sep for d in ("engine", "optim"))
-# The recorder, torch and measure.py's device-bytes mode (stacked under the recorder) only pass an op on;
+# The recorder, torch and planning/measure.py's device-bytes mode (stacked under the recorder) only pass an op on;
 # the recorded training loop (schedule/steps.py) is the user's code, its ops the model's.
 _PASSING = (
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py"),
     os.path.dirname(torch.__file__) + os.sep,
-    os.path.join(_PACKAGE, "measure.py"),
+    os.path.join(_PACKAGE, "planning", "measure.py"),
 )
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 _MODES = {"__torch_function__", "__torch_dispatch__"}

@@ -41,8 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.measure import DeviceBytes, observe_host_allocations, storage_key, tensors_in
 from megatrain_lightning.optim import kernels
+from megatrain_lightning.planning.measure import DeviceBytes, observe_host_allocations, storage_key, tensors_in
 from megatrain_lightning.schedule.origin import origin
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.replay import LAUNCH_S, Replay

@@ -20,8 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine
-from megatrain_lightning.measure import release_quietly
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
+from megatrain_lightning.planning.measure import release_quietly
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.ranks import DataParallel, RankRecorder
 from megatrain_lightning.schedule.record import Recorder

@@ -32,10 +32,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
-from megatrain_lightning import console
-from megatrain_lightning.callbacks import MegatrainMonitor
 from megatrain_lightning.checkpoint.options import REDACTED, SECRET_KEYS, redact_secrets
-from megatrain_lightning.cli_checks import (
+from megatrain_lightning.cli import console
+from megatrain_lightning.cli.checks import (
     OPTION_HINTS,
     SUBCOMMANDS,
     check_ckpt_path,
@@ -48,18 +47,19 @@ from megatrain_lightning.cli_checks import (
     no_space,
     refuse_optimizer_options,
 )
-from megatrain_lightning.commands import (
+from megatrain_lightning.cli.commands import (
     convert_command,
     default_precision,
     plan_command,
     schedule_command,
     user_error,
 )
-from megatrain_lightning.data import TextDataModule
+from megatrain_lightning.cli.env import env_lines
 from megatrain_lightning.engine import HostMemoryError, NvmeTierError
-from megatrain_lightning.env_report import env_lines
-from megatrain_lightning.module import CausalLMModule, check_init_from, check_optimizer_args, resolve_config
-from megatrain_lightning.peers import RankExitedError
+from megatrain_lightning.lightning.callbacks import MegatrainMonitor
+from megatrain_lightning.lightning.data import TextDataModule
+from megatrain_lightning.lightning.module import CausalLMModule, check_init_from, check_optimizer_args, resolve_config
+from megatrain_lightning.lightning.peers import RankExitedError
 
 USAGE = """usage: megatrain {fit,validate,test,predict,plan,schedule,convert,env} ...
 
@@ -129,7 +129,7 @@ class MegatrainArgumentParser(LightningArgumentParser):
 class MegatrainProgressBar(RichProgressBar):
     """Lightning's rich progress bar, reading ``Epoch 3`` where Lightning's reads ``Epoch 3/-2``: training
     bounded by ``max_steps`` alone has ``max_epochs=-1`` (no epoch limit), which the bar prints minus one.
-    For a run that names it (``--trainer.callbacks+=megatrain_lightning.cli.MegatrainProgressBar``); the
+    For a run that names it (``--trainer.callbacks+=megatrain_lightning.cli.main.MegatrainProgressBar``); the
     default is Lightning's tqdm bar, which writes its progress into a redirected log too."""
 
     def _get_train_description(self, current_epoch: int) -> str:

@@ -1,7 +1,7 @@
 """What the ``megatrain`` command checks of a run's input before anything is built: the Trainer, strategy and
 data options, the URLs it writes to, the checkpoint it resumes from, and the config files as written. Each
 mistake becomes one ValueError (or ``user_error``) naming the option, the value and the fix; megatrain_lightning/
-cli.py turns them into ``megatrain: error: ...``."""
+main.py turns them into ``megatrain: error: ...``."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import fsspec
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.checkpoint.options import check_storage_options
-from megatrain_lightning.commands import read_config, user_error
+from megatrain_lightning.cli.commands import read_config, user_error
 from megatrain_lightning.engine import check_offload_inputs_dtype, check_options, check_precision
-from megatrain_lightning.strategy import OWN_CHECKS, check_trainer_args
+from megatrain_lightning.lightning.strategy import OWN_CHECKS, check_trainer_args
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 

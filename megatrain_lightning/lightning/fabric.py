@@ -55,7 +55,7 @@ from megatrain_lightning.engine import (
     options_doc,
     parameters,
 )
-from megatrain_lightning.precision import MegatrainFabricPrecision, for_strategy
+from megatrain_lightning.lightning.precision import MegatrainFabricPrecision, for_strategy
 
 __all__ = ["MegatrainFabricPrecision", "MegatrainFabricStrategy"]
 
@@ -87,7 +87,7 @@ class MegatrainFabricStrategy(Strategy):
 
         Args:
             **engine options**: every option :class:`~megatrain_lightning.engine.config.EngineConfig` declares, under
-                its name and with its default, as for :class:`~megatrain_lightning.strategy.MegatrainStrategy`, and
+                its name and with its default, as for :class:`~megatrain_lightning.lightning.strategy.MegatrainStrategy`, and
                 the two a Fabric loop declares, since Fabric cannot see them (the lines below are generated from the
                 declarations; the precision comes from ``Fabric(precision=...)``):
     {engine_options}

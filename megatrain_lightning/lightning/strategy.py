@@ -60,12 +60,9 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
-from megatrain_lightning import peers
-from megatrain_lightning.averaging import AVERAGED_STATE, AveragingViews
 from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.checkpoint.options import check_storage_options
 from megatrain_lightning.checkpoint.replaced import replaced_weights
-from megatrain_lightning.convert import lightning_checkpoint
 from megatrain_lightning.engine import (
     Engine,
     EngineConfig,
@@ -78,7 +75,10 @@ from megatrain_lightning.engine import (
     options_doc,
     parameters,
 )
-from megatrain_lightning.precision import MegatrainPrecision, for_strategy
+from megatrain_lightning.lightning import peers
+from megatrain_lightning.lightning.averaging import AVERAGED_STATE, AveragingViews
+from megatrain_lightning.lightning.convert import lightning_checkpoint
+from megatrain_lightning.lightning.precision import MegatrainPrecision, for_strategy
 
 log = logging.getLogger("megatrain_lightning")
 
@@ -140,7 +140,7 @@ class MegatrainStrategy(ParallelStrategy):
         own shards of a checkpoint and reads them back; only rank 0 deletes one. After fit every rank holds the
         whole trained model again, as after DDP, but only its shard of the Adam state: a save then is refused. A
         rank that exits (killed, out of memory) ends the others' fit at their next collective with one line,
-        :class:`~megatrain_lightning.peers.RankExitedError`: which rank, and the last committed checkpoint to resume
+        :class:`~megatrain_lightning.lightning.peers.RankExitedError`: which rank, and the last committed checkpoint to resume
         from. With one device and one node (the default on a machine with one GPU) there is no process group and no
         launcher.
 
@@ -777,7 +777,7 @@ _derive_options(MegatrainStrategy)
 
 class _ScriptLauncher(_SubprocessScriptLauncher):
     """Lightning's script launcher (several ranks), whose run ends in one line when a collective loses its peer:
-    which rank exited and the last committed checkpoint (:mod:`megatrain_lightning.peers`), in place of the
+    which rank exited and the last committed checkpoint (:mod:`megatrain_lightning.lightning.peers`), in place of the
     collective library's message. Every collective of the run (the engine's, a checkpoint's, Lightning's
     own) is issued inside `launch`; Lightning's teardown of a failed run comes after it."""
 

@@ -223,7 +223,7 @@ class TokenFile:
             except (ValueError, OSError, EOFError) as err:
                 raise ValueError(
                     f"{self.path} is not a .npy array of token ids ({' '.join(str(err).split())[:120]}); "
-                    "write token files with megatrain_lightning.data.write_tokens or numpy.save"
+                    "write token files with megatrain_lightning.lightning.data.write_tokens or numpy.save"
                 ) from None
         size, itemsize = self.path.stat().st_size, np.dtype(self.dtype).itemsize
         if size == 0 or size % itemsize:
@@ -445,7 +445,7 @@ def check_data_args(
 
 
 def _builtin_documents(name: str) -> list[str]:
-    from megatrain_lightning.demo import python_docs
+    from megatrain_lightning.lightning.demo import python_docs
 
     corpora = {"python-docs": python_docs}
     if name not in corpora:

@@ -2,7 +2,7 @@
 
 The demo itself is an ordinary CLI run, ``megatrain fit --config configs/demo.yaml``: a 4-layer Llama
 learns from ``builtin:python-docs`` (this corpus, byte tokens) with ``strategy="megatrain"``; the
-:class:`~megatrain_lightning.callbacks.ExportAndSample` callback prints the validation loss before and
+:class:`~megatrain_lightning.lightning.callbacks.ExportAndSample` callback prints the validation loss before and
 after, writes a Hugging Face export (with the byte tokenizer), a sample and ``loss.png``, and a
 ``ModelCheckpoint`` writes ``last.ckpt``.
 

@@ -3,7 +3,7 @@
 ``measure.py`` runs the project's Llama; :func:`measure_model_step` runs whatever a zero-argument `build`
 returns (a Hugging Face model built from its config, or a user's module) the same way: the model is built
 under ``FakeTensorMode`` (shapes, dtypes and storage sizes, no memory), the engine adopts it while
-:class:`~megatrain_lightning.measure.DeviceBytes` counts, and one step runs: the forward under the
+:class:`~megatrain_lightning.planning.measure.DeviceBytes` counts, and one step runs: the forward under the
 engine's autocast, the loss's backward, the host worker's flush. What is counted and how the host buffers
 are told apart is measure.py's (its module docstring), including the modelled flash-attention workspace.
 
@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatrain_lightning.engine.config import EngineConfig, compute_dtype
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.measure import (
+from megatrain_lightning.planning.measure import (
     DeviceBytes,
     Measured,
     flash_workspace,

@@ -4,12 +4,12 @@
 window's ends, so it adds no sync per step):
 
 - ``perf/tokens_per_sec``: tokens of the window's batches / its wall time (validation time excluded);
-- ``perf/model_tflops``: model FLOPs per second, as :mod:`megatrain_lightning.flops` defines them (6·N per
+- ``perf/model_tflops``: model FLOPs per second, as :mod:`megatrain_lightning.planning.flops` defines them (6·N per
   token plus causal attention; the engine's recompute not counted), with the sequence length read off
-  each batch's shape: :func:`~megatrain_lightning.flops.model_flops` for this project's model (a
-  ``LlamaConfig`` on ``pl_module.model.config``), :func:`~megatrain_lightning.flops.hf_model_flops` for a
+  each batch's shape: :func:`~megatrain_lightning.planning.flops.model_flops` for this project's model (a
+  ``LlamaConfig`` on ``pl_module.model.config``), :func:`~megatrain_lightning.planning.flops.hf_model_flops` for a
   Hugging Face one; absent for a model neither describes (no number rather than a wrong one);
-- ``perf/mfu``: those FLOPs / the GPU's dense bf16 peak (:func:`~megatrain_lightning.flops.peak_bf16_flops`);
+- ``perf/mfu``: those FLOPs / the GPU's dense bf16 peak (:func:`~megatrain_lightning.planning.flops.peak_bf16_flops`);
   absent on the CPU, an unknown GPU or where model FLOPs are;
 - ``mem/host_rss_gib`` and ``mem/gpu_peak_gib`` (``torch.cuda.max_memory_allocated`` in the window);
 - from ``trainer.strategy.engine.stats`` (``strategy="megatrain"`` only): ``engine/h2d_gbps`` and
@@ -37,8 +37,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from megatrain_lightning import flops
 from megatrain_lightning.models.config import LlamaConfig
+from megatrain_lightning.planning import flops
 
 GiB = 2**30
 _STATS = ("h2d_bytes", "d2h_bytes", "host_step_seconds", "host_land_seconds", "host_wait_seconds")
@@ -274,7 +274,7 @@ class ExportAndSample(L.Callback):
         """Draw the CSV logger's losses into `out`; returns the path, or why nothing was drawn."""
         from lightning.pytorch.loggers import CSVLogger
 
-        from megatrain_lightning import plots
+        from megatrain_lightning.lightning import plots
 
         logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
         if logger is None:
@@ -286,7 +286,7 @@ class ExportAndSample(L.Callback):
             return f"not drawn: {err}"
 
     def _generate(self, trainer: L.Trainer, model: nn.Module) -> str:
-        from megatrain_lightning.data import ByteTokenizer
+        from megatrain_lightning.lightning.data import ByteTokenizer
 
         tokenizer = getattr(trainer.datamodule, "tokenizer", None) or ByteTokenizer()
         prompt = torch.as_tensor(tokenizer.encode([self.prompt])[0], dtype=torch.long)[None]

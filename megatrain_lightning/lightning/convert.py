@@ -13,7 +13,7 @@ cannot either. Here:
   resume from it.
 - :func:`to_hf` writes a Hugging Face directory (config.json + safetensors) of this project's Llama or
   of a ``transformers`` model, streamed one shard at a time, with the run's tokenizer when its data module
-  was a :class:`~megatrain_lightning.data.TextDataModule`.
+  was a :class:`~megatrain_lightning.lightning.data.TextDataModule`.
 
 Every file is checked against its checksum on the way, and nothing read is unpickled by an unrestricted
 unpickler (:mod:`megatrain_lightning.checkpoint.trust`). ``storage_options`` (credentials, endpoint) go to
@@ -68,7 +68,7 @@ def load_from_checkpoint(
     its hyper-parameters need with ``torch.serialization.add_safe_globals`` (the error names it).
     `storage_options` go to fsspec to read a sharded checkpoint (e.g. S3 credentials).
 
-    A :class:`~megatrain_lightning.module.CausalLMModule` fine-tuned with ``init_from`` is built without
+    A :class:`~megatrain_lightning.lightning.module.CausalLMModule` fine-tuned with ``init_from`` is built without
     reading ``init_from`` again (the checkpoint holds every weight, and the directory may be gone).
 
     Memory: the fp32 weights are held about three times at the peak (the assembled checkpoint, its
@@ -200,7 +200,7 @@ def to_hf(
 
 def _run_tokenizer(trainer_state: dict) -> tuple[Any, str]:
     """The tokenizer of the run's data module (from its saved hyper-parameters), and a note for the summary."""
-    from megatrain_lightning.data import ByteTokenizer, tokenizer_of
+    from megatrain_lightning.lightning.data import ByteTokenizer, tokenizer_of
 
     hparams = trainer_state.get("datamodule_hyper_parameters") or {}
     try:
@@ -310,7 +310,7 @@ def _adamw_state(order: list[str], groups: dict[str, int | None], param_groups: 
 
 def _skip_init_from(cls: type, checkpoint: dict, index: dict, kwargs: dict, url: str) -> None:
     """CausalLMModule(init_from=DIR) reads DIR's weights when built; the checkpoint replaces them all."""
-    from megatrain_lightning.module import CausalLMModule
+    from megatrain_lightning.lightning.module import CausalLMModule
 
     hp = checkpoint.get("hyper_parameters") or {}
     if not (issubclass(cls, CausalLMModule) and hp.get("init_from") and "init_from" not in kwargs):
@@ -362,7 +362,7 @@ def _export_from_hparams(fs: Any, vdir: str, index: dict, url: str) -> dict | No
     """Checkpoints written before the index described the model: a CausalLMModule's hyper-parameters do."""
     import dataclasses
 
-    from megatrain_lightning.module import resolve_config
+    from megatrain_lightning.lightning.module import resolve_config
 
     hp = store.read_trainer_state(fs, vdir, index).get("hyper_parameters") or {}
     names = [p["name"] for rec in index["units"] for p in rec["params"]]

@@ -1,6 +1,6 @@
 """``megatrain plan``, ``schedule`` and ``convert``: the commands that size, predict and convert without
-training (``cli.py`` dispatches them on the first argument; ``fit`` and friends are the LightningCLI there;
-``env`` is env_report.py). A mistake in the user's input ends in one line, ``megatrain <command>: error: ...``
+training (``main.py`` dispatches them on the first argument; ``fit`` and friends are the LightningCLI there;
+``env`` is env.py). A mistake in the user's input ends in one line, ``megatrain <command>: error: ...``
 (exit status 2), not a traceback.
 
 Why one file of about 490 lines: the commands share their option parsers (sizes, "auto or a number", the
@@ -20,11 +20,11 @@ import torch
 
 import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
-from megatrain_lightning import plots
 from megatrain_lightning.engine import EngineConfig, check_row_chunk, declared, int_or_auto
-from megatrain_lightning.module import resolve_config
-from megatrain_lightning.plan_any import ModelPlan, is_any_model, plan_from_args
-from megatrain_lightning.planner import NVME_GBPS, Plan, RunShape, parse_size, plan
+from megatrain_lightning.lightning import plots
+from megatrain_lightning.lightning.module import resolve_config
+from megatrain_lightning.planning.plan_any import ModelPlan, is_any_model, plan_from_args
+from megatrain_lightning.planning.planner import NVME_GBPS, Plan, RunShape, parse_size, plan
 from megatrain_lightning.schedule import LINKS, PROFILES, DataParallel, ModelledStep, modelled_step, profile
 from megatrain_lightning.schedule.modelled import check_options
 
@@ -483,7 +483,7 @@ def convert_parser() -> argparse.ArgumentParser:
 
 
 def convert_command(argv: list[str]) -> str:
-    from megatrain_lightning.convert import to_hf, to_lightning
+    from megatrain_lightning.lightning.convert import to_hf, to_lightning
 
     ap = convert_parser()
     args = ap.parse_args(argv)

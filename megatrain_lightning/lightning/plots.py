@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatrain_lightning.planner import Plan
+    from megatrain_lightning.planning.planner import Plan
 
 MISSING = "drawing needs matplotlib, which is not installed: pip install 'megatrain_lightning[plot]'"
 

@@ -131,7 +131,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatrain_lightning.device_memory import auto_slot_count
 from megatrain_lightning.engine.config import HOST_LAYOUTS as ENGINE_HOST_LAYOUTS
 from megatrain_lightning.engine.config import EngineConfig, OffloadInputsDtype, check_host_layout, check_precision
 from megatrain_lightning.engine.grad_sums import auto_sum_count
@@ -150,6 +149,7 @@ from megatrain_lightning.models.tiling import (
     tiled_core_bytes_per_token,
     untiled_bytes_per_token,
 )
+from megatrain_lightning.planning.device_memory import auto_slot_count
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = GiB
@@ -644,7 +644,7 @@ class Plan:
     max_seq_len: int | None = None
     """Longest sequence that fits in ``gpu_mem`` at this micro-batch, inputs offloaded (None without a limit)."""
     measured: Any = None
-    """The GPU peak of one step measured on fake tensors (:class:`megatrain_lightning.measure.Measured`), or None."""
+    """The GPU peak of one step measured on fake tensors (:class:`megatrain_lightning.planning.measure.Measured`), or None."""
     host_layout: str = "default"
     """The host layout planned: "default" or "lean" (what "auto" chose)."""
     host_layout_asked: str = "default"
@@ -1196,7 +1196,7 @@ def plan(
     core = planned_core(config, seq_len, rows, elt, room, tile)
     measured = None
     if measure:
-        from megatrain_lightning.measure import measure_step  # imports the engine; only when asked
+        from megatrain_lightning.planning.measure import measure_step  # imports the engine; only when asked
 
         print(
             f"measuring one training step of {name} on fake tensors (about a minute at 512k tokens; "

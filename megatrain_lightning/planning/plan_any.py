@@ -56,8 +56,8 @@ from megatrain_lightning.engine.discover import Layout, find_blocks, unit_parame
 from megatrain_lightning.engine.host import host_bytes_by_kind
 from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
 from megatrain_lightning.engine.ring import piece_numel, ring_counts
-from megatrain_lightning.measure_any import Family, check_measurable
-from megatrain_lightning.planner import CUDA_CONTEXT_BYTES, GiB, choose_tiers, compute_bytes, format_size
+from megatrain_lightning.planning.measure_any import Family, check_measurable
+from megatrain_lightning.planning.planner import CUDA_CONTEXT_BYTES, GiB, choose_tiers, compute_bytes, format_size
 
 _FACTORY = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
@@ -440,7 +440,7 @@ _FAMILY_TEXT = {"causal": "causal LM", "seq2seq": "encoder-decoder", "vlm": "vis
 
 def _measure(source, family, seq_len, micro_batch, precision, slots, offload_inputs, recompute, gpu_mem, stored):
     """One step on fake tensors (measure_any.py); the engine may take `gpu_mem` less the context allowance."""
-    from megatrain_lightning.measure_any import measure_model_step  # imports the engine; only when asked
+    from megatrain_lightning.planning.measure_any import measure_model_step  # imports the engine; only when asked
 
     print(
         f"measuring one training step of {source.name} on fake tensors (--no-measure skips it)...",
