@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ def sweep_yaml(
     return str(path)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster(ray_cluster):
     """The Ray cluster every Ray test shares (tests/conftest.py): two nodes, each declaring 1 CPU, 1 (logical)
     GPU and 3 GiB of memory."""
@@ -89,12 +90,9 @@ def attempts(trial_dir: str) -> list[dict]:
     return [json.loads(fs.cat_file(f)) for f in files if f.endswith(".json")]
 
 
-def test_killed_trial_resumes_from_its_checkpoint(cluster, s3_env, tmp_path, monkeypatch):
+def fault_scenario(dashboard: str, s3_env: dict, tmp_path: Path) -> dict:
     """A trial with the lean layout and the Adam moments on a local directory (both nodes are this machine),
-    killed after a checkpoint: Tune retries it, the retry clears the killed attempt's scratch files and resumes,
-    and the trial ends with the parameters of the same trial run without Ray, without interruption and with the
-    default layout, bit for bit."""
-    _, dashboard, _ = cluster
+    killed after a checkpoint; waits for the sweep to end. Returns the trial's directory and the drive."""
     drive = tmp_path / "nvme"
     drive.mkdir()
     config = sweep_yaml(tmp_path, "fault", [2e-3], steps=40, strategy={"host_layout": "lean", "nvme_dir": str(drive)})
@@ -106,6 +104,60 @@ def test_killed_trial_resumes_from_its_checkpoint(cluster, s3_env, tmp_path, mon
     (trial,) = trial_dirs("fault")
     os.kill(attempts(trial)[0]["pid"], signal.SIGKILL)
     assert wait_job(client, job) == "SUCCEEDED", client.get_job_logs(job)[-3000:]
+    return {"trial": trial, "drive": drive}
+
+
+def restore_scenario(dashboard: str, s3_env: dict, tmp_path: Path) -> str:
+    """A sweep of two trials, one at a time, stopped once the first has finished and the second has started,
+    then submitted again and run to the end; returns the sweep file."""
+    config = sweep_yaml(tmp_path, "restore", [1e-3, 3e-3], steps=50, concurrent=1)
+    client, job = submit(dashboard, config, s3_env)
+    deadline = time.monotonic() + 300
+    # The first trial finished (one at a time) and Tune's state in storage, which the restore reads, says so;
+    # the second has started.
+    while not (
+        len(trial_dirs("restore")) == 2
+        and all(attempts(d) for d in trial_dirs("restore"))
+        and "TERMINATED" in recorded_statuses("restore")
+    ):
+        assert time.monotonic() < deadline and wait_job_running(client, job), client.get_job_logs(job)[-3000:]
+        time.sleep(0.5)
+    assert recorded_statuses("restore").count("TERMINATED") == 1  # the second not yet: the stop cuts it short
+    client.stop_job(job)
+    assert wait_job(client, job) == "STOPPED"
+    client, job = submit(dashboard, config, s3_env)
+    assert wait_job(client, job) == "SUCCEEDED", client.get_job_logs(job)[-3000:]
+    return config
+
+
+@pytest.fixture(scope="module")
+def scenarios(cluster, s3_env, tmp_path_factory):
+    """The fault and restore sweeps, submitted together and driven each from a thread of its own: each keeps
+    about one CPU busy (one trial at a time), and the cluster holds a trial of each (one GPU per node). The
+    tests read their outcomes ({name: future}; a failed wait or check inside re-raises in the test)."""
+    _, dashboard, _ = cluster
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {
+            "fault": pool.submit(fault_scenario, dashboard, s3_env, tmp_path_factory.mktemp("fault")),
+            "restore": pool.submit(restore_scenario, dashboard, s3_env, tmp_path_factory.mktemp("restore")),
+        }
+
+
+def test_killed_trial_resumes_from_its_checkpoint(scenarios, tmp_path, monkeypatch):
+    """The fault sweep's trial, killed after a checkpoint: Tune retries it, the retry clears the killed attempt's
+    scratch files and resumes, and the trial ends with the parameters of the same trial run without Ray,
+    without interruption and with the default layout, bit for bit."""
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
+    from ray_jobs.config import apply, load
+    from ray_jobs.trial import run_trial
+
+    # The reference first: it runs here while the sweeps run on the cluster.
+    cfg = load(sweep_yaml(tmp_path, "fault", [2e-3], steps=40))
+    reference = str(tmp_path / "reference")
+    run_trial(apply(cfg.base, {"model.lr": 2e-3}), reference, cfg.checkpoint_every)
+
+    fault = scenarios["fault"].result()
+    trial, drive = fault["trial"], fault["drive"]
     runs = attempts(trial)
     assert len(runs) == 2 and runs[1]["start_step"] >= 10  # resumed from a checkpoint, not from step 0
     assert list(drive.iterdir()) == []  # the killed attempt's scratch went with the retry, the retry's with its engine
@@ -114,14 +166,6 @@ def test_killed_trial_resumes_from_its_checkpoint(cluster, s3_env, tmp_path, mon
     stored = yaml.safe_load(s3().cat_file("megatrain/sweeps/fault/sweep.yaml"))  # what a resubmission must match
     assert stored["search_space"] == {"model.lr": {"grid": [2e-3]}}
     assert stored["strategy"] == {"host_layout": "lean", "nvme_dir": str(drive), "host_threads": None}
-
-    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
-    from ray_jobs.config import apply, load
-    from ray_jobs.trial import run_trial
-
-    cfg = load(sweep_yaml(tmp_path, "fault", [2e-3], steps=40))
-    reference = str(tmp_path / "reference")
-    run_trial(apply(cfg.base, {"model.lr": 2e-3}), reference, cfg.checkpoint_every)
     assert final_masters(f"s3://{trial}/checkpoints/last.ckpt") == final_masters(f"{reference}/checkpoints/last.ckpt")
 
 
@@ -147,25 +191,8 @@ def final_masters(url: str) -> list[bytes]:
     return [u.master.numpy().tobytes() for u in engine.all_units()]
 
 
-def test_restored_sweep_finishes_only_unfinished_trials(cluster, s3_env, tmp_path, capsys):
-    _, dashboard, _ = cluster
-    config = sweep_yaml(tmp_path, "restore", [1e-3, 3e-3], steps=50, concurrent=1)
-    client, job = submit(dashboard, config, s3_env)
-    deadline = time.monotonic() + 300
-    # The first trial finished (one at a time) and Tune's state in storage, which the restore reads, says so;
-    # the second has started.
-    while not (
-        len(trial_dirs("restore")) == 2
-        and all(attempts(d) for d in trial_dirs("restore"))
-        and "TERMINATED" in recorded_statuses("restore")
-    ):
-        assert time.monotonic() < deadline and wait_job_running(client, job), client.get_job_logs(job)[-3000:]
-        time.sleep(0.5)
-    assert recorded_statuses("restore").count("TERMINATED") == 1  # the second not yet: the stop cuts it short
-    client.stop_job(job)
-    assert wait_job(client, job) == "STOPPED"
-    client, job = submit(dashboard, config, s3_env)
-    assert wait_job(client, job) == "SUCCEEDED", client.get_job_logs(job)[-3000:]
+def test_restored_sweep_finishes_only_unfinished_trials(scenarios, tmp_path, capsys):
+    scenarios["restore"].result()
     counts = sorted(len(attempts(d)) for d in trial_dirs("restore"))
     assert counts == [1, 2]  # the finished trial did not run again; the interrupted one resumed
     rows = s3().cat_file("megatrain/sweeps/restore/results.csv").decode().strip().splitlines()
