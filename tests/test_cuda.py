@@ -255,3 +255,26 @@ def test_the_clipping_norm_on_cuda_is_ordinary_gpu_trainings_within_rounding():
     config = EngineConfig(device="cuda", precision="32-true", blocks="model.layers")
     _, norms = cuda_loop(build(), config, micro=2, steps=1)
     assert abs(norms[0] / ordinary - 1) < 1e-6
+
+
+def test_row_chunks_on_cuda_train_as_whole_calls_within_rounding():
+    """Layer-major calls of 2 rows on the GPU (engine/rows.py): the first loss as whole calls give it (each row
+    computed alike; the behavioural row-independence check compares two GPU runs of the same shapes bit for bit,
+    so it must not refuse a Llama block), and the weights' gradients within fp32 round-off of whole calls."""
+    runs = {}
+    for rows in (None, 2):
+        model = hf_llama(layers=3)
+        engine = Engine(
+            model, EngineConfig(device="cuda", precision="32-true", row_chunk=rows, overlap_optimizer=False)
+        )
+        engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        batch = token_batches(1, batch=8)[0].cuda()
+        with engine.backward():
+            loss = hf_loss(model, batch)
+            loss.backward()
+        with engine.gradients_visible():
+            runs[rows] = (loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters()})
+        engine.close()
+    (whole, g_whole), (chunked, g_chunked) = runs[None], runs[2]
+    assert abs(chunked - whole) <= 1e-6 * abs(whole)
+    assert max(float((g_chunked[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in g_whole.items()) < 1e-5
