@@ -98,10 +98,12 @@ def measure_model_step(
     recompute: bool | str = True,
     capacity: int | None = None,
     offload_inputs_dtype: str | None = None,
+    row_chunk: int | None = None,
 ) -> tuple[Measured, int]:
     """(device bytes of one training step of the model `build` returns, host bytes of the block inputs it
     offloaded); with `recompute` other than True and the device bytes the engine may take (`capacity`), the
-    step after a first one, as measure.py's ``measure_step``."""
+    step after a first one, as measure.py's ``measure_step``. `row_chunk`: block calls of that many rows at a
+    time (engine/rows.py)."""
     dtype = compute_dtype(precision)
     t0 = time.perf_counter()
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
@@ -116,6 +118,7 @@ def measure_model_step(
                 offload_inputs_dtype=offload_inputs_dtype,
                 pin_memory=False,
                 recompute=recompute,
+                row_chunk=row_chunk,
             )
             free = None if capacity is None else (lambda: capacity - counter.live)
             engine = Engine(model, options, Probes(host_available_bytes=lambda: 1 << 62, device_free_bytes=free))

@@ -408,8 +408,7 @@ def plan_model(
     measured, offloaded = None, 0
     if measure:
         check_measurable(getattr(model, "config", None), family, seq_len)
-        measured, offloaded = _measure(source, family, seq_len, micro_batch, precision, slots, options.offload_inputs,
-                                       recompute, gpu_mem, options.offload_inputs_dtype)  # fmt: skip
+        measured, offloaded = _measure(source, family, seq_len, micro_batch, precision, slots, options, gpu_mem)
     host["activations"] = offloaded
     return ModelPlan(
         name=spec,
@@ -438,8 +437,9 @@ def _count(n: int) -> str:
 _FAMILY_TEXT = {"causal": "causal LM", "seq2seq": "encoder-decoder", "vlm": "vision-language", "module": "module"}
 
 
-def _measure(source, family, seq_len, micro_batch, precision, slots, offload_inputs, recompute, gpu_mem, stored):
-    """One step on fake tensors (measure_any.py); the engine may take `gpu_mem` less the context allowance."""
+def _measure(source, family, seq_len, micro_batch, precision, slots, options, gpu_mem):
+    """One step on fake tensors (measure_any.py) with the engine's `options`; the engine may take `gpu_mem` less
+    the context allowance."""
     from megatrain_lightning.planning.measure_any import measure_model_step  # imports the engine; only when asked
 
     print(
@@ -449,7 +449,17 @@ def _measure(source, family, seq_len, micro_batch, precision, slots, offload_inp
     )
     capacity = None if gpu_mem is None else gpu_mem - CUDA_CONTEXT_BYTES
     return measure_model_step(
-        source.build, family, seq_len, micro_batch, precision, slots, offload_inputs, recompute, capacity, stored
+        source.build,
+        family,
+        seq_len,
+        micro_batch,
+        precision,
+        slots,
+        options.offload_inputs,
+        options.recompute,
+        capacity,
+        options.offload_inputs_dtype,
+        row_chunk=options.row_chunk,
     )
 
 
