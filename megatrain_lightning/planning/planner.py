@@ -55,6 +55,10 @@ part per token of the micro-batch (``elt`` = compute dtype bytes, ``n`` = micro_
                                plus block x elt
                       tiled core (``tiled_attention``): the attention backward's term is
                                n x (elt x (4A + 4K + 3H) + 8 heads) + one block pair of the core
+                      row chunks (``row_chunk`` R below the micro-batch's rows; engine/rows.py): the term above
+                               for one chunk's R x seq_len tokens (tiles planned for them), + block x 4 (the
+                               fp32 gradient sum over chunks) + n x 4 H elt (the block's input, its output's and
+                               its input's gradients, the next input prefetched); no kept graphs
     chunked loss      min(loss_chunk_size, n) x V x 4 x 3 + V x H x (4 + elt) + 2 n H elt  (transient)
     kept graphs       kept x n x (elt x (4H + 2A + 2K" + 4I + 2 head_dim) + 8H + 4 heads + 8)   untiled
                       kept x n x (elt x (H + 2A + 2K" + 2 head_dim) + 4 heads)                   tiled
