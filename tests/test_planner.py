@@ -566,6 +566,22 @@ def test_row_chunks_let_a_micro_batch_too_big_for_the_gpu_fit_and_the_plan_says_
     assert not plan(shape, EngineConfig(offload_inputs=True, row_chunk=rows + 1), gpu_mem=gpu).fits
 
 
+def test_row_chunk_auto_plans_whole_calls_where_they_fit_and_else_the_most_rows_that_do():
+    """``row_chunk="auto"``: 160 rows of 8192 tokens do not fit 80 GiB whole, so the plan takes the most rows a
+    call may (one more would not fit); 64 rows fit whole, so their calls stay whole. The title says which."""
+    config, gpu = LlamaConfig.from_preset("llama-3.1-8b"), parse_size("80GiB")
+    big = plan(RunShape(config, 8192, 160), EngineConfig(row_chunk="auto"), gpu_mem=gpu)
+    rows = big.row_chunk
+    assert big.fits and rows is not None and 1 <= rows < 160
+    assert not plan(
+        RunShape(config, 8192, 160), EngineConfig(offload_inputs=True, row_chunk=rows + 1), gpu_mem=gpu
+    ).fits
+    assert f"block calls in chunks of {rows} rows (row_chunk auto)" in big.table()
+    small = plan(RunShape(config, 8192, 64), EngineConfig(row_chunk="auto"), gpu_mem=gpu)
+    assert small.fits and small.row_chunk is None and "block calls whole (row_chunk auto)" in small.table()
+    assert plan(RunShape(config, 8192, 160), EngineConfig(row_chunk="auto")).row_chunk is None  # no GPU limit
+
+
 def test_the_planned_gpu_peak_of_row_chunks_covers_the_measured_one():
     """On fake tensors: calls of 2 rows take less GPU memory than whole calls of 16, and the plan's figure is
     at least what the step measures."""

@@ -21,6 +21,8 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from megatrain_lightning import Engine, EngineConfig
+from megatrain_lightning.engine.probes import Probes
+from megatrain_lightning.engine.rows import ROW_SHARE
 from megatrain_lightning.lightning.fabric import MegatrainFabricStrategy
 from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from tests.helpers import CausalLM, fit, hf_llama, hf_loss, own_llama, own_loss, params_of, token_batches
@@ -148,6 +150,88 @@ def test_offloaded_block_inputs_with_chunks_train_as_inputs_kept_on_the_device()
     assert b[0] == a[0] and b[2]["input_offload_bytes"] > 0 == a[2]["input_offload_bytes"]
     for name, t in params_of(kept).items():
         assert torch.equal(params_of(offloaded)[name], t), name
+
+
+# -- row_chunk="auto" ------------------------------------------------------------------------------------
+
+
+def saved_bytes_of_one_row(model: nn.Module) -> int:
+    """What the first block of an HF Llama saves for backward in ordinary training on one row, beyond its
+    inputs (held by its caller anyway): each storage once, the parameters not counted. The engine measures the
+    same; this counts it independently of the engine."""
+    block = model.model.layers[0]
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    counted: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            counted[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def enter(_module, args, kwargs):
+        leaves = [*args, *kwargs.values(), *kwargs.get("position_embeddings", ())]
+        skip.update(t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor))
+        hooks.__enter__()
+
+    block.register_forward_pre_hook(enter, with_kwargs=True)
+    block.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
+    hf_loss(model, BATCHES[0][:1])
+    return sum(counted.values())
+
+
+def auto_run(model: nn.Module, free: int | None) -> tuple[list[int], tuple]:
+    """Two steps of the engine with ``row_chunk="auto"`` on a device with `free` bytes free (None: no memory
+    measure, the CPU's): the rows of every call of the blocks' own forwards, and loop()'s results."""
+    seen: list[int] = []
+    original = Engine.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, Probes(device_free_bytes=lambda: free) if free is not None else None)
+        record_rows(self, seen)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Engine, "__init__", init)
+        got = loop(model, "auto", steps=2)
+    return seen, got
+
+
+def test_auto_without_a_memory_measure_runs_every_call_whole_as_ordinary_training():
+    ref_model, model = hf_llama(), hf_llama()
+    seen, got = auto_run(model, None)
+    assert set(seen) == {ROWS}
+    assert got[0] == loop(ref_model, steps=2)[0]
+    for name, t in params_of(ref_model).items():
+        assert torch.equal(params_of(model)[name], t), name
+
+
+def test_auto_chunks_each_call_by_what_a_row_saves_and_the_memory_free():
+    """Room for 3.5 rows' saved bytes in half the free memory: chunks of 3 rows. A block's first call checks
+    its rows' independence (two calls on 2 rows), runs one row measured, then chunks of 3; its later calls,
+    chunks of 3 from the start; the recompute repeats its forward's chunks."""
+    ref_model, model = hf_llama(), hf_llama()
+    start = params_of(ref_model)
+    need = saved_bytes_of_one_row(hf_llama())
+    seen, got = auto_run(model, int(3.5 * need / ROW_SHARE))
+    blocks = len(model.model.layers)
+    first, later = [1, 3, 3, 1], [3, 3, 2]
+    assert sorted(seen) == sorted(([2, 2] + 2 * first + 2 * later) * blocks)
+    ref = loop(ref_model, steps=2)
+    assert got[0][0] == ref[0][0]  # the first forward: bit for bit
+    assert grad_error(got[1], ref[1]) < 1e-6
+    assert update_error(model, ref_model, start) < 2e-5
+
+
+def test_auto_with_room_for_every_row_runs_whole_calls_once_a_row_is_measured():
+    model = hf_llama()
+    seen, got = auto_run(model, 10**15)
+    blocks = len(model.model.layers)
+    # first call: the independence check, one row measured, the other seven together (forward and recompute);
+    # then whole calls, each kept or recomputed (recompute="auto" decides) but never chunked
+    assert sorted(seen[: 6 * blocks]) == sorted([2, 2, 1, 7, 1, 7] * blocks)
+    assert set(seen[6 * blocks :]) == {ROWS}
 
 
 def test_the_trainer_with_row_chunk_trains_as_ordinary_lightning():

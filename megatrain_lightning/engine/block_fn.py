@@ -65,6 +65,8 @@ class Streamer(Protocol):
 
     def offloads_call(self, idx: int, hidden: torch.Tensor) -> bool: ...
 
+    def chunks_call(self, idx: int, hidden: torch.Tensor) -> int | None: ...
+
     def keeps_call(self, idx: int, hidden: torch.Tensor) -> bool: ...
 
 
@@ -101,7 +103,8 @@ class CallState:
         self.extra_ids: dict[int, int] = {}  # id of a tensor in `extra` -> its index among those outputs
         self.offload = False  # this call saves its input in host memory (the engine's decision for its pass)
         self.saved: Any = None  # the input in host memory when the call offloads it
-        self.row_spans: list[tuple[int, int]] = []  # the call ran in these chunks of rows (engine/rows.py)
+        self.row_chunk: int | None = None  # rows a chunk of this call computes (None: whole; engine/rows.py)
+        self.row_spans: list[tuple[int, int]] = []  # the call ran in these chunks of rows
         self.chunk_prints: list[Any] = []  # the forward's fingerprint of each chunk's output
         self.drew = False  # the chunked forward drew random numbers (refused: engine/rows.py)
         types = {"cpu", device.type}
@@ -332,7 +335,8 @@ class BlockRunner:
         originals = state.take_grad_inputs(params)
         user = (args[1:], {k: v for k, v in kwargs.items() if k != state.hidden_kw})
         state.sinks = Sinks.find(name, user, (state.args, state.kwargs))
-        state.keep = engine.keeps_call(self.idx, hidden)
+        state.row_chunk = engine.chunks_call(self.idx, hidden)
+        state.keep = state.row_chunk is None and engine.keeps_call(self.idx, hidden)
         state.offload = not state.keep and engine.offloads_call(self.idx, hidden)
         links = engine.input_chain.inputs(self.idx, originals)
         out, *side = _BlockFunction.apply(self, state, engine.grad_anchor, hidden, *links, *params)

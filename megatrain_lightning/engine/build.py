@@ -189,7 +189,7 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
         saved_inputs=engine.saved_inputs,
         checks=engine.checks,
         reads=engine.reads,
-        rows=RowChunks(config.row_chunk),
+        rows=RowChunks(config.row_chunk, keep_free, engine.keep.estimate),
         transient=transient,
         free_device_bytes=free,
     )

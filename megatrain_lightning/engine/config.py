@@ -28,7 +28,7 @@ import torch
 
 from megatrain_lightning.engine.discover import BlocksOption
 from megatrain_lightning.engine.recompute import Recompute, check_recompute
-from megatrain_lightning.engine.rows import check_row_chunk
+from megatrain_lightning.engine.rows import RowChunk, check_row_chunk
 from megatrain_lightning.optim.threads import resolve_host_threads
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
@@ -290,7 +290,7 @@ class EngineConfig:
         check_device_grad_sums,
         flag={"type": int_or_auto("a number of blocks"), "metavar": "BLOCKS"},
     )
-    row_chunk: int | None = option(
+    row_chunk: RowChunk = option(
         None,
         "layer-major steps: a training call of a block on more rows (the hidden state's first dimension) than this "
         "runs in chunks of this many rows, every chunk through the block before the next block, in the forward "
@@ -298,9 +298,12 @@ class EngineConfig:
         "micro-batch, and the device holds one chunk's activations inside a block. Equal to one call up to the "
         "order the weights' gradients are summed in (over each chunk, then over the chunks, in fp32). A block "
         "whose rows affect each other (BatchNorm), that draws random numbers, changes its state or has side "
-        "outputs is refused at its first call. None (default): every call whole (engine/rows.py).",
+        'outputs is refused at its first chunked call. ``"auto"``: at each call, the most rows whose activations '
+        "fit half the device memory free then (the block's first call measures one row), the call whole when "
+        "they all fit; whole on the CPU, which has no memory measure. None (default): every call whole "
+        "(engine/rows.py).",
         check_row_chunk,
-        flag={"type": int, "metavar": "ROWS"},
+        flag={"type": int_or_auto("a number of rows"), "metavar": "ROWS"},
     )
     overlap_optimizer: bool = option(
         True,

@@ -38,7 +38,8 @@ chunk by chunk would not be the cache of one call.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -47,14 +48,20 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from megatrain_lightning.engine.block_state import flatten
 
+RowChunk = int | Literal["auto"] | None
 
-def check_row_chunk(value: Any) -> int | None:
-    """`value` if it is None or a row count of at least 1, else a ValueError naming it and the fix."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+# "auto" gives a chunk's activations (the bytes its ops save for backward) at most this share of the device
+# memory free at its call: the rest is the backward's transients, about as large (engine/recompute.py).
+ROW_SHARE = 0.5
+
+
+def check_row_chunk(value: Any) -> RowChunk:
+    """`value` if it is None, "auto" or a row count of at least 1, else a ValueError naming it and the fix."""
+    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
     raise ValueError(
-        f"row_chunk={value!r}: give the rows each chunk of a block call computes at a time (an int >= 1), or "
-        "None to run each block call whole"
+        f"row_chunk={value!r}: give the rows each chunk of a block call computes at a time (an int >= 1), 'auto' "
+        "(chunks as the device memory requires), or None to run each block call whole"
     )
 
 
@@ -62,20 +69,47 @@ RANDOM = "draws random numbers (dropout?), which each chunk would draw anew"
 
 
 class RowChunks:
-    """Decides which calls run in chunks of rows, and refuses the blocks that cannot (module docstring)."""
+    """Decides which calls run in chunks of rows, and refuses the blocks that cannot (module docstring).
 
-    def __init__(self, row_chunk: int | None) -> None:
+    ``row_chunk="auto"``: decided at each training call, from the device memory free then and the bytes the
+    block saves for backward (`estimate`, measured as ``recompute="auto"`` measures them, engine/recompute.py):
+    the most rows whose saved bytes fit :data:`ROW_SHARE` of the free memory, or the whole call when all of
+    them do. A block not yet measured runs its first chunk on one row, measured, and the rest of the call in
+    chunks sized from that. On a device with no memory measure (the CPU) every call is whole."""
+
+    def __init__(
+        self,
+        row_chunk: RowChunk,
+        free_bytes: Callable[[], int | None] = lambda: None,
+        estimate: Callable[[int, int], int | None] = lambda idx, numel: None,
+    ) -> None:
         self.size = check_row_chunk(row_chunk)
+        self.free_bytes, self.estimate = free_bytes, estimate
         self._independent: set[int] = set()  # blocks whose rows were shown independent
 
-    def applies(self, hidden: torch.Tensor) -> bool:
-        """Whether a training call on `hidden` runs in chunks."""
-        return self.size is not None and hidden.dim() >= 2 and hidden.shape[0] > self.size
+    @property
+    def auto(self) -> bool:
+        return self.size == "auto"
 
-    def spans(self, rows: int) -> list[tuple[int, int]]:
-        """(start, end) of each chunk of `rows` rows, in order."""
-        assert self.size is not None
-        return [(s, min(s + self.size, rows)) for s in range(0, rows, self.size)]
+    def size_for(self, idx: int, hidden: torch.Tensor) -> int | None:
+        """The rows each chunk of this training call of block `idx` on `hidden` computes (None: the call is
+        whole; 0: "auto" on a block not yet measured, whose first chunk is one row, measured)."""
+        if self.size is None or hidden.dim() < 2:
+            return None
+        rows = hidden.shape[0]
+        if not self.auto:
+            return self.size if rows > self.size else None
+        if rows < 2 or (free := self.free_bytes()) is None:
+            return None
+        need = self.estimate(idx, hidden.numel())
+        if need is None:
+            return 0
+        most = int(ROW_SHARE * free * rows // max(need, 1))
+        return None if most >= rows else max(most, 1)
+
+    def spans(self, rows: int, size: int) -> list[tuple[int, int]]:
+        """(start, end) of each chunk of `rows` rows, `size` rows each (the last one may have fewer), in order."""
+        return [(s, min(s + size, rows)) for s in range(0, rows, size)]
 
     def refuse_before(self, name: str, block: nn.Module, state: Any, hidden: torch.Tensor) -> None:
         """Refuse, before anything runs, a call the chunks could not reproduce (from what it was given)."""
@@ -110,39 +144,55 @@ class RowChunks:
         run: Callable[[torch.Tensor, int], torch.Tensor],
         x: torch.Tensor,
         device: torch.device,
+        size: int,
     ) -> None:
-        """At block `idx`'s first chunked call: its first chunk's output must not change when the rows of the
-        second chunk do (``run(rows, n)``: the block's hidden output on `rows`, the first `n` rows of the call).
-        The generators are left as they were."""
+        """At block `idx`'s first chunked call: its first chunk's output (`size` rows) must not change when the
+        rows of the second chunk do (``run(rows, n)``: the block's hidden output on `rows`, the first `n` rows
+        of the call). The generators are left as they were."""
         if idx in self._independent or _no_values(x):
             return
-        assert self.size is not None
-        n = min(2 * self.size, x.shape[0])
+        n = min(2 * size, x.shape[0])
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             before = rng_states(device)
-            first = run(x[:n], n)[: self.size]
+            first = run(x[:n], n)[:size]
             if drew(before, device, x):
                 self._refuse(name, RANDOM)
             other = x[:n].clone()
-            other[self.size :] = other[self.size :].flip(-1) * 2 + 1
-            again = run(other, n)[: self.size]
+            other[size:] = other[size:].flip(-1) * 2 + 1
+            again = run(other, n)[:size]
         if not torch.equal(first, again):
             self._refuse(name, "lets rows affect each other (its first rows' output changed with the next rows)")
         self._independent.add(idx)
 
-    def forward(self, idx: int, name: str, state: Any, inner: Callable[..., Any], x: torch.Tensor, checks: Any) -> Any:
-        """Block `idx`'s call on `x` in chunks (a CallState `state`, the block's own forward `inner`): each chunk's
-        hidden output written into one output of all the rows, each chunk's fingerprint kept for its recompute
-        (engine/self_checks.py); the call's other outputs are its chunks', which hold no tensor."""
+    def forward(
+        self,
+        idx: int,
+        name: str,
+        state: Any,
+        inner: Callable[..., Any],
+        x: torch.Tensor,
+        checks: Any,
+        size: int,
+        measuring: Callable[[torch.Tensor, list[Any]], AbstractContextManager],
+    ) -> Any:
+        """Block `idx`'s call on `x` in chunks of `size` rows (a CallState `state`, the block's own forward
+        `inner`): each chunk's hidden output written into one output of all the rows, each chunk's fingerprint
+        kept for its recompute (engine/self_checks.py); the call's other outputs are its chunks', which hold no
+        tensor. `size` 0 (``"auto"``, the block not yet measured): the first chunk is one row, counted by
+        `measuring` (what the chunk saves beyond the call's inputs, whose views it saves), and the rest of the
+        call is chunked by what it saved."""
         rows = x.shape[0]
 
         def run(part: torch.Tensor, n: int) -> torch.Tensor:
             return state.split(state.call(inner, part, rows=(rows, 0, n)))[0]
 
-        self.check_independent(idx, name, run, x, x.device)
-        before, out, unsplit = rng_states(x.device), None, None
-        for start, end in self.spans(rows):
-            part, unsplit, state.extra = state.split(state.call(inner, x[start:end], rows=(rows, start, end)))
+        self.check_independent(idx, name, run, x, x.device, max(size, 1))
+        held = [x, *flatten((state.args, state.kwargs))[0]]  # (a chunk's views of them hold no memory of its own)
+        before, out, unsplit, start = rng_states(x.device), None, None, 0
+        while start < rows:
+            end = min(start + max(size, 1), rows)
+            with measuring(x[start:end], held) if size == 0 else nullcontext():
+                part, unsplit, state.extra = state.split(state.call(inner, x[start:end], rows=(rows, start, end)))
             if part.dim() == 0 or part.shape[0] != end - start:
                 self._refuse(name, f"returns a hidden state of shape {tuple(part.shape)} for {end - start} rows")
             if out is None:
@@ -152,6 +202,10 @@ class RowChunks:
             checks.forward_done(state, [part])
             state.chunk_prints.append(state.fingerprint)
             state.row_spans.append((start, end))
+            if size == 0:  # measured: the rest of the call's rows in chunks that fit (one row, unmeasurable)
+                fit = self.size_for(idx, x)
+                size = rows - end if fit is None else max(fit, 1)
+            start = end
         state.drew = drew(before, x.device, x)
         return unsplit(out, state.extra)
 
@@ -164,7 +218,7 @@ class RowChunks:
         input_grad: bool,
         weights: list[torch.Tensor],
         recompute_done: Callable[[list[torch.Tensor]], None],
-        measuring: Callable[[torch.Tensor], Any],
+        measuring: Callable[[torch.Tensor, list[Any]], Any],
     ) -> tuple:
         """The backward of a chunked call: each chunk recomputed and differentiated alone, in the forward's
         order; the gradients of the `weights` summed over the chunks in fp32, in chunk order, then given the
@@ -172,10 +226,10 @@ class RowChunks:
         (grad_out,) = grads_out  # (a chunked call has no side outputs and no grad arguments: refused)
         grad_x = torch.zeros_like(hidden) if input_grad else None
         sums: list[torch.Tensor | None] = [None] * len(weights)
-        rows = hidden.shape[0]
+        rows, held = hidden.shape[0], [hidden, *flatten((state.args, state.kwargs))[0]]
         for (start, end), print_ in zip(state.row_spans, state.chunk_prints):
             x = hidden[start:end].detach().requires_grad_(input_grad)
-            with torch.enable_grad(), state.replay(), measuring(x):
+            with torch.enable_grad(), state.replay(), measuring(x, held):
                 out = state.split(state.call(inner, x, rows=(rows, start, end)))[0]
             state.fingerprint = print_
             recompute_done([out])
@@ -198,7 +252,7 @@ class RowChunks:
 
     def _refuse(self, name: str, cause: str) -> None:
         raise RuntimeError(
-            f"row_chunk={self.size}: block {name} {cause}, which chunks of rows would not compute as one call "
+            f"row_chunk={self.size!r}: block {name} {cause}, which chunks of rows would not compute as one call "
             "does; set row_chunk=None for this model"
         )
 

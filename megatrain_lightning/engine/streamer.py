@@ -104,10 +104,16 @@ class BlockStreamer:
         first, count = self._spans[idx]
         return self.saved_inputs.offloads_call(idx - first, hidden, count)
 
+    def chunks_call(self, idx: int, hidden: torch.Tensor) -> int | None:
+        """The rows each chunk of this call of block `idx` (under grad) computes, None when it is whole
+        (engine/rows.py; 0: ``row_chunk="auto"`` measures its first chunk of one row)."""
+        return self.rows.size_for(idx, hidden)
+
     def keeps_call(self, idx: int, hidden: torch.Tensor) -> bool:
-        """Whether this call of block `idx` (under grad) keeps its graph instead of a recompute (engine/recompute.py);
-        a call in chunks of rows never does (its graph is each chunk's, made again in backward)."""
-        return not self.rows.applies(hidden) and self.keep.keeps(idx, *self._spans[idx], hidden)
+        """Whether this whole call of block `idx` (under grad) keeps its graph instead of a recompute
+        (engine/recompute.py; a call in chunks of rows never does: its graph is each chunk's, made again in
+        backward)."""
+        return self.keep.keeps(idx, *self._spans[idx], hidden)
 
     def size_slots(self) -> None:
         """``num_slots="auto"``, after the first optimizer step: add the slots that the device memory the step
@@ -177,7 +183,7 @@ class BlockStreamer:
         x = hidden.detach().requires_grad_(input_requires_grad) if record else hidden
         side = SideOutputs(blk) if record else None
         keep = record and state.keep
-        chunked = record and self.rows.applies(x)
+        chunked = record and state.row_chunk is not None
         if chunked:
             self.rows.refuse_before(self.units[idx].name, blk, state, x)
 
@@ -190,7 +196,9 @@ class BlockStreamer:
             # (inside the binding: a buffer's changes are seen on its device copy)
             with side.recording(), Mutations.watch(blk) as state.changed:
                 if chunked:
-                    return self.rows.forward(idx, self.units[idx].name, state, runner.inner, x, self.checks)
+                    measuring = functools.partial(self._measuring, idx)
+                    name = self.units[idx].name
+                    return self.rows.forward(idx, name, state, runner.inner, x, self.checks, state.row_chunk, measuring)
                 return state.call(runner.inner, x)
 
         # Training: in grad mode, as ordinary training's forward and the recompute (engine/recompute.py).
@@ -393,11 +401,13 @@ class BlockStreamer:
         self.reads.settled(unit)
         return slot
 
-    def _measuring(self, idx: int, x: torch.Tensor) -> AbstractContextManager:
-        """Count what block `idx`'s call saves for backward (``recompute="auto"`` sizes kept graphs by it)."""
-        if self.keep.mode != "auto":
+    def _measuring(self, idx: int, x: torch.Tensor, held: list[Any] = ()) -> AbstractContextManager:
+        """Count what block `idx`'s call saves for backward (``recompute="auto"`` sizes kept graphs by it,
+        ``row_chunk="auto"`` chunks)."""
+        if self.keep.mode != "auto" and not self.rows.auto:
             return nullcontext()
-        return self.keep.measuring(idx, x.numel(), [*self.pool.buffers, *self.outer.device_copies])
+        persistent = [*self.pool.buffers, *self.outer.device_copies, *(t for t in held if isinstance(t, torch.Tensor))]
+        return self.keep.measuring(idx, x.numel(), persistent)
 
     def upload_first(self) -> None:
         """After an optimizer step: the next forward's first blocks go up now, block 0 as soon as its step is

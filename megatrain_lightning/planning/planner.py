@@ -604,6 +604,32 @@ def max_row_chunk(
     return _largest(fits, limit=micro_batch + 1)
 
 
+def auto_row_chunk(
+    config: LlamaConfig,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    num_slots: int,
+    gpu_mem: int | None,
+    offload_inputs: bool | str,
+    row_chunk: int | str | None,
+) -> int | None:
+    """``row_chunk`` as planned: as asked, or for ``"auto"`` None (every call whole) when the micro-batch fits
+    `gpu_mem` whole (with its inputs offloaded or not, as ``offload_inputs`` allows) or there is no limit, else
+    the most rows a call may take (:func:`max_row_chunk`; None when not even one row fits, which the plan
+    reports). The engine decides at each call from what the block measurably saves and the memory free then
+    (engine/rows.py), within half of it: it may take fewer rows a chunk than this, never more."""
+    if row_chunk != "auto":
+        return row_chunk
+    if gpu_mem is None or micro_batch < 2:
+        return None
+    choices = (False, True) if offload_inputs == "auto" else (bool(offload_inputs),)
+    for offload in choices:
+        if gpu_peak(gpu_breakdown(config, seq_len, micro_batch, precision, num_slots, offload, gpu_mem)) <= gpu_mem:
+            return None
+    return max_row_chunk(config, seq_len, micro_batch, precision, num_slots, gpu_mem) or None
+
+
 def max_seq_len(
     config: LlamaConfig, micro_batch: int, precision: str, num_slots: int, gpu_mem: int, offload_inputs: bool = True
 ) -> int:
@@ -679,6 +705,8 @@ class Plan:
     max_row_chunk: int | None = None
     """The most rows a block call may compute at a time for this micro-batch to fit ``gpu_mem`` with its inputs
     offloaded (None without a GPU limit or with one row a micro-batch, 0 when not even one row does)."""
+    rows_asked: int | str | None = None
+    """``row_chunk`` as the options asked it ("auto": :attr:`row_chunk` is what the planner picked)."""
     options: EngineConfig | None = field(default=None, repr=False)
     """The engine's options as planned (what the fields above resolved "auto" from)."""
 
@@ -861,6 +889,12 @@ class Plan:
             + (", block inputs offloaded to host" if self.offload_inputs else "")
             + (f", tiles of {self.tile} tokens" if self.tile else "")
             + (" (attention core tiled too)" if self.tiled_core else "")
+            + (f", block calls in chunks of {self.row_chunk} rows" if self.row_chunk else "")
+            + (
+                (", block calls whole" if not self.row_chunk else "") + " (row_chunk auto)"
+                if self.rows_asked == "auto"
+                else ""
+            )
             + f", host layout {self.host_layout}"
             + (", Adam on NVMe" if self.nvme else "")
             + (
@@ -1156,6 +1190,7 @@ def plan(
     collectives = collective_bytes(config, precision, devices * nodes)
     # What everything sized from the GPU limit gets (sums asked by count are there from the first step).
     room = None if gpu_mem is None else gpu_mem - collectives - fixed_sums
+    row_chunk = auto_row_chunk(config, seq_len, micro_batch, precision, num_slots, room, offload_inputs, row_chunk)
     if offload_inputs == "auto":
         offload_inputs = auto_offloads_inputs(config, seq_len, micro_batch, precision, num_slots, room, row_chunk)
     best = None if room is None else max_micro_batch(config, seq_len, precision, num_slots, room, offload_inputs)
@@ -1255,6 +1290,7 @@ def plan(
         grad_sums=sums,
         row_chunk=row_chunk,
         max_row_chunk=most_rows,
+        rows_asked=options.row_chunk,
         options=options,
     )
 
