@@ -77,7 +77,7 @@ def plan_png(plan: Plan, out: str | os.PathLike) -> Path:
     against its limit when the plan was checked against one, into the PNG file `out`."""
     fig = figure(10, 5.5)
     host_ax, gpu_ax = fig.subplots(2, 1)
-    _stacked_bar(host_ax, "host memory" + (" per node" if plan.ranks > 1 else ""), plan.host_items(), plan.host_mem)
+    _stacked_bar(host_ax, "host memory" + plan.when_data_parallel(" per node"), plan.host_items(), plan.host_mem)
     _stacked_bar(gpu_ax, "GPU memory at the peak", plan.gpu_peak_items(), plan.gpu_mem)
     fig.suptitle(f"{plan.name}: seq_len {plan.seq_len} x micro-batch {plan.micro_batch}, {plan.precision}")
     return _save(fig, out)

@@ -8,10 +8,11 @@ strategy: one process, no process group. With ``devices=N`` and ``num_nodes=M``,
 data-parallel strategy launched as ``strategy="ddp"`` is (Lightning's launchers and cluster environments),
 with one process group over the N x M ranks that the engine partitions the host state over.
 
-Why one file of about 880 lines: it is one class, the hooks Lightning calls on a strategy (ranks and
-launch, setup, backward, checkpoints), each a few lines that hand a phase to the engine or refuse an option
-in one line. Its engine options and their docs are generated from EngineConfig's declarations
-(engine/config.py). Split, each part would be a mixin reading the others' attributes.
+Why one file of about 720 lines: it is one class, the hooks Lightning calls on a strategy (ranks and
+launch, setup, backward, checkpoints), each a few lines that hand a phase to the engine or to the rank policy
+(lightning/ranks.py: whatever depends on the number of ranks), or refuse an option in one line. Its engine
+options and their docs are generated from EngineConfig's declarations (engine/config.py). Split further, each
+part would be a mixin reading the others' attributes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import logging
 import os
 import pickle
 import random
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -30,39 +30,18 @@ from typing import Any, Literal
 
 import fsspec
 import torch
-import torch.distributed
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _all_gather_ddp_if_available,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_3
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.callbacks import (
-    Callback,
-    GradientAccumulationScheduler,
-    StochasticWeightAveraging,
-    WeightAveraging,
-)
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import ParallelStrategy, Strategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.checkpoint.options import check_storage_options
-from megatrain_lightning.checkpoint.replaced import replaced_weights
 from megatrain_lightning.engine import (
     Engine,
     EngineConfig,
@@ -79,6 +58,13 @@ from megatrain_lightning.lightning import peers
 from megatrain_lightning.lightning.averaging import AVERAGED_STATE, AveragingViews
 from megatrain_lightning.lightning.convert import lightning_checkpoint
 from megatrain_lightning.lightning.precision import MegatrainPrecision, for_strategy
+from megatrain_lightning.lightning.ranks import (
+    OneProcess,
+    SeveralRanks,
+    check_ray_environment,
+    is_ray_environment,
+    policy,
+)
 
 log = logging.getLogger("megatrain_lightning")
 
@@ -200,8 +186,15 @@ class MegatrainStrategy(ParallelStrategy):
         self._peer_lost: peers.RankExitedError | None = None
 
     # -- ranks ---------------------------------------------------------------------------------------
-    # With one device and one node everything below is a single-device strategy's: rank 0 of 1, no launcher,
-    # no process group, collectives the identity, whatever cluster environment Lightning detected.
+    # Every answer that depends on the number of ranks comes from the rank policy (lightning/ranks.py): with
+    # one device and one node a single-device strategy's (rank 0 of 1, no launcher, no process group,
+    # collectives the identity, whatever cluster environment Lightning detected), with several DDP's.
+    @property
+    def _ranks(self) -> OneProcess | SeveralRanks:
+        """The rank policy for the count as it is now (Lightning sets devices, nodes and the cluster environment
+        after construction)."""
+        return policy(self)
+
     @property
     def num_nodes(self) -> int:
         return self._num_nodes
@@ -219,34 +212,34 @@ class MegatrainStrategy(ParallelStrategy):
     def ranks(self) -> int:
         """N x M, the data-parallel ranks the Trainer asks for (1: this process alone); under Ray Train, the
         run's workers."""
-        if _is_ray_environment(self.cluster_environment):
+        if is_ray_environment(self.cluster_environment):
             return self.cluster_environment.world_size()
         return self.num_nodes * self.num_processes
 
     @property
     def is_distributed(self) -> bool:
         """Whether Lightning gives each rank a share of the data (``DistributedSampler``) and syncs logs."""
-        return self.ranks > 1
+        return self._ranks.distributed
 
     @property
     @override
     def global_rank(self) -> int:
-        return super().global_rank if self.ranks > 1 else 0
+        return self._ranks.global_rank()
 
     @property
     @override
     def local_rank(self) -> int:
-        return super().local_rank if self.ranks > 1 else 0
+        return self._ranks.local_rank()
 
     @property
     @override
     def node_rank(self) -> int:
-        return super().node_rank if self.ranks > 1 else 0
+        return self._ranks.node_rank()
 
     @property
     @override
     def world_size(self) -> int:
-        return super().world_size if self.ranks > 1 else 1
+        return self._ranks.world_size()
 
     @property
     @override
@@ -255,22 +248,14 @@ class MegatrainStrategy(ParallelStrategy):
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment this process's rank (as DDP does); nothing with one rank."""
-        if self.ranks == 1:
-            return
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.ranks)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._ranks.set_world_ranks()
 
     @override
     def _configure_launcher(self) -> None:
         """Several ranks: Lightning's script launcher (it starts this node's other ranks, unless torchrun or
         SLURM started them). One: no launcher."""
-        _check_ray_environment(self.cluster_environment)
-        if self.ranks > 1:
-            self._refuse_options()  # before any process starts
-            assert self.cluster_environment is not None
-            self._launcher = _ScriptLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+        check_ray_environment(self.cluster_environment)
+        self._ranks.configure_launcher()
 
     def peer_lost(self) -> peers.RankExitedError:
         """The run's one line once a collective lost its peer (a rank exited): which rank, and the last
@@ -283,14 +268,7 @@ class MegatrainStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # the accelerator's device (torch.cuda.set_device)
-        if self.ranks > 1:
-            reset_seed()  # the seed of seed_everything, in the ranks Lightning started (as DDP)
-            self.set_world_ranks()
-            backend = _get_default_process_group_backend_for_device(self.root_device)  # nccl, or gloo on the CPU
-            kwargs: dict[str, Any] = {"timeout": default_pg_timeout}
-            if _TORCH_GREATER_EQUAL_2_3:
-                kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
-            _init_dist_connection(self.cluster_environment, backend, **kwargs)  # (nothing if it exists already)
+        self._ranks.setup_environment()  # several ranks: the process group (Lightning's _init_dist_connection)
 
     @property
     @override
@@ -299,62 +277,31 @@ class MegatrainStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if self.ranks == 1 or not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        self._ranks.barrier(name)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if self.ranks == 1 or not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=torch.distributed.group.WORLD)
-        return box[0]
+        return self._ranks.broadcast(obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Mean (or ``reduce_op``) over the ranks; with one rank, `tensor` itself."""
-        if self.ranks == 1 or not isinstance(tensor, torch.Tensor):
-            return tensor
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return self._ranks.reduce(tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        if self.ranks == 1:
-            return tensor
-        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+        return self._ranks.all_gather(tensor, group, sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision if self.ranks == 1 else super().reduce_boolean_decision(decision, all=all)
+        return self._ranks.reduce_boolean_decision(decision, all=all)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """With several ranks, prediction data the ranks would not share evenly is refused: Lightning does not
         pad it (as it pads validation's), but every rank must run the same forwards, since the engine
         all-gathers each block. Collective: every rank processes its dataloaders (before any may skip)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.ranks == 1 or trainer is None or trainer.state.fn != TrainerFn.PREDICTING:
-            return dataloader
-        try:
-            length: float = len(dataloader)  # type: ignore[arg-type]
-        except TypeError:
-            length = float("inf")  # an iterable dataset: the ranks' counts cannot be known in advance
-        counts: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(
-            counts, _parse_num_batches(RunningStage.PREDICTING, length, trainer.limit_predict_batches)
-        )
-        if len(set(counts)) > 1:
-            raise ValueError(
-                f"trainer.predict over {self.ranks} ranks: the ranks get {counts} batches (Lightning does not pad "
-                "prediction data), but every rank must run the same forwards with strategy='megatrain': give the "
-                f"ranks as many samples each (a number divisible by {self.ranks}), set limit_predict_batches, or "
-                "predict with devices=1"
-            )
-        return dataloader
+        return self._ranks.process_dataloader(dataloader)
 
     # -- device and precision ----------------------------------------------------------------------
     @override
@@ -376,7 +323,7 @@ class MegatrainStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         if self._device_arg is not None:
             return torch.device(self._device_arg)
-        if _is_ray_environment(self.cluster_environment):
+        if is_ray_environment(self.cluster_environment):
             from ray.train.torch import get_device
 
             return get_device()
@@ -411,9 +358,7 @@ class MegatrainStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.grad_hooks = gradient_hooks(trainer) if fitting else []
-        if self.ranks > 1:
-            self._refuse_options()
-            self._refuse_under_ranks(trainer)
+        self._ranks.refuse(trainer)  # several ranks: what needs whole weights or gradients in one process
         if fitting:
             self.setup_optimizers(trainer)
         if self.engine is None:
@@ -435,44 +380,6 @@ class MegatrainStrategy(ParallelStrategy):
         # Weight averaging callbacks (EMA, SWA) read and write the module through the engine's host view.
         self._averaging = AveragingViews(trainer.callbacks, self.lightning_module, lambda: self.engine)
 
-    def _refuse_options(self) -> None:
-        """The strategy's options that the partitioned engine cannot honour, refused with several ranks."""
-        where = f"data parallel over {self.ranks} ranks (devices={self.num_processes}, num_nodes={self.num_nodes})"
-        if self._device_arg is not None:
-            raise ValueError(
-                f"MegatrainStrategy(device={str(self._device_arg)!r}) names one device, but {where} gives each rank "
-                "its own: leave device unset (choose the GPUs with Trainer(devices=[...]))"
-            )
-        if self.checkpoint_format == "torch":
-            raise ValueError(
-                f"checkpoint_format='torch' builds the whole model in one process, which no rank holds with {where}: "
-                "use checkpoint_format='sharded' (every rank writes its shards; `megatrain convert` makes a "
-                "single file of it)"
-            )
-
-    def _refuse_under_ranks(self, trainer: Any) -> None:
-        """What the Trainer brings that needs whole weights or gradients in one process, refused with several
-        ranks."""
-        where = f"data parallel over {self.ranks} ranks"
-        if self.grad_hooks:
-            raise ValueError(
-                f"{', '.join(self.grad_hooks)} read or edit gradients, which no rank holds whole with {where} "
-                "(each holds its shard): remove the hook (clipping needs none: gradient_clip_val), or train "
-                "with devices=1 and num_nodes=1"
-            )
-        averaging = [
-            type(cb).__name__
-            for cb in trainer.callbacks
-            if isinstance(cb, (WeightAveraging, StochasticWeightAveraging))
-        ]
-        if averaging:
-            raise ValueError(
-                f"{', '.join(averaging)} averages the whole model's weights, which no rank holds with {where}: "
-                "remove the callback, or train with devices=1 and num_nodes=1"
-            )
-        if self._layer_sync is not None:
-            raise ValueError(f"sync_batchnorm=True is not supported by strategy='megatrain' ({where}): remove it")
-
     def engine_config(self, trainer: Any, precision: str, fitting: bool) -> EngineConfig:
         """The engine's options: this strategy's, with what the Trainer says of the run."""
         clipping = bool(fitting and trainer.gradient_clip_val)
@@ -485,7 +392,7 @@ class MegatrainStrategy(ParallelStrategy):
             # The fp32 accumulator counts too; gradients visible to hooks live in it.
             accumulating=fitting and (_accumulates(trainer) or visible),
             clipping=clipping,
-            group=torch.distributed.group.WORLD if self.ranks > 1 else None,
+            group=self._ranks.process_group(),
         )
 
     @override
@@ -504,10 +411,7 @@ class MegatrainStrategy(ParallelStrategy):
             engine, self.engine = self.engine, None
             engine.close(gather=self._peer_lost is None)
             self._released = engine
-        if self.ranks > 1:
-            super().teardown()  # and the cluster environment's
-        else:
-            Strategy.teardown(self)  # as a single-device strategy: the environment is not this process's to touch
+        self._ranks.teardown()  # several ranks: the cluster environment's too; one: not this process's to touch
 
     # -- training hooks -------------------------------------------------------------------------
     @override
@@ -551,11 +455,9 @@ class MegatrainStrategy(ParallelStrategy):
         """The fp32 masters. With several ranks, nothing: no rank holds whole weights, and each rank's shards
         stream to the (sharded) checkpoint from the engine in :meth:`save_checkpoint`."""
         if self.engine is None:
-            self._refuse_save_after_ranks()  # (Lightning asks for this first when it builds a checkpoint)
+            self._ranks.refuse_save_after_fit()  # (Lightning asks for this first when it builds a checkpoint)
             return super().lightning_module_state_dict()
-        if self.ranks > 1:
-            return {}
-        return self.engine.master_state_dict()
+        return self._ranks.module_state_dict(self.engine)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -592,7 +494,7 @@ class MegatrainStrategy(ParallelStrategy):
             raise self._peer_lost
         engine = self.engine
         if engine is None:
-            self._refuse_save_after_ranks()
+            self._ranks.refuse_save_after_fit()
             engine = self._released
             if engine is None or not mt_checkpoint.is_checkpoint(str(filepath), options):
                 warnings.warn(
@@ -613,7 +515,7 @@ class MegatrainStrategy(ParallelStrategy):
         self._checkpoints[str(filepath)] = options  # (committed or not: peer_lost reads which from storage)
         # A weight average a callback put in the state dict goes to the shards as the weights (as it goes to
         # Lightning's file); the masters it replaced are in the state too, as the callback left them.
-        weights = replaced_weights(engine, checkpoint.get("state_dict", {})) if self.ranks == 1 else None
+        weights = self._ranks.saved_weights(engine, checkpoint)
         mt_checkpoint.save(
             engine,
             str(filepath),
@@ -639,16 +541,6 @@ class MegatrainStrategy(ParallelStrategy):
             f.write(data.getbuffer())
         return None
 
-    def _refuse_save_after_ranks(self) -> None:
-        """A save after a data-parallel fit, refused before anything is built or written: the engine is
-        released, each rank's Adam moments are its shard of them and no longer match the whole units."""
-        if self.ranks > 1 and self._released is not None:
-            raise RuntimeError(
-                f"trainer.save_checkpoint after fit over {self.ranks} ranks: each rank holds only its shard of the "
-                "Adam state once fit returns, so nothing was written; save before fit returns, with "
-                "ModelCheckpoint(save_last=True) or trainer.save_checkpoint in a callback's on_train_end"
-            )
-
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded checkpoint: its trainer state, checksummed and read by the restricted unpickler whatever
@@ -658,12 +550,7 @@ class MegatrainStrategy(ParallelStrategy):
         ranks, refused (it holds whole weights, which no rank takes)."""
         path = str(checkpoint_path)
         if not mt_checkpoint.is_checkpoint(path, self.storage_options):
-            if self.ranks > 1:
-                raise ValueError(
-                    f"ckpt_path={path!r} is a single-file checkpoint, which data parallel over {self.ranks} ranks "
-                    "cannot load (no rank holds whole weights): resume from a sharded checkpoint, or load this one "
-                    "with devices=1 and num_nodes=1 and save a sharded one"
-                )
+            self._ranks.refuse_single_file(path)  # several ranks: no rank takes whole weights
             return self._load_single_file(checkpoint_path, weights_only)
         state, index = mt_checkpoint.store.read_checkpoint(path, self.storage_options)
         self._checkpoints[path] = self.storage_options
@@ -775,26 +662,6 @@ def _derive_options(cls: type) -> None:
 _derive_options(MegatrainStrategy)
 
 
-class _ScriptLauncher(_SubprocessScriptLauncher):
-    """Lightning's script launcher (several ranks), whose run ends in one line when a collective loses its peer:
-    which rank exited and the last committed checkpoint (:mod:`megatrain_lightning.lightning.peers`), in place of the
-    collective library's message. Every collective of the run (the engine's, a checkpoint's, Lightning's
-    own) is issued inside `launch`; Lightning's teardown of a failed run comes after it."""
-
-    def __init__(self, strategy: MegatrainStrategy, *args: Any) -> None:
-        super().__init__(*args)
-        self.strategy = strategy
-
-    @override
-    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-        except RuntimeError as err:
-            if not peers.lost_peer(err):
-                raise
-            raise self.strategy.peer_lost() from None
-
-
 def _loop_pauses(trainer: Any) -> bool:
     """Whether the step under way is the last of its epoch or of training (epoch-end and train-end hooks follow)."""
     loop = trainer.fit_loop.epoch_loop
@@ -803,30 +670,6 @@ def _loop_pauses(trainer: Any) -> bool:
 
 
 GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step")
-
-
-def _is_ray_environment(environment: Any) -> bool:
-    """Whether `environment` is Ray Train's (``RayLightningEnvironment``; told by its module, to import no Ray)."""
-    return environment is not None and type(environment).__module__.startswith("ray.")
-
-
-def _check_ray_environment(environment: Any) -> None:
-    """Refuse to run as one of several Ray Train workers without Ray's cluster environment: Lightning would find
-    none (Ray sets LOCAL_RANK but not what torchrun sets), take this process for a run of one, and every worker
-    would train alone, each on all the data."""
-    train = sys.modules.get("ray.train")  # (a Ray Train worker has imported it; nothing else is imported here)
-    if _is_ray_environment(environment) or train is None:
-        return
-    try:
-        workers = train.get_context().get_world_size()
-    except Exception:  # noqa: BLE001  (not in a Ray Train worker: no train context)
-        return
-    if workers > 1:
-        raise ValueError(
-            f"this process is one of {workers} Ray Train workers, but the Trainer's cluster environment is "
-            f"{type(environment).__name__}, so each worker would train alone: pass "
-            "Trainer(plugins=[ray.train.lightning.RayLightningEnvironment()]) to train them as one data-parallel run"
-        )
 
 
 def gradient_hooks(trainer: Any) -> list[str]:

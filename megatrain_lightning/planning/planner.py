@@ -118,7 +118,7 @@ own part of the slot), so every single-GPU item stays. A unit's gradient is exch
 buffer of the unit's size and each rank sums its chunk's W parts in fp32 (engine/partition.py): the
 largest unit (the embedding or head, or a block) adds that buffer and the chunk's sum
 (:func:`collective_bytes`), beside an allowance for the collective library's own channel buffers
-(``COLLECTIVE_BYTES``, not measured); everything sized from the GPU limit (micro-batch, sequence, slots)
+(``COLLECTIVE_BYTES``, ranks.py; not measured); everything sized from the GPU limit (micro-batch, sequence, slots)
 leaves them free.
 
 Why one file of about 1,200 lines: every figure here (host per buffer kind, drive, GPU per item and per
@@ -154,6 +154,7 @@ from megatrain_lightning.models.tiling import (
     untiled_bytes_per_token,
 )
 from megatrain_lightning.planning.device_memory import auto_slot_count
+from megatrain_lightning.planning.ranks import data_parallel_text, exchange_bytes
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = GiB
@@ -164,9 +165,6 @@ NVME_PIECES_IN_FLIGHT = NVME_BUFFERS
 """Pieces whose Adam m, v the host holds while the drive reads ahead and writes behind (the tier's buffers)."""
 NVME_GBPS = 6.0
 """Drive bandwidth assumed by default, GB/s (10^9 bytes) read and as much write: a PCIe 4.0 x4 NVMe drive."""
-COLLECTIVE_BYTES = GiB // 2
-"""GPU allowance per rank for the collective library's own buffers when W > 1 (NCCL keeps a few MiB per
-channel and peer, more with NVLink SHARP); an allowance, not a measurement."""
 PER_RANK_KINDS = ("staging", "grad_ring", "nvme_buffers", "activations")
 """Host buffers each rank keeps for itself (a node holds devices of each); every other kind is sharded."""
 TIERS: tuple[tuple[str, bool], ...] = (("default", False), ("lean", False), ("lean", True))
@@ -232,11 +230,8 @@ def collective_bytes(config: LlamaConfig, precision: str, ranks: int) -> int:
     """GPU bytes a data-parallel rank sets aside for collectives (none with one rank): the library's allowance,
     and the gradient exchange of the largest unit: its parts (the unit, padded to W chunks) and its chunk's
     fp32 sum and compute-dtype result."""
-    if ranks <= 1:
-        return 0
     largest = max(block_numel(config), config.vocab_size * config.hidden_size)
-    chunk = -(-largest // ranks)
-    return COLLECTIVE_BYTES + chunk * ranks * compute_bytes(precision) + chunk * (4 + compute_bytes(precision))
+    return exchange_bytes(largest, compute_bytes(precision), ranks)
 
 
 def compute_bytes(precision: str) -> int:
@@ -760,7 +755,7 @@ class Plan:
         return (
             f"host_plan: model={self.name} params={self.num_parameters} host_gib={self.host_total / GiB:.1f} "
             f"nvme_gib={self.nvme_bytes / GiB:.1f} fits={'yes' if self.fits else 'no'}"
-            + (f" devices={self.devices} nodes={self.nodes}" if self.ranks > 1 else "")
+            + self.when_data_parallel(" devices={devices} nodes={nodes}")
         )
 
     @property
@@ -812,7 +807,12 @@ class Plan:
         )
 
     def _per_node(self) -> str:
-        return f" per node ({self.devices} GPUs x {self.nodes} nodes)" if self.ranks > 1 else ""
+        return self.when_data_parallel(" per node ({devices} GPUs x {nodes} nodes)")
+
+    def when_data_parallel(self, text: str) -> str:
+        """`text` with ``{devices}``, ``{nodes}`` and ``{ranks}`` filled in when this run has several ranks, ""
+        when it has one (planning/ranks.py)."""
+        return data_parallel_text(self.devices, self.nodes, text)
 
     @property
     def _tier(self) -> tuple[str, bool]:
@@ -897,11 +897,9 @@ class Plan:
             )
             + f", host layout {self.host_layout}"
             + (", Adam on NVMe" if self.nvme else "")
-            + (
-                f"; data parallel over {self.devices} GPUs x {self.nodes} nodes (W={self.ranks}): host memory per "
-                "node, GPU memory per GPU"
-                if self.ranks > 1
-                else ""
+            + self.when_data_parallel(
+                "; data parallel over {devices} GPUs x {nodes} nodes (W={ranks}): host memory per node, GPU memory "
+                "per GPU"
             )
         )
         return "\n".join(
@@ -953,20 +951,18 @@ class Plan:
     def _host_lines(self) -> list[str]:
         n = self.num_parameters
         unit, scale = self._unit()
-        lines = [f"{'host memory' + (' per node' if self.ranks > 1 else ''):<58}{'bytes/param':>12}{unit:>10}"]
+        lines = [f"{'host memory' + self.when_data_parallel(' per node'):<58}{'bytes/param':>12}{unit:>10}"]
         for label, value in [*self.host_items(), ("total", self.host_total)]:
             lines.append(f"  {label:<56}{_per_param(value / n):>12}{value / scale:>10.2f}")
-        return [*lines, f"  {self._layout_note()}", *self._shard_note()]
+        return [*lines, f"  {self._layout_note()}", *filter(None, [self._shard_note()])]
 
-    def _shard_note(self) -> list[str]:
-        """Data parallel: what a node holds of the sharded state and of its ranks' own buffers."""
-        if self.ranks == 1:
-            return []
-        return [
-            f"  per node: 1/{self.nodes} of one copy of the state (master, Adam, copy, slab, accumulator: W={self.ranks} "
-            f"shards, {self.devices} here), plus each of its {self.devices} ranks' own rings, NVMe pieces in flight and "
+    def _shard_note(self) -> str:
+        """Data parallel: what a node holds of the sharded state and of its ranks' own buffers ("" with one rank)."""
+        return self.when_data_parallel(
+            "  per node: 1/{nodes} of one copy of the state (master, Adam, copy, slab, accumulator: W={ranks} "
+            "shards, {devices} here), plus each of its {devices} ranks' own rings, NVMe pieces in flight and "
             "offloaded inputs"
-        ]
+        )
 
     def _layout_note(self) -> str:
         """Which layout is planned and why ("auto": the leaner tiers it passed over)."""
