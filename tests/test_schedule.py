@@ -564,6 +564,8 @@ def test_layer_major_rows_are_recorded_as_chunks_with_the_weights_up_once(capsys
     assert sum(k.flops for k in kernels(chunked)) == sum(k.flops for k in kernels(whole)) > 0
     assert len(kernels(chunked)) > 3 * len(kernels(whole))
     assert (link(chunked, "h2d"), link(chunked, "d2h")) == (link(whole, "h2d"), link(whole, "d2h"))
+    auto = run([*args, "--row-chunk", "auto"])  # 8 rows of the tiny model fit an A100 whole: calls stay whole
+    assert len(kernels(auto)) == len(kernels(whole)) and "layer-major" not in capsys.readouterr().out
     with pytest.raises(SystemExit):
         run([*args, "--row-chunk", "0"])
     assert "row_chunk=0: give the rows each chunk" in capsys.readouterr().err

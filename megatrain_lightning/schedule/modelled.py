@@ -166,12 +166,12 @@ def modelled_step(
     recompute: bool | str = "auto",
     grad_sums: int | str = 0,
     batch_size: int = 1,
-    row_chunk: int | None = None,
+    row_chunk: int | str | None = None,
 ) -> ModelledStep:
     """Record `steps` optimizer steps of `config` as the strategy runs them and replay them on `profile`
     (module docstring); with `gpus` > 1, one rank of that many joined by `link`, each step `micro_batches`
-    of the rank's own. `row_chunk`: layer-major block calls of that many rows (engine/rows.py), the tile and the
-    memory figures those of one chunk. A ValueError names a bad option."""
+    of the rank's own. `row_chunk`: layer-major block calls of that many rows (engine/rows.py; "auto": as
+    many as the planner picks), the tile and the memory figures those of one chunk. A ValueError names a bad option."""
     check_options(seq_len, micro_batches, clip, num_slots, steps, batch_size)
     check_recompute(recompute)
     check_row_chunk(row_chunk)
@@ -179,6 +179,8 @@ def modelled_step(
     base, profile = profile, dp.rank_profile(profile)
     gpu_mem = int(profile.gpu_mem_gib * planner.GiB) - planner.collective_bytes(config, PRECISION, gpus)
     elt = planner.compute_bytes(PRECISION)
+    # "auto": the planner's rows (the most that fit; the engine, measuring, takes at most as many)
+    row_chunk = planner.auto_row_chunk(config, seq_len, batch_size, PRECISION, FIRST_SLOTS, gpu_mem, "auto", row_chunk)
     tile = planner.planned_tile(config, seq_len, planner.call_rows(batch_size, row_chunk), elt, gpu_mem)
     offload = planner.auto_offloads_inputs(config, seq_len, batch_size, PRECISION, FIRST_SLOTS, gpu_mem, row_chunk)
     transient = planner.free_and_transient(config, seq_len, batch_size, PRECISION, offload, gpu_mem, row_chunk)[1]
