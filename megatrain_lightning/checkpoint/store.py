@@ -123,12 +123,13 @@ def save(
     fp32 weights to write in place of a unit's master (a weight average that a callback put in the
     checkpoint's state dict); the Adam state stays the master's.
 
-    Partitioned (the engine's ``partition``), every rank calls this at once and writes its share (ranks.py);
+    Partitioned (the engine's ``ranks`` not ``whole_here``), every rank calls this at once and writes its share (ranks.py);
     `weights(unit)` is then this rank's shard of the unit's weights, and `after_unit(i)` runs on unit i's
     writer."""
-    part = getattr(engine, "partition", None)
-    if part is not None:
-        _save_ranks(engine, part, url, trainer_state, optimizer, param_groups, after_unit, storage_options, weights)
+    if not engine.ranks.whole_here:
+        _save_ranks(
+            engine, engine.ranks, url, trainer_state, optimizer, param_groups, after_unit, storage_options, weights
+        )
         return
     fs, path = _filesystem(url, storage_options)
     lease = _begin(fs, path, url)
@@ -413,7 +414,7 @@ def _buffers(engine: EngineView, aliases: dict[str, str] | None = None) -> dict[
     params = {name for unit in engine.all_units() for name in engine.qualified_names(unit)}
     params |= set(_aliases(engine) if aliases is None else aliases)
     # (partitioned, a block's state_dict() is refused: no rank holds its parameters whole)
-    state = engine.model.state_dict() if getattr(engine, "partition", None) is None else engine.persistent_buffers()
+    state = engine.model.state_dict() if engine.ranks.whole_here else engine.persistent_buffers()
     return {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in params}
 
 
@@ -547,11 +548,10 @@ def restore(
     """Stream masters (and Adam state when `optimizer`) into the engine's host buffers; returns the index.
     `pinned`: the index read with the trainer state (read_checkpoint), whose version to restore.
 
-    Partitioned (the engine's ``partition``), every rank calls this at once and reads its shards; a rank
+    Partitioned (the engine's ``ranks`` not ``whole_here``), every rank calls this at once and reads its shards; a rank
     failing makes every rank raise (and no read starts over on a newer checkpoint: the ranks would part)."""
-    part = getattr(engine, "partition", None)
-    if part is not None:
-        return _restore_ranks(engine, part, url, optimizer, pinned, storage_options)
+    if not engine.ranks.whole_here:
+        return _restore_ranks(engine, engine.ranks, url, optimizer, pinned, storage_options)
     return _restore(engine, url, optimizer=optimizer, pinned=pinned, storage_options=storage_options)
 
 
