@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine
+from megatrain_lightning.engine.partition import OneRank, ranks_of
 from megatrain_lightning.engine.streams import Streams
 from megatrain_lightning.optim.threads import rank_cpus, usable_cpus
 from tests.helpers import gloo_rank, own_llama, own_loss
@@ -378,3 +379,104 @@ def test_ranks_agree_on_slots_prefetch_one_block_ahead_and_unlock_their_shards(t
             assert waited and max(waited) <= k, (k, order)
         # In fp32 the master shards were page-locked; none stays locked after close.
         assert s["pinned_while_open"] > 0 and s["pinned_after_close"] == 0
+
+
+# -- one rank: the ordinary case, every collective the identity ----------------------------------------------------
+def test_one_rank_lays_out_whole_units_and_every_collective_is_the_identity():
+    one = ranks_of(None)
+    assert isinstance(one, OneRank)
+    assert (one.rank, one.world, one.local_rank, one.local_world) == (0, 1, 0, 1)
+    for n in (1, 7, 1000):
+        assert one.chunk(n) == one.padded(n) == n and one.bounds(n) == one.bounds(n, 0) == (0, n)
+    assert one.unit_shard(10) == (None, None)  # a HostUnit's defaults: the whole unit, aligned per parameter
+    flat = torch.arange(12, dtype=torch.bfloat16)
+    before = flat.clone()
+    assert one.gather(flat) is None and torch.equal(flat, before)  # nothing gathered, nothing written
+    # The gradient itself, not a copy: no fp32 round trip, no division by the one rank.
+    assert one.reduce_scatter(flat, 12) is flat and flat.dtype == torch.bfloat16 and torch.equal(flat, before)
+    flags = [True, False]
+    assert one.any_rank(flags) is flags
+    host = torch.ones(3)
+    assert one.sum(host) is host and torch.equal(host, torch.ones(3))
+    assert one.gather_host(host, 3) is host
+    assert one.least(5) == 5
+    measure = lambda: 123  # noqa: E731
+    assert one.least_of(measure) is measure
+    norms = {11: torch.tensor(2.0), 13: torch.tensor(3.0)}
+    assert one.norms(norms, [13, 12, 11]) == [norms[13], norms[11]]  # the optimizer's order, as they are
+    assert [one.prefetch_depth(k, forward) for k in (0, 1, 5) for forward in (True, False)] == [0, 0, 1, 1, 5, 5]
+    assert one.host_cpus() is None and one.share_note() == ""
+    assert one.whole_here and one.late_steps and one.stages_uploads and one.adds_stray_grads and not one.ships_absent
+
+
+# torch.distributed's calls that need a process group: none may run with one rank, which needs none.
+DIST_CALLS = (
+    "get_rank",
+    "get_world_size",
+    "get_backend",
+    "new_group",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_to_all_single",
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "barrier",
+)
+
+
+def test_one_rank_engine_trains_saves_and_restores_with_no_distributed_call(monkeypatch, tmp_path):
+    called: list[str] = []
+
+    def refused(name: str):
+        def call(*args, **kwargs):
+            called.append(name)  # (and raised: a caller that catches errors does not hide it)
+            raise AssertionError(f"torch.distributed.{name} called with one rank")
+
+        return call
+
+    for name in DIST_CALLS:
+        monkeypatch.setattr(dist, name, refused(name))
+    model = own_llama(layers=2)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true", accumulating=True))
+    assert isinstance(engine.ranks, OneRank) and engine.host_cpus is None
+    opt = engine.optimizer(_optimizer(model))
+    for last, batch in zip((False, True), _batches(2)):
+        with engine.backward(accumulate=not last, clip=last):
+            own_loss(model, batch).backward()
+    engine.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+    engine.save(str(tmp_path / "one.ckpt"))
+    engine.load(str(tmp_path / "one.ckpt"))
+    engine.close()
+    assert called == []
+
+
+# Tests of the number of ranks: the rank code (engine/partition.py) alone may take them; elsewhere the engine and
+# the checkpoint store ask the rank object (its collectives, or a named decision such as ``whole_here``).
+COUNT_TESTS = (
+    r"\bpartition is (not )?None",
+    r"\branks is (not )?None",
+    r"getattr\([^)]*[\"'](partition|ranks)[\"']",
+    r"\bworld\s*(==|!=|>=|<=|>|<)\s*\d",
+    r"\d\s*(==|!=|>=|<=|>|<)\s*[\w.]*world\b",
+    r"\bworld_size\(",
+    r"isinstance\([^)]*\b(OneRank|Partition)\b",
+)
+
+
+def test_no_engine_module_counts_the_ranks():
+    import re
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "megatrain_lightning"
+    files = [p for p in sorted((package / "engine").glob("*.py")) if p.name != "partition.py"]
+    files.append(package / "checkpoint" / "store.py")
+    found = [
+        f"{path.relative_to(package)}:{n}: {line.strip()}"
+        for path in files
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if any(re.search(pattern, line) for pattern in COUNT_TESTS)
+    ]
+    assert not found, found

@@ -168,3 +168,40 @@ def test_a_rank_reads_its_shard_through_a_small_scratch_buffer(tmp_path):
         assert torch.equal(mine["master"], master[lo:hi]), (lo, hi)
     with pytest.raises(stream.ShardError, match="checksum"):  # (the whole file is still checked)
         stream.read_into(fs, f"{tmp_path}/unit.safetensors", targets, {**info, "crc32": info["crc32"] ^ 1})
+
+
+def test_one_rank_writes_each_unit_whole_from_its_buffers_and_reads_it_back_in_place(tmp_path, monkeypatch):
+    """The one save and restore path with one rank: each unit's file straight from its buffers (no shard
+    swapped, no scratch buffer), its weights taken as the file is written, the NVMe moments read ahead."""
+    monkeypatch.setattr(ranks, "_Round", None)  # (a swap would call it)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    model = own_llama(layers=2)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true", nvme_dir=str(nvme)))
+    opt = engine.optimizer(_optimizer(model))
+    _train(model, engine, opt, range(1), 1)
+    units, order, plans = engine.all_units(), [], []
+    plan = engine.tier.plan
+    monkeypatch.setattr(engine.tier, "plan", lambda pieces: (plans.append(len(pieces)), plan(pieces))[1])
+
+    def weights(unit):
+        order.append(("weights", units.index(unit)))
+        return unit.master * 2  # (a weight average's stand-in)
+
+    url = f"{tmp_path}/one.ckpt"
+    store.save(engine, url, {}, weights=weights, after_unit=lambda i: order.append(("written", i)))
+    assert order == [(what, i) for i in range(len(units)) for what in ("weights", "written")]
+    assert plans == [2 * sum(len(engine.tier.pieces(u)) for u in units)]  # m's pass, then v's, of every unit
+    fs, vdir, index = store.read_index(url)
+    for unit, rec in zip(units, index["units"]):
+        saved = load_file(f"{vdir}/{rec['file']}")
+        pieces = [(m.clone(), v.clone()) for _, _, m, v in unit.moment_pieces(write=False)]
+        m, v = (torch.cat([p[k] for p in pieces]) for k in (0, 1))
+        assert saved.keys() == {"master", "exp_avg", "exp_avg_sq"}
+        assert torch.equal(saved["master"], unit.master * 2)
+        assert torch.equal(saved["exp_avg"], m) and torch.equal(saved["exp_avg_sq"], v)
+    for unit in units:
+        unit.master.zero_()
+    store.restore(engine, url, optimizer=True)
+    assert all(torch.equal(u.master, load_file(f"{vdir}/{r['file']}")["master"]) for u, r in zip(units, index["units"]))
+    engine.close()

@@ -1,5 +1,9 @@
-"""Checkpoints of a partitioned engine (engine/partition.py): every rank writes and reads its part of the
-same files, and the files do not depend on the number of ranks W.
+"""The ranks' part in a checkpoint (engine/partition.py): every rank writes and reads its part of the same
+files, and the files do not depend on the number of ranks W.
+
+With one rank (the ordinary case) every agreement here is this rank's own and every unit is its to write
+and read whole: no collective runs, no tensor is swapped or passed through a scratch buffer, and a save or a
+restore does the work of one process (store.py: one path for any W).
 
 Saving, unit i is written by rank i % W, in rounds of W units (one per rank). For each tensor of a unit
 file (master, exp_avg, exp_avg_sq, in that order) the ranks swap shards in one all-to-all: every rank sends
@@ -41,8 +45,21 @@ SCRATCH_ELEMENTS = 1 << 22  # 16 MiB of fp32: what a restore reads the other ran
 
 
 # -- agreements -------------------------------------------------------------------------------------
+def _alone(part: Any) -> bool:
+    """One rank: every agreement is its own, every unit its own to write and read whole."""
+    return part.world == 1
+
+
+def may_reread(part: Any) -> bool:
+    """Whether a restore may start over on a newer checkpoint by itself (rereads.py): with one rank; of
+    several, one alone might see the newer checkpoint, and the ranks would read different versions."""
+    return _alone(part)
+
+
 def share_text(part: Any, text: str | None) -> str | None:
     """Rank 0's `text` on every rank (None where rank 0 has none: it could not produce it)."""
+    if _alone(part):
+        return text
     buf = torch.zeros(TEXT_BYTES + 1, dtype=torch.uint8)
     if part.rank == 0 and text is not None:
         raw = text.encode()
@@ -60,6 +77,9 @@ def settle(part: Any, error: BaseException | None, doing: str, consequence: str,
     """Every rank raises when any did: its own `error` where it failed, elsewhere one line naming the
     failed rank; and when the ranks' `tag`s differ (they read different things). Returns on every rank
     otherwise."""
+    if _alone(part):
+        _raise_failure(error, 0, doing, consequence)
+        return
     t = torch.tensor([part.rank + 1 if error is not None else 0, tag, -tag], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=part.cpu_group)
     _raise_failure(error, int(t[0]), doing, consequence)
@@ -86,7 +106,10 @@ def layout_steps(unit: Any) -> list[int]:
 
 
 def piece_steps(unit: Any, steps: list[int]) -> list[int]:
-    """Per-parameter `steps` (``layout``'s order) as this shard's pieces (``entries``) list them."""
+    """Per-parameter `steps` (``layout``'s order) as this shard's pieces (``entries``) list them (a whole
+    unit's: `steps` itself)."""
+    if not unit.partitioned:
+        return steps
     by_param = {id(e.param): step for e, step in zip(unit.layout, steps)}
     return [by_param[id(e.param)] for e in unit.entries]
 
@@ -154,6 +177,13 @@ def write_units(
     error (after the first one it writes nothing more, but takes part in every swap)."""
     written: dict[int, dict] = {}
     error: Exception | None = None
+    if _alone(part):  # every unit this rank's, its tensors straight from `shards`, each taken as it is written
+        for i, tensors in enumerate(shards):
+            try:
+                written[i] = write(i, list(tensors.items()))
+            except Exception as err:  # (raised by settle_books)
+                return written, err
+        return written, error
     for first in range(0, len(units), part.world):
         batch = units[first : first + part.world]
         work = _Round(part, batch, shards[first : first + part.world])
@@ -170,7 +200,11 @@ def settle_books(
     part: Any, units: list[Any], written: dict[int, dict], error: Exception | None, doing: str, consequence: str
 ) -> tuple[list[list[int]], list[dict]]:
     """One all-reduce (a max): whether every rank wrote its units (raising on every rank, as :func:`settle`,
-    when one did not), each unit's per-parameter steps and each unit file's record from its writer."""
+    when one did not), each unit's per-parameter steps and each unit file's record from its writer (with one
+    rank, its own)."""
+    if _alone(part):
+        _raise_failure(error, 0, doing, consequence)
+        return [layout_steps(u) for u in units], [written[i] for i in range(len(units))]
     sizes = [len(u.layout) for u in units]
     t = torch.zeros(1 + sum(sizes) + 2 * len(units), dtype=torch.int64)
     t[0] = part.rank + 1 if error is not None else 0
@@ -206,6 +240,8 @@ def shard_targets(
     return {n: Chunked(unit.full_numel, torch.float32, lambda own=mine.get(n): parts(own)) for n in names}
 
 
-def scratch_for(units: list[Any]) -> torch.Tensor:
-    """The buffer a restore reads the other ranks' bytes through."""
+def scratch_for(units: list[Any]) -> torch.Tensor | None:
+    """The buffer a restore reads the other ranks' bytes through (None: every unit is whole here)."""
+    if not any(u.partitioned for u in units):
+        return None
     return torch.empty(min(SCRATCH_ELEMENTS, max([u.full_numel for u in units], default=1)), dtype=torch.float32)

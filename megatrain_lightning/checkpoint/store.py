@@ -37,8 +37,10 @@ that the file is a sharded checkpoint, to be loaded with ``megatrain_lightning.l
 or converted with ``megatrain convert``. The pickle never runs anything (the "module" it names
 cannot be imported). Markers that are bare JSON, as first written, are read all the same.
 
-With several ranks (a partitioned engine, engine/partition.py) :func:`save` and :func:`restore` are
-collective: every rank calls them, in the same order. The files are the ones a single process writes (each
+:func:`save` and :func:`restore` run over the engine's ranks (engine/partition.py), one path for any number:
+with one rank (the ordinary case) every agreement between ranks is the rank's own and every unit is written
+and read whole, straight from and into its buffers. With several they are collective: every rank calls them,
+in the same order. The files are the ones a single process writes (each
 unit whole), so nothing in a checkpoint depends on the number of ranks: saved with 2 ranks, it resumes with
 1 or 3, and ``megatrain convert`` or ``load_from_checkpoint`` read it in one process. Unit i is written by
 rank i % W, straight to the URL, its shards swapped to it a tensor at a time (ranks.py: no rank holds more
@@ -51,8 +53,8 @@ unit file, and raises on every rank when any rank fails; it does not start over 
 which one rank alone might see.
 
 Why one file: saving and restoring, in one process or on W ranks, are one protocol (lease, write, commit;
-pin, read, check), and the flows for W ranks are the same private steps with collectives between them;
-the collectives themselves are in ranks.py.
+pin, read, check) with the ranks' agreements between its steps; the agreements and the swaps of shards
+are in ranks.py.
 
 Reading trusts nothing it has not checked (:mod:`~megatrain_lightning.checkpoint.verify` says what and
 how a failure reads; :mod:`~megatrain_lightning.checkpoint.trust` how ``trainer.pt`` is unpickled).
@@ -123,22 +125,65 @@ def save(
     fp32 weights to write in place of a unit's master (a weight average that a callback put in the
     checkpoint's state dict); the Adam state stays the master's.
 
-    Partitioned (the engine's ``partition``), every rank calls this at once and writes its share (ranks.py);
-    `weights(unit)` is then this rank's shard of the unit's weights, and `after_unit(i)` runs on unit i's
-    writer."""
-    part = getattr(engine, "partition", None)
-    if part is not None:
-        _save_ranks(engine, part, url, trainer_state, optimizer, param_groups, after_unit, storage_options, weights)
-        return
+    Every rank of the engine's ``ranks`` calls this at once (one, in one process): rank 0 takes the lease and
+    hands the others the version's name, every rank writes its units (ranks.py; with one rank, all of them,
+    each straight from its buffers), rank 0 writes the rest and commits once every rank's writes succeeded.
+    Any rank failing: no commit, and every rank raises. With several ranks `weights(unit)` is this rank's
+    shard of the unit's weights, and `after_unit(i)` runs on unit i's writer."""
+    part = engine.ranks
     fs, path = _filesystem(url, storage_options)
-    lease = _begin(fs, path, url)
+    doing, kept = f"saving {url}", "nothing was committed: the previous checkpoint stands"
+    lease, error = None, None
+    if part.rank == 0:
+        try:
+            lease = _begin(fs, path, url)
+        except Exception as err:  # (told to the other ranks by the missing version name)
+            error = err
+    version = ranks.share_text(part, None if lease is None else lease.version)
+    if version is None:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"{doing}: rank 0 could not begin it (its own error says why); {kept}")
+    vdir = f"{path}.d/{version}"
+
+    def write(i: int, tensors: list) -> dict:
+        info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
+        if lease is not None:
+            lease.beat()
+        if after_unit is not None:
+            after_unit(i)
+        return info
+
     try:
-        index_bytes = _write_version(engine, fs, lease, trainer_state, optimizer, param_groups, after_unit, weights)
-        _commit_version(fs, path, url, lease, index_bytes)
+        units, shards, torch_optimizers = engine.all_units(), [], None
+        try:
+            engine.flush()  # (a host job's error surfaces here)
+            torch_optimizers = _torch_optimizers(engine) if optimizer else None  # (refused before anything is written)
+            _plan_moment_reads(engine, units, optimizer)
+            shards = [_unit_tensors(u, optimizer, weights) for u in units]
+        except Exception as err:
+            error = err
+        ranks.settle(part, error, doing, kept)  # every rank is ready to swap shards, or every rank raises
+        steps, files = ranks.settle_books(part, units, *ranks.write_units(part, units, shards, write), doing, kept)
+        if lease is not None:
+            try:
+                records = [
+                    _unit_record(engine, u, i, files[i], optimizer and u.has_moments, steps[i])
+                    for i, u in enumerate(units)
+                ]
+                index_bytes = _write_books(
+                    engine, fs, lease, records, trainer_state, optimizer, param_groups, torch_optimizers
+                )
+                _commit_version(fs, path, url, lease, index_bytes)
+            except Exception as err:  # (told to every rank by the settle below)
+                error = err
+        ranks.settle(part, error, doing, kept)
     except BaseException:
-        _abandon(fs, path, url, lease)
+        if lease is not None:
+            _abandon(fs, path, url, lease)
         raise
-    _committed(fs, path, url, lease)
+    if lease is not None:
+        _committed(fs, path, url, lease)
 
 
 def _begin(fs: Any, path: str, url: str) -> versions.Lease:
@@ -173,107 +218,29 @@ def _committed(fs: Any, path: str, url: str, lease: versions.Lease) -> None:
     versions.remove_unused(fs, path, keep=lambda: _named(fs, path, url, previous=True))
 
 
-def _save_ranks(
-    engine: EngineView,
-    part: Any,
-    url: str,
-    trainer_state: dict,
-    optimizer: bool,
-    param_groups: list[dict] | None,
-    after_unit: Callable[[int], None] | None,
-    storage_options: dict[str, Any] | None,
-    weights: Callable[[Any], torch.Tensor] | None,
-) -> None:
-    """:func:`save` on every rank of a partitioned engine at once: rank 0 takes the lease and hands the
-    others the version's name, every rank writes its units (ranks.py), rank 0 writes the rest and commits
-    once every rank's writes succeeded. Any rank failing: no commit, and every rank raises."""
-    fs, path = _filesystem(url, storage_options)
-    doing, kept = f"saving {url}", "nothing was committed: the previous checkpoint stands"
-    lease, error = None, None
-    if part.rank == 0:
-        try:
-            lease = _begin(fs, path, url)
-        except Exception as err:  # (told to the other ranks by the missing version name)
-            error = err
-    version = ranks.share_text(part, None if lease is None else lease.version)
-    if version is None:
-        if error is not None:
-            raise error
-        raise CheckpointError(f"{doing}: rank 0 could not begin it (its own error says why); {kept}")
-    vdir = f"{path}.d/{version}"
-
-    def shards_of(unit: Any) -> Mapping[str, torch.Tensor]:
-        master = unit.master if weights is None else weights(unit)
-        if not (optimizer and unit.has_moments):
-            return {"master": master}
-        if unit.tier is not None:
-            return _TierShards(unit, master)
-        return {"master": master, "exp_avg": unit.m, "exp_avg_sq": unit.v}
-
-    def write(i: int, tensors: list) -> dict:
-        info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
-        if lease is not None:
-            lease.beat()
-        if after_unit is not None:
-            after_unit(i)
-        return info
-
-    try:
-        units, shards = engine.all_units(), []
-        try:
-            engine.flush()  # (a host job's error surfaces here)
-            shards = [shards_of(u) for u in units]
-        except Exception as err:
-            error = err
-        ranks.settle(part, error, doing, kept)  # every rank is ready to swap shards, or every rank raises
-        steps, files = ranks.settle_books(part, units, *ranks.write_units(part, units, shards, write), doing, kept)
-        if lease is not None:
-            try:
-                records = [
-                    _unit_record(engine, u, i, files[i], optimizer and u.has_moments, steps[i])
-                    for i, u in enumerate(units)
-                ]
-                index_bytes = _write_books(engine, fs, lease, records, trainer_state, optimizer, param_groups)
-                _commit_version(fs, path, url, lease, index_bytes)
-            except Exception as err:  # (told to every rank by the settle below)
-                error = err
-        ranks.settle(part, error, doing, kept)
-    except BaseException:
-        if lease is not None:
-            _abandon(fs, path, url, lease)
-        raise
-    if lease is not None:
-        _committed(fs, path, url, lease)
+def _plan_moment_reads(engine: EngineView, units: list, optimizer: bool) -> None:
+    """On the NVMe tier, the moments of the units written whole here are read ahead while earlier units are
+    written (m's pass, then v's, as the file writer takes them); a partitioned unit's shard is read when its
+    swap takes it (:class:`_TierShards`)."""
+    whole = [u for u in units if not u.partitioned]
+    if optimizer and engine.tier is not None and whole:
+        held = [u for u in whole if u.has_moments]
+        engine.tier.plan([p for u in held for _ in range(2) for p in engine.tier.pieces(u)])
 
 
-def _write_version(
-    engine: EngineView,
-    fs: Any,
-    lease: versions.Lease,
-    trainer_state: dict,
-    optimizer: bool,
-    param_groups: list[dict] | None,
-    after_unit: Callable[[int], None] | None,
-    weights: Callable[[Any], torch.Tensor] | None,
-) -> bytes:
-    """Write the version directory: unit shards, buffers, trainer state, then the index (returned)."""
-    vdir = lease.vdir
-    engine.flush()
-    torch_optimizers = _torch_optimizers(engine) if optimizer else None  # (refused before anything is written)
-    if optimizer and engine.tier is not None:  # the moments are read ahead while earlier units are written
-        held = [u for u in engine.all_units() if u.has_moments]
-        engine.tier.plan([p for u in held for _ in range(2) for p in engine.tier.pieces(u)])  # m's pass, v's pass
-    units = []
-    for i, unit in enumerate(engine.all_units()):
-        with_adam = optimizer and unit.has_moments
-        master = unit.master if weights is None else weights(unit)
-        tensors = [("master", master)] + (list(_moments(unit, write=False).items()) if with_adam else [])
-        info = stream.write(fs, f"{vdir}/units/{i:05d}.safetensors", tensors)
-        units.append(_unit_record(engine, unit, i, info, with_adam))
-        lease.beat()
-        if after_unit is not None:
-            after_unit(i)
-    return _write_books(engine, fs, lease, units, trainer_state, optimizer, param_groups, torch_optimizers)
+def _unit_tensors(unit: Any, optimizer: bool, weights: Callable[[Any], torch.Tensor] | None) -> Mapping[str, Any]:
+    """The tensors of unit's file as this rank holds them, by name in file order: a whole unit's, taken when
+    its file is written (:class:`_WholeTensors`), or this rank's shards of a partitioned unit's, taken now
+    (ranks.py swaps them)."""
+    adam = optimizer and unit.has_moments
+    if not unit.partitioned:
+        return _WholeTensors(unit, adam, weights)
+    master = unit.master if weights is None else weights(unit)
+    if not adam:
+        return {"master": master}
+    if unit.tier is not None:
+        return _TierShards(unit, master)
+    return {"master": master, "exp_avg": unit.m, "exp_avg_sq": unit.v}
 
 
 def _torch_optimizers(engine: EngineView) -> tuple[list, list] | None:
@@ -352,6 +319,26 @@ class _TierShards(Mapping):
         return 3
 
 
+class _WholeTensors(Mapping):
+    """A whole unit's file tensors for a save, each taken when the file writer comes to it: the master (or
+    `weights(unit)`), then with `adam` the moments (on the NVMe tier streamed a piece at a time: :func:`_moments`)."""
+
+    def __init__(self, unit: Any, adam: bool, weights: Callable[[Any], torch.Tensor] | None) -> None:
+        self.unit, self.weights = unit, weights
+        self.names = ("master", "exp_avg", "exp_avg_sq") if adam else ("master",)
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "master":
+            return self.unit.master if self.weights is None else self.weights(self.unit)
+        return _moments(self.unit, write=False)[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 def _moments(unit: Any, write: bool) -> dict[str, Any]:
     """A unit's exp_avg and exp_avg_sq for a shard: its host tensors, or on the NVMe tier the moments
     streamed a piece at a time, m's pieces then v's (each piece read from its file; for a restore, `write`,
@@ -413,7 +400,7 @@ def _buffers(engine: EngineView, aliases: dict[str, str] | None = None) -> dict[
     params = {name for unit in engine.all_units() for name in engine.qualified_names(unit)}
     params |= set(_aliases(engine) if aliases is None else aliases)
     # (partitioned, a block's state_dict() is refused: no rank holds its parameters whole)
-    state = engine.model.state_dict() if getattr(engine, "partition", None) is None else engine.persistent_buffers()
+    state = engine.model.state_dict() if engine.ranks.whole_here else engine.persistent_buffers()
     return {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in params}
 
 
@@ -547,15 +534,13 @@ def restore(
     """Stream masters (and Adam state when `optimizer`) into the engine's host buffers; returns the index.
     `pinned`: the index read with the trainer state (read_checkpoint), whose version to restore.
 
-    Partitioned (the engine's ``partition``), every rank calls this at once and reads its shards; a rank
-    failing makes every rank raise (and no read starts over on a newer checkpoint: the ranks would part)."""
-    part = getattr(engine, "partition", None)
-    if part is not None:
-        return _restore_ranks(engine, part, url, optimizer, pinned, storage_options)
-    return _restore(engine, url, optimizer=optimizer, pinned=pinned, storage_options=storage_options)
+    Every rank of the engine's ``ranks`` calls this at once (one, in one process) and reads its shard of each
+    unit (with one rank, the whole unit); a rank failing makes every rank raise. Only one rank may start over
+    on a newer checkpoint (rereads.py): of several, one alone might see it, and the ranks would part."""
+    read = _restore_rereading if ranks.may_reread(engine.ranks) else _restore
+    return read(engine, url, optimizer=optimizer, pinned=pinned, storage_options=storage_options)
 
 
-@rereading
 def _restore(
     engine: EngineView,
     url: str,
@@ -564,20 +549,56 @@ def _restore(
     pinned: dict | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> dict:
-    fs, vdir, index = _version_to_restore(url, pinned, storage_options)
-    _check_restorable(engine, index, url, fs, vdir, optimizer)
-    engine.flush()
-    for unit, rec in zip(engine.all_units(), index["units"]):
-        adam = optimizer and rec["adam"]
-        targets = {"master": unit.master, **(_moments(unit, write=True) if adam else {})}
-        _read_file(fs, vdir, rec["file"], targets, rec)
+    """:func:`restore` on every rank at once: each reads the same version (checked) and keeps its shards; the
+    outer re-upload (refresh_from_masters) is collective, so every rank reaches it, or every rank raises."""
+    part = engine.ranks
+    doing, state = f"restoring {url}", "this engine's state is not restored"
+    fs, vdir, index, error = None, "", {}, None
+    try:
+        fs, vdir, index = _version_to_restore(url, pinned, storage_options)
+    except Exception as err:  # (told to every rank by the settle below)
+        error = err
+    ranks.settle(part, error, doing, state, tag=zlib.crc32(vdir.rsplit("/", 1)[-1].encode()))
+    _check_restorable(engine, index, url, fs, vdir, optimizer)  # (the same index on every rank: the same outcome)
+    units = engine.all_units()
+    scratch = ranks.scratch_for(units)
+    try:
+        engine.flush()
+        for unit, rec in zip(units, index["units"]):
+            _read_unit(fs, vdir, unit, rec, optimizer, scratch)
+            if optimizer:
+                unit.steps = ranks.piece_steps(unit, _saved_steps(rec))
+        _restore_buffers(engine, fs, vdir, index)
         if optimizer:
-            unit.steps = _saved_steps(rec)
-    _restore_buffers(engine, fs, vdir, index)
-    if optimizer:
-        _restore_torch_optimizers(engine, fs, vdir, index, url)
+            _restore_torch_optimizers(engine, fs, vdir, index, url)
+    except Exception as err:
+        error = err
+    ranks.settle(part, error, doing, state)
     engine.refresh_from_masters()
     return index
+
+
+_restore_rereading = rereading(_restore)
+
+
+def _read_unit(fs: Any, vdir: str, unit: Any, rec: dict, optimizer: bool, scratch: torch.Tensor | None) -> None:
+    """Unit `unit`'s file into its buffers: a whole unit's tensors straight into them (on the NVMe tier the
+    moments a piece at a time), a partitioned unit's own shard of each, the rest passing through `scratch`."""
+    adam = optimizer and rec["adam"]
+    if not unit.partitioned:
+        targets = {"master": unit.master, **(_moments(unit, write=True) if adam else {})}
+        _read_file(fs, vdir, rec["file"], targets, rec)
+        return
+    names = ["master", "exp_avg", "exp_avg_sq"] if rec["adam"] else ["master"]
+    mine = {"master": unit.master}
+    tier = adam and unit.tier is not None  # (read here, then written to its files)
+    if adam:
+        m, v = (torch.empty(unit.numel), torch.empty(unit.numel)) if tier else (unit.m, unit.v)
+        mine.update(exp_avg=m, exp_avg_sq=v)
+    _read_file(fs, vdir, rec["file"], ranks.shard_targets(unit, names, mine, scratch), rec)
+    for lo, hi, m, v in unit.moment_pieces(fresh=True) if tier else ():
+        m.copy_(mine["exp_avg"][lo:hi])
+        v.copy_(mine["exp_avg_sq"][lo:hi])
 
 
 TORCH_OPTIMIZERS = "optimizer.safetensors"  # the tensors of the optimizers that step themselves
@@ -619,50 +640,6 @@ def _version_to_restore(url: str, pinned: dict | None, storage_options: dict[str
     if pinned and "data" in pinned:
         return _pinned_version(url, pinned, storage_options)
     return _index(url, storage_options)
-
-
-def _restore_ranks(
-    engine: EngineView,
-    part: Any,
-    url: str,
-    optimizer: bool,
-    pinned: dict | None,
-    storage_options: dict[str, Any] | None,
-) -> dict:
-    """:func:`restore` on every rank of a partitioned engine at once: each reads the same version (checked)
-    and keeps its shards; the outer re-upload (refresh_from_masters) is collective, so every rank reaches
-    it, or every rank raises."""
-    doing, state = f"restoring {url}", "this engine's state is not restored"
-    fs, vdir, index, error = None, "", {}, None
-    try:
-        fs, vdir, index = _version_to_restore(url, pinned, storage_options)
-    except Exception as err:  # (told to every rank by the settle below)
-        error = err
-    ranks.settle(part, error, doing, state, tag=zlib.crc32(vdir.rsplit("/", 1)[-1].encode()))
-    _check_restorable(engine, index, url, fs, vdir, optimizer)  # (the same index on every rank: the same outcome)
-    units = engine.all_units()
-    scratch = ranks.scratch_for(units)
-    try:
-        engine.flush()
-        for unit, rec in zip(units, index["units"]):
-            names = ["master", "exp_avg", "exp_avg_sq"] if rec["adam"] else ["master"]
-            mine = {"master": unit.master}
-            tier = optimizer and rec["adam"] and unit.tier is not None  # (read here, then written to its files)
-            if optimizer and rec["adam"]:
-                m, v = (torch.empty(unit.numel), torch.empty(unit.numel)) if tier else (unit.m, unit.v)
-                mine.update(exp_avg=m, exp_avg_sq=v)
-            _read_file(fs, vdir, rec["file"], ranks.shard_targets(unit, names, mine, scratch), rec)
-            for lo, hi, m, v in unit.moment_pieces(fresh=True) if tier else ():
-                m.copy_(mine["exp_avg"][lo:hi])
-                v.copy_(mine["exp_avg_sq"][lo:hi])
-            if optimizer:
-                unit.steps = ranks.piece_steps(unit, _saved_steps(rec))
-        _restore_buffers(engine, fs, vdir, index)
-    except Exception as err:
-        error = err
-    ranks.settle(part, error, doing, state)
-    engine.refresh_from_masters()
-    return index
 
 
 @contextmanager

@@ -28,7 +28,7 @@ from megatrain_lightning.engine.host_memory import available_host_bytes
 from megatrain_lightning.engine.host_steps import HostSide
 from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
 from megatrain_lightning.engine.outer import OuterParams
-from megatrain_lightning.engine.partition import Partition, partition_of
+from megatrain_lightning.engine.partition import ranks_of
 from megatrain_lightning.engine.pending_reads import PendingReads
 from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.engine.recompute import KeepPolicy
@@ -41,13 +41,7 @@ from megatrain_lightning.engine.streamer import BlockStreamer, ParamRefs, block_
 from megatrain_lightning.engine.streams import SlotPool, Streams
 from megatrain_lightning.engine.uploads import Uploader
 from megatrain_lightning.engine.worker import HostWorker
-from megatrain_lightning.optim.threads import (
-    configure_host_threads,
-    numa_nodes,
-    rank_cpus,
-    resolve_host_threads,
-    usable_cpus,
-)
+from megatrain_lightning.optim.threads import configure_host_threads, resolve_host_threads
 from megatrain_lightning.planning.device_memory import free_device_bytes, step_transient_bytes
 
 
@@ -57,21 +51,16 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
     engine.config = config
     engine.model, engine.device, engine.compute_dtype = model, config.torch_device, config.compute_dtype
     engine.stats = _new_stats()
-    engine.host_cpus: list[int] | None = None  # data parallel: this rank's share of the machine's CPUs
-    engine.host_threads = resolve_host_threads(config.host_threads)
     refuse_compiled(model)  # (engine/replay.py)
     # The stacks, each distinct block once, the parameters blocks share (outer units); what setup logs.
     engine.layout = find_blocks(model, config.blocks)
     engine.blocks = engine.layout.blocks
-    # Data parallel (engine/partition.py): this rank holds one shard of every unit's host state.
-    engine.partition = partition = partition_of(config.group)
-    if partition is not None:
-        engine.host_cpus = (
-            rank_cpus(partition.local_rank, partition.local_world, usable_cpus(), numa_nodes())
-            if partition.split_cpus
-            else sorted(usable_cpus())  # (bound apart already: each rank's own CPUs)
-        )
-        engine.host_threads = resolve_host_threads(config.host_threads, len(engine.host_cpus))
+    # The ranks (engine/partition.py): with several, this rank holds one shard of every unit's host state.
+    engine.ranks = ranks = ranks_of(config.group)
+    engine.host_cpus: list[int] | None = ranks.host_cpus()  # this rank's share of the machine's CPUs (None: all)
+    engine.host_threads = resolve_host_threads(
+        config.host_threads, None if engine.host_cpus is None else len(engine.host_cpus)
+    )
     pin = engine.device.type == "cuda" if config.pin_memory is None else config.pin_memory
     block_params, outer = unit_parameters(model, engine.layout)
     largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
@@ -81,13 +70,15 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
     # Checked (directory, free space) before the model is taken apart; the moments need it only to train.
     training = config.training
     engine.tier = (
-        NvmeTier(config.nvme_dir, _numel(block_params, outer), engine.piece) if training and config.nvme_dir else None
+        NvmeTier(config.nvme_dir, sum(_sizes(block_params, outer)), engine.piece)
+        if training and config.nvme_dir
+        else None
     )
     engine.streams = (probes.streams or Streams)(engine.device)
     free = probes.device_free_bytes or partial(free_device_bytes, engine.device)
     transient = probes.step_transient_bytes or partial(step_transient_bytes, engine.device)
-    # With several ranks, what decides a collective must be decided alike on every rank: the least free memory.
-    keep_free = free if partition is None else partial(_least_free, free, partition)
+    # What decides a collective must be decided alike on every rank: the least free memory of any.
+    keep_free = ranks.least_of(free)
     engine.saved_inputs = SavedInputs(
         engine.streams,
         engine.device,
@@ -115,7 +106,7 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
         else None
     )
     grad_ring = HostRing("gradient", grads, engine.piece, engine.compute_dtype, pin) if lean and training else None
-    engine.uploads = Uploader(engine.streams, engine.stats, engine.piece, staging_ring, partition)
+    engine.uploads = Uploader(engine.streams, engine.stats, engine.piece, staging_ring, ranks)
     engine.units: list[HostUnit] = []
     outer_units: list[HostUnit] = []
     empty = materialize.empty_params(model)  # built without weights: filled unit by unit below
@@ -154,7 +145,7 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
         tier=engine.tier,
         overlap_optimizer=config.overlap_optimizer,
         invalidate=engine.pool.invalidate,
-        partition=partition,
+        ranks=ranks,
         sums=(
             DeviceGradSums(
                 engine.units + outer_units,
@@ -180,7 +171,7 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
         buffers=buffers,
         device=engine.device,
         preserve_rng_state=config.preserve_rng_state,
-        partition=partition,
+        ranks=ranks,
         pool=engine.pool,
         uploads=engine.uploads,
         host=engine.host,
@@ -201,12 +192,9 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
 
 
 def _unit(engine: Any, name: str, params: list, pin: bool, keep_copy: bool) -> HostUnit:
-    """A host unit over `params`: whole, or partitioned, this rank's shard of it."""
-    if engine.partition is None:
-        return HostUnit(name, params, engine.compute_dtype, pin, keep_copy)
-    numel = sum(p.numel() for _, p in params)
-    bounds, padded = engine.partition.bounds(numel), engine.partition.padded(numel)
-    return HostUnit(name, params, engine.compute_dtype, pin, keep_copy, bounds=bounds, device_numel=padded)
+    """A host unit over `params`: this rank's shard of it (the whole unit with one rank)."""
+    bounds, device_numel = engine.ranks.unit_shard(sum(p.numel() for _, p in params))
+    return HostUnit(name, params, engine.compute_dtype, pin, keep_copy, bounds=bounds, device_numel=device_numel)
 
 
 def _build_blocks(engine: Any, block_params: list, pin: bool) -> tuple[list[ParamRefs], list[list[list]]]:
@@ -230,7 +218,7 @@ def _build_blocks(engine: Any, block_params: list, pin: bool) -> tuple[list[Para
 def _check_host_memory(engine: Any, block_params, outer, available_bytes: Callable[[], int]) -> int:
     """Refuse a model whose training state does not fit the host; returns the bytes it counted."""
     c = engine.config
-    numel = _numel(block_params, outer, engine.partition)
+    numel = sum(hi - lo for lo, hi in map(engine.ranks.bounds, _sizes(block_params, outer)))  # this rank's shards
     layout, elt = c.host_layout, torch.tensor([], dtype=engine.compute_dtype).element_size()
     per_param = host_bytes_per_param(engine.compute_dtype, c.training, c.accumulating, layout, c.clipping)
     largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
@@ -251,7 +239,7 @@ def _check_host_memory(engine: Any, block_params, outer, available_bytes: Callab
         }
         by_kind = host_bytes_by_kind(elt, c.training, c.accumulating, layout, c.clipping)
         kinds = [labels[k] for k, b in by_kind.items() if b and not (nvme and k == "adam")]
-        share = "" if engine.partition is None else f" (this rank's 1/{engine.partition.world} share of them)"
+        share = engine.ranks.share_note()
         raise HostMemoryError(
             f"the model's {numel / 1e9:.2f}B parameters{share} need {need / 2**30:.1f} GiB of host memory "
             f"({per_param} bytes/param: {', '.join(kinds[:-1])} and {kinds[-1]}) but about "
@@ -292,18 +280,9 @@ def _new_stats() -> dict[str, float]:
     }
 
 
-def _numel(block_params: list, outer: list, partition: Partition | None = None) -> int:
-    """Elements of the units' host buffers: of every unit whole, or of this rank's shards."""
-    sizes = [sum(p.numel() for _, p in params) for params in block_params] + [p.numel() for _, p in outer]
-    if partition is not None:
-        sizes = [hi - lo for lo, hi in map(partition.bounds, sizes)]
-    return sum(sizes)
-
-
-def _least_free(free: Callable[[], int | None], partition: Partition) -> int | None:
-    """The least free device memory of any rank (None on a device with no measure: every rank alike)."""
-    have = free()
-    return None if have is None else partition.least(have)
+def _sizes(block_params: list, outer: list) -> list[int]:
+    """Elements of each unit, whole: the blocks', then the outer parameters'."""
+    return [sum(p.numel() for _, p in params) for params in block_params] + [p.numel() for _, p in outer]
 
 
 def _kv_cache_configs(model: nn.Module) -> list[Any]:

@@ -26,7 +26,7 @@ the parts the engine holds, which engine/build.py constructs (it imports no Ligh
      |- KeepPolicy (engine/recompute.py): which block calls keep their graph instead of a recompute
      |- HostSide (engine/host_steps.py): gradients to the host, accumulation, norms, Adam, the worker
      |- OuterParams (engine/outer.py): embedding, final norm, head: device copies rewritten after a step
- |- Partition (engine/partition.py), data parallel only: this rank's shard of every unit, the collectives
+ |- Ranks (engine/partition.py): this rank's shard of every unit (the whole with one rank), the collectives
 
 One host worker thread (engine/worker.py) does all host-side arithmetic, a unit's jobs in the order
 submitted and steps in the order the next forward needs them. A unit's ``future`` is its last job;
@@ -78,10 +78,10 @@ class Engine:
         self.streamer.buffers_to_host(idx)
 
     def _whole(self, what: str) -> None:
-        """Refuse `what` when partitioned: it needs every parameter whole in this process."""
-        if self.partition is not None:
+        """Refuse `what` where the parameters are not whole here (the ranks' ``whole_here``)."""
+        if not self.ranks.whole_here:
             raise RuntimeError(
-                f"{what} needs every parameter whole in this process, but each of the {self.partition.world} "
+                f"{what} needs every parameter whole in this process, but each of the {self.ranks.world} "
                 "data-parallel ranks holds 1/W of them; save a checkpoint (engine.save) and read it instead"
             )
 
@@ -394,12 +394,12 @@ class Engine:
         for handle in self._state_hooks:
             handle.remove()
         self.streamer.buffers_to_host()
-        if self.partition is not None and gather:  # each rank gets the whole trained model back, as after DDP
+        if gather and not self.ranks.whole_here:  # each rank gets the whole trained model back, as after DDP
             # The shards are unregistered before the gathered masters replace them (in fp32 the master is a
             # pinned buffer): afterwards nothing would name them, and they would stay locked for good.
             pinned.unregister(pinnable(self.all_units(), []))
             for unit in self.all_units():
-                unit.unpartition(self.partition.gather_host(unit.master, unit.full_numel))
+                unit.unpartition(self.ranks.gather_host(unit.master, unit.full_numel))
         for config in self._caches_off:
             config.use_cache = True
         self.streamer.release()

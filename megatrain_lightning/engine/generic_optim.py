@@ -118,7 +118,7 @@ class GenericSteps:
     """The torch optimizers attached to one engine, and the step ``HostSide.step`` hands them (engine/host_steps.py)."""
 
     def __init__(self, engine: Any, optimizers: list[torch.optim.Optimizer]) -> None:
-        if engine.partition is not None:
+        if not engine.ranks.whole_here:
             raise ValueError(
                 f"{type(optimizers[0]).__name__} steps itself over whole parameters, which no rank holds with data "
                 "parallel over several ranks: use torch.optim.AdamW (its host step is partitioned), or one device"

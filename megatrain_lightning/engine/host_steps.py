@@ -42,6 +42,7 @@ import torch
 
 from megatrain_lightning.engine.grad_sums import DeviceGradSums
 from megatrain_lightning.engine.host import GradState, HostUnit, spans
+from megatrain_lightning.engine.partition import Ranks
 from megatrain_lightning.engine.ring import HostRing, pieces
 from megatrain_lightning.engine.self_checks import gated
 from megatrain_lightning.optim import kernels
@@ -87,12 +88,13 @@ class HostSide:
         tier=None,
         overlap_optimizer: bool = True,
         invalidate: Callable[[int], None] = lambda idx: None,
-        partition=None,
+        ranks: Ranks,
         sums: DeviceGradSums | None = None,
     ) -> None:
         """`invalidate(i)`: block i's weights on the host changed, so a device slot holding it is stale.
-        `partition` (engine/partition.py): each unit holds this rank's shard; gradients are reduce-scattered."""
-        self.partition = partition
+        `ranks` (engine/partition.py): each unit holds this rank's shard, its gradients reduce-scattered over
+        the ranks (the whole unit and its own gradients with one rank)."""
+        self.ranks = ranks
         self.sums = sums  # engine/grad_sums.py: blocks whose micro-batch gradients are summed on the device
         self.blocks, self.outer, self.streams, self.worker, self.stats = blocks, outer, streams, worker, stats
         self.piece, self.tier, self.overlap_optimizer, self.invalidate = piece, tier, overlap_optimizer, invalidate
@@ -167,10 +169,10 @@ class HostSide:
         Partitioned, `flat` and `present` are the whole unit's: the mean over ranks is reduce-scattered on the
         device first, and this rank's shard goes down (a parameter has a gradient if any rank's has one)."""
         if unit.partitioned:
-            present = unit.piece_flags(self.partition.any_rank(present))
+            present = unit.piece_flags(self.ranks.any_rank(present))
             self.stats["reduce_scatter_bytes"] += unit.device_numel * flat.element_size()
             whole, out = flat, []
-            self.streams.collective(None, lambda: out.append(self.partition.reduce_scatter(whole, unit.full_numel)))
+            self.streams.collective(None, lambda: out.append(self.ranks.reduce_scatter(whole, unit.full_numel)))
             flat = out[0]
             if self.streams.is_cuda:
                 flat.record_stream(self.streams.d2h)  # made on the compute stream, read by the download
@@ -664,21 +666,9 @@ class HostSide:
             if unit.grad.norms is None:
                 unit.grad.landed(self._norms(unit))
             by_param.update((id(e.param), n) for e, n, g in zip(unit.entries, unit.grad.norms, unit.grad.present) if g)
-        # clip_grad_norm_ walks the optimizer's parameters that have a gradient, in group order; so does this.
-        if self.partition is not None:
-            return self._whole_norms(by_param)
-        return [by_param[i] for i in self.param_order if i in by_param]
-
-    def _whole_norms(self, by_param: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        """Partitioned: each parameter's norm from its pieces' (`by_param`, this rank's), in the optimizer's
-        order: the squares summed over ranks in fp64, then the norms in fp32, as one rank would have them."""
-        order = self.param_order
-        squares = torch.zeros(2, len(order), dtype=torch.float64)  # (sum of squares, whether any rank has it)
-        for j, i in enumerate(order):
-            if i in by_param:
-                squares[0, j], squares[1, j] = float(by_param[i].double() ** 2), 1.0
-        total = self.partition.sum(squares)
-        return [total[0, j].sqrt().float() for j in range(len(order)) if total[1, j]]
+        # clip_grad_norm_ walks the optimizer's parameters that have a gradient, in group order; so does this
+        # (with several ranks each parameter's norm is assembled from its pieces': engine/partition.py).
+        return self.ranks.norms(by_param, self.param_order)
 
     def _step_unit(
         self,

@@ -21,6 +21,8 @@ from megatrain_lightning.optim.kernels import AdamHyper
 class Steps(Protocol):
     """What the optimizer asks of the engine (engine.py's ``Engine``, which imports this module)."""
 
+    ranks: Any  # engine/partition.py's Ranks
+
     def all_units(self) -> list[HostUnit]: ...
 
     def attach_optimizer(
@@ -175,10 +177,9 @@ class HostAdamW(torch.optim.Optimizer):
         checkpoint that stores the moments itself (gathering them would hold every moment in memory at once,
         and read all of them back from the NVMe tier)."""
         self.engine.flush()
-        # (the engine's partition, not its units': after engine.close() the masters are whole again, the
-        # moments still this rank's shards)
-        part = getattr(self.engine, "partition", None)
-        if with_moments and (part is not None or any(u.partitioned for u in self.engine.all_units())):
+        # (the engine's ranks, not its units': after engine.close() the masters are whole again, the moments
+        # still this rank's shards)
+        if with_moments and not self.engine.ranks.whole_here:
             raise RuntimeError(
                 "optimizer.state_dict() gathers every Adam moment into this process, but each data-parallel rank "
                 "holds 1/W of them; save a checkpoint (engine.save, before engine.close()) instead"

@@ -228,7 +228,7 @@ class SelfChecks:
     def _arrived(self, idx: int, param: nn.Parameter) -> None:
         """A gradient reached `param` of block `idx` in ``.grad``: from outside the engine's path."""
         engine, unit = self.engine, self.engine.units[idx]
-        if engine.partition is not None:
+        if not engine.ranks.adds_stray_grads:
             raise RuntimeError(
                 f"block {unit.name}: a gradient reached {self._param_name(idx, param)} outside the block's call (a "
                 "penalty over block weights in the loss, a custom autograd Function that leaves gradients in "

@@ -34,7 +34,7 @@ from megatrain_lightning.engine.grad_sums import auto_sum_count
 from megatrain_lightning.engine.host import HostUnit
 from megatrain_lightning.engine.host_steps import HostSide, graph_task
 from megatrain_lightning.engine.outer import OuterParams
-from megatrain_lightning.engine.partition import Partition
+from megatrain_lightning.engine.partition import Ranks
 from megatrain_lightning.engine.pending_reads import PendingReads
 from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph, nothing_saved
 from megatrain_lightning.engine.rows import RowChunks
@@ -63,7 +63,7 @@ class BlockStreamer:
         buffers: list[list[list]],
         device: torch.device,
         preserve_rng_state: bool,
-        partition: Partition | None,
+        ranks: Ranks,
         pool: SlotPool,
         uploads: Uploader,
         host: HostSide,
@@ -77,7 +77,7 @@ class BlockStreamer:
         free_device_bytes: Callable[[], int | None],
     ) -> None:
         self.blocks, self.units, self.device, self.preserve_rng_state = blocks, units, device, preserve_rng_state
-        self.partition, self.pool, self.uploads, self.host, self.outer = partition, pool, uploads, host, outer
+        self.ranks, self.pool, self.uploads, self.host, self.outer = ranks, pool, uploads, host, outer
         self.keep, self.saved_inputs, self.checks, self.reads = keep, saved_inputs, checks, reads
         self.rows = rows
         self._transient, self._free_device_bytes = transient, free_device_bytes
@@ -127,18 +127,16 @@ class BlockStreamer:
         free, transient = measured
         have, slot = self.pool.num_slots, self.pool.slot_bytes
         want = auto_slot_count(free, transient, slot, len(self.units), have)
-        if self.partition is not None:  # every rank must stream alike: as many slots as the fullest device allows
-            want = self.partition.least(want)
+        want = self.ranks.least(want)  # every rank must stream alike: as many slots as the fullest device allows
         if want > have and self.device.type == "cuda":
             torch.cuda.empty_cache()  # (once) the freed activations go back, so the slots get whole segments
         try:
             self.pool.grow(want - have)
         except torch.cuda.OutOfMemoryError:
             pass  # fragmentation: keep the slots that were allocated
-        if self.partition is not None:
-            # A rank whose allocation failed midway has fewer: all keep the fewest, or they would prefetch
-            # different blocks and issue their all-gathers in different orders (a hang, or wrong weights).
-            self.pool.truncate(self.partition.least(self.pool.num_slots))
+        # A rank whose allocation failed midway has fewer: all keep the fewest, or they would prefetch
+        # different blocks and issue their all-gathers in different orders (a hang, or wrong weights).
+        self.pool.truncate(self.ranks.least(self.pool.num_slots))
         log.info(
             "num_slots='auto': %d weight slots for %d blocks (%.2f GiB each); the first step needed %.2f GiB "
             "beyond the persistent buffers and %.2f GiB was free",
@@ -302,8 +300,8 @@ class BlockStreamer:
         for i, g in zip(trained, grads):
             by_entry[i] = g
         present = [g is not None for g in by_entry]
-        # Partitioned, every rank ships (a collective) and a parameter has a gradient if any rank's has one.
-        if any(present) or (self.partition is not None and trained):
+        # (ranks.ships_absent: every rank ships, a collective, and a parameter has a gradient if any rank's has one)
+        if any(present) or (self.ranks.ships_absent and trained):
             if not self.host.sum_grads(unit, by_entry, present, idx, more):
                 flat, grad_slot = self.host.pack_grads(unit, by_entry)
                 self.host.ship(unit, flat, present, block_idx=idx, grad_slot=grad_slot, more=more)
@@ -344,15 +342,9 @@ class BlockStreamer:
         return out, (kept if keep else None)
 
     def _prefetch_depth(self, direction: int) -> int:
-        """How many blocks ahead of the one computing are uploaded now: as many as the other slots hold.
-
-        Partitioned, an upload is a collective, so a prefetch cannot be skipped when its block's optimizer
-        step is still running (whether it is would differ between ranks): it waits for that step. In the
-        forward, which follows the host steps, one block ahead then keeps the steps overlapping the compute;
-        a deeper prefetch (up to one slot per block with ``num_slots="auto"``) would make the first block
-        wait for nearly every step. The backward finds every step done and prefetches as deep as one rank."""
-        others = self.pool.num_slots - 1
-        return min(others, 1) if self.partition is not None and direction > 0 else others
+        """How many blocks ahead of the one computing are uploaded now: as many as the other slots hold, unless
+        the ranks' uploads are collectives (engine/partition.py: ``prefetch_depth``)."""
+        return self.ranks.prefetch_depth(self.pool.num_slots - 1, forward=direction > 0)
 
     @contextmanager
     def _bound(self, idx: int, flat: torch.Tensor, fresh: bool = False) -> Iterator[list[nn.Parameter]]:
@@ -390,8 +382,8 @@ class BlockStreamer:
         unit = self.units[idx]
         slot = self.pool.slot_of(idx)
         if slot is None:
-            # (Partitioned, an upload is a collective: whether it is issued must not depend on timing.)
-            if not wait and self.partition is None and unit.future is not None and not unit.future.done():
+            # (ranks.late_steps: False where an upload is a collective, whose issue must not depend on timing)
+            if not wait and self.ranks.late_steps and unit.future is not None and not unit.future.done():
                 return None
             self.host.wait(unit)  # a pending optimizer step is still rewriting the master (and copy)
             slot = self.pool.load(idx, protect, lambda dst: self.uploads.upload(unit, dst), optional=not wait)

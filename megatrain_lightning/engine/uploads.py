@@ -13,7 +13,8 @@ compute, so the GPU's queue does not run dry while a block's master is cast::
 The stager issues the copies of an upload in order, after the waits the issuing thread put on the H2D
 stream before handing it over; an upload's end is a :class:`Staged` event, which resolves to the CUDA event of
 its last copy once the stager has issued it. A partitioned upload ends in an all-gather, a collective
-that every rank must issue from its compute-issuing thread in the same order: it casts inline.
+that every rank must issue from its compute-issuing thread in the same order: it casts inline (the ranks'
+``stages_uploads``, engine/partition.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from megatrain_lightning.engine.host import HostUnit
+from megatrain_lightning.engine.partition import Ranks
 from megatrain_lightning.engine.ring import HostRing, pieces
 
 
@@ -48,10 +50,10 @@ class Staged:
 class Uploader:
     """Issues the H2D copies of units' weights on the engine's H2D stream and counts their bytes."""
 
-    def __init__(self, streams, stats: dict, piece: int, staging: HostRing | None, partition=None) -> None:
-        """`partition` (engine/partition.py): each rank uploads its shard, then the ranks all-gather the rest."""
+    def __init__(self, streams, stats: dict, piece: int, staging: HostRing | None, ranks: Ranks) -> None:
+        """`ranks` (engine/partition.py): each rank uploads its shard, then the ranks all-gather the rest."""
         self.streams, self.stats, self.piece, self.staging = streams, stats, piece, staging
-        self.partition = partition
+        self.ranks = ranks
         self._stager: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -62,12 +64,12 @@ class Uploader:
         shard goes to its place in `dst` and an all-gather on the same stream brings the other ranks' shards;
         the event ends that too."""
         self.stats["h2d_bytes"] += unit.numel * dst.element_size()
-        if unit.copy is None and self.partition is None:
+        if unit.copy is None and self.ranks.stages_uploads:
             return Staged(self._stage(lambda: self._copies(unit, dst)))
         done = self._copies(unit, dst)
         if unit.partitioned:
             whole = dst[: unit.device_numel]
-            self.streams.collective(self.streams.h2d, lambda: self.partition.gather(whole))
+            self.streams.collective(self.streams.h2d, lambda: self.ranks.gather(whole))
             done = self.streams.event(self.streams.h2d)
             self.stats["allgather_bytes"] += whole.numel() * whole.element_size()
         return done
