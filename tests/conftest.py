@@ -18,6 +18,9 @@ _LAST_RAY: list[pytest.Item] = []
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` need a CUDA GPU; without one they are skipped, with the reason shown."""
+    # The Ray tests first: under `-n 2 --dist loadgroup` (the README's command) one worker runs all of them,
+    # the longest unit of the suite, and started first they overlap everything the other worker runs.
+    items.sort(key=lambda item: "ray_cluster" not in getattr(item, "fixturenames", ()))
     _LAST_RAY[:] = [item for item in items if "ray_cluster" in getattr(item, "fixturenames", ())][-1:]
     if torch.cuda.is_available():
         return

@@ -26,7 +26,7 @@ from tests.ray_cluster import s3, wait_job, wait_job_running
 from tests.ray_cluster import submit as submit_job
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # (one worker runs every Ray test: one cluster)
 
 REPO = Path(__file__).resolve().parents[1]
 

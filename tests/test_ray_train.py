@@ -27,7 +27,7 @@ import yaml
 from tests.ray_cluster import s3, submit, wait_job, wait_job_running
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # (one worker runs every Ray test: one cluster)
 
 STEPS = 20
 LR = 1e-3  # the run file's learning rate, and one of the sweep's
