@@ -107,10 +107,6 @@ class RowChunks:
         most = int(ROW_SHARE * free * rows // max(need, 1))
         return None if most >= rows else max(most, 1)
 
-    def spans(self, rows: int, size: int) -> list[tuple[int, int]]:
-        """(start, end) of each chunk of `rows` rows, `size` rows each (the last one may have fewer), in order."""
-        return [(s, min(s + size, rows)) for s in range(0, rows, size)]
-
     def refuse_before(self, name: str, block: nn.Module, state: Any, hidden: torch.Tensor) -> None:
         """Refuse, before anything runs, a call the chunks could not reproduce (from what it was given)."""
         norm = next((type(m).__name__ for m in block.modules() if _batch_norm_training(m)), None)
