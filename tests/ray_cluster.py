@@ -50,7 +50,8 @@ def local_cluster(tmp_path_factory: pytest.TempPathFactory, num_gpus: int = 1) -
 
 def submit(dashboard: str, entrypoint: str, s3_env: dict) -> tuple[object, str]:
     """Submit `entrypoint` as a job (the torch optimizer backend: bitwise comparable runs; Tune's state and Ray
-    Train's worker health polled often: less waiting in short tests); (client, job id)."""
+    Train's worker health polled often: less waiting in short tests; worker groups given time to start on a
+    busy machine); (client, job id)."""
     from ray.job_submission import JobSubmissionClient
 
     client = JobSubmissionClient(dashboard)
@@ -59,6 +60,9 @@ def submit(dashboard: str, entrypoint: str, s3_env: dict) -> tuple[object, str]:
         "MEGATRAIN_CPU_ADAM": "torch",
         "TUNE_GLOBAL_CHECKPOINT_S": "1",
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+        # Ray Train gives a worker group 60 s to start; on a busy 2-core machine (the suite's other worker
+        # beside this one, and other jobs) starting trainers takes longer, and the run would fail, not wait.
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "900",
     }
     return client, client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env})
 
@@ -76,7 +80,7 @@ def job_status(client, job: str) -> str:
     return str(client.get_job_status(job)).rsplit(".", 1)[-1]
 
 
-def wait_job(client, job: str, timeout: float = 420) -> str:
+def wait_job(client, job: str, timeout: float = 1200) -> str:
     """The job's final status (SUCCEEDED, FAILED, STOPPED); fails the test, with the log's tail, after `timeout`."""
     deadline = time.monotonic() + timeout
     while (status := job_status(client, job)) not in ("SUCCEEDED", "FAILED", "STOPPED"):

@@ -97,7 +97,7 @@ def fault_scenario(dashboard: str, s3_env: dict, tmp_path: Path) -> dict:
     drive.mkdir()
     config = sweep_yaml(tmp_path, "fault", [2e-3], steps=40, strategy={"host_layout": "lean", "nvme_dir": str(drive)})
     client, job = submit(dashboard, config, s3_env)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900
     while not any(s3().exists(f"{d}/checkpoints/last.ckpt") for d in trial_dirs("fault")):
         assert time.monotonic() < deadline and wait_job_running(client, job), client.get_job_logs(job)[-3000:]
         time.sleep(0.2)
@@ -112,7 +112,7 @@ def restore_scenario(dashboard: str, s3_env: dict, tmp_path: Path) -> str:
     then submitted again and run to the end; returns the sweep file."""
     config = sweep_yaml(tmp_path, "restore", [1e-3, 3e-3], steps=50, concurrent=1)
     client, job = submit(dashboard, config, s3_env)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900
     # The first trial finished (one at a time) and Tune's state in storage, which the restore reads, says so;
     # the second has started.
     while not (

@@ -69,7 +69,7 @@ def reported(name: str) -> list[str]:
     return [r["checkpoint_dir_name"] for r in state.get("checkpoint_results", [])]
 
 
-def wait_until(client, job: str, done, timeout: float = 300) -> None:
+def wait_until(client, job: str, done, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < deadline and wait_job_running(client, job), client.get_job_logs(job)[-3000:]
