@@ -97,7 +97,12 @@ def test_no_readable_source_falls_back_to_physical_memory(tmp_path):
     assert tightest_host_limit(empty).name == "physical memory" and tightest_host_limit(empty).room > 0
 
 
-def test_the_real_machine_reads_at_most_mem_available():
+def test_the_real_machine_reads_at_most_mem_available(monkeypatch):
+    # The machine's own files, each read once: MemAvailable and a cgroup's usage move between two reads while
+    # other processes run, so both readings below see the same snapshot of them.
+    snapshot: dict[Path, str | None] = {}
+    real_read = host_memory._read
+    monkeypatch.setattr(host_memory, "_read", lambda path: snapshot.setdefault(path, real_read(path)))
     real = host_limits()
     assert available_host_bytes() == min(limit.room for limit in real) > 0
 
