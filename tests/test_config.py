@@ -66,6 +66,7 @@ def test_plan_flags_are_the_declared_ones():
         "nvme_dir",
         "device_grad_sums",
         "row_chunk",
+        "speculative_step",
     }
     assert declared_flags <= flags
 

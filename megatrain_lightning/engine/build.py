@@ -144,6 +144,7 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
         ring_shape=(grads, pin),
         tier=engine.tier,
         overlap_optimizer=config.overlap_optimizer,
+        speculative=training and config.speculative_step,
         invalidate=engine.pool.invalidate,
         ranks=ranks,
         sums=(
@@ -220,7 +221,8 @@ def _check_host_memory(engine: Any, block_params, outer, available_bytes: Callab
     c = engine.config
     numel = sum(hi - lo for lo, hi in map(engine.ranks.bounds, _sizes(block_params, outer)))  # this rank's shards
     layout, elt = c.host_layout, torch.tensor([], dtype=engine.compute_dtype).element_size()
-    per_param = host_bytes_per_param(engine.compute_dtype, c.training, c.accumulating, layout, c.clipping)
+    spec = c.speculative_step
+    per_param = host_bytes_per_param(engine.compute_dtype, c.training, c.accumulating, layout, c.clipping, spec)
     largest_block = max(sum(p.numel() for _, p in params) for params in block_params)
     rings = sum(ring_counts(largest_block, engine.piece)) * engine.piece * elt if layout == "lean" else 0
     nvme = c.training and bool(c.nvme_dir)  # m, v on the drive: a few pieces' working buffers instead
@@ -236,8 +238,9 @@ def _check_host_memory(engine: Any, block_params, outer, available_bytes: Callab
             "copy": "transfer copy",
             "slab": "gradient slab",
             "acc": "fp32 gradient accumulator",
+            "spare": "spare copy for speculative steps",
         }
-        by_kind = host_bytes_by_kind(elt, c.training, c.accumulating, layout, c.clipping)
+        by_kind = host_bytes_by_kind(elt, c.training, c.accumulating, layout, c.clipping, spec)
         kinds = [labels[k] for k, b in by_kind.items() if b and not (nvme and k == "adam")]
         share = engine.ranks.share_note()
         raise HostMemoryError(
@@ -275,6 +278,8 @@ def _new_stats() -> dict[str, float]:
         "kept_calls": 0,  # block calls that kept their graph for backward instead of a recompute (recompute)
         "offloaded_passes": 0,  # forward passes whose saved block inputs went to the host
         "host_step_seconds": 0.0,  # worker: Adam steps
+        "speculative_kept": 0,  # units whose speculative step the optimizer step kept (speculative_step)
+        "speculative_discarded": 0,  # and those whose it discarded (clipped, or something changed since)
         "host_land_seconds": 0.0,  # worker: waiting for downloads, accumulating, norms
         "host_wait_seconds": 0.0,  # compute-issuing thread blocked on a pending host job
     }

@@ -112,6 +112,21 @@ def check_offload_inputs_dtype(value: Any, precision: str | None = None) -> Offl
     return value
 
 
+def check_speculative_step(value: bool, precision: str, host_layout: str, nvme_dir: str | None) -> None:
+    """A speculative step writes a spare compute copy, so it needs one: a ValueError naming what has none."""
+    if not value:
+        return
+    why = None
+    if check_precision(precision) == "32-true":
+        why = f"precision={precision!r} uploads the fp32 masters themselves (no compute copy to write aside)"
+    elif host_layout == "lean":
+        why = "host_layout='lean' keeps no compute copy (uploads cast the masters)"
+    elif nvme_dir is not None:
+        why = "nvme_dir keeps the moments on the drive, which a speculative step would read twice"
+    if why is not None:
+        raise ValueError(f"speculative_step=True with {why}; pass speculative_step=False")
+
+
 def check_host_layout(value: Any, allow_auto: bool = False) -> str:
     """`value` if it is one of :data:`HOST_LAYOUTS` (or, where the planner resolves it, "auto")."""
     choices = HOST_LAYOUTS + (("auto",) if allow_auto else ())
@@ -316,6 +331,20 @@ class EngineConfig:
         "``optimizer.step()``, exact whatever the loop does next), or ``clipping=True`` to clip.",
         _flag_check("overlap_optimizer"),
     )
+    speculative_step: bool = option(
+        False,
+        "take each unit's Adam step on the host as its gradient of the step's last backward lands, before the "
+        "step is asked for, as if the global norm will not exceed the clip, writing only the new compute-dtype "
+        "weights, into a spare copy per unit (2 B/param in bf16). When the step finds the clip coefficient is 1 "
+        "(nothing clipped) and neither the gradient nor the hyper-parameters changed since, the next forward "
+        "uploads those weights without waiting for the step, which then writes the masters and moments behind "
+        "it; otherwise they are discarded and the unit steps as without this option. The same weights, bit for "
+        "bit, either way. For steps that wait for the gradient's norm (clipping) or for ``optimizer.step()`` "
+        "(``overlap_optimizer=False``); needs a compute copy: precision bf16-mixed or bf16-true, host_layout "
+        '"default", no nvme_dir, and the engine\'s Adam (torch.optim.AdamW or Adam) (engine/host_steps.py).',
+        _flag_check("speculative_step"),
+        flag={"action": argparse.BooleanOptionalAction},
+    )
     offload_inputs: OffloadInputs = option(
         "auto",
         "where each block's input, saved for its backward, waits. ``True``: in pinned host memory (copied back one "
@@ -440,7 +469,9 @@ class EngineConfig:
             declared = f.metadata.get("option")
             if declared is not None and declared.check is not None:
                 declared.check(getattr(self, f.name))
-        check_offload_inputs_dtype(self.offload_inputs_dtype, self.precision)  # the one check across options
+        # the checks across options
+        check_offload_inputs_dtype(self.offload_inputs_dtype, self.precision)
+        check_speculative_step(self.speculative_step, self.precision, self.host_layout, self.nvme_dir)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -315,6 +315,7 @@ class Engine:
         """After the masters (or buffers) were written from outside: rewrite every compute copy, rebind and
         re-upload the outer parameters, and forget what the slots hold."""
         self.flush()
+        self.host.forget_speculation()
         for unit in self.all_units():
             unit.refresh_copy()
         self.streamer.refresh_block_buffers()

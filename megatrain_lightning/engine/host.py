@@ -71,10 +71,12 @@ class UnitGrad:
         self.norms: list[torch.Tensor] | None = None  # per-parameter norms of the complete gradient
         self.device_norms: list[tuple[torch.Tensor, bool]] | None = None  # (norm, got a gradient), on the device
         self.held: Any = None  # host_steps.Held: a block called again in this backward sums its gradients in the slab
+        self.version = 0  # counts the changes of the gradient's values (a speculative step checks it)
 
     def arriving(self, present: list[bool]) -> None:
         """A gradient of the parameters `present` marks is landing (as `.grad`: once any micro-batch gave one)."""
         self.present = [a or b for a, b in zip(self.present, present)]
+        self.version += 1
 
     def in_slab(self) -> None:
         """The step's one gradient so far waits in the transfer slab."""
@@ -106,6 +108,7 @@ class UnitGrad:
         norms are taken again at the step, from what the hooks left."""
         self.present = list(present)
         self.norms = self.device_norms = None
+        self.version += 1
 
     def stepped(self) -> list[bool]:
         """The optimizer step consumed the gradient; returns which parameters it stepped."""
@@ -116,6 +119,7 @@ class UnitGrad:
     def empty(self) -> None:
         """No gradient (after a step, or dropped by ``zero_grad``)."""
         self.state, self.norms, self.device_norms = GradState.EMPTY, None, None
+        self.version += 1
         self.present = [False] * len(self.present)
 
 
@@ -212,6 +216,11 @@ class HostUnit:
         self.steps = [0] * len(self.entries)  # optimizer steps taken
         self.future: Future | None = None  # last host job touching this unit
         self.upload_done: object | None = None  # event: the last H2D read of `copy` finished
+        # A speculative step (host_steps.HostSide) writes the next weights into `spare`; when it holds, the
+        # two swap, and `weights` is the job after which `copy` is current (None: the unit's last job, `future`).
+        self.spare: torch.Tensor | None = None
+        self.spare_read: object | None = None  # event: the last H2D read of what is now `spare` finished
+        self.weights: Future | None = None
 
     # -- layout ---------------------------------------------------------------------------------
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -300,6 +309,12 @@ class HostUnit:
             self.slab = host_empty(self.numel, self.compute_dtype, self.pin)
         return self.slab
 
+    def ensure_spare(self) -> torch.Tensor:
+        """The spare compute copy a speculative step writes (pinned as the copy is: it becomes the copy)."""
+        if self.spare is None:
+            self.spare = host_empty(self.numel, self.compute_dtype, self.pin)
+        return self.spare
+
     def ensure_acc(self, pin: bool = False) -> torch.Tensor:
         """The fp32 accumulator, allocated at first use; `pin`: page-locked, as a DMA target must be (an
         unpinned one is replaced: it holds nothing yet whenever a download is to land in it)."""
@@ -311,7 +326,7 @@ class HostUnit:
         """Bytes held per buffer kind (the copy counts zero when it is the master itself; on the NVMe tier
         m and v are None: the tier's working buffers are counted by the engine)."""
         out = {"master": _nb(self.master), "copy": 0 if self.copy is self.master else _nb(self.copy)}
-        out.update(adam=_nb(self.m) + _nb(self.v), slab=_nb(self.slab), acc=_nb(self.acc))
+        out.update(adam=_nb(self.m) + _nb(self.v), slab=_nb(self.slab), acc=_nb(self.acc), spare=_nb(self.spare))
         return out
 
     # -- host jobs --------------------------------------------------------------------------------
@@ -391,18 +406,25 @@ class HostMemoryError(MemoryError):
 
 
 def host_bytes_by_kind(
-    compute_elt: int, training: bool, accumulating: bool = False, layout: str = "default", clipping: bool = False
+    compute_elt: int,
+    training: bool,
+    accumulating: bool = False,
+    layout: str = "default",
+    clipping: bool = False,
+    speculative: bool = False,
 ) -> dict[str, int]:
     """Bytes per parameter of each host buffer kind (the table above), for a compute element size. The lean
     layout (engine/ring.py) has no copy, and a per-unit slab only for gradients waiting for a clipped step;
     its rings (a few units' worth, not per parameter) are not in these figures."""
     lean = layout == "lean"
+    copy = 0 if compute_elt == 4 or lean else compute_elt  # in fp32 the master is the copy
     return {
         "master": 4,
         "adam": 8 if training else 0,
-        "copy": 0 if compute_elt == 4 or lean else compute_elt,  # in fp32 the master is the copy
+        "copy": copy,
         "slab": compute_elt if training and (not lean or (clipping and not accumulating)) else 0,
         "acc": 4 if accumulating else 0,
+        "spare": copy if training and speculative else 0,  # a speculative step's weights (host_steps.py)
     }
 
 
@@ -412,8 +434,10 @@ def host_bytes_per_param(
     accumulating: bool = False,
     layout: str = "default",
     clipping: bool = False,
+    speculative: bool = False,
 ) -> int:
     """Bytes the engine allocates per parameter (master, copy, and when training m, v and the slab; the
-    fp32 accumulator too when gradients are accumulated over micro-batches)."""
+    fp32 accumulator too when gradients are accumulated over micro-batches; a spare copy for speculative
+    steps)."""
     elt = torch.tensor([], dtype=compute_dtype).element_size()
-    return sum(host_bytes_by_kind(elt, training, accumulating, layout, clipping).values())
+    return sum(host_bytes_by_kind(elt, training, accumulating, layout, clipping, speculative).values())

@@ -33,7 +33,8 @@ each gradient takes; split, those decisions would be spread over several files.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -66,6 +67,20 @@ class Held:
     present: list[bool]  # per parameter, whether any of the calls produced a gradient
 
 
+@dataclass
+class Speculation:
+    """A unit's Adam step taken as its gradient of the step's last backward landed, before the step was asked
+    for: the new compute-dtype weights only, into the unit's spare copy (:meth:`HostSide._step_aside`). The
+    step keeps them when it finds what they assumed (:meth:`HostSide._kept`, then :meth:`HostSide._keep`)."""
+
+    hyper: list[AdamHyper]  # the param groups' hyper-parameters it stepped with, unscaled (clip coefficient 1)
+    landed: Any  # the unit's job before it (the gradient's landing): what the clipping norms wait for
+    future: Any = None  # the speculative job itself
+    version: int | None = None  # the gradient's version it read (UnitGrad.version), set by the job
+    steps: list[int] | None = None  # the unit's Adam step counts it stepped from, set by the job
+    kept: bool = False  # the step kept it (HostSide._keep)
+
+
 class HostSide:
     """Gradient shipping, accumulation, clipping and AdamW steps on the host worker.
 
@@ -87,6 +102,7 @@ class HostSide:
         ring_shape: tuple[int, bool],
         tier=None,
         overlap_optimizer: bool = True,
+        speculative: bool = False,
         invalidate: Callable[[int], None] = lambda idx: None,
         ranks: Ranks,
         sums: DeviceGradSums | None = None,
@@ -98,6 +114,12 @@ class HostSide:
         self.sums = sums  # engine/grad_sums.py: blocks whose micro-batch gradients are summed on the device
         self.blocks, self.outer, self.streams, self.worker, self.stats = blocks, outer, streams, worker, stats
         self.piece, self.tier, self.overlap_optimizer, self.invalidate = piece, tier, overlap_optimizer, invalidate
+        self.speculative = speculative  # EngineConfig.speculative_step: see :class:`Speculation`
+        self._specs: dict[HostUnit, Speculation] = {}
+        self._scratch: torch.Tensor | None = None  # kernels.adam_peek_'s, made at the first speculative step
+        if speculative:
+            for unit in self.all_units():
+                unit.ensure_spare()
         self.block_index = {id(u): i for i, u in enumerate(blocks)}
         self.compute_dtype, self.device = blocks[0].compute_dtype, streams.device
         # The clipping norms taken here, on the host: as ordinary training takes them on this device, bit for bit
@@ -133,6 +155,11 @@ class HostSide:
         return self.outer + self.blocks
 
     def attach(self, hyper: Callable[[], list[AdamHyper]], param_order: list[int], stepper: Any = None) -> None:
+        if stepper is not None and self.speculative:
+            raise ValueError(
+                f"speculative_step=True with {', '.join(type(o.optimizer).__name__ for o in stepper.optimizers)}: "
+                "a speculative step is the engine's Adam kernel's (torch.optim.AdamW or Adam); pass speculative_step=False for another optimizer"
+            )
         self.hyper, self.param_order, self.stepper = hyper, param_order, stepper
 
     # -- gradients to the host ------------------------------------------------------------------
@@ -339,6 +366,91 @@ class HostSide:
                 self.invalidate(block_idx)
         else:
             self._pending.add(unit)
+            self._speculate(unit)
+
+    # -- speculative steps (EngineConfig.speculative_step) -------------------------------------------------
+    def _speculate(self, unit: HostUnit) -> None:
+        """The gradient just shipped completes the unit's step (the step's last backward, nothing stepping
+        during it): queue its Adam step into the spare copy, unscaled, behind the landing."""
+        if not (
+            self.speculative
+            and self.mode == "step"
+            and not self.hold
+            and self.hyper is not None
+            and self.stepper is None
+            and self._clip_value is None
+            and unit.grad.held is None
+        ):
+            self._specs.pop(unit, None)
+            return
+        spec = Speculation(self.hyper(), unit.future)
+        self.submit(unit, partial(self._step_aside, unit, spec), self.step_rank(unit))
+        spec.future = unit.future
+        self._specs[unit] = spec
+
+    def _step_aside(self, unit: HostUnit, spec: Speculation) -> None:
+        """Worker: the unit's step as the optimizer would take it unclipped, the new weights into its spare copy
+        (its master and moments untouched)."""
+        t0 = time.perf_counter()
+        if unit.spare_read is not None:
+            unit.spare_read.synchronize()  # an upload may still read the spare (the copy it was)
+        if self._scratch is None:
+            self._scratch = torch.empty(3, kernels.PEEK_CHUNK, dtype=torch.float32)
+        for master, m, v, grad, a, b, group, step in self._adam_runs(unit, 0, unit.numel, self._grad_of(unit), 0):
+            kernels.adam_peek_(master, m, v, grad, unit.spare[a:b], spec.hyper[group], step + 1, self._scratch)
+        spec.version, spec.steps = unit.grad.version, list(unit.steps)
+        self.stats["host_step_seconds"] += time.perf_counter() - t0
+
+    def _kept(self, unit: HostUnit, hyper: list[AdamHyper], scale: float, clamp: float | None) -> Speculation | None:
+        """The unit's speculative step, if the step now taken is the one it assumed: not clipped (coefficient
+        1, no clamp), the same hyper-parameters, and no job of the unit since (the job itself checks that the
+        gradient and step counts it read are the step's)."""
+        spec = self._specs.pop(unit, None)
+        if spec is None:
+            return None
+        if scale != 1.0 or clamp is not None or spec.hyper != hyper or unit.future is not spec.future:
+            self.stats["speculative_discarded"] += 1
+            return None
+        return spec
+
+    def _keep(self, unit: HostUnit, spec: Speculation, weights: Future) -> None:
+        """Worker: keep the speculative step if it read this very gradient from these step counts: its weights
+        become the compute copy, and `weights` tells the next upload so at once."""
+        if (spec.version, spec.steps) != (unit.grad.version, unit.steps):
+            self.stats["speculative_discarded"] += 1  # (set as the step proper ends: see submit)
+            return
+        unit.copy, unit.spare = unit.spare, unit.copy
+        unit.spare_read, unit.upload_done = unit.upload_done, None
+        spec.kept = True
+        self.stats["speculative_kept"] += 1
+        weights.set_result(None)
+
+    def _step_proper(
+        self, unit: HostUnit, hyper: list[AdamHyper], scale: float, clamp: float | None, spec: Speculation
+    ) -> None:
+        """Worker: after a kept speculative step the master and moments alone; otherwise the ordinary step."""
+        if spec.kept:
+            self._step_unit(unit, hyper, 1.0, write_copy=False)
+        else:
+            self._clamp_and_step(unit, hyper, scale, clamp)
+
+    def wait_weights(self, unit: HostUnit) -> None:
+        """Block until the unit's compute copy holds its current weights: after a kept speculative step, at
+        once (the master and moments may still be stepping); otherwise after its last host job."""
+        if unit.weights is None:
+            self.wait(unit)
+        elif not unit.weights.done():
+            t0 = time.perf_counter()
+            unit.weights.result()
+            self.stats["host_wait_seconds"] += time.perf_counter() - t0
+
+    def weights_pending(self, unit: HostUnit) -> bool:
+        pending = unit.weights if unit.weights is not None else unit.future
+        return pending is not None and not pending.done()
+
+    def forget_speculation(self) -> None:
+        """The masters were written from outside (a checkpoint loaded): no speculative step stands."""
+        self._specs.clear()
 
     # -- a block called more than once before one backward ----------------------------------------------
     def _hold(self, unit: HostUnit, flat: torch.Tensor, present: list[bool], task: int) -> object:
@@ -505,6 +617,15 @@ class HostSide:
     def _norms(self, unit: HostUnit) -> list[torch.Tensor]:
         return kernels.param_norms(self._grad_of(unit), _norm_spans(unit), self.accurate_norms)
 
+    def _wait_landed(self, unit: HostUnit) -> None:
+        """Block until the unit's gradient has landed (not for a speculative step queued behind it)."""
+        spec = self._specs.get(unit)
+        if spec is not None and spec.future is unit.future:
+            if spec.landed is not None:
+                spec.landed.result()
+        else:
+            unit.wait()
+
     def _grad_of(self, unit: HostUnit) -> torch.Tensor:
         return unit.acc if unit.grad.state is GradState.ACC else unit.slab
 
@@ -582,10 +703,17 @@ class HostSide:
             self._read_ahead(todo)  # the moments come in while the clipping norm is being computed
         scale = self._clip_scale(todo, clip_val) if clip_val else 1.0
         for unit in todo:
-            job = partial(self._clamp_and_step, unit, hyper, scale, clamp)
-            self.submit(unit, job, self.step_rank(unit))
+            spec = self._kept(unit, hyper, scale, clamp)
+            if spec is None:
+                self.submit(unit, partial(self._clamp_and_step, unit, hyper, scale, clamp), self.step_rank(unit))
+            else:  # (order 0: before any step proper, as soon as its speculative step is done)
+                weights: Future = Future()
+                self.submit(unit, partial(self._keep, unit, spec, weights))
+                job = partial(self._step_proper, unit, hyper, scale, clamp, spec)
+                self.submit(unit, job, self.land_rank(unit), weights=weights)
             if id(unit) in self.block_index:
                 self.invalidate(self.block_index[id(unit)])
+        self._specs.clear()
         stepped = set(todo) | self._eager
         self._pending.clear()
         self._eager.clear()
@@ -662,7 +790,7 @@ class HostSide:
         for unit in todo:
             if unit.grad.device_norms is not None:
                 continue
-            unit.wait()
+            self._wait_landed(unit)
             if unit.grad.norms is None:
                 unit.grad.landed(self._norms(unit))
             by_param.update((id(e.param), n) for e, n, g in zip(unit.entries, unit.grad.norms, unit.grad.present) if g)
@@ -679,35 +807,45 @@ class HostSide:
         hi: int | None = None,
         grad: torch.Tensor | None = None,
         last: bool = True,
+        write_copy: bool = True,
     ) -> None:
         """Adam on elements lo..hi of `unit` (all by default), reading their gradient from `grad` (element lo
         first; the unit's slab or accumulator when None). The moments come a piece at a time (NVMe: read
-        ahead, written behind). `last`: this call ends the unit's step, so its counts advance."""
+        ahead, written behind). `last`: this call ends the unit's step, so its counts advance. `write_copy`:
+        False when the compute copy holds the new weights already (a kept speculative step)."""
         t0 = time.perf_counter()
-        if unit.upload_done is not None:
+        if write_copy and unit.upload_done is not None:
             unit.upload_done.synchronize()  # an in-flight upload may still be reading the copy
         hi = unit.numel if hi is None else hi
         grad, base = (self._grad_of(unit), 0) if grad is None else (grad, lo)
-        copy_out = None if unit.copy is unit.master else unit.copy
+        copy_out = None if unit.copy is unit.master or not write_copy else unit.copy
+        for master, m, v, g, a, b, group, step in self._adam_runs(unit, lo, hi, grad, base):
+            copy = None if copy_out is None else copy_out[a:b]
+            kernels.adam_step_(master, m, v, g, copy, hyper[group], step + 1, scale)
+        self.stats["host_step_seconds"] += time.perf_counter() - t0
+        if last:
+            self._finish_step(unit)
+
+    def _adam_runs(self, unit: HostUnit, lo: int, hi: int, grad: torch.Tensor, base: int) -> Iterator[tuple]:
+        """(master, m, v, grad, a, b, group, step): the stretches a..b of elements lo..hi that the unit's step
+        updates (one param group, one step count), their moments read a piece at a time (NVMe) and their
+        gradient from `grad` (element `base` first)."""
         runs = unit.segments()
         spans = [(start, end) for _, _, start, end in runs]
         for plo, phi, m, v in unit.moment_pieces(lo=lo, hi=hi, only=spans) if runs else ():
             for group, step, start, end in runs:
                 a, b = max(start, plo), min(end, phi)
                 if a < b:
-                    kernels.adam_step_(
+                    yield (
                         unit.master[a:b],
                         m[a - plo : b - plo],
                         v[a - plo : b - plo],
                         grad[a - base : b - base],
-                        None if copy_out is None else copy_out[a:b],
-                        hyper[group],
-                        step + 1,
-                        scale,
+                        a,
+                        b,
+                        group,
+                        step,
                     )
-        self.stats["host_step_seconds"] += time.perf_counter() - t0
-        if last:
-            self._finish_step(unit)
 
     def _finish_step(self, unit: HostUnit, stepped: bool = True) -> None:
         """After a unit's step (or, `stepped=False`, instead of it): its gradient is gone."""
@@ -724,6 +862,7 @@ class HostSide:
         units = self.all_units() if units is None else units
         dropped = self._pending.intersection(units)
         for unit in dropped:
+            self._specs.pop(unit, None)
             unit.grad.unhold()
             if self.sums is not None:
                 self.sums.drop(unit)
@@ -760,12 +899,24 @@ class HostSide:
         else:
             unit.wait()
 
-    def submit(self, unit: HostUnit, job: Callable[[], None], order: int = 0, event: Any = None) -> None:
+    def submit(
+        self, unit: HostUnit, job: Callable[[], None], order: int = 0, event: Any = None, weights: Future | None = None
+    ) -> None:
         """Queue `job` as `unit`'s last job: after its previous one and (if given) the copy `event`, at
-        `order` (engine/worker.py: 0 for landing and bookkeeping, a step's rank for steps)."""
+        `order` (engine/worker.py: 0 for landing and bookkeeping, a step's rank for steps). `weights`: the job
+        sets it once the unit's compute copy is current; otherwise an upload waits for the whole job."""
         if self.gate is not None:
             job = gated(self.gate, unit, job)
         unit.future = self.worker.submit(job, order=order, after=(unit.future, event))
+        unit.weights = weights
+        if weights is not None:  # set as the job ends at the latest, with its error if it failed
+            unit.future.add_done_callback(partial(_settle, weights))
+
+    def land_rank(self, unit: HostUnit) -> int:
+        """The order of a step proper after a kept speculative step: the next forward needs nothing of it (it
+        uploads the spare copy), the next backward its gradient buffers, which it ships in backward order:
+        1 for outer units, then 2 + (L-1-i) for block i."""
+        return 1 if unit in self.outer else 1 + len(self.blocks) - self.block_index[id(unit)]
 
     def step_rank(self, unit: HostUnit) -> int:
         """A step's order on the worker: 1 for outer units (``optimizer_step`` waits for them), then
@@ -776,3 +927,9 @@ class HostSide:
 def _norm_spans(unit: HostUnit) -> list[tuple[int, int]]:
     """(offset, numel) of each of the unit's parameters: the spans kernels.param_norms takes."""
     return [(e.offset, e.numel) for e in unit.entries]
+
+
+def _settle(weights: Future, job: Future) -> None:
+    if not weights.done():
+        exc = job.exception()
+        weights.set_result(None) if exc is None else weights.set_exception(exc)

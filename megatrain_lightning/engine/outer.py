@@ -63,7 +63,7 @@ class OuterParams:
         waits for the upload."""
         for unit, dev in zip(self.units, self.device_copies):
             if unit in self.stale:
-                self.host.wait(unit)
+                self.host.wait_weights(unit)
                 self._upload(unit, dev)
                 self.stale.discard(unit)
 

@@ -320,7 +320,8 @@ class BlockStreamer:
         (the block's parameters are bound to it too, for a checkpoint inside the block that recomputes)."""
         unit = self.units[idx]
         slot = self._load(idx, {idx}) if kept is None else kept.slot
-        with self._bound(idx, self.pool.acquire(slot, unit.slot_numel), fresh=keep) as leaves, self.reads.suspended():
+        # (binding rewrites the parameters' .data, which reads nothing: outside the pending-reads mode too)
+        with self.reads.suspended(), self._bound(idx, self.pool.acquire(slot, unit.slot_numel), fresh=keep) as leaves:
             out = fn()
         self.pool.release(slot)
         if kept is not None:
@@ -383,14 +384,15 @@ class BlockStreamer:
         slot = self.pool.slot_of(idx)
         if slot is None:
             # (ranks.late_steps: False where an upload is a collective, whose issue must not depend on timing)
-            if not wait and self.ranks.late_steps and unit.future is not None and not unit.future.done():
+            if not wait and self.ranks.late_steps and self.host.weights_pending(unit):
                 return None
-            self.host.wait(unit)  # a pending optimizer step is still rewriting the master (and copy)
+            self.host.wait_weights(unit)  # a pending optimizer step is still rewriting the copy
             slot = self.pool.load(idx, protect, lambda dst: self.uploads.upload(unit, dst), optional=not wait)
             if slot is None:
                 return None
         unit.upload_done = self.pool.ready[slot]
-        self.reads.settled(unit)
+        if unit.future is None or unit.future.done():  # (a kept speculative step: the master may still be stepping)
+            self.reads.settled(unit)
         return slot
 
     def _measuring(self, idx: int, x: torch.Tensor, held: list[Any] = ()) -> AbstractContextManager:

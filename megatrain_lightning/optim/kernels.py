@@ -99,6 +99,33 @@ def adam_step_(
         copy.copy_(master)
 
 
+PEEK_CHUNK = 1 << 20
+"""Elements of master, m and v :func:`adam_peek_` steps at a time in its scratch (12 MiB in fp32)."""
+
+
+def adam_peek_(
+    master: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    grad: torch.Tensor,
+    copy: torch.Tensor,
+    hp: AdamHyper,
+    step: int,
+    scratch: torch.Tensor,
+) -> None:
+    """Write into `copy` what :func:`adam_step_` (unscaled) would, leaving master, m and v as they are: each
+    chunk of them is copied into `scratch` (fp32, 3 x :data:`PEEK_CHUNK`) and stepped there by the same
+    kernel. The step is element-wise, so a chunk's elements come out as the whole segment's would."""
+    n = master.numel()
+    for lo in range(0, n, PEEK_CHUNK):
+        hi = min(n, lo + PEEK_CHUNK)
+        p, mm, vv = (scratch[i, : hi - lo] for i in range(3))
+        p.copy_(master[lo:hi])
+        mm.copy_(m[lo:hi])
+        vv.copy_(v[lo:hi])
+        adam_step_(p, mm, vv, grad[lo:hi], copy[lo:hi], hp, step)
+
+
 def accumulate_(acc: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
     """acc = grad (first) or acc += grad, in fp32, as autograd accumulates `.grad`."""
     if backend() == "native":

@@ -199,11 +199,17 @@ def units_of(model: nn.Module) -> Units:
 
 
 def host_bytes(
-    units: Units, precision: str, accumulate: int, layout: str = "default", nvme: bool = False, clipping: bool = False
+    units: Units,
+    precision: str,
+    accumulate: int,
+    layout: str = "default",
+    nvme: bool = False,
+    clipping: bool = False,
+    speculative: bool = False,
 ) -> dict[str, int]:
     """Host bytes per buffer kind as the engine allocates them for `units` (planner.host_breakdown's kinds)."""
     elt, n = compute_bytes(precision), units.numel
-    per_param = host_bytes_by_kind(elt, training=True, accumulating=accumulate > 1, layout=layout, clipping=clipping)
+    per_param = host_bytes_by_kind(elt, True, accumulate > 1, layout, clipping, speculative and layout != "lean")
     out = {kind: b * n for kind, b in per_param.items()}
     if layout == "lean":  # no copy: rings of pieces instead (engine/ring.py), in planner.lean_breakdown's order
         staging, grads = ring_counts(units.largest_block, units.piece)
@@ -398,12 +404,14 @@ def plan_model(
     family = source.family or family_of(model)
     units = units_of(model)
     layout, nvme = choose_tiers(
-        lambda lay, nv: sum(host_bytes(units, precision, accumulate, lay, nv, clipping).values()),
+        lambda lay, nv: sum(
+            host_bytes(units, precision, accumulate, lay, nv, clipping, options.speculative_step).values()
+        ),
         host_layout,
         nvme_dir,
         host_mem,
     )
-    host = host_bytes(units, precision, accumulate, layout, nvme, clipping)
+    host = host_bytes(units, precision, accumulate, layout, nvme, clipping, options.speculative_step)
     slots = 2 if options.num_slots == "auto" else options.num_slots
     measured, offloaded = None, 0
     if measure:

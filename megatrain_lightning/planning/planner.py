@@ -264,6 +264,7 @@ def host_breakdown(
     clipping: bool = False,
     num_slots: int = 2,
     inputs_dtype: OffloadInputsDtype = None,
+    speculative: bool = False,
 ) -> dict[str, int]:
     """Host bytes per buffer kind, as the engine allocates them after the first training step, for host
     `layout` "default" or "lean" (with `clipping`: gradient clipping on); `nvme`: Adam m, v in files, the
@@ -273,7 +274,7 @@ def host_breakdown(
         raise ValueError(f"layout={layout!r}: host_breakdown takes 'default' or 'lean' (plan() resolves 'auto')")
     elt, n = compute_bytes(precision), config.num_parameters()
     if layout == "default":
-        per_param = host_bytes_by_kind(elt, training=True, accumulating=accumulate > 1)
+        per_param = host_bytes_by_kind(elt, training=True, accumulating=accumulate > 1, speculative=speculative)
         out = {kind: b * n for kind, b in per_param.items()}
     else:
         out = lean_breakdown(config, elt, accumulate, clipping, num_slots)
@@ -747,6 +748,7 @@ class Plan:
             clipping=self.clipping,
             num_slots=self.num_slots,
             inputs_dtype=self.offload_inputs_dtype,
+            speculative=self.options is not None and self.options.speculative_step,
         )
         return sum(per_node(one, self.devices, self.nodes).values())
 
@@ -1082,6 +1084,7 @@ _HOST_LABELS = {
     "master": "fp32 master weights",
     "adam": "Adam m + v (fp32)",
     "copy": "pinned compute copy ({copy})",
+    "spare": "spare compute copy ({copy}, speculative_step)",
     "slab": "pinned gradient slab ({dtype})",
     "acc": "fp32 gradient accumulator (only when accumulate > 1)",
     "activations": "offloaded block inputs (pinned, offload_inputs{stored})",
@@ -1216,6 +1219,7 @@ def plan(
             clipping=clipping,
             num_slots=num_slots,
             inputs_dtype=offload_inputs_dtype,
+            speculative=options.speculative_step,
         )
         return per_node(one, devices, nodes)
 
