@@ -175,8 +175,8 @@ def test_a_prefetched_input_never_fetched_is_not_overwritten_by_its_late_copy():
 
 def test_a_failed_pinning_leaves_no_error_for_the_next_kernel():
     """cudaHostRegister on a range already registered fails; its error must not surface at the next kernel
-    launch (engine/pinned.py clears it), so a run retried without pinning works."""
-    from megatrain_lightning.engine import pinned
+    launch (engine/host/pinned.py clears it), so a run retried without pinning works."""
+    from megatrain_lightning.engine.host import pinned
 
     t = pinned.pinned_empty(1 << 20, torch.float32)
     try:

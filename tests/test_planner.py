@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.engine.host import host_bytes_per_param
+from megatrain_lightning.engine.host.units import host_bytes_per_param
 from megatrain_lightning.lightning.callbacks import rss_bytes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.models.tiling import tile_bytes_per_token
@@ -306,7 +306,7 @@ GIB = 2**30
 
 @pytest.mark.parametrize(("precision", "elt"), [("bf16-mixed", 2), ("32-true", 4)])
 def test_lean_layout_is_twelve_bytes_per_param_plus_rings(precision, elt):
-    """lean: master 4 + Adam 8 per parameter, plus rings of pieces (engine/ring.py): 4 staging pieces (bf16;
+    """lean: master 4 + Adam 8 per parameter, plus rings of pieces (engine/host/ring.py): 4 staging pieces (bf16;
     in fp32 the pinned master is the upload source) and a block's pieces + 1 for gradients; clipping keeps
     each gradient in a slab until the step (elt bytes/param); accumulating uses the fp32 accumulator instead."""
     config = LlamaConfig.from_preset("llama-3.1-8b")

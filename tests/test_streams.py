@@ -22,7 +22,7 @@ import torch
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.engine import build as build_module
-from megatrain_lightning.engine.host_steps import HostSide
+from megatrain_lightning.engine.host.host_steps import HostSide
 from megatrain_lightning.engine.streams import SlotPool
 from tests.async_streams import AsyncStreams, install
 from tests.helpers import CausalLM, fit, hf_llama, hf_loss, params_of, token_batches

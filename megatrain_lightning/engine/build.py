@@ -18,29 +18,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatrain_lightning.engine import host_memory, materialize, pinned
 from megatrain_lightning.engine.block_fn import compile_block_calls
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.discover import find_blocks, unit_parameters
 from megatrain_lightning.engine.grad_sums import DeviceGradSums
-from megatrain_lightning.engine.host import HostMemoryError, HostUnit, host_bytes_by_kind, host_bytes_per_param
-from megatrain_lightning.engine.host_memory import available_host_bytes
-from megatrain_lightning.engine.host_steps import HostSide
-from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
+from megatrain_lightning.engine.host import host_memory, materialize, pinned
+from megatrain_lightning.engine.host.host_memory import available_host_bytes
+from megatrain_lightning.engine.host.host_steps import HostSide
+from megatrain_lightning.engine.host.nvme import BUFFERS, NvmeTier
+from megatrain_lightning.engine.host.pending_reads import PendingReads
+from megatrain_lightning.engine.host.ring import HostRing, piece_numel, ring_counts
+from megatrain_lightning.engine.host.units import HostMemoryError, HostUnit, host_bytes_by_kind, host_bytes_per_param
+from megatrain_lightning.engine.host.worker import HostWorker
 from megatrain_lightning.engine.outer import OuterParams
 from megatrain_lightning.engine.partition import ranks_of
-from megatrain_lightning.engine.pending_reads import PendingReads
 from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.engine.recompute import KeepPolicy
 from megatrain_lightning.engine.replay import refuse_compiled
-from megatrain_lightning.engine.ring import HostRing, piece_numel, ring_counts
 from megatrain_lightning.engine.rows import RowChunks
 from megatrain_lightning.engine.saved_inputs import SavedInputs
 from megatrain_lightning.engine.self_checks import SelfChecks
 from megatrain_lightning.engine.streamer import BlockStreamer, ParamRefs, block_buffers, param_refs
 from megatrain_lightning.engine.streams import SlotPool, Streams
 from megatrain_lightning.engine.uploads import Uploader
-from megatrain_lightning.engine.worker import HostWorker
 from megatrain_lightning.optim.threads import configure_host_threads, resolve_host_threads
 from megatrain_lightning.planning.device_memory import free_device_bytes, step_transient_bytes
 
@@ -126,7 +126,7 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
         config.recompute, keep_free, engine.pool.pinned, lambda: engine.pool.num_slots, engine.stats
     )
     # Steps run in the order the next forward needs them, among those whose gradient has landed
-    # (engine/worker.py); with the NVMe tier in the order queued, the order its read-ahead plan names.
+    # (engine/host/worker.py); with the NVMe tier in the order queued, the order its read-ahead plan names.
     worker = HostWorker(
         "megatrain-host_0",
         worker_init,
@@ -160,7 +160,7 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
     outer_buffers_to(model, engine.blocks, engine.device)
     engine.outer = OuterParams(outer_units, engine.device, engine.streams, engine.uploads, engine.host)
     engine.checks = SelfChecks(engine)  # (engine/self_checks.py)
-    engine.reads = PendingReads(engine.host.wait)  # (engine/pending_reads.py)
+    engine.reads = PendingReads(engine.host.wait)  # (engine/host/pending_reads.py)
     stack = engine.layout.stack_of
     engine.streamer = BlockStreamer(
         blocks=engine.blocks,

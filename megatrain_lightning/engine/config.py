@@ -387,7 +387,7 @@ class EngineConfig:
     )
     piece: int | None = option(
         None,
-        "elements per piece of the lean layout's rings and the NVMe tier; None picks a size (engine/ring.py).",
+        "elements per piece of the lean layout's rings and the NVMe tier; None picks a size (engine/host/ring.py).",
         check_piece,
     )
     pin_memory: bool | None = option(

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megatrain_lightning.engine.host import HostUnit, ParamEntry, spans
+from megatrain_lightning.engine.host.units import HostUnit, ParamEntry, spans
 from megatrain_lightning.optim.kernels import AdamHyper
 
 

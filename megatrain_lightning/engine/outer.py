@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from megatrain_lightning.engine.host import HostUnit
-from megatrain_lightning.engine.host_steps import HostSide
+from megatrain_lightning.engine.host.host_steps import HostSide
+from megatrain_lightning.engine.host.units import HostUnit
 from megatrain_lightning.engine.uploads import Uploader
 
 

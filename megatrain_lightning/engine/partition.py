@@ -91,7 +91,7 @@ class Ranks:
         raise NotImplementedError
 
     def unit_shard(self, numel: int) -> tuple[tuple[int, int] | None, int | None]:
-        """A unit of `numel` elements as engine/host.py's ``HostUnit`` takes it: (this rank's bounds, the
+        """A unit of `numel` elements as engine/host/units.py's ``HostUnit`` takes it: (this rank's bounds, the
         length of its flat on the device); (None, None) for the whole unit, laid out on the device as one
         process lays it out (each parameter aligned)."""
         raise NotImplementedError

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from megatrain_lightning.engine.config import OffloadInputs, OffloadInputsDtype, check_offload_inputs
-from megatrain_lightning.engine.host import HostMemoryError
+from megatrain_lightning.engine.host.pinned import host_empty
+from megatrain_lightning.engine.host.units import HostMemoryError
 from megatrain_lightning.engine.input_codec import InputCodec
-from megatrain_lightning.engine.pinned import host_empty
 from megatrain_lightning.engine.streams import Streams
 
 log = logging.getLogger("megatrain_lightning")

@@ -31,11 +31,11 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, select_side
 from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.grad_sums import auto_sum_count
-from megatrain_lightning.engine.host import HostUnit
-from megatrain_lightning.engine.host_steps import HostSide, graph_task
+from megatrain_lightning.engine.host.host_steps import HostSide, graph_task
+from megatrain_lightning.engine.host.pending_reads import PendingReads
+from megatrain_lightning.engine.host.units import HostUnit
 from megatrain_lightning.engine.outer import OuterParams
 from megatrain_lightning.engine.partition import Ranks
-from megatrain_lightning.engine.pending_reads import PendingReads
 from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph, nothing_saved
 from megatrain_lightning.engine.rows import RowChunks
 from megatrain_lightning.engine.saved_inputs import SavedInputs

@@ -1,6 +1,6 @@
 """Host -> device copies of a unit's weights: whole from its compute copy, or piece by piece through a
 staging ring where there is none (the lean layout casts the fp32 master into a staging buffer just
-before it goes up; engine/ring.py).
+before it goes up; engine/host/ring.py).
 
 The cast is host work as long as a memory pass over the unit, so it runs on a thread of its own, the
 stager, not on the thread that issues the kernels: that thread hands the upload over and goes on issuing
@@ -25,9 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from megatrain_lightning.engine.host import HostUnit
+from megatrain_lightning.engine.host.ring import HostRing, pieces
+from megatrain_lightning.engine.host.units import HostUnit
 from megatrain_lightning.engine.partition import Ranks
-from megatrain_lightning.engine.ring import HostRing, pieces
 
 
 class Staged:
@@ -79,7 +79,7 @@ class Uploader:
         h2d, base, done = self.streams.h2d, unit.lo, None  # (base: 0 for a whole unit)
         for lo, hi in pieces(unit.numel, unit.numel if unit.copy is not None else self.piece):
             buffer, source = (None, unit.copy[lo:hi]) if unit.copy is not None else self._cast(unit, lo, hi)
-            # (one copy, unless the slot's alignment padding separates parameters: engine/host.py)
+            # (one copy, unless the slot's alignment padding separates parameters: engine/host/units.py)
             for a, b, at in unit.slot_runs(base + lo, base + hi):
                 self.streams.copy(h2d, dst[at : at + b - a], source[a - base - lo : b - base - lo])
             done = self.streams.event(h2d)

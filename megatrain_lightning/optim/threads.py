@@ -1,6 +1,6 @@
 """The host worker's thread budget: how many threads the CPU optimizer uses, and on which CPUs.
 
-The engine's host worker (engine/host_steps.py) runs the Adam steps, gradient landing and norms on one
+The engine's host worker (engine/host/host_steps.py) runs the Adam steps, gradient landing and norms on one
 Python thread, beside the thread that launches the GPU's kernels. Left alone, the native kernel (csrc/)
 and torch's intra-op pool each take every core, and the launching thread has to fight them for one.
 :func:`configure_host_threads`, called first thing on the worker thread, gives the host work

@@ -4,7 +4,7 @@
 settings, so ``megatrain plan`` and resource requests (a Ray trial asks for ``{"memory": host bytes}``)
 can size a run before anything is allocated.
 
-Host bytes follow the engine's own buffers one for one (``engine/host.py``, ``engine/ring.py``), for the
+Host bytes follow the engine's own buffers one for one (``engine/host/units.py``, ``engine/host/ring.py``), for the
 host layout planned (``MegatrainStrategy(host_layout=..., nvme_dir=...)``), per parameter:
 
     default   fp32 master 4 + Adam m, v 8 + pinned compute copy (2 in bf16; 0 in fp32, where the master is
@@ -12,7 +12,7 @@ host layout planned (``MegatrainStrategy(host_layout=..., nvme_dir=...)``), per 
     lean      fp32 master 4 + Adam m, v 8 + fp32 accumulator 4 (only when accumulate > 1)
               + gradient slab (2 in bf16, 4 in fp32) only with clipping and accumulate = 1, where each
                 gradient waits for the global norm
-              + two rings of pieces (``engine/ring.py``: a piece is 1/32 of the largest unit, at least 2^22
+              + two rings of pieces (``engine/host/ring.py``: a piece is 1/32 of the largest unit, at least 2^22
                 elements), not per parameter, in the compute dtype: 4 pieces that uploads cast the master
                 into (none in fp32), and a block's pieces + 1 that gradients land in
     nvme_dir  Adam m, v (8) in files on that directory instead of host memory; the host keeps them for
@@ -24,7 +24,7 @@ outside the blocks is a unit of its own). ``host_layout="auto"`` plans the first
 default, lean, then (given ``nvme_dir``) lean with Adam on NVMe; each step down saves host memory and costs
 time (the lean casts on the host; the drive traffic).
 
-The copy and slab (in fp32 the master and slab) are page-locked at exactly these sizes (``engine/pinned.py``;
+The copy and slab (in fp32 the master and slab) are page-locked at exactly these sizes (``engine/host/pinned.py``;
 no power-of-two rounding), and the engine's own host-memory check uses the same per-parameter figure.
 
 GPU bytes are the engine's fixed buffers plus what a step computes with; each item is a fixed part plus a
@@ -138,10 +138,10 @@ from typing import Any
 from megatrain_lightning.engine.config import HOST_LAYOUTS as ENGINE_HOST_LAYOUTS
 from megatrain_lightning.engine.config import EngineConfig, OffloadInputsDtype, check_host_layout, check_precision
 from megatrain_lightning.engine.grad_sums import auto_sum_count
-from megatrain_lightning.engine.host import host_bytes_by_kind
-from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
+from megatrain_lightning.engine.host.nvme import BUFFERS as NVME_BUFFERS
+from megatrain_lightning.engine.host.ring import piece_numel, ring_counts
+from megatrain_lightning.engine.host.units import host_bytes_by_kind
 from megatrain_lightning.engine.recompute import KEEP_SHARE, STREAMING_SLOTS, Recompute, check_recompute, kept_count
-from megatrain_lightning.engine.ring import piece_numel, ring_counts
 from megatrain_lightning.models.config import LlamaConfig
 from megatrain_lightning.models.tiled_attention import workspace_bytes as tiled_core_workspace
 from megatrain_lightning.models.tiling import (
@@ -289,7 +289,7 @@ def host_breakdown(
 def lean_breakdown(
     config: LlamaConfig, elt: int, accumulate: int, clipping: bool, num_slots: int = 2
 ) -> dict[str, int]:
-    """The lean layout's host bytes (engine/ring.py): no persistent copy, but a staging ring of pieces that
+    """The lean layout's host bytes (engine/host/ring.py): no persistent copy, but a staging ring of pieces that
     uploads cast the master into (none in fp32, where the pinned master is the upload source) and a gradient
     ring of pieces; a gradient slab only where a gradient must wait for the step (clipping needs the global
     norm first; an accumulated one waits in the fp32 accumulator). `num_slots` does not change them."""

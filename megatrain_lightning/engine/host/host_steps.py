@@ -2,7 +2,7 @@
 
 An object the engine holds (:class:`HostSide`); it owns the state of the gradients' way to the host
 (grad slots, rings, what is pending) and is given the units, streams, worker and counters. Every host-side computation runs on the engine's single worker thread
-(engine/worker.py: a unit's jobs in the order submitted, steps in the next forward's order); a unit's
+(engine/host/worker.py: a unit's jobs in the order submitted, steps in the next forward's order); a unit's
 ``future`` is its last job, and nothing overwrites a unit's slab or uploads its copy before that future
 has finished.
 
@@ -11,7 +11,7 @@ waits for the copy event, then keeps it (slab), adds it into the fp32 accumulato
 or, when it completes the step and nothing needs the global norm first, steps the unit right away.
 
 In the lean layout a gradient the worker consumes at once (into the accumulator, or by the step) skips the
-slab: it comes down piece by piece (engine/ring.py) into a ring, and each piece is landed (and stepped)
+slab: it comes down piece by piece (engine/host/ring.py) into a ring, and each piece is landed (and stepped)
 as soon as its copy is done, so the host holds a few pieces of gradient, not a unit's.
 
 A block called more than once before one backward (two forwards in one loss) has its calls' gradients
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from megatrain_lightning.engine.grad_sums import DeviceGradSums
-from megatrain_lightning.engine.host import GradState, HostUnit, spans
+from megatrain_lightning.engine.host.ring import HostRing, pieces
+from megatrain_lightning.engine.host.units import GradState, HostUnit, spans
 from megatrain_lightning.engine.partition import Ranks
-from megatrain_lightning.engine.ring import HostRing, pieces
 from megatrain_lightning.engine.self_checks import gated
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.optim.kernels import AdamHyper
@@ -320,7 +320,7 @@ class HostSide:
             slab = unit.ensure_slab()
             self.streams.copy(self.streams.d2h, slab, flat)
             done = self.streams.event(self.streams.d2h)
-            # A step waits its turn (engine/worker.py): the next forward's order, once its copy has landed.
+            # A step waits its turn (engine/host/worker.py): the next forward's order, once its copy has landed.
             rank = self.step_rank(unit) if hyper is not None else 0
             job = partial(self._land, unit, done, present, accumulate, want_norm, hyper, clamp)
             self.submit(unit, job, rank, done)
@@ -762,7 +762,7 @@ class HostSide:
 
     def submit(self, unit: HostUnit, job: Callable[[], None], order: int = 0, event: Any = None) -> None:
         """Queue `job` as `unit`'s last job: after its previous one and (if given) the copy `event`, at
-        `order` (engine/worker.py: 0 for landing and bookkeeping, a step's rank for steps)."""
+        `order` (engine/host/worker.py: 0 for landing and bookkeeping, a step's rank for steps)."""
         if self.gate is not None:
             job = gated(self.gate, unit, job)
         unit.future = self.worker.submit(job, order=order, after=(unit.future, event))
