@@ -25,9 +25,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from megatrain_lightning.engine.config import EngineConfig
+from megatrain_lightning.engine.device.streams import Streams
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.partition import OneRank, ranks_of
-from megatrain_lightning.engine.streams import Streams
 from megatrain_lightning.optim.threads import rank_cpus, usable_cpus
 from tests.helpers import gloo_rank, own_llama, own_loss
 

@@ -30,6 +30,7 @@ from megatrain_lightning.engine.config import (
     options_doc,
     parameters,
 )
+from megatrain_lightning.engine.device.rows import check_row_chunk
 from megatrain_lightning.engine.discover import BlocksOption
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.generic_optim import GenericHostOptimizer
@@ -41,7 +42,6 @@ from megatrain_lightning.engine.host.pinned import PinnedMemoryError
 from megatrain_lightning.engine.host.units import HostMemoryError, HostUnit
 from megatrain_lightning.engine.optimizer import HostAdamW, check_optimizer
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.engine.rows import check_row_chunk
 from megatrain_lightning.optim.threads import usable_cpus
 
 __all__ = [

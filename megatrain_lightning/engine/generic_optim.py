@@ -115,7 +115,8 @@ class GenericHostOptimizer(torch.optim.Optimizer):
 
 
 class GenericSteps:
-    """The torch optimizers attached to one engine, and the step ``HostSide.step`` hands them (engine/host/host_steps.py)."""
+    """The torch optimizers attached to one engine, and the step ``HostSide.step`` hands them
+    (engine/host/host_steps.py)."""
 
     def __init__(self, engine: Any, optimizers: list[torch.optim.Optimizer]) -> None:
         if not engine.ranks.whole_here:

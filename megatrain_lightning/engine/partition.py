@@ -66,7 +66,7 @@ class Ranks:
     # is uploaded when it runs. With W ranks an upload ends in an all-gather, a collective, which every rank
     # must issue alike whatever its own timing: a prefetch waits for the step instead.
     late_steps: bool
-    # The lean layout's uploads may be cast and issued on a thread of their own (engine/uploads.py). With W
+    # The lean layout's uploads may be cast and issued on a thread of their own (engine/device/uploads.py). With W
     # ranks an upload ends in an all-gather that every rank issues from its compute-issuing thread in the
     # same order, so it casts inline.
     stages_uploads: bool

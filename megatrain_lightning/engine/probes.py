@@ -24,6 +24,6 @@ class Probes:
     step_transient_bytes: Callable[[], int | None] | None = None
     """Device memory the first step needed beyond the persistent buffers; None: measured (device_memory.py)."""
     streams: Callable[[torch.device], Any] | None = None
-    """Builds the engine's streams for a device; None: engine/streams.py's ``Streams``."""
+    """Builds the engine's streams for a device; None: engine/device/streams.py's ``Streams``."""
     worker: Callable[[Any], Any] | None = None
     """Wraps the host worker (engine/host/worker.py) the engine submits its host jobs to; None: used as it is."""

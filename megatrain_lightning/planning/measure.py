@@ -101,7 +101,7 @@ def measure_step(
     other than True and the device bytes the engine may take (`capacity`), the step after a first one,
     when kept graphs are decided (module docstring). `grad_sums`: that many blocks keep their gradient sums
     on the device (``device_grad_sums``), so the measured backward is an accumulating micro-batch's.
-    `row_chunk`: block calls of that many rows at a time (engine/rows.py)."""
+    `row_chunk`: block calls of that many rows at a time (engine/device/rows.py)."""
     if getattr(config, "token_chunk_size", None) == "auto":
         # "auto" sizes tiles from free CUDA memory; on the fake CPU it would pick the CPU's fixed tile.
         raise ValueError("token_chunk_size='auto' depends on the GPU's free memory; measure a fixed tile size")

@@ -40,7 +40,7 @@ part per token of the micro-batch (``elt`` = compute dtype bytes, ``n`` = micro_
     gradient sums     (accumulate > 1) (sums x block + outer) x 4 / W: the blocks whose fp32 gradient sum stays
                       on the device across micro-batches, and with them the outer parameters'
                       (``device_grad_sums``: a count, or "auto": after the slots, as many as the memory beyond
-                      4 x the transient and 1 GiB allows, the outer ones first; engine/grad_sums.py)
+                      4 x the transient and 1 GiB allows, the outer ones first; engine/device/grad_sums.py)
     outer parameters  (embedding + final norm + head, a tied head counted once) x elt
     saved inputs      layers x n x H x elt                      (the only activations kept for backward)
                       with offloaded inputs: n x H x elt (the block in use; the next one is fetched
@@ -55,7 +55,7 @@ part per token of the micro-batch (``elt`` = compute dtype bytes, ``n`` = micro_
                                plus block x elt
                       tiled core (``tiled_attention``): the attention backward's term is
                                n x (elt x (4A + 4K + 3H) + 8 heads) + one block pair of the core
-                      row chunks (``row_chunk`` R below the micro-batch's rows; engine/rows.py): the term above
+                      row chunks (``row_chunk`` R below the micro-batch's rows; engine/device/rows.py): the term above
                                for one chunk's R x seq_len tokens (tiles planned for them), + block x 4 (the
                                fp32 gradient sum over chunks) + n x 4 H elt (the block's input, its output's and
                                its input's gradients, the next input prefetched); no kept graphs
@@ -85,7 +85,7 @@ over 3/4 of ``gpu_mem``) the attention backward holds the same tensors without t
 never repeated (4K), and two fp32 statistics per head (its log-sum-exp and D = rowsum(dO * O)); its block
 pair (``tiled_attention.workspace_bytes``: fp32 blocks of 1/8 of a tile) does not grow with the sequence.
 
-A kept graph (``recompute``, engine/recompute.py) holds what the block's ops save for backward (read off
+A kept graph (``recompute``, engine/device/recompute.py) holds what the block's ops save for backward (read off
 saved-tensor hooks on the model): untiled, each RMSNorm's fp32 input (8H bytes for the two), inverse norm
 (4 bytes, 8) and, in the compute dtype, its output and that output cast for the projections (4H); q and
 the attention output (2A), k and v (2K": K where bf16 kernels share kv heads, A where fp32 repeats them),
@@ -94,9 +94,9 @@ the softmax statistics (4 bytes per head); gate, up, silu and their product (4I)
 block's input (H), the concatenated q, k, v, the attention output, the statistics, and cos and sin.
 ``kept`` (:func:`kept_blocks`) follows the engine's "auto" rule on the plan's figures: from the last block
 back, while kept x that fits
-:data:`~megatrain_lightning.engine.recompute.KEEP_SHARE` of the memory free at the pass's first block
+:data:`~megatrain_lightning.engine.device.recompute.KEEP_SHARE` of the memory free at the pass's first block
 (``gpu_mem`` less the persistent items, the context, RoPE and the first block's input) and
-:data:`~megatrain_lightning.engine.recompute.STREAMING_SLOTS` slots stay unpinned; ``False`` keeps every
+:data:`~megatrain_lightning.engine.device.recompute.STREAMING_SLOTS` slots stay unpinned; ``False`` keeps every
 block (one slot per block), ``True`` none.
 
 Attention uses the fused SDPA kernels (no T x T scores). The loss term is the chunk's fp32 logits, their
@@ -137,11 +137,17 @@ from typing import Any
 
 from megatrain_lightning.engine.config import HOST_LAYOUTS as ENGINE_HOST_LAYOUTS
 from megatrain_lightning.engine.config import EngineConfig, OffloadInputsDtype, check_host_layout, check_precision
-from megatrain_lightning.engine.grad_sums import auto_sum_count
+from megatrain_lightning.engine.device.grad_sums import auto_sum_count
+from megatrain_lightning.engine.device.recompute import (
+    KEEP_SHARE,
+    STREAMING_SLOTS,
+    Recompute,
+    check_recompute,
+    kept_count,
+)
 from megatrain_lightning.engine.host.nvme import BUFFERS as NVME_BUFFERS
 from megatrain_lightning.engine.host.ring import piece_numel, ring_counts
 from megatrain_lightning.engine.host.units import host_bytes_by_kind
-from megatrain_lightning.engine.recompute import KEEP_SHARE, STREAMING_SLOTS, Recompute, check_recompute, kept_count
 from megatrain_lightning.models.config import LlamaConfig
 from megatrain_lightning.models.tiled_attention import workspace_bytes as tiled_core_workspace
 from megatrain_lightning.models.tiling import (
@@ -350,7 +356,7 @@ def gpu_items(
     row_chunk: int | None = None,
 ) -> dict[str, tuple[int, int]]:
     """GPU memory per item as (fixed bytes, bytes per token of the micro-batch), with `kept` blocks keeping
-    their graph (:func:`kept_blocks`); see the module docstring. With `row_chunk` rows a call (engine/rows.py)
+    their graph (:func:`kept_blocks`); see the module docstring. With `row_chunk` rows a call (engine/device/rows.py)
     a block's recompute holds one chunk's activations and an fp32 sum of its weights' gradients."""
     elt, block, h, v = compute_bytes(precision), block_numel(config), config.hidden_size, config.vocab_size
     tokens = micro_batch * seq_len
@@ -404,7 +410,7 @@ def kept_blocks(
     recompute: Recompute = "auto",
     row_chunk: int | None = None,
 ) -> int:
-    """Blocks per forward pass that keep their graph instead of a recompute (engine/recompute.py): none with
+    """Blocks per forward pass that keep their graph instead of a recompute (engine/device/recompute.py): none with
     True, all with False; "auto" the engine's rule on the plan's figures, from the last block back, while
     their activations fit :data:`KEEP_SHARE` of the memory free at the pass's first block and
     :data:`STREAMING_SLOTS` of the `num_slots` stay unpinned (none without `gpu_mem`: no memory measure).
@@ -613,7 +619,7 @@ def auto_row_chunk(
     `gpu_mem` whole (with its inputs offloaded or not, as ``offload_inputs`` allows) or there is no limit, else
     the most rows a call may take (:func:`max_row_chunk`; None when not even one row fits, which the plan
     reports). The engine decides at each call from what the block measurably saves and the memory free then
-    (engine/rows.py), within half of it: it may take fewer rows a chunk than this, never more."""
+    (engine/device/rows.py), within half of it: it may take fewer rows a chunk than this, never more."""
     if row_chunk != "auto":
         return row_chunk
     if gpu_mem is None or micro_batch < 2:
@@ -689,14 +695,14 @@ class Plan:
     nodes: int = 1
     """Nodes of a data-parallel run: each holds 1/nodes of the sharded host state."""
     recompute: Recompute = True
-    """``recompute`` as asked: True, False or "auto" (engine/recompute.py)."""
+    """``recompute`` as asked: True, False or "auto" (engine/device/recompute.py)."""
     kept_blocks: int = 0
     grad_sums: int = 0
     """Blocks whose gradient sum over the micro-batches stays on the device (``device_grad_sums``)."""
     """Blocks per forward pass that keep their graph (:func:`kept_blocks`); their activations are the
     ``kept_graphs`` GPU item."""
     row_chunk: int | None = None
-    """Rows a block call computes at a time (``row_chunk``, engine/rows.py; None: the micro-batch's)."""
+    """Rows a block call computes at a time (``row_chunk``, engine/device/rows.py; None: the micro-batch's)."""
     max_row_chunk: int | None = None
     """The most rows a block call may compute at a time for this micro-batch to fit ``gpu_mem`` with its inputs
     offloaded (None without a GPU limit or with one row a micro-batch, 0 when not even one row does)."""

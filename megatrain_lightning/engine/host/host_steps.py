@@ -21,7 +21,7 @@ others come down through a ring and are added to it, and the last call lands the
 Hooks that read or edit gradients (``engine.gradients_visible``) get them after :meth:`HostSide.expose` has
 landed every one into the fp32 accumulator; :meth:`HostSide.take_back` folds what they left into it.
 
-A unit given a device sum (engine/grad_sums.py) adds its accumulating micro-batches' gradients on the device
+A unit given a device sum (engine/device/grad_sums.py) adds its accumulating micro-batches' gradients on the device
 instead, and the sum comes down once, at the step's last backward, into the accumulator.
 
 Why one file of about 780 lines: every path a gradient takes to the host (whole, in pieces, held for a
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from megatrain_lightning.engine.grad_sums import DeviceGradSums
+from megatrain_lightning.engine.device.grad_sums import DeviceGradSums
 from megatrain_lightning.engine.host.ring import HostRing, pieces
 from megatrain_lightning.engine.host.units import GradState, HostUnit, spans
 from megatrain_lightning.engine.partition import Ranks
@@ -95,7 +95,7 @@ class HostSide:
         `ranks` (engine/partition.py): each unit holds this rank's shard, its gradients reduce-scattered over
         the ranks (the whole unit and its own gradients with one rank)."""
         self.ranks = ranks
-        self.sums = sums  # engine/grad_sums.py: blocks whose micro-batch gradients are summed on the device
+        self.sums = sums  # engine/device/grad_sums.py: blocks whose micro-batch gradients are summed on the device
         self.blocks, self.outer, self.streams, self.worker, self.stats = blocks, outer, streams, worker, stats
         self.piece, self.tier, self.overlap_optimizer, self.invalidate = piece, tier, overlap_optimizer, invalidate
         self.block_index = {id(u): i for i, u in enumerate(blocks)}
@@ -204,7 +204,7 @@ class HostSide:
         elif self.streams.is_cuda:
             flat.record_stream(self.streams.d2h)  # autograd's grad buffer lives until the copy has read it
 
-    # -- sums kept on the device (engine/grad_sums.py) ----------------------------------------------------
+    # -- sums kept on the device (engine/device/grad_sums.py) ----------------------------------------------------
     def sum_grads(
         self, unit: HostUnit, grads: list[torch.Tensor | None], present: list[bool], block_idx: int, more: bool
     ) -> bool:

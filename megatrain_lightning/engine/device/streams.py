@@ -47,7 +47,7 @@ from megatrain_lightning.engine.config import check_num_slots
 
 
 def issued(event: object) -> object:
-    """`event`, or, for an upload the stager still has in hand (engine/uploads.py), the event of its last
+    """`event`, or, for an upload the stager still has in hand (engine/device/uploads.py), the event of its last
     copy, once the stager has issued it."""
     resolve = getattr(event, "resolve", None)
     return resolve() if resolve is not None else event
@@ -148,7 +148,7 @@ class SlotPool:
         self.ready: list[object | None] = []
         self.free: list[object | None] = []
         self.last_use: list[int] = []
-        self.pins: list[int] = []  # calls that kept a graph over the slot's weights (engine/recompute.py)
+        self.pins: list[int] = []  # calls that kept a graph over the slot's weights (engine/device/recompute.py)
         self.grow_when_pinned = False  # recompute=False: a slot is added when every one is pinned
         self._clock = 0
         self.uploads = 0  # blocks uploaded since construction (tests read this)
