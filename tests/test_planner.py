@@ -466,7 +466,7 @@ def test_gpu_memory_per_gpu_is_the_single_gpu_figure_plus_the_collective_allowan
     one = plan(RunShape(config, 32, 1), EngineConfig(precision="bf16-mixed", num_slots=2))
     many = plan(RunShape(config, 32, 1, devices=8, nodes=2), EngineConfig(precision="bf16-mixed", num_slots=2))
     # The allowance, and the gradient exchange of the largest unit (here the embedding): its 16 chunks in
-    # bf16, then one chunk's fp32 sum and bf16 result (engine/partition.py's reduce_scatter).
+    # bf16, then one chunk's fp32 sum and bf16 result (engine/ranks.py's reduce_scatter).
     chunk = -(-config.vocab_size * config.hidden_size // 16)
     collectives = 2**29 + chunk * 16 * 2 + chunk * (4 + 2)
     assert many.gpu == {**one.gpu, "collectives": collectives}

@@ -38,8 +38,8 @@ from megatrain_lightning.engine.host.ring import HostRing, piece_numel, ring_cou
 from megatrain_lightning.engine.host.units import HostMemoryError, HostUnit, host_bytes_by_kind, host_bytes_per_param
 from megatrain_lightning.engine.host.worker import HostWorker
 from megatrain_lightning.engine.outer import OuterParams
-from megatrain_lightning.engine.partition import ranks_of
 from megatrain_lightning.engine.probes import Probes
+from megatrain_lightning.engine.ranks import ranks_of
 from megatrain_lightning.engine.self_checks import SelfChecks
 from megatrain_lightning.optim.threads import configure_host_threads, resolve_host_threads
 from megatrain_lightning.planning.device_memory import free_device_bytes, step_transient_bytes
@@ -55,7 +55,7 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
     # The stacks, each distinct block once, the parameters blocks share (outer units); what setup logs.
     engine.layout = find_blocks(model, config.blocks)
     engine.blocks = engine.layout.blocks
-    # The ranks (engine/partition.py): with several, this rank holds one shard of every unit's host state.
+    # The ranks (engine/ranks.py): with several, this rank holds one shard of every unit's host state.
     engine.ranks = ranks = ranks_of(config.group)
     engine.host_cpus: list[int] | None = ranks.host_cpus()  # this rank's share of the machine's CPUs (None: all)
     engine.host_threads = resolve_host_threads(

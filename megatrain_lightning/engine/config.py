@@ -431,7 +431,7 @@ class EngineConfig:
     group: Any = option(
         None,
         "the ``torch.distributed`` process group of the data-parallel ranks (None: this process alone). With "
-        "more than one rank every unit's host state is partitioned among them (engine/partition.py).",
+        "more than one rank every unit's host state is partitioned among them (engine/ranks.py).",
         role="run",
     )
 

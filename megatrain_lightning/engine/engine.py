@@ -16,17 +16,19 @@ and the schedule model all go through these calls. This module is that facade: e
 the parts the engine holds, which engine/build.py constructs (it imports no Lightning):
 
     Engine
-     |- BlockStreamer (engine/device/streamer.py): each block's call streamed through a slot, forward and backward
-     |- HostUnit per block and per outer parameter (engine/host/units.py): flat fp32 master, Adam moments,
-     |  compute copy, gradient slab; the block's parameters stay registered as views of the master
-     |- SlotPool (engine/device/streams.py): device slots blocks stream through; Uploader (engine/device/uploads.py)
-     |- BlockRunner per block (engine/device/block_fn.py): the block's forward, recomputed in backward
-     |  (engine/device/block_state.py: what a block call takes, returns and changes)
-     |- SavedInputs (engine/device/saved_inputs.py): block inputs kept for backward, on the device or the host
-     |- KeepPolicy (engine/device/recompute.py): which block calls keep their graph instead of a recompute
-     |- HostSide (engine/host/host_steps.py): gradients to the host, accumulation, norms, Adam, the worker
+     |- Ranks (engine/ranks.py): this rank's shard of every unit (the whole with one rank), the collectives
      |- OuterParams (engine/outer.py): embedding, final norm, head: device copies rewritten after a step
- |- Ranks (engine/partition.py): this rank's shard of every unit (the whole with one rank), the collectives
+     |- engine/device/: the per-block device work
+     |   |- BlockStreamer (streamer.py): each block's call streamed through a slot, forward and backward
+     |   |- SlotPool (streams.py): device slots blocks stream through; Uploader (uploads.py)
+     |   |- BlockRunner per block (block_fn.py): the block's forward, recomputed in backward
+     |   |  (block_state.py: what a block call takes, returns and changes)
+     |   |- SavedInputs (saved_inputs.py): block inputs kept for backward, on the device or the host
+     |   |- KeepPolicy (recompute.py): which block calls keep their graph instead of a recompute
+     |- engine/host/: the host half
+         |- HostUnit per block and per outer parameter (units.py): flat fp32 master, Adam moments, compute
+         |  copy, gradient slab; the block's parameters stay registered as views of the master
+         |- HostSide (host_steps.py): gradients to the host, accumulation, norms, Adam, the worker
 
 One host worker thread (engine/host/worker.py) does all host-side arithmetic, a unit's jobs in the order
 submitted and steps in the order the next forward needs them. A unit's ``future`` is its last job;

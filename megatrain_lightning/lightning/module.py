@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 
-from megatrain_lightning.engine.host import materialize
+from megatrain_lightning.engine import materialize
 from megatrain_lightning.models import PRESETS, LlamaConfig, LlamaForCausalLM, load_hf_config, load_hf_weights
 
 _HEAD_SHAPE_FIELDS = ("hidden_size", "num_attention_heads")

@@ -115,7 +115,7 @@ parameters is each rank's own: staging and gradient rings, Adam pieces in flight
 block inputs of its micro-batch (``PER_RANK_KINDS``): devices times a rank's on a node. GPU memory is per GPU:
 a slot holds a whole block once its shards are all-gathered (in place: the rank uploads its shard into its
 own part of the slot), so every single-GPU item stays. A unit's gradient is exchanged all-to-all into a
-buffer of the unit's size and each rank sums its chunk's W parts in fp32 (engine/partition.py): the
+buffer of the unit's size and each rank sums its chunk's W parts in fp32 (engine/ranks.py): the
 largest unit (the embedding or head, or a block) adds that buffer and the chunk's sum
 (:func:`collective_bytes`), beside an allowance for the collective library's own channel buffers
 (``COLLECTIVE_BYTES``, ranks.py; not measured); everything sized from the GPU limit (micro-batch, sequence, slots)

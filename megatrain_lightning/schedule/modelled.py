@@ -7,7 +7,7 @@ fake tensors (``steps.py``), replays them on the profile (``replay.py``) and mea
 (``report.py``). :class:`ModelledStep` holds the figures and prints them: what was modelled, the lanes'
 table and, as the last line, one machine-readable summary.
 
-With ``gpus`` > 1 it models one rank of the data-parallel mode (``ranks.py``; engine/partition.py): the rank's share of
+With ``gpus`` > 1 it models one rank of the data-parallel mode (``ranks.py``; engine/ranks.py): the rank's share of
 the step's tokens is what it records (``micro_batches`` of its own), its profile has 1/gpus of the host's
 DRAM bandwidth, and the planner's choices leave the GPU memory of the collective library's buffers free.
 """

@@ -1,4 +1,4 @@
-"""One rank of the data-parallel mode ("partition, then stream", engine/partition.py), modelled on the recording of the
+"""One rank of the data-parallel mode ("partition, then stream", engine/ranks.py), modelled on the recording of the
 single-GPU engine: what each of N GPUs of one node would issue, and what it would share.
 
 The design modelled: each unit's flat host buffers are cut into N contiguous shards, one per rank. For each

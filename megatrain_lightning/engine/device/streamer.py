@@ -40,7 +40,7 @@ from megatrain_lightning.engine.host.host_steps import HostSide, graph_task
 from megatrain_lightning.engine.host.pending_reads import PendingReads
 from megatrain_lightning.engine.host.units import HostUnit
 from megatrain_lightning.engine.outer import OuterParams
-from megatrain_lightning.engine.partition import Ranks
+from megatrain_lightning.engine.ranks import Ranks
 from megatrain_lightning.engine.self_checks import SelfChecks
 from megatrain_lightning.planning.device_memory import auto_slot_count
 
@@ -343,7 +343,7 @@ class BlockStreamer:
 
     def _prefetch_depth(self, direction: int) -> int:
         """How many blocks ahead of the one computing are uploaded now: as many as the other slots hold, unless
-        the ranks' uploads are collectives (engine/partition.py: ``prefetch_depth``)."""
+        the ranks' uploads are collectives (engine/ranks.py: ``prefetch_depth``)."""
         return self.ranks.prefetch_depth(self.pool.num_slots - 1, forward=direction > 0)
 
     @contextmanager

@@ -116,7 +116,7 @@ class Streams:
         The weights' all-gathers run on the H2D stream and the gradients' exchange on the compute stream, each
         on its own communicator. Two NCCL collectives in flight at once on two communicators can hang: each
         kernel waits for its peers, and the ranks' GPUs may start them in different orders. Chained like this,
-        a rank has one in flight at a time, in the order issued, which every rank shares (engine/partition.py:
+        a rank has one in flight at a time, in the order issued, which every rank shares (engine/ranks.py:
         every collective is issued at a point that does not depend on timing)."""
         self.wait(stream, self._collective_end)
         self.run(stream, work)

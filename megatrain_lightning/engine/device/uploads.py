@@ -14,7 +14,7 @@ The stager issues the copies of an upload in order, after the waits the issuing 
 stream before handing it over; an upload's end is a :class:`Staged` event, which resolves to the CUDA event of
 its last copy once the stager has issued it. A partitioned upload ends in an all-gather, a collective
 that every rank must issue from its compute-issuing thread in the same order: it casts inline (the ranks'
-``stages_uploads``, engine/partition.py).
+``stages_uploads``, engine/ranks.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from megatrain_lightning.engine.host.ring import HostRing, pieces
 from megatrain_lightning.engine.host.units import HostUnit
-from megatrain_lightning.engine.partition import Ranks
+from megatrain_lightning.engine.ranks import Ranks
 
 
 class Staged:
@@ -51,7 +51,7 @@ class Uploader:
     """Issues the H2D copies of units' weights on the engine's H2D stream and counts their bytes."""
 
     def __init__(self, streams, stats: dict, piece: int, staging: HostRing | None, ranks: Ranks) -> None:
-        """`ranks` (engine/partition.py): each rank uploads its shard, then the ranks all-gather the rest."""
+        """`ranks` (engine/ranks.py): each rank uploads its shard, then the ranks all-gather the rest."""
         self.streams, self.stats, self.piece, self.staging = streams, stats, piece, staging
         self.ranks = ranks
         self._stager: ThreadPoolExecutor | None = None

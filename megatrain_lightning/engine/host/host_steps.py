@@ -43,7 +43,7 @@ import torch
 from megatrain_lightning.engine.device.grad_sums import DeviceGradSums
 from megatrain_lightning.engine.host.ring import HostRing, pieces
 from megatrain_lightning.engine.host.units import GradState, HostUnit, spans
-from megatrain_lightning.engine.partition import Ranks
+from megatrain_lightning.engine.ranks import Ranks
 from megatrain_lightning.engine.self_checks import gated
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.optim.kernels import AdamHyper
@@ -92,7 +92,7 @@ class HostSide:
         sums: DeviceGradSums | None = None,
     ) -> None:
         """`invalidate(i)`: block i's weights on the host changed, so a device slot holding it is stale.
-        `ranks` (engine/partition.py): each unit holds this rank's shard, its gradients reduce-scattered over
+        `ranks` (engine/ranks.py): each unit holds this rank's shard, its gradients reduce-scattered over
         the ranks (the whole unit and its own gradients with one rank)."""
         self.ranks = ranks
         self.sums = sums  # engine/device/grad_sums.py: blocks whose micro-batch gradients are summed on the device
@@ -667,7 +667,7 @@ class HostSide:
                 unit.grad.landed(self._norms(unit))
             by_param.update((id(e.param), n) for e, n, g in zip(unit.entries, unit.grad.norms, unit.grad.present) if g)
         # clip_grad_norm_ walks the optimizer's parameters that have a gradient, in group order; so does this
-        # (with several ranks each parameter's norm is assembled from its pieces': engine/partition.py).
+        # (with several ranks each parameter's norm is assembled from its pieces': engine/ranks.py).
         return self.ranks.norms(by_param, self.param_order)
 
     def _step_unit(

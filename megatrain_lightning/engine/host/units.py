@@ -21,7 +21,7 @@ come into working buffers a piece at a time for a step (or a checkpoint), throug
 With ``host_layout="lean"`` (engine/host/ring.py) there is no copy, and a slab only for a gradient that waits
 for a clipped step: uploads and landings go through rings of a few buffers instead.
 
-Partitioned (data parallel over W ranks, engine/partition.py), a unit's buffers hold only this rank's
+Partitioned (data parallel over W ranks, engine/ranks.py), a unit's buffers hold only this rank's
 contiguous shard ``lo..hi`` of the flat layout. ``layout`` then describes the whole unit (each parameter,
 its offset in the full flat: what a device slot holds and a checkpoint names) and ``entries`` the shard:
 one piece per parameter it cuts, offset from ``lo``, flat, ``start`` elements into the parameter. The host
