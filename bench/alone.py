@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatrain_lightning.engine.host import GradState, HostUnit
+from megatrain_lightning.engine.host.units import GradState, HostUnit
 from megatrain_lightning.optim import kernels
 
 GiB = 2**30

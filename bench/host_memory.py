@@ -13,7 +13,7 @@ the process's resident memory, each run in a fresh process:
   off to show what the host holds in a GPU run.
 
 With ``--devices N`` (N > 1) the default layout also runs data parallel: N rank processes on this machine
-(gloo), each holding 1/N of every unit's host state (engine/partition.py), each measured as above; the node
+(gloo), each holding 1/N of every unit's host state (engine/ranks.py), each measured as above; the node
 row sums them, to be read against the one-process row: one copy of the state in total, plus each rank's
 own buffers (its gradient slab shard, and on the CPU its device slots).
 

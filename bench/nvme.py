@@ -1,4 +1,4 @@
-"""Throughput of the NVMe tier (engine/nvme.py) next to a plain sequential write and read of the same drive.
+"""Throughput of the NVMe tier (engine/host/nvme.py) next to a plain sequential write and read of the same drive.
 
     python bench/nvme.py [--size-gib 4] [--dir /tmp] [--unit-mib 256]
 
@@ -14,7 +14,7 @@ The reference is what ``dd`` measures: one file written in 64 MiB blocks then fs
 dropped (``POSIX_FADV_DONTNEED``), then read back in 64 MiB blocks. Numbers are printed, not checked;
 "GB/s" is 1e9 bytes per second. :func:`measure_tier` is importable (bench/host_memory.py can use it).
 
-The tier checksums every piece it writes and checks it after every read (engine/nvme.py's ``checksum``):
+The tier checksums every piece it writes and checks it after every read (engine/host/nvme.py's ``checksum``):
 ``--checksum-cost`` also prints that function's speed on one unit's moments next to zlib's CRC32, and the
 tier's passes again with the checksum replaced by a constant (what the check costs the tier).
 """
@@ -31,8 +31,8 @@ from unittest import mock
 
 import torch
 
-from megatrain_lightning.engine import nvme
-from megatrain_lightning.engine.nvme import BUFFERS, IO_THREADS, NvmeTier
+from megatrain_lightning.engine.host import nvme
+from megatrain_lightning.engine.host.nvme import BUFFERS, IO_THREADS, NvmeTier
 
 _BLOCK = 64 << 20
 

@@ -272,7 +272,7 @@ def memory_table(state: dict) -> list[str]:
             rows.append([name, entry["tokens"], entry["layers"], r.get("error", "not run"), *["na"] * 5])
             continue
         e, n = r.get("engine", {}), r["num_parameters"]
-        # Pinned buffers are registered at their exact size (engine/pinned.py); the caching host allocator's
+        # Pinned buffers are registered at their exact size (engine/host/pinned.py); the caching host allocator's
         # figure beside it shows that nothing else pins (it rounded each buffer to a power of two).
         host = [sum(e["host_bytes"].values()), e["pinned"], e["allocator"]] if e else []
         per_param = [fmt(None if b is None else b / n) for b in host or [None] * 3]

@@ -68,7 +68,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from megatrain_lightning.cli.commands import int_or_auto
-from megatrain_lightning.engine.host_memory import available_host_bytes
+from megatrain_lightning.engine.host.host_memory import available_host_bytes
 from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.optim import kernels

@@ -1,9 +1,9 @@
 """What one trial asks Ray for, sized by the memory planner, and the check that some node can give it.
 
 The host memory a trial asks for follows its strategy (the sweep file's `strategy` section): it is the
-planner's host figure for that layout, which is the engine's own `host_bytes_per_param` (engine/host.py)
+planner's host figure for that layout, which is the engine's own `host_bytes_per_param` (engine/host/units.py)
 per parameter plus the lean layout's rings, and, with `nvme_dir`, the NVMe tier's few working buffers
-(engine/nvme.py, as the planner counts them) in place of the 8 B/param Adam moments. No second formula
+(engine/host/nvme.py, as the planner counts them) in place of the 8 B/param Adam moments. No second formula
 lives here. `host_layout: auto` is resolved here, once the driver knows the cluster: see
 :func:`planned_tier`.
 """

@@ -1,6 +1,6 @@
 """A CPU test double for the copy streams that really is asynchronous: :class:`AsyncStreams`.
 
-The CPU stand-ins in ``engine/streams.py`` copy at once, so on the CPU every wait the engine issues is
+The CPU stand-ins in ``engine/device/streams.py`` copy at once, so on the CPU every wait the engine issues is
 trivially satisfied and a missing one goes unnoticed. This double takes their place (installed with
 :func:`install`, over the ``Streams`` class the engine instantiates) and makes the H2D and D2H streams
 behave like CUDA streams:
@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from megatrain_lightning.engine import build as build_module
-from megatrain_lightning.engine.streams import Streams, _DoneEvent, issued
+from megatrain_lightning.engine.device.streams import Streams, _DoneEvent, issued
 
 IDLE_EXIT_S = 0.5  # a stream thread with nothing queued exits after this long (restarted on demand)
 MAX_HOLD_S = 60.0  # a held item nobody waits for runs after this long, so abandoned engines leak no thread

@@ -24,7 +24,7 @@ import yaml
 
 import megatrain_lightning.engine.build as build_module
 from megatrain_lightning.cli.main import run
-from megatrain_lightning.engine import host_memory
+from megatrain_lightning.engine.host import host_memory
 from megatrain_lightning.lightning.data import write_tokens
 from megatrain_lightning.lightning.peers import rank_exited
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.engine.block_fn import SideOutputs
+from megatrain_lightning.engine.device.block_fn import SideOutputs
 
 VOCAB, WIDTH, EXPERTS = 37, 16, 4
 

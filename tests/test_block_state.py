@@ -3,7 +3,7 @@ gradient train exactly as in ordinary training.
 
 - State: BatchNorm's running statistics, a counter buffer, an EMA buffer used in the output and a plain
   int attribute are updated once per forward, as in ordinary training, though each block is recomputed in
-  backward (engine/block_state.py's Mutations); eval outputs after training agree too.
+  backward (engine/device/block_state.py's Mutations); eval outputs after training agree too.
 - Outputs: a dict, a dataclass, a transformers ModelOutput, a nested tuple with a non-tensor leaf.
 - Inputs: an encoder's output for cross-attention and a position bias the first block makes (as T5 does)
   get their gradients back; Hugging Face T5 and BART train under strategy="megatrain" (the decoder stack

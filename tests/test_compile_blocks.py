@@ -1,5 +1,5 @@
 """compile_blocks=True: each decoder block's forward and its recompute in backward run through torch.compile
-(engine/block_fn.py, CompiledBlock).
+(engine/device/block_fn.py, CompiledBlock).
 
 The oracle is ordinary Lightning training with torch.optim.AdamW of an identical copy of the model, as in
 tests/test_strategy.py and tests/test_zoo.py, but within round-off instead of bitwise: Inductor's fused
@@ -30,8 +30,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
-from megatrain_lightning.engine import block_fn
-from megatrain_lightning.engine.block_fn import CompiledBlock, compile_block_calls
+from megatrain_lightning.engine.device import block_fn
+from megatrain_lightning.engine.device.block_fn import CompiledBlock, compile_block_calls
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from tests.helpers import (
     SEED,

@@ -155,10 +155,10 @@ def test_recompute_auto_is_true_within_rounding():
 def test_a_prefetched_input_never_fetched_is_not_overwritten_by_its_late_copy():
     """A saved input prefetched to the device (H2D stream) but never fetched (a partial autograd.grad, an
     exception) is freed in the compute stream's order: without record_stream its memory could go to a new
-    tensor while the copy still writes it (engine/saved_inputs.py). The CPU cannot show this (no caching
+    tensor while the copy still writes it (engine/device/saved_inputs.py). The CPU cannot show this (no caching
     allocator, no second stream)."""
-    from megatrain_lightning.engine.saved_inputs import SavedInputs
-    from megatrain_lightning.engine.streams import Streams
+    from megatrain_lightning.engine.device.saved_inputs import SavedInputs
+    from megatrain_lightning.engine.device.streams import Streams
 
     streams = Streams(torch.device("cuda", torch.cuda.current_device()))
     saved_inputs = SavedInputs(streams, streams.device, True, {"input_offload_bytes": 0}, mode=True)
@@ -175,8 +175,8 @@ def test_a_prefetched_input_never_fetched_is_not_overwritten_by_its_late_copy():
 
 def test_a_failed_pinning_leaves_no_error_for_the_next_kernel():
     """cudaHostRegister on a range already registered fails; its error must not surface at the next kernel
-    launch (engine/pinned.py clears it), so a run retried without pinning works."""
-    from megatrain_lightning.engine import pinned
+    launch (engine/host/pinned.py clears it), so a run retried without pinning works."""
+    from megatrain_lightning.engine.host import pinned
 
     t = pinned.pinned_empty(1 << 20, torch.float32)
     try:
@@ -258,7 +258,7 @@ def test_the_clipping_norm_on_cuda_is_ordinary_gpu_trainings_within_rounding():
 
 
 def test_row_chunks_on_cuda_train_as_whole_calls_within_rounding():
-    """Layer-major calls of 2 rows on the GPU (engine/rows.py): the first loss as whole calls give it (each row
+    """Layer-major calls of 2 rows on the GPU (engine/device/rows.py): the first loss as whole calls give it (each row
     computed alike; the behavioural row-independence check compares two GPU runs of the same shapes bit for bit,
     so it must not refuse a Llama block), and the weights' gradients within fp32 round-off of whole calls."""
     runs = {}

@@ -21,7 +21,7 @@ Bounds, fp32 with the torch-op optimizer (``MEGATRAIN_CPU_ADAM=torch``; lr 1e-3)
 within 1e-6 of DDP over the same W ranks, relative per tensor as ||a - b|| / ||b||, and per loss. Not bitwise:
 each rank's gradient is the same bits (one device's megatrain equals ordinary training bitwise,
 tests/test_strategy.py), but the mean over ranks is taken in another order. The engine sums, per unit, every
-rank's part divided by W in rank order (engine/partition.py); DDP sums its buckets divided by W in the order
+rank's part divided by W in rank order (engine/ranks.py); DDP sums its buckets divided by W in the order
 of gloo's ring (for W=3, (a/3 + b/3) + c/3 against a/3 + (b/3 + c/3)); with accumulation DDP sums each
 rank's micro-batches first (``no_sync``) and then averages, (a1 + a2)/2 + (b1 + b2)/2, where the engine
 averages each micro-batch as it leaves backward and sums the means, (a1/2 + b1/2) + (a2/2 + b2/2); manual

@@ -15,7 +15,7 @@ from torch import nn
 from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.engine import Probes
 from megatrain_lightning.engine.build import worker_init
-from megatrain_lightning.engine.host import HostUnit
+from megatrain_lightning.engine.host.units import HostUnit
 from megatrain_lightning.engine.optimizer import HostAdamW
 from megatrain_lightning.planning.device_memory import SLOT_RESERVE_BYTES
 from tests.helpers import CausalLM, fit, hf_llama, own_llama, own_loop, params_of, token_batches, twin
@@ -494,11 +494,11 @@ def _odd_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("layout", ["default", "lean"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
 def test_odd_sized_parameters_start_aligned_in_their_slot_and_train_exactly(monkeypatch, precision, layout):
-    """In a weight slot every parameter starts on a 16-byte boundary (engine/host.py, slot_layout), though the
+    """In a weight slot every parameter starts on a 16-byte boundary (engine/host/units.py, slot_layout), though the
     host buffers stay packed: the upload copies each stretch the padding separates to its place (the lean
     layout's staging pieces cut here across parameters too). Training is bit for bit the packed slot's, and
     in fp32 ordinary training's."""
-    from megatrain_lightning.engine import host as host_module
+    from megatrain_lightning.engine.host import units as host_module
 
     monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "torch")
     ids = torch.randint(0, 11, (4, 2, 6), generator=torch.Generator().manual_seed(3))

@@ -1,4 +1,4 @@
-"""Gradient sums kept on the device across micro-batches (engine/grad_sums.py): bit for bit the results of the
+"""Gradient sums kept on the device across micro-batches (engine/device/grad_sums.py): bit for bit the results of the
 host path (every micro-batch's gradient landing on the host) and of ordinary training, in a plain loop, the
 Trainer and Fabric, with every way a sum goes to the host early; and the downloads they save."""
 
@@ -12,7 +12,7 @@ import torch
 from lightning.fabric import Fabric
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.engine.grad_sums import auto_sum_count
+from megatrain_lightning.engine.device.grad_sums import auto_sum_count
 from megatrain_lightning.lightning.fabric import MegatrainFabricStrategy
 from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from tests.helpers import ZOO, CausalLM, assert_same, fit, hf_llama, hf_loss, token_batches, trainer, twin

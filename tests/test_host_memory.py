@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from megatrain_lightning.engine import host_memory
 from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine, HostMemoryError
-from megatrain_lightning.engine.host_memory import Sources, available_host_bytes, host_limits, tightest_host_limit
+from megatrain_lightning.engine.host import host_memory
+from megatrain_lightning.engine.host.host_memory import Sources, available_host_bytes, host_limits, tightest_host_limit
 
 GiB = 1 << 30
 INF = resource.RLIM_INFINITY

@@ -106,14 +106,17 @@ def test_optim_imports_nothing_of_the_engine():
 
 
 def test_engine_and_optim_import_no_lightning():
+    checked = set()
     for name, path in modules().items():
         if name.startswith((f"{PACKAGE}.engine", f"{PACKAGE}.optim")):
+            checked.add(name)
             lightning = sorted(
                 m
                 for m in imports(path, name, typing_too=False)
                 if m.split(".")[0] in ("lightning", "pytorch_lightning")
             )
             assert not lightning, f"{name} imports {lightning}"
+    assert {f"{PACKAGE}.engine.device.streamer", f"{PACKAGE}.engine.host.host_steps"} <= checked  # the subfolders too
 
 
 def inside(module: str, *folders: str) -> bool:
@@ -133,6 +136,16 @@ def test_the_folders_are_layers_with_the_command_line_on_top():
     below = ("engine", "optim", "models", "checkpoint", "planning", "schedule")
     up = {m: sorted(t for t in to if inside(t, "lightning", "cli")) for m, to in edges.items() if inside(m, *below)}
     assert not {m: t for m, t in up.items() if t}
+
+
+def test_the_engine_parts_reach_neither_its_facade_nor_its_build():
+    """engine/device/ and engine/host/ are the engine's parts: build.py wires them, engine.py (the facade) holds
+    them, and no part imports either, or the package's public face (engine/__init__.py)."""
+    edges = graph()
+    wiring = {f"{PACKAGE}.engine", f"{PACKAGE}.engine.engine", f"{PACKAGE}.engine.build"}
+    parts = {m: sorted(to & wiring) for m, to in edges.items() if inside(m, "engine.device", "engine.host")}
+    assert {f"{PACKAGE}.engine.device.streamer", f"{PACKAGE}.engine.host.host_steps"} <= set(parts)
+    assert not {m: t for m, t in parts.items() if t}
 
 
 def test_a_long_file_says_why():

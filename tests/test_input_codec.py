@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain_lightning.engine import input_codec
-from megatrain_lightning.engine.input_codec import InputCodec
+from megatrain_lightning.engine.device import input_codec
+from megatrain_lightning.engine.device.input_codec import InputCodec
 
 SHAPE = (2, 5, 48)  # batch, tokens, hidden
 

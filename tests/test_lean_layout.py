@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
-from megatrain_lightning.engine.host import host_bytes_per_param
+from megatrain_lightning.engine.host.units import host_bytes_per_param
 from tests import async_streams
 from tests.helpers import CausalLM, assert_same, fit, hf_llama, params_of, token_batches
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need t
 
 def small_pieces(monkeypatch) -> None:
     """Rings (and the NVMe tier) in pieces of SMALL_PIECE elements: a tiny model's units are smaller than the
-    smallest piece a real run uses (engine/ring.py), so without this every unit would be a single piece."""
+    smallest piece a real run uses (engine/host/ring.py), so without this every unit would be a single piece."""
     monkeypatch.setattr("megatrain_lightning.engine.build.piece_numel", lambda largest: SMALL_PIECE)
 
 
@@ -97,7 +97,7 @@ def test_the_double_catches_a_staging_buffer_reused_too_early(monkeypatch):
     weights still on their way, and under the asynchronous double the training changes: the block's
     recompute computes with other weights than its forward, which the engine's self-check stops (or, where
     both read the same overwritten weights, the losses differ)."""
-    from megatrain_lightning.engine.ring import HostRing
+    from megatrain_lightning.engine.host.ring import HostRing
 
     kwargs = {"gradient_clip_val": 0.5, "vocab": 1000}
     reference = train("default", "bf16-mixed", **kwargs)

@@ -41,7 +41,7 @@ COUNT_FREE = sorted(
     if p.relative_to(ROOT).parts[0] not in ("engine", "checkpoint") and str(p.relative_to(ROOT)) not in RANK_CODE
 )
 """Every module outside the rank code and the engine's packages (engine/ and checkpoint/, whose rank code is
-engine/partition.py and checkpoint/ranks.py): the Trainer and Fabric strategies, the planner, the plots, the
+engine/ranks.py and checkpoint/ranks.py): the Trainer and Fabric strategies, the planner, the plots, the
 command line, the models."""
 
 

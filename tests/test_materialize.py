@@ -1,6 +1,6 @@
 """Models built without weights (``init_module(empty_init=True)``, ``empty_init()``, the meta device): the engine
 fills their fp32 masters unit by unit, from a Hugging Face checkpoint (``load_hf_weights``) or from each
-module's own init, and they train bit for bit as the same model loaded the ordinary way (engine/materialize.py).
+module's own init, and they train bit for bit as the same model loaded the ordinary way (engine/host/materialize.py).
 
 The 0.5B memory check (peak RSS during setup against the steady state) runs bench/setup_load.py in a
 subprocess; the bitwise checks use tiny models (a 0.5B twin would take minutes on the CPU)."""
@@ -21,9 +21,9 @@ from lightning.fabric import Fabric
 from torch import nn
 
 import megatrain_lightning as mt
-from megatrain_lightning.engine import materialize
-from megatrain_lightning.engine.host import HostUnit
-from megatrain_lightning.engine.materialize import SOURCE_ATTR
+from megatrain_lightning.engine.host import materialize
+from megatrain_lightning.engine.host.materialize import SOURCE_ATTR
+from megatrain_lightning.engine.host.units import HostUnit
 from megatrain_lightning.lightning.module import CausalLMModule
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM, save_pretrained
 from tests import helpers as H

@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.engine.pinned import host_empty
+from megatrain_lightning.engine.host.pinned import host_empty
 from megatrain_lightning.engine.self_checks import FINGERPRINT_BYTES
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.planning.measure import (

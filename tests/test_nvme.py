@@ -20,8 +20,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
-from megatrain_lightning.engine import nvme
-from megatrain_lightning.engine.nvme import BUFFERS, PREFIX, NvmeTier, NvmeTierError
+from megatrain_lightning.engine.host import nvme
+from megatrain_lightning.engine.host.nvme import BUFFERS, PREFIX, NvmeTier, NvmeTierError
 from megatrain_lightning.engine.optimizer import HostAdamW
 from tests import async_streams
 from tests.helpers import (

@@ -1,4 +1,4 @@
-"""Data parallel in the engine (engine/partition.py): W ranks, each holding 1/W of every unit's host state,
+"""Data parallel in the engine (engine/ranks.py): W ranks, each holding 1/W of every unit's host state,
 train as ordinary training does what W DDP ranks do.
 
 Each rank is a process (gloo on the CPU). The oracle is ordinary training of the same model with
@@ -25,9 +25,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from megatrain_lightning.engine.config import EngineConfig
+from megatrain_lightning.engine.device.streams import Streams
 from megatrain_lightning.engine.engine import Engine
-from megatrain_lightning.engine.partition import OneRank, ranks_of
-from megatrain_lightning.engine.streams import Streams
+from megatrain_lightning.engine.ranks import OneRank, ranks_of
 from megatrain_lightning.optim.threads import rank_cpus, usable_cpus
 from tests.helpers import gloo_rank, own_llama, own_loss
 
@@ -306,7 +306,8 @@ def _cuda_paths(rank: int, world: int, out: str) -> None:
     """Decisions of a partitioned engine that only show on GPUs, taken with stand-ins on the CPU: the slot
     count after ``num_slots="auto"`` when one rank's allocation fails midway, the blocks whose steps a forward
     waits for before each block runs, and what stays page-locked after close in fp32."""
-    from megatrain_lightning.engine import Probes, pinned
+    from megatrain_lightning.engine import Probes
+    from megatrain_lightning.engine.host import pinned
 
     said: dict = {}
     with gloo_rank(rank, world, out):
@@ -453,7 +454,7 @@ def test_one_rank_engine_trains_saves_and_restores_with_no_distributed_call(monk
     assert called == []
 
 
-# Tests of the number of ranks: the rank code (engine/partition.py) alone may take them; elsewhere the engine and
+# Tests of the number of ranks: the rank code (engine/ranks.py) alone may take them; elsewhere the engine and
 # the checkpoint store ask the rank object (its collectives, or a named decision such as ``whole_here``).
 COUNT_TESTS = (
     r"\bpartition is (not )?None",
@@ -471,7 +472,7 @@ def test_no_engine_module_counts_the_ranks():
     from pathlib import Path
 
     package = Path(__file__).resolve().parents[1] / "megatrain_lightning"
-    files = [p for p in sorted((package / "engine").glob("*.py")) if p.name != "partition.py"]
+    files = [p for p in sorted((package / "engine").rglob("*.py")) if p != package / "engine" / "ranks.py"]
     files.append(package / "checkpoint" / "store.py")
     found = [
         f"{path.relative_to(package)}:{n}: {line.strip()}"

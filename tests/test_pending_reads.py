@@ -1,4 +1,4 @@
-"""Block weights read while their optimizer step still runs in the background (engine/pending_reads.py) are the
+"""Block weights read while their optimizer step still runs in the background (engine/host/pending_reads.py) are the
 stepped weights, as in ordinary training: the host steps are slowed here, so the window is always open."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.engine.pending_reads import PendingReads
+from megatrain_lightning.engine.host.pending_reads import PendingReads
 from tests.test_self_checks import StackLM, stack_loss, token_batches, two_models
 
 pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need torch's own AdamW arithmetic

@@ -1,4 +1,4 @@
-"""Exact-size pinned host memory (engine/pinned.py) and a host-memory check that counts what is allocated.
+"""Exact-size pinned host memory (engine/host/pinned.py) and a host-memory check that counts what is allocated.
 
 No GPU is needed: CUDA host registration is replaced by a recorder, so the engine's pinned buffers, their
 sizes and their unregistration at release are checked on the CPU. tests/test_cuda.py covers the real thing.
@@ -12,8 +12,9 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 import megatrain_lightning.engine.build as build_module
 from megatrain_lightning import Engine, EngineConfig, HostMemoryError
-from megatrain_lightning.engine import Probes, pinned
-from megatrain_lightning.engine.host import host_bytes_per_param
+from megatrain_lightning.engine import Probes
+from megatrain_lightning.engine.host import pinned
+from megatrain_lightning.engine.host.units import host_bytes_per_param
 from megatrain_lightning.models import LlamaForCausalLM
 from tests.helpers import CausalLM, fit, hf_llama, own_llama, token_batches
 from tests.streamed import precision_of

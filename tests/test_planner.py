@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.engine.host import host_bytes_per_param
+from megatrain_lightning.engine.host.units import host_bytes_per_param
 from megatrain_lightning.lightning.callbacks import rss_bytes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.models.tiling import tile_bytes_per_token
@@ -306,7 +306,7 @@ GIB = 2**30
 
 @pytest.mark.parametrize(("precision", "elt"), [("bf16-mixed", 2), ("32-true", 4)])
 def test_lean_layout_is_twelve_bytes_per_param_plus_rings(precision, elt):
-    """lean: master 4 + Adam 8 per parameter, plus rings of pieces (engine/ring.py): 4 staging pieces (bf16;
+    """lean: master 4 + Adam 8 per parameter, plus rings of pieces (engine/host/ring.py): 4 staging pieces (bf16;
     in fp32 the pinned master is the upload source) and a block's pieces + 1 for gradients; clipping keeps
     each gradient in a slab until the step (elt bytes/param); accumulating uses the fp32 accumulator instead."""
     config = LlamaConfig.from_preset("llama-3.1-8b")
@@ -466,7 +466,7 @@ def test_gpu_memory_per_gpu_is_the_single_gpu_figure_plus_the_collective_allowan
     one = plan(RunShape(config, 32, 1), EngineConfig(precision="bf16-mixed", num_slots=2))
     many = plan(RunShape(config, 32, 1, devices=8, nodes=2), EngineConfig(precision="bf16-mixed", num_slots=2))
     # The allowance, and the gradient exchange of the largest unit (here the embedding): its 16 chunks in
-    # bf16, then one chunk's fp32 sum and bf16 result (engine/partition.py's reduce_scatter).
+    # bf16, then one chunk's fp32 sum and bf16 result (engine/ranks.py's reduce_scatter).
     chunk = -(-config.vocab_size * config.hidden_size // 16)
     collectives = 2**29 + chunk * 16 * 2 + chunk * (4 + 2)
     assert many.gpu == {**one.gpu, "collectives": collectives}

@@ -1,5 +1,5 @@
 """The data-parallel schedule model (megatrain_lightning/schedule/ranks.py, scaling.py) of the data-parallel
-mode (engine/partition.py): one rank's host copies are 1/N of one GPU's and the collectives move the rest, one GPU is
+mode (engine/ranks.py): one rank's host copies are 1/N of one GPU's and the collectives move the rest, one GPU is
 today's model exactly, the ranks' host Adam shares one node's DRAM, strong scaling stays below N, and
 `megatrain schedule --gpus` prints it.
 

@@ -429,7 +429,7 @@ def _expected_request(cfg, layout: str, nvme: bool) -> float:
     import torch
 
     from megatrain_lightning.engine import EngineConfig
-    from megatrain_lightning.engine.host import host_bytes_per_param
+    from megatrain_lightning.engine.host.units import host_bytes_per_param
     from megatrain_lightning.lightning.module import resolve_config
     from megatrain_lightning.planning.planner import RunShape, parse_size, plan
 
@@ -549,7 +549,7 @@ def test_each_trial_gets_the_strategy_options(tmp_path, monkeypatch):
 
 
 def test_a_trials_strategy_and_its_own_nvme_directory(tmp_path):
-    from megatrain_lightning.engine.nvme import PREFIX
+    from megatrain_lightning.engine.host.nvme import PREFIX
     from megatrain_lightning.optim.threads import usable_cpus
     from ray_jobs.trial import trial_strategy
 

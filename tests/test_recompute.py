@@ -1,4 +1,4 @@
-"""Blocks that keep their graph from the forward instead of a recompute in backward (engine/recompute.py).
+"""Blocks that keep their graph from the forward instead of a recompute in backward (engine/device/recompute.py).
 
 The oracle is ordinary training, bit for bit (fp32 on the CPU, the torch optimizer backend): a kept graph
 is the graph ordinary training builds, differentiated once. What must not happen is a kept graph reading
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
+from megatrain_lightning.engine.device.recompute import KEEP_SHARE
+from megatrain_lightning.engine.device.streams import SlotPool
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.engine.recompute import KEEP_SHARE
-from megatrain_lightning.engine.streams import SlotPool
 from tests.async_streams import install
 from tests.helpers import ZOO, Zoo, hf_llama, hf_loss, params_of, token_batches, trainer
 from tests.test_zoo import ACCUMULATE, MODULE_KWARGS, TRAIN_KWARGS, assert_bitwise, seeded_fit

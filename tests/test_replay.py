@@ -1,4 +1,4 @@
-"""What a block's recompute replays beyond torch's RNG, and what the engine refuses (engine/replay.py).
+"""What a block's recompute replays beyond torch's RNG, and what the engine refuses (engine/device/replay.py).
 
 - Python's ``random``, NumPy's global generator and ``torch.Generator`` objects a block owns or is passed
   draw in the recompute what they drew in the forward, and every draw after training continues as in

@@ -1,4 +1,4 @@
-"""Layer-major steps (engine/rows.py): a block call of many rows run in chunks of ``row_chunk`` rows, every
+"""Layer-major steps (engine/device/rows.py): a block call of many rows run in chunks of ``row_chunk`` rows, every
 chunk through a block before the next block, trains as ordinary training on the whole batch does.
 
 The bounds, and why:
@@ -21,8 +21,8 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from megatrain_lightning import Engine, EngineConfig
+from megatrain_lightning.engine.device.rows import ROW_SHARE
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.engine.rows import ROW_SHARE
 from megatrain_lightning.lightning.fabric import MegatrainFabricStrategy
 from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from tests.helpers import CausalLM, fit, hf_llama, hf_loss, own_llama, own_loss, params_of, token_batches

@@ -31,8 +31,8 @@ import torch
 import megatrain_lightning.engine.build as build_module
 from megatrain_lightning import Engine, EngineConfig, MegatrainFabricStrategy, MegatrainStrategy
 from megatrain_lightning.engine import Probes
-from megatrain_lightning.engine.input_codec import InputCodec
-from megatrain_lightning.engine.saved_inputs import offload_needed
+from megatrain_lightning.engine.device.input_codec import InputCodec
+from megatrain_lightning.engine.device.saved_inputs import offload_needed
 from megatrain_lightning.models import LlamaForCausalLM
 from megatrain_lightning.planning.device_memory import free_device_bytes
 from tests import async_streams

@@ -224,7 +224,7 @@ def test_replay_overlaps_lanes_waits_for_events_and_blocks_the_host():
 
 
 def test_replay_runs_the_ready_job_of_lowest_order_first():
-    """As engine/worker.py does: jobs 0 (order 5) and 1 (order 1) are submitted at once and run 1 then 0;
+    """As engine/host/worker.py does: jobs 0 (order 5) and 1 (order 1) are submitted at once and run 1 then 0;
     job 2 (order 0) comes after a copy that ends at 1.25, so it waits while job 0 runs (1 to 2), then goes
     ahead of job 3 (order 9, ready at 0) that was submitted before it."""
 

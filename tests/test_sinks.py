@@ -1,4 +1,4 @@
-"""Lists and dicts passed into a block that the block adds tensors to (engine/sinks.py) train as ordinary
+"""Lists and dicts passed into a block that the block adds tensors to (engine/device/sinks.py) train as ordinary
 training does: the tensors get their gradient from the loss that uses them, and the recompute in backward
 adds nothing a second time. What the engine cannot follow (items removed, tensors hidden in an object) is
 refused in one line.

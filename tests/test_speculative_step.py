@@ -1,4 +1,4 @@
-"""Speculative steps (``speculative_step``, engine/host_steps.py): each unit's Adam step taken into a spare copy as
+"""Speculative steps (``speculative_step``, engine/host/host_steps.py): each unit's Adam step taken into a spare copy as
 its gradient of the step's last backward lands, kept when the step finds what it assumed, discarded otherwise.
 
 The oracle is the same run without the option (which the rest of the suite holds to ordinary training): the

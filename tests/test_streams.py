@@ -22,8 +22,8 @@ import torch
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.engine import build as build_module
-from megatrain_lightning.engine.host_steps import HostSide
-from megatrain_lightning.engine.streams import SlotPool
+from megatrain_lightning.engine.device.streams import SlotPool
+from megatrain_lightning.engine.host.host_steps import HostSide
 from tests.async_streams import AsyncStreams, install
 from tests.helpers import CausalLM, fit, hf_llama, hf_loss, params_of, token_batches
 
@@ -365,7 +365,7 @@ def test_events_the_host_waits_on_sleep_instead_of_spinning(monkeypatch):
     """CUDA events default to spin-waiting: a host thread synchronizing on one burns a core the host
     optimizer's threads need. The engine's events are blocking ones (a fake CUDA layer records how they are
     made)."""
-    from megatrain_lightning.engine.streams import Streams
+    from megatrain_lightning.engine.device.streams import Streams
 
     made: list[dict] = []
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from megatrain_lightning.engine.worker import HostWorker
+from megatrain_lightning.engine.host.worker import HostWorker
 
 
 class Gate:

@@ -89,7 +89,7 @@ def draw_layout(ax) -> None:
         0.3,
         3.25,
         1.1,
-        "host worker thread (engine/worker.py)\nwaits for a gradient's copy event, then per unit:\n"
+        "host worker thread (engine/host/worker.py)\nwaits for a gradient's copy event, then per unit:\n"
         "land (or accumulate) -> AdamW step -> rewrite the copy",
         "#fff4c8",
         8.5,

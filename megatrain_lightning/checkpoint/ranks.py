@@ -1,4 +1,4 @@
-"""The ranks' part in a checkpoint (engine/partition.py): every rank writes and reads its part of the same
+"""The ranks' part in a checkpoint (engine/ranks.py): every rank writes and reads its part of the same
 files, and the files do not depend on the number of ranks W.
 
 With one rank (the ordinary case) every agreement here is this rank's own and every unit is its to write

@@ -37,7 +37,7 @@ that the file is a sharded checkpoint, to be loaded with ``megatrain_lightning.l
 or converted with ``megatrain convert``. The pickle never runs anything (the "module" it names
 cannot be imported). Markers that are bare JSON, as first written, are read all the same.
 
-:func:`save` and :func:`restore` run over the engine's ranks (engine/partition.py), one path for any number:
+:func:`save` and :func:`restore` run over the engine's ranks (engine/ranks.py), one path for any number:
 with one rank (the ordinary case) every agreement between ranks is the rank's own and every unit is written
 and read whole, straight from and into its buffers. With several they are collective: every rank calls them,
 in the same order. The files are the ones a single process writes (each

@@ -32,7 +32,7 @@ class EngineView(Protocol):
     model: nn.Module
     tier: Any  # the NVMe tier of the Adam moments, or None
     param_order: list[int]
-    ranks: Any  # engine/partition.py's Ranks: one, or this rank's part of W
+    ranks: Any  # engine/ranks.py's Ranks: one, or this rank's part of W
 
     def all_units(self) -> list[Any]: ...
 

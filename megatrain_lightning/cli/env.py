@@ -9,7 +9,7 @@ from importlib import metadata
 
 import torch
 
-from megatrain_lightning.engine.host_memory import HostLimit, tightest_host_limit
+from megatrain_lightning.engine.host.host_memory import HostLimit, tightest_host_limit
 
 
 def _version(package: str) -> str:

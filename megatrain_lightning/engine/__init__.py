@@ -7,7 +7,6 @@ the sweeps) use of it, and the errors it raises. Everything else in engine/ is i
     PinnedMemoryError
 """
 
-from megatrain_lightning.engine import materialize
 from megatrain_lightning.engine.config import (
     HOST_LAYOUTS,
     OFFLOAD_INPUTS_DTYPES,
@@ -31,17 +30,18 @@ from megatrain_lightning.engine.config import (
     options_doc,
     parameters,
 )
+from megatrain_lightning.engine.device.rows import check_row_chunk
 from megatrain_lightning.engine.discover import BlocksOption
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.generic_optim import GenericHostOptimizer
-from megatrain_lightning.engine.host import HostMemoryError, HostUnit
-from megatrain_lightning.engine.materialize import empty_init
-from megatrain_lightning.engine.nvme import PREFIX as NVME_SCRATCH_PREFIX
-from megatrain_lightning.engine.nvme import NvmeTierError
+from megatrain_lightning.engine.host import materialize
+from megatrain_lightning.engine.host.materialize import empty_init
+from megatrain_lightning.engine.host.nvme import PREFIX as NVME_SCRATCH_PREFIX
+from megatrain_lightning.engine.host.nvme import NvmeTierError
+from megatrain_lightning.engine.host.pinned import PinnedMemoryError
+from megatrain_lightning.engine.host.units import HostMemoryError, HostUnit
 from megatrain_lightning.engine.optimizer import HostAdamW, check_optimizer
-from megatrain_lightning.engine.pinned import PinnedMemoryError
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.engine.rows import check_row_chunk
 from megatrain_lightning.optim.threads import usable_cpus
 
 __all__ = [

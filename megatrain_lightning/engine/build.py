@@ -4,7 +4,7 @@
 this rank's CPUs, the host-memory check (before anything is allocated), the NVMe tier, the streams, the
 refusal of a shared block with a KV cache, the host rings, the host units (filled when the model was built
 without weights), the slot pool, the keep policy, the host worker and host side, the outer parameters, the
-self-checks, the block streamer (engine/streamer.py) and, with ``compile_blocks``, the compiled block calls.
+self-checks, the block streamer (engine/device/streamer.py) and, with ``compile_blocks``, the compiled block calls.
 A failure midway gives back what was pinned and the NVMe files. Only the engine calls it: the parts it sets
 are the engine's own, and the engine's facade (engine.py) reads them.
 """
@@ -18,29 +18,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatrain_lightning.engine import host_memory, materialize, pinned
-from megatrain_lightning.engine.block_fn import compile_block_calls
 from megatrain_lightning.engine.config import EngineConfig
+from megatrain_lightning.engine.device.block_fn import compile_block_calls
+from megatrain_lightning.engine.device.grad_sums import DeviceGradSums
+from megatrain_lightning.engine.device.recompute import KeepPolicy
+from megatrain_lightning.engine.device.replay import refuse_compiled
+from megatrain_lightning.engine.device.rows import RowChunks
+from megatrain_lightning.engine.device.saved_inputs import SavedInputs
+from megatrain_lightning.engine.device.streamer import BlockStreamer, ParamRefs, block_buffers, param_refs
+from megatrain_lightning.engine.device.streams import SlotPool, Streams
+from megatrain_lightning.engine.device.uploads import Uploader
 from megatrain_lightning.engine.discover import find_blocks, unit_parameters
-from megatrain_lightning.engine.grad_sums import DeviceGradSums
-from megatrain_lightning.engine.host import HostMemoryError, HostUnit, host_bytes_by_kind, host_bytes_per_param
-from megatrain_lightning.engine.host_memory import available_host_bytes
-from megatrain_lightning.engine.host_steps import HostSide
-from megatrain_lightning.engine.nvme import BUFFERS, NvmeTier
+from megatrain_lightning.engine.host import host_memory, materialize, pinned
+from megatrain_lightning.engine.host.host_memory import available_host_bytes
+from megatrain_lightning.engine.host.host_steps import HostSide
+from megatrain_lightning.engine.host.nvme import BUFFERS, NvmeTier
+from megatrain_lightning.engine.host.pending_reads import PendingReads
+from megatrain_lightning.engine.host.ring import HostRing, piece_numel, ring_counts
+from megatrain_lightning.engine.host.units import HostMemoryError, HostUnit, host_bytes_by_kind, host_bytes_per_param
+from megatrain_lightning.engine.host.worker import HostWorker
 from megatrain_lightning.engine.outer import OuterParams
-from megatrain_lightning.engine.partition import ranks_of
-from megatrain_lightning.engine.pending_reads import PendingReads
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.engine.recompute import KeepPolicy
-from megatrain_lightning.engine.replay import refuse_compiled
-from megatrain_lightning.engine.ring import HostRing, piece_numel, ring_counts
-from megatrain_lightning.engine.rows import RowChunks
-from megatrain_lightning.engine.saved_inputs import SavedInputs
+from megatrain_lightning.engine.ranks import ranks_of
 from megatrain_lightning.engine.self_checks import SelfChecks
-from megatrain_lightning.engine.streamer import BlockStreamer, ParamRefs, block_buffers, param_refs
-from megatrain_lightning.engine.streams import SlotPool, Streams
-from megatrain_lightning.engine.uploads import Uploader
-from megatrain_lightning.engine.worker import HostWorker
 from megatrain_lightning.optim.threads import configure_host_threads, resolve_host_threads
 from megatrain_lightning.planning.device_memory import free_device_bytes, step_transient_bytes
 
@@ -51,11 +51,11 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
     engine.config = config
     engine.model, engine.device, engine.compute_dtype = model, config.torch_device, config.compute_dtype
     engine.stats = _new_stats()
-    refuse_compiled(model)  # (engine/replay.py)
+    refuse_compiled(model)  # (engine/device/replay.py)
     # The stacks, each distinct block once, the parameters blocks share (outer units); what setup logs.
     engine.layout = find_blocks(model, config.blocks)
     engine.blocks = engine.layout.blocks
-    # The ranks (engine/partition.py): with several, this rank holds one shard of every unit's host state.
+    # The ranks (engine/ranks.py): with several, this rank holds one shard of every unit's host state.
     engine.ranks = ranks = ranks_of(config.group)
     engine.host_cpus: list[int] | None = ranks.host_cpus()  # this rank's share of the machine's CPUs (None: all)
     engine.host_threads = resolve_host_threads(
@@ -126,7 +126,7 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
         config.recompute, keep_free, engine.pool.pinned, lambda: engine.pool.num_slots, engine.stats
     )
     # Steps run in the order the next forward needs them, among those whose gradient has landed
-    # (engine/worker.py); with the NVMe tier in the order queued, the order its read-ahead plan names.
+    # (engine/host/worker.py); with the NVMe tier in the order queued, the order its read-ahead plan names.
     worker = HostWorker(
         "megatrain-host_0",
         worker_init,
@@ -161,7 +161,7 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
     outer_buffers_to(model, engine.blocks, engine.device)
     engine.outer = OuterParams(outer_units, engine.device, engine.streams, engine.uploads, engine.host)
     engine.checks = SelfChecks(engine)  # (engine/self_checks.py)
-    engine.reads = PendingReads(engine.host.wait)  # (engine/pending_reads.py)
+    engine.reads = PendingReads(engine.host.wait)  # (engine/host/pending_reads.py)
     stack = engine.layout.stack_of
     engine.streamer = BlockStreamer(
         blocks=engine.blocks,
@@ -200,8 +200,8 @@ def _unit(engine: Any, name: str, params: list, pin: bool, keep_copy: bool) -> H
 
 def _build_blocks(engine: Any, block_params: list, pin: bool) -> tuple[list[ParamRefs], list[list[list]]]:
     """Move each block into a host unit whose master its parameters are views of from now on; returns where
-    each block's parameters sit and its buffers' device copies (engine/streamer.py)."""
-    refs: list[ParamRefs] = []  # per block: where each parameter sits (engine/streamer.py)
+    each block's parameters sit and its buffers' device copies (engine/device/streamer.py)."""
+    refs: list[ParamRefs] = []  # per block: where each parameter sits (engine/device/streamer.py)
     engine._state_hooks = []
     for i, (blk, params) in enumerate(zip(engine.blocks, block_params)):
         keep_copy = engine.config.host_layout != "lean"

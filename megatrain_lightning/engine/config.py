@@ -9,8 +9,8 @@ enters. :class:`EngineConfig` runs them all in ``__post_init__``.
 Why one file of about 500 lines: it is the one declaration of every option (the point of it), and each
 option's check sits beside its field.
 
-Of the engine it imports only the option types (discover.py, recompute.py, rows.py); clients reach it through the
-engine's facade, engine/__init__.py.
+Of the engine it imports only the option types (discover.py, device/recompute.py, device/rows.py); clients
+reach it through the engine's facade, engine/__init__.py.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from megatrain_lightning.engine.device.recompute import Recompute, check_recompute
+from megatrain_lightning.engine.device.rows import RowChunk, check_row_chunk
 from megatrain_lightning.engine.discover import BlocksOption
-from megatrain_lightning.engine.recompute import Recompute, check_recompute
-from megatrain_lightning.engine.rows import RowChunk, check_row_chunk
 from megatrain_lightning.optim.threads import resolve_host_threads
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
@@ -301,7 +301,7 @@ class EngineConfig:
         "first optimizer step, as many as the device memory the weight slots leave allows (none on the CPU, "
         "which has no memory measure). It saves host work and downloads, and costs GPU time and the memory "
         "kept graphs would use: worth it where the host or the link bounds the step, not where the optimizer "
-        "chain does (docs/benchmarks.md; engine/grad_sums.py).",
+        "chain does (docs/benchmarks.md; engine/device/grad_sums.py).",
         check_device_grad_sums,
         flag={"type": int_or_auto("a number of blocks"), "metavar": "BLOCKS"},
     )
@@ -316,7 +316,7 @@ class EngineConfig:
         'outputs is refused at its first chunked call. ``"auto"``: at each call, the most rows whose activations '
         "fit half the device memory free then (the block's first call measures one row), the call whole when "
         "they all fit; whole on the CPU, which has no memory measure. None (default): every call whole "
-        "(engine/rows.py).",
+        "(engine/device/rows.py).",
         check_row_chunk,
         flag={"type": int_or_auto("a number of rows"), "metavar": "ROWS"},
     )
@@ -341,7 +341,7 @@ class EngineConfig:
         "it; otherwise they are discarded and the unit steps as without this option. The same weights, bit for "
         "bit, either way. For steps that wait for the gradient's norm (clipping) or for ``optimizer.step()`` "
         "(``overlap_optimizer=False``); needs a compute copy: precision bf16-mixed or bf16-true, host_layout "
-        '"default", no nvme_dir, and the engine\'s Adam (torch.optim.AdamW or Adam) (engine/host_steps.py).',
+        '"default", no nvme_dir, and the engine\'s Adam (torch.optim.AdamW or Adam) (engine/host/host_steps.py).',
         _flag_check("speculative_step"),
         flag={"action": argparse.BooleanOptionalAction},
     )
@@ -364,7 +364,7 @@ class EngineConfig:
         "forward pass, the last blocks keep their graphs while their measured activations fit in half of the "
         "free device memory and two slots stay free for streaming; on a device with no memory measure (the "
         'CPU) every block is recomputed. ``engine.stats["kept_calls"]`` counts the calls that kept their graph '
-        "(engine/recompute.py).",
+        "(engine/device/recompute.py).",
         check_recompute,
         flag={"type": _recompute_word, "metavar": "{auto,true,false}"},
     )
@@ -374,7 +374,7 @@ class EngineConfig:
         '``"bf16"`` (32-true runs) as bfloat16, half the bytes; ``"fp8"`` as float8_e4m3fn with one fp32 '
         "scale per token, 1 + 4/hidden_size bytes per element (a quarter of fp32, half of bf16). Lossy: backward "
         "recomputes each block from the rounded input (see the user guide for the measured cost). Encoded and "
-        "decoded on the device (engine/input_codec.py). Does nothing to inputs kept on the device "
+        "decoded on the device (engine/device/input_codec.py). Does nothing to inputs kept on the device "
         '(``offload_inputs=False``, or "auto" deciding not to offload).',
         check_offload_inputs_dtype,
         flag={"choices": OFFLOAD_INPUTS_DTYPES},
@@ -409,14 +409,14 @@ class EngineConfig:
         False,
         "run each block's forward, and its recompute in backward, through ``torch.compile`` (one compiled "
         "function per block class, shared by all its blocks; see "
-        ":class:`~megatrain_lightning.engine.block_fn.CompiledBlock`): twice per run (without and with grad), "
+        ":class:`~megatrain_lightning.engine.device.block_fn.CompiledBlock`): twice per run (without and with grad), "
         "more for other sequence lengths. Equal to eager training within round-off, not bit for bit. A block "
         "that cannot compile as one graph raises at its first call, naming its class.",
         _flag_check("compile_blocks"),
     )
     piece: int | None = option(
         None,
-        "elements per piece of the lean layout's rings and the NVMe tier; None picks a size (engine/ring.py).",
+        "elements per piece of the lean layout's rings and the NVMe tier; None picks a size (engine/host/ring.py).",
         check_piece,
     )
     pin_memory: bool | None = option(
@@ -460,7 +460,7 @@ class EngineConfig:
     group: Any = option(
         None,
         "the ``torch.distributed`` process group of the data-parallel ranks (None: this process alone). With "
-        "more than one rank every unit's host state is partitioned among them (engine/partition.py).",
+        "more than one rank every unit's host state is partitioned among them (engine/ranks.py).",
         role="run",
     )
 

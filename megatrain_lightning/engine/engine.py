@@ -16,19 +16,21 @@ and the schedule model all go through these calls. This module is that facade: e
 the parts the engine holds, which engine/build.py constructs (it imports no Lightning):
 
     Engine
-     |- BlockStreamer (engine/streamer.py): each block's call streamed through a slot, forward and backward
-     |- HostUnit per block and per outer parameter (engine/host.py): flat fp32 master, Adam moments,
-     |  compute copy, gradient slab; the block's parameters stay registered as views of the master
-     |- SlotPool (engine/streams.py): device slots blocks stream through; Uploader (engine/uploads.py)
-     |- BlockRunner per block (engine/block_fn.py): the block's forward, recomputed in backward
-     |  (engine/block_state.py: what a block call takes, returns and changes)
-     |- SavedInputs (engine/saved_inputs.py): block inputs kept for backward, on the device or the host
-     |- KeepPolicy (engine/recompute.py): which block calls keep their graph instead of a recompute
-     |- HostSide (engine/host_steps.py): gradients to the host, accumulation, norms, Adam, the worker
+     |- Ranks (engine/ranks.py): this rank's shard of every unit (the whole with one rank), the collectives
      |- OuterParams (engine/outer.py): embedding, final norm, head: device copies rewritten after a step
- |- Ranks (engine/partition.py): this rank's shard of every unit (the whole with one rank), the collectives
+     |- engine/device/: the per-block device work
+     |   |- BlockStreamer (streamer.py): each block's call streamed through a slot, forward and backward
+     |   |- SlotPool (streams.py): device slots blocks stream through; Uploader (uploads.py)
+     |   |- BlockRunner per block (block_fn.py): the block's forward, recomputed in backward
+     |   |  (block_state.py: what a block call takes, returns and changes)
+     |   |- SavedInputs (saved_inputs.py): block inputs kept for backward, on the device or the host
+     |   |- KeepPolicy (recompute.py): which block calls keep their graph instead of a recompute
+     |- engine/host/: the host half
+         |- HostUnit per block and per outer parameter (units.py): flat fp32 master, Adam moments, compute
+         |  copy, gradient slab; the block's parameters stay registered as views of the master
+         |- HostSide (host_steps.py): gradients to the host, accumulation, norms, Adam, the worker
 
-One host worker thread (engine/worker.py) does all host-side arithmetic, a unit's jobs in the order
+One host worker thread (engine/host/worker.py) does all host-side arithmetic, a unit's jobs in the order
 submitted and steps in the order the next forward needs them. A unit's ``future`` is its last job;
 nothing reads or overwrites a unit's buffers before that future and the copy events it waits on.
 """
@@ -43,14 +45,14 @@ import torch
 from torch import nn
 
 from megatrain_lightning.checkpoint import store
-from megatrain_lightning.engine import pinned
 from megatrain_lightning.engine.build import build, outer_buffers_to, pinnable
 from megatrain_lightning.engine.config import EngineConfig, forward_context
 from megatrain_lightning.engine.generic_optim import GenericHostOptimizer, GenericSteps
-from megatrain_lightning.engine.host import HostMemoryError, HostUnit
+from megatrain_lightning.engine.host import pinned
+from megatrain_lightning.engine.host.ring import HostRing
+from megatrain_lightning.engine.host.units import HostMemoryError, HostUnit
 from megatrain_lightning.engine.optimizer import HostAdamW, check_optimizer, native_ok
 from megatrain_lightning.engine.probes import Probes
-from megatrain_lightning.engine.ring import HostRing
 
 __all__ = ["Engine", "EngineConfig", "HostMemoryError"]
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megatrain_lightning.engine.host import HostUnit
+from megatrain_lightning.engine.host.units import HostUnit
 from megatrain_lightning.engine.optimizer import share_groups
 
 # What a checkpoint's safetensors file holds (checkpoint/stream.py's codes).
@@ -115,7 +115,8 @@ class GenericHostOptimizer(torch.optim.Optimizer):
 
 
 class GenericSteps:
-    """The torch optimizers attached to one engine, and the step ``HostSide.step`` hands them (engine/host_steps.py)."""
+    """The torch optimizers attached to one engine, and the step ``HostSide.step`` hands them
+    (engine/host/host_steps.py)."""
 
     def __init__(self, engine: Any, optimizers: list[torch.optim.Optimizer]) -> None:
         if not engine.ranks.whole_here:

@@ -14,14 +14,14 @@ from typing import Any, Protocol
 
 import torch
 
-from megatrain_lightning.engine.host import HostUnit, ParamEntry, spans
+from megatrain_lightning.engine.host.units import HostUnit, ParamEntry, spans
 from megatrain_lightning.optim.kernels import AdamHyper
 
 
 class Steps(Protocol):
     """What the optimizer asks of the engine (engine.py's ``Engine``, which imports this module)."""
 
-    ranks: Any  # engine/partition.py's Ranks
+    ranks: Any  # engine/ranks.py's Ranks
 
     def all_units(self) -> list[HostUnit]: ...
 

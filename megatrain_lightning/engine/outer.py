@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from megatrain_lightning.engine.host import HostUnit
-from megatrain_lightning.engine.host_steps import HostSide
-from megatrain_lightning.engine.uploads import Uploader
+from megatrain_lightning.engine.device.uploads import Uploader
+from megatrain_lightning.engine.host.host_steps import HostSide
+from megatrain_lightning.engine.host.units import HostUnit
 
 
 class OuterParams:

@@ -18,12 +18,12 @@ import torch
 @dataclass(frozen=True)
 class Probes:
     host_available_bytes: Callable[[], int] | None = None
-    """Host memory available for the engine's buffers; None: read from the OS (engine/host.py)."""
+    """Host memory available for the engine's buffers; None: read from the OS (engine/host/units.py)."""
     device_free_bytes: Callable[[], int | None] | None = None
     """Device memory free now (None: no measure); None: read from the device (device_memory.py)."""
     step_transient_bytes: Callable[[], int | None] | None = None
     """Device memory the first step needed beyond the persistent buffers; None: measured (device_memory.py)."""
     streams: Callable[[torch.device], Any] | None = None
-    """Builds the engine's streams for a device; None: engine/streams.py's ``Streams``."""
+    """Builds the engine's streams for a device; None: engine/device/streams.py's ``Streams``."""
     worker: Callable[[Any], Any] | None = None
-    """Wraps the host worker (engine/worker.py) the engine submits its host jobs to; None: used as it is."""
+    """Wraps the host worker (engine/host/worker.py) the engine submits its host jobs to; None: used as it is."""

@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 if TYPE_CHECKING:
-    from megatrain_lightning.engine.host import HostUnit
+    from megatrain_lightning.engine.host.units import HostUnit
 
 
 # -- the recompute's fingerprint ------------------------------------------------------------------------

@@ -174,7 +174,7 @@ class MegatrainFabricStrategy(Strategy):
         device, and a model too large for it must never be materialized there. ``empty_init=True`` builds it
         without weights (parameters on the meta device, buffers on the host): ``fabric.setup`` fills the
         engine's fp32 masters unit by unit, from the checkpoint ``load_hf_weights`` named, else by each
-        module's own init (engine/materialize.py)."""
+        module's own init (engine/host/materialize.py)."""
         return materialize.empty_init() if empty_init else _EmptyInit(enabled=False)
 
     @override

@@ -1,6 +1,6 @@
 """A data-parallel rank that exits (killed, out of memory, its machine gone) ends the others' run in one line.
 
-Every rank's engine makes the same collectives in the same order (engine/partition.py), so when one rank dies
+Every rank's engine makes the same collectives in the same order (engine/ranks.py), so when one rank dies
 the next collective on each of the others fails at once: gloo reports the TCP connection its peer's exit
 closed ("Connection closed by peer", "Connection reset by peer"; NCCL's reports of a remote process that
 exited are matched too). Nothing hangs, and nothing a save had not committed is used (checkpoint/store.py

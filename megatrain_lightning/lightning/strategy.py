@@ -310,7 +310,7 @@ class MegatrainStrategy(ParallelStrategy):
         """``trainer.init_module(empty_init=True)`` builds the model without weights: parameters on the meta
         device, buffers on the host. Setup then fills the engine's fp32 masters unit by unit, from the
         checkpoint ``load_hf_weights`` named, else by each module's own init, so the model never exists in
-        fp32 beside them (engine/materialize.py)."""
+        fp32 beside them (engine/host/materialize.py)."""
         if not empty_init:
             with super().tensor_init_context(empty_init):
                 yield

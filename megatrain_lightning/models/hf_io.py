@@ -29,7 +29,7 @@ from .llama import LlamaForCausalLM
 SOURCE_ATTR = "_megatrain_source"
 """Attribute of a meta parameter: a callable returning the tensor (any dtype, the parameter's shape) to fill
 it from. Set by the loader here, read and removed by the engine when it fills its masters
-(engine/materialize.py); models never import the engine."""
+(engine/host/materialize.py); models never import the engine."""
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -164,7 +164,7 @@ def load_hf_weights(model: nn.Module, directory: str | os.PathLike) -> None:
     A parameter on the meta device (a model built under ``trainer.init_module(empty_init=True)`` or
     ``fabric.init_module(empty_init=True)`` with strategy="megatrain") is not copied into: it is told which
     tensor fills it, and the strategy reads each one into its fp32 master as it sets the model up, so the
-    model never exists in fp32 beside those masters (engine/materialize.py). Buffers are copied now.
+    model never exists in fp32 beside those masters (engine/host/materialize.py). Buffers are copied now.
     """
     directory = Path(directory)
     expected = _expected_tensors(model)

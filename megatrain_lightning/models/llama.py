@@ -332,7 +332,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """One module's own parameters (as HF's method of that name): what a model built without weights gets,
-        module by module, as its parameters get memory (engine/materialize.py)."""
+        module by module, as its parameters get memory (engine/host/materialize.py)."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.normal_(0.0, self.config.initializer_range)
             if getattr(module, "bias", None) is not None:

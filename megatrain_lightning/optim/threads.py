@@ -1,6 +1,6 @@
 """The host worker's thread budget: how many threads the CPU optimizer uses, and on which CPUs.
 
-The engine's host worker (engine/host_steps.py) runs the Adam steps, gradient landing and norms on one
+The engine's host worker (engine/host/host_steps.py) runs the Adam steps, gradient landing and norms on one
 Python thread, beside the thread that launches the GPU's kernels. Left alone, the native kernel (csrc/)
 and torch's intra-op pool each take every core, and the launching thread has to fight them for one.
 :func:`configure_host_threads`, called first thing on the worker thread, gives the host work
@@ -23,7 +23,7 @@ one, kept for the launching thread.
   ``cpus[i * len(cpus) // n]`` of the mask's CPUs listed node by node: the threads spread evenly over
   the nodes, each node's share over its own CPUs. On one node nothing is placed.
 
-Data parallel (engine/partition.py): the ranks on one machine split its CPUs (:func:`rank_cpus`), each
+Data parallel (engine/ranks.py): the ranks on one machine split its CPUs (:func:`rank_cpus`), each
 rank's share contiguous in the node-by-node listing, so with at least as many ranks as NUMA nodes each
 rank's threads stay on one node, next to the memory its shards were first touched from. A rank's budget
 is then its share minus one, and its threads are placed on its share whatever the number of nodes.

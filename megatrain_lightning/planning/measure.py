@@ -14,7 +14,7 @@ What is counted (like ``torch.cuda.max_memory_allocated``, not the CUDA context)
 - The "device" is the fake CPU: on the CPU-only wheel autograd refuses fake CUDA tensors, and the
   engine swaps ``param.data`` between host and device tensors, which torch refuses between cpu and
   meta. So host buffers must be told apart: every host buffer the engine owns comes from
-  ``engine.pinned.host_empty``, whose observers (``host_observers``) report it, and its bytes are taken
+  ``engine.host.pinned.host_empty``, whose observers (``host_observers``) report it, and its bytes are taken
   off again (and the peak is restored to what it was before that allocation).
 - Dispatch modes are thread-local, so what the engine's host worker thread computes is not counted,
   which is right: it works on host memory.
@@ -61,9 +61,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatrain_lightning.engine import pinned
 from megatrain_lightning.engine.config import EngineConfig, compute_dtype
 from megatrain_lightning.engine.engine import Engine
+from megatrain_lightning.engine.host import pinned
 from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.models.tiled_attention import workspace_bytes
@@ -101,7 +101,7 @@ def measure_step(
     other than True and the device bytes the engine may take (`capacity`), the step after a first one,
     when kept graphs are decided (module docstring). `grad_sums`: that many blocks keep their gradient sums
     on the device (``device_grad_sums``), so the measured backward is an accumulating micro-batch's.
-    `row_chunk`: block calls of that many rows at a time (engine/rows.py)."""
+    `row_chunk`: block calls of that many rows at a time (engine/device/rows.py)."""
     if getattr(config, "token_chunk_size", None) == "auto":
         # "auto" sizes tiles from free CUDA memory; on the fake CPU it would pick the CPU's fixed tile.
         raise ValueError("token_chunk_size='auto' depends on the GPU's free memory; measure a fixed tile size")

@@ -103,7 +103,7 @@ def measure_model_step(
     """(device bytes of one training step of the model `build` returns, host bytes of the block inputs it
     offloaded); with `recompute` other than True and the device bytes the engine may take (`capacity`), the
     step after a first one, as measure.py's ``measure_step``. `row_chunk`: block calls of that many rows at a
-    time (engine/rows.py)."""
+    time (engine/device/rows.py)."""
     dtype = compute_dtype(precision)
     t0 = time.perf_counter()
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
@@ -201,7 +201,7 @@ def loss_of(out: Any) -> torch.Tensor:
 
 class _BuffersUnchanged(TorchDispatchMode):
     """``torch.equal`` of fake tensors has no answer: the engine's test whether a block's buffer changed
-    (engine/block_state.py) then relies on the buffer's identity and version counter (module docstring)."""
+    (engine/device/block_state.py) then relies on the buffer's identity and version counter (module docstring)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.equal.default:

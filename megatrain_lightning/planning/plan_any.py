@@ -20,7 +20,7 @@ For these models nothing is a formula (:func:`plan_model`):
   (``discover.unit_parameters``: each block's own parameters, every other parameter a unit) gives the
   units;
 - host bytes are counted: each unit's parameters times the bytes per parameter of the host layout
-  (``engine.host.host_bytes_by_kind``, as the planner's), plus the lean layout's rings and the NVMe tier's
+  (``engine.host.units.host_bytes_by_kind``, as the planner's), plus the lean layout's rings and the NVMe tier's
   pieces in flight sized from the largest unit, as the engine allocates them; offloaded block inputs are
   the bytes the measured step put in host buffers;
 - the GPU peak is measured: one training step through the engine on fake tensors (measure_any.py), plus
@@ -53,9 +53,9 @@ from torch import nn
 
 from megatrain_lightning.engine.config import EngineConfig, check_host_layout
 from megatrain_lightning.engine.discover import Layout, find_blocks, unit_parameters
-from megatrain_lightning.engine.host import host_bytes_by_kind
-from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
-from megatrain_lightning.engine.ring import piece_numel, ring_counts
+from megatrain_lightning.engine.host.nvme import BUFFERS as NVME_BUFFERS
+from megatrain_lightning.engine.host.ring import piece_numel, ring_counts
+from megatrain_lightning.engine.host.units import host_bytes_by_kind
 from megatrain_lightning.planning.measure_any import Family, check_measurable
 from megatrain_lightning.planning.planner import CUDA_CONTEXT_BYTES, GiB, choose_tiers, compute_bytes, format_size
 
@@ -187,7 +187,7 @@ class Units:
 
     @property
     def piece(self) -> int:
-        """Elements per ring piece, as the engine sizes it (engine/ring.py): from the largest unit."""
+        """Elements per ring piece, as the engine sizes it (engine/host/ring.py): from the largest unit."""
         return piece_numel(max([self.largest_block, *self.outer]))
 
 
@@ -211,7 +211,7 @@ def host_bytes(
     elt, n = compute_bytes(precision), units.numel
     per_param = host_bytes_by_kind(elt, True, accumulate > 1, layout, clipping, speculative and layout != "lean")
     out = {kind: b * n for kind, b in per_param.items()}
-    if layout == "lean":  # no copy: rings of pieces instead (engine/ring.py), in planner.lean_breakdown's order
+    if layout == "lean":  # no copy: rings of pieces instead (engine/host/ring.py), in planner.lean_breakdown's order
         staging, grads = ring_counts(units.largest_block, units.piece)
         out = {
             "master": out["master"],

@@ -4,7 +4,7 @@
 settings, so ``megatrain plan`` and resource requests (a Ray trial asks for ``{"memory": host bytes}``)
 can size a run before anything is allocated.
 
-Host bytes follow the engine's own buffers one for one (``engine/host.py``, ``engine/ring.py``), for the
+Host bytes follow the engine's own buffers one for one (``engine/host/units.py``, ``engine/host/ring.py``), for the
 host layout planned (``MegatrainStrategy(host_layout=..., nvme_dir=...)``), per parameter:
 
     default   fp32 master 4 + Adam m, v 8 + pinned compute copy (2 in bf16; 0 in fp32, where the master is
@@ -12,7 +12,7 @@ host layout planned (``MegatrainStrategy(host_layout=..., nvme_dir=...)``), per 
     lean      fp32 master 4 + Adam m, v 8 + fp32 accumulator 4 (only when accumulate > 1)
               + gradient slab (2 in bf16, 4 in fp32) only with clipping and accumulate = 1, where each
                 gradient waits for the global norm
-              + two rings of pieces (``engine/ring.py``: a piece is 1/32 of the largest unit, at least 2^22
+              + two rings of pieces (``engine/host/ring.py``: a piece is 1/32 of the largest unit, at least 2^22
                 elements), not per parameter, in the compute dtype: 4 pieces that uploads cast the master
                 into (none in fp32), and a block's pieces + 1 that gradients land in
     nvme_dir  Adam m, v (8) in files on that directory instead of host memory; the host keeps them for
@@ -24,7 +24,7 @@ outside the blocks is a unit of its own). ``host_layout="auto"`` plans the first
 default, lean, then (given ``nvme_dir``) lean with Adam on NVMe; each step down saves host memory and costs
 time (the lean casts on the host; the drive traffic).
 
-The copy and slab (in fp32 the master and slab) are page-locked at exactly these sizes (``engine/pinned.py``;
+The copy and slab (in fp32 the master and slab) are page-locked at exactly these sizes (``engine/host/pinned.py``;
 no power-of-two rounding), and the engine's own host-memory check uses the same per-parameter figure.
 
 GPU bytes are the engine's fixed buffers plus what a step computes with; each item is a fixed part plus a
@@ -40,7 +40,7 @@ part per token of the micro-batch (``elt`` = compute dtype bytes, ``n`` = micro_
     gradient sums     (accumulate > 1) (sums x block + outer) x 4 / W: the blocks whose fp32 gradient sum stays
                       on the device across micro-batches, and with them the outer parameters'
                       (``device_grad_sums``: a count, or "auto": after the slots, as many as the memory beyond
-                      4 x the transient and 1 GiB allows, the outer ones first; engine/grad_sums.py)
+                      4 x the transient and 1 GiB allows, the outer ones first; engine/device/grad_sums.py)
     outer parameters  (embedding + final norm + head, a tied head counted once) x elt
     saved inputs      layers x n x H x elt                      (the only activations kept for backward)
                       with offloaded inputs: n x H x elt (the block in use; the next one is fetched
@@ -55,7 +55,7 @@ part per token of the micro-batch (``elt`` = compute dtype bytes, ``n`` = micro_
                                plus block x elt
                       tiled core (``tiled_attention``): the attention backward's term is
                                n x (elt x (4A + 4K + 3H) + 8 heads) + one block pair of the core
-                      row chunks (``row_chunk`` R below the micro-batch's rows; engine/rows.py): the term above
+                      row chunks (``row_chunk`` R below the micro-batch's rows; engine/device/rows.py): the term above
                                for one chunk's R x seq_len tokens (tiles planned for them), + block x 4 (the
                                fp32 gradient sum over chunks) + n x 4 H elt (the block's input, its output's and
                                its input's gradients, the next input prefetched); no kept graphs
@@ -85,7 +85,7 @@ over 3/4 of ``gpu_mem``) the attention backward holds the same tensors without t
 never repeated (4K), and two fp32 statistics per head (its log-sum-exp and D = rowsum(dO * O)); its block
 pair (``tiled_attention.workspace_bytes``: fp32 blocks of 1/8 of a tile) does not grow with the sequence.
 
-A kept graph (``recompute``, engine/recompute.py) holds what the block's ops save for backward (read off
+A kept graph (``recompute``, engine/device/recompute.py) holds what the block's ops save for backward (read off
 saved-tensor hooks on the model): untiled, each RMSNorm's fp32 input (8H bytes for the two), inverse norm
 (4 bytes, 8) and, in the compute dtype, its output and that output cast for the projections (4H); q and
 the attention output (2A), k and v (2K": K where bf16 kernels share kv heads, A where fp32 repeats them),
@@ -94,9 +94,9 @@ the softmax statistics (4 bytes per head); gate, up, silu and their product (4I)
 block's input (H), the concatenated q, k, v, the attention output, the statistics, and cos and sin.
 ``kept`` (:func:`kept_blocks`) follows the engine's "auto" rule on the plan's figures: from the last block
 back, while kept x that fits
-:data:`~megatrain_lightning.engine.recompute.KEEP_SHARE` of the memory free at the pass's first block
+:data:`~megatrain_lightning.engine.device.recompute.KEEP_SHARE` of the memory free at the pass's first block
 (``gpu_mem`` less the persistent items, the context, RoPE and the first block's input) and
-:data:`~megatrain_lightning.engine.recompute.STREAMING_SLOTS` slots stay unpinned; ``False`` keeps every
+:data:`~megatrain_lightning.engine.device.recompute.STREAMING_SLOTS` slots stay unpinned; ``False`` keeps every
 block (one slot per block), ``True`` none.
 
 Attention uses the fused SDPA kernels (no T x T scores). The loss term is the chunk's fp32 logits, their
@@ -115,7 +115,7 @@ parameters is each rank's own: staging and gradient rings, Adam pieces in flight
 block inputs of its micro-batch (``PER_RANK_KINDS``): devices times a rank's on a node. GPU memory is per GPU:
 a slot holds a whole block once its shards are all-gathered (in place: the rank uploads its shard into its
 own part of the slot), so every single-GPU item stays. A unit's gradient is exchanged all-to-all into a
-buffer of the unit's size and each rank sums its chunk's W parts in fp32 (engine/partition.py): the
+buffer of the unit's size and each rank sums its chunk's W parts in fp32 (engine/ranks.py): the
 largest unit (the embedding or head, or a block) adds that buffer and the chunk's sum
 (:func:`collective_bytes`), beside an allowance for the collective library's own channel buffers
 (``COLLECTIVE_BYTES``, ranks.py; not measured); everything sized from the GPU limit (micro-batch, sequence, slots)
@@ -137,11 +137,17 @@ from typing import Any
 
 from megatrain_lightning.engine.config import HOST_LAYOUTS as ENGINE_HOST_LAYOUTS
 from megatrain_lightning.engine.config import EngineConfig, OffloadInputsDtype, check_host_layout, check_precision
-from megatrain_lightning.engine.grad_sums import auto_sum_count
-from megatrain_lightning.engine.host import host_bytes_by_kind
-from megatrain_lightning.engine.nvme import BUFFERS as NVME_BUFFERS
-from megatrain_lightning.engine.recompute import KEEP_SHARE, STREAMING_SLOTS, Recompute, check_recompute, kept_count
-from megatrain_lightning.engine.ring import piece_numel, ring_counts
+from megatrain_lightning.engine.device.grad_sums import auto_sum_count
+from megatrain_lightning.engine.device.recompute import (
+    KEEP_SHARE,
+    STREAMING_SLOTS,
+    Recompute,
+    check_recompute,
+    kept_count,
+)
+from megatrain_lightning.engine.host.nvme import BUFFERS as NVME_BUFFERS
+from megatrain_lightning.engine.host.ring import piece_numel, ring_counts
+from megatrain_lightning.engine.host.units import host_bytes_by_kind
 from megatrain_lightning.models.config import LlamaConfig
 from megatrain_lightning.models.tiled_attention import workspace_bytes as tiled_core_workspace
 from megatrain_lightning.models.tiling import (
@@ -290,7 +296,7 @@ def host_breakdown(
 def lean_breakdown(
     config: LlamaConfig, elt: int, accumulate: int, clipping: bool, num_slots: int = 2
 ) -> dict[str, int]:
-    """The lean layout's host bytes (engine/ring.py): no persistent copy, but a staging ring of pieces that
+    """The lean layout's host bytes (engine/host/ring.py): no persistent copy, but a staging ring of pieces that
     uploads cast the master into (none in fp32, where the pinned master is the upload source) and a gradient
     ring of pieces; a gradient slab only where a gradient must wait for the step (clipping needs the global
     norm first; an accumulated one waits in the fp32 accumulator). `num_slots` does not change them."""
@@ -351,7 +357,7 @@ def gpu_items(
     row_chunk: int | None = None,
 ) -> dict[str, tuple[int, int]]:
     """GPU memory per item as (fixed bytes, bytes per token of the micro-batch), with `kept` blocks keeping
-    their graph (:func:`kept_blocks`); see the module docstring. With `row_chunk` rows a call (engine/rows.py)
+    their graph (:func:`kept_blocks`); see the module docstring. With `row_chunk` rows a call (engine/device/rows.py)
     a block's recompute holds one chunk's activations and an fp32 sum of its weights' gradients."""
     elt, block, h, v = compute_bytes(precision), block_numel(config), config.hidden_size, config.vocab_size
     tokens = micro_batch * seq_len
@@ -405,7 +411,7 @@ def kept_blocks(
     recompute: Recompute = "auto",
     row_chunk: int | None = None,
 ) -> int:
-    """Blocks per forward pass that keep their graph instead of a recompute (engine/recompute.py): none with
+    """Blocks per forward pass that keep their graph instead of a recompute (engine/device/recompute.py): none with
     True, all with False; "auto" the engine's rule on the plan's figures, from the last block back, while
     their activations fit :data:`KEEP_SHARE` of the memory free at the pass's first block and
     :data:`STREAMING_SLOTS` of the `num_slots` stay unpinned (none without `gpu_mem`: no memory measure).
@@ -614,7 +620,7 @@ def auto_row_chunk(
     `gpu_mem` whole (with its inputs offloaded or not, as ``offload_inputs`` allows) or there is no limit, else
     the most rows a call may take (:func:`max_row_chunk`; None when not even one row fits, which the plan
     reports). The engine decides at each call from what the block measurably saves and the memory free then
-    (engine/rows.py), within half of it: it may take fewer rows a chunk than this, never more."""
+    (engine/device/rows.py), within half of it: it may take fewer rows a chunk than this, never more."""
     if row_chunk != "auto":
         return row_chunk
     if gpu_mem is None or micro_batch < 2:
@@ -690,14 +696,14 @@ class Plan:
     nodes: int = 1
     """Nodes of a data-parallel run: each holds 1/nodes of the sharded host state."""
     recompute: Recompute = True
-    """``recompute`` as asked: True, False or "auto" (engine/recompute.py)."""
+    """``recompute`` as asked: True, False or "auto" (engine/device/recompute.py)."""
     kept_blocks: int = 0
     grad_sums: int = 0
     """Blocks whose gradient sum over the micro-batches stays on the device (``device_grad_sums``)."""
     """Blocks per forward pass that keep their graph (:func:`kept_blocks`); their activations are the
     ``kept_graphs`` GPU item."""
     row_chunk: int | None = None
-    """Rows a block call computes at a time (``row_chunk``, engine/rows.py; None: the micro-batch's)."""
+    """Rows a block call computes at a time (``row_chunk``, engine/device/rows.py; None: the micro-batch's)."""
     max_row_chunk: int | None = None
     """The most rows a block call may compute at a time for this micro-batch to fit ``gpu_mem`` with its inputs
     offloaded (None without a GPU limit or with one row a micro-batch, 0 when not even one row does)."""

@@ -50,7 +50,7 @@ What it leaves out:
   reserves four times over), which is the planner's figure.
 
 Data parallel (``ranks.py``, ``scaling.py``): ``modelled_step(..., gpus=N, link=...)`` records one rank of
-the data-parallel mode (engine/partition.py): shard copies, collectives on the device link, host work
+the data-parallel mode (engine/ranks.py): shard copies, collectives on the device link, host work
 on the rank's shards at 1/N of the node's DRAM bandwidth; :func:`scaling` tabulates strong and weak scaling.
 """
 

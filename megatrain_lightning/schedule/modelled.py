@@ -7,7 +7,7 @@ fake tensors (``steps.py``), replays them on the profile (``replay.py``) and mea
 (``report.py``). :class:`ModelledStep` holds the figures and prints them: what was modelled, the lanes'
 table and, as the last line, one machine-readable summary.
 
-With ``gpus`` > 1 it models one rank of the data-parallel mode (``ranks.py``; engine/partition.py): the rank's share of
+With ``gpus`` > 1 it models one rank of the data-parallel mode (``ranks.py``; engine/ranks.py): the rank's share of
 the step's tokens is what it records (``micro_batches`` of its own), its profile has 1/gpus of the host's
 DRAM bandwidth, and the planner's choices leave the GPU memory of the collective library's buffers free.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from megatrain_lightning.engine import check_row_chunk
 from megatrain_lightning.engine.config import check_num_slots
-from megatrain_lightning.engine.recompute import check_recompute
+from megatrain_lightning.engine.device.recompute import check_recompute
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.planning import planner
 from megatrain_lightning.planning.flops import attention_flops, model_flops
@@ -170,7 +170,7 @@ def modelled_step(
 ) -> ModelledStep:
     """Record `steps` optimizer steps of `config` as the strategy runs them and replay them on `profile`
     (module docstring); with `gpus` > 1, one rank of that many joined by `link`, each step `micro_batches`
-    of the rank's own. `row_chunk`: layer-major block calls of that many rows (engine/rows.py; "auto": as
+    of the rank's own. `row_chunk`: layer-major block calls of that many rows (engine/device/rows.py; "auto": as
     many as the planner picks), the tile and the memory figures those of one chunk. A ValueError names a bad option."""
     check_options(seq_len, micro_batches, clip, num_slots, steps, batch_size)
     check_recompute(recompute)

@@ -1,4 +1,4 @@
-"""One rank of the data-parallel mode ("partition, then stream", engine/partition.py), modelled on the recording of the
+"""One rank of the data-parallel mode ("partition, then stream", engine/ranks.py), modelled on the recording of the
 single-GPU engine: what each of N GPUs of one node would issue, and what it would share.
 
 The design modelled: each unit's flat host buffers are cut into N contiguous shards, one per rank. For each
@@ -14,8 +14,8 @@ out of what the engine issues today:
     D2H                                                                                           | shard |
     host                                                                                           | Adam 1/N |
 
-- Each copy of a unit's weights (``engine/uploads.py``) becomes the shard's copy, ceil(elements / N), and
-  an all-gather that brings in the other N - 1 shards; each copy of a unit's gradient (``engine/host_steps.py``)
+- Each copy of a unit's weights (``engine/device/uploads.py``) becomes the shard's copy, ceil(elements / N), and
+  an all-gather that brings in the other N - 1 shards; each copy of a unit's gradient (``engine/host/host_steps.py``)
   becomes a reduce-scatter sending out N - 1 shards, then the shard's copy. Saved inputs move whole.
 - ``link="nvlink"``: the collectives run on a sixth lane, ``peer``, at the profile's NVLink rate each way
   (a ring moves (N - 1)/N of the unit through every GPU's link, both directions at once). An event of the
@@ -46,7 +46,7 @@ from megatrain_lightning.schedule.replay import LAUNCH_S
 from megatrain_lightning.schedule.trace import Copy, Record, Wait
 
 LINKS = ("nvlink", "pcie")
-UNIT_COPIERS = ("megatrain_lightning.engine.uploads", "megatrain_lightning.engine.host_steps")
+UNIT_COPIERS = ("megatrain_lightning.engine.device.uploads", "megatrain_lightning.engine.host.host_steps")
 """The engine modules whose copies move units' weights and gradients (sharded); others move whole."""
 NORM_READ = "_param_norms"
 """Where the engine reads the clipping norms from the device: the all-reduce of the ranks' parts goes first."""

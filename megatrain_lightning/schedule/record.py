@@ -150,7 +150,7 @@ class Recorder:
         """Name the block each op of the engine's block calls belongs to (undone by :meth:`detach`)."""
         if not isinstance(engine.streams, RecordingStreams):
             raise RuntimeError("build the engine with Recorder.probes(): its streams are not the recording ones")
-        streamer = engine.streamer  # (engine/streamer.py: what each block's runner calls)
+        streamer = engine.streamer  # (engine/device/streamer.py: what each block's runner calls)
         for name, label in (("forward_block", "forward"), ("backward_block", "backward")):
             streamer.__dict__[name] = self._named_block(getattr(streamer, name), label)
             self._undo.append(lambda name=name: streamer.__dict__.pop(name, None))
@@ -247,7 +247,7 @@ class _Lane(torch.Stream):
 
 
 class RecordingStreams:
-    """Stands in for ``engine.streams.Streams``: answers as a CUDA device would and logs each call; a copy is
+    """Stands in for ``engine.device.streams.Streams``: answers as a CUDA device would and logs each call; a copy is
     done at once (the replay decides when it would have run)."""
 
     is_cuda = True  # the engine's CUDA branches (record_stream) are the ones a GPU run takes

@@ -9,7 +9,7 @@ of the data-parallel model (``ranks.py``) adds a sixth, ``peer``, for collective
   told to wait for, and lasts its modelled time. An event completes when everything enqueued on its lane
   before it has (or when it is recorded, on an idle lane). A sync moves the thread's clock to the end of
   what it waits for (an event, a host job, the whole device): that stretch is recorded as blocked.
-- The worker runs one job at a time, as engine/worker.py does: a job is ready once submitted and once
+- The worker runs one job at a time, as engine/host/worker.py does: a job is ready once submitted and once
   what it was submitted after (copy events, earlier jobs) is complete; when the worker is free it takes
   the ready job of lowest order (submission order among equal ones), else waits for the first to become
   ready. Its waits on copy events block it like the issuing thread's; its kernels take their host time.

@@ -103,7 +103,7 @@ class Trace:
     issue: list = field(default_factory=list)
     jobs: list[list] = field(default_factory=list)
     job_step: list[int] = field(default_factory=list)  # the optimizer step during which each job was submitted
-    job_order: list[int] = field(default_factory=list)  # its order on the worker (engine/worker.py)
+    job_order: list[int] = field(default_factory=list)  # its order on the worker (engine/host/worker.py)
     job_after: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)  # (events, jobs) first
     slots: int = 0  # the engine's weight slots when the recording ended (num_slots="auto" grows them)
     grad_sums: int = 0  # blocks summing their gradients on the device when the recording ended (device_grad_sums)

@@ -9,7 +9,7 @@ input's gradient. The weights' gradients never enter autograd's graph: the engin
 memory as soon as they exist. So ``loss.backward()``, ``manual_backward`` and any loss a user writes
 work unchanged.
 
-A block may return any tree of tensors (a tuple, a dict, a dataclass, a ``ModelOutput``; engine/block_state.py
+A block may return any tree of tensors (a tuple, a dict, a dataclass, a ``ModelOutput``; engine/device/block_state.py
 takes it apart). Tensors that leave a block other than through its hidden-state output (router logits a
 hook records for an MoE auxiliary loss, an ``aux_loss`` attribute a router sets, the other tensors of the
 output) are made outputs of the same autograd node, so a loss built from them sends its gradient into the
@@ -17,12 +17,12 @@ block's recompute as it would in ordinary training. Tensor arguments besides the
 grad (an encoder's output for cross-attention, a position bias the first block made) are inputs of the
 node: the recompute takes their gradients too and autograd sends them where the tensors came from. What
 the forward changes of the block's buffers and plain attributes is replayed, not repeated
-(engine/block_state.py's ``Mutations``). Like ``torch.utils.checkpoint``, the recompute runs under
+(engine/device/block_state.py's ``Mutations``). Like ``torch.utils.checkpoint``, the recompute runs under
 the autocast state and from the RNG state the forward saw, and the submodules' hooks fire again in it.
 
 Forward and recompute hand the block tensors with the same ``requires_grad`` flags (parameters as the
 user set them, the input as it arrived), and both run in grad mode, as ordinary training's forward does
-(the forward saving nothing for backward: engine/recompute.py ``nothing_saved``): some kernels pick their
+(the forward saving nothing for backward: engine/device/recompute.py ``nothing_saved``): some kernels pick their
 path from those flags and the mode (CPU attention whose additive mask requires grad), and the same path
 all three times keeps the loss and the gradients bit for bit those of ordinary training. So a side output
 computed without grad (T5's cross-attention bias of zeros) leaves the node not requiring grad either.
@@ -38,14 +38,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
-from megatrain_lightning.engine.replay import HostRngs, direct_checkpoints
-from megatrain_lightning.engine.rows import rows_of
-from megatrain_lightning.engine.sinks import Sinks
+from megatrain_lightning.engine.device.block_state import InputChain, Mutations, flatten
+from megatrain_lightning.engine.device.replay import HostRngs, direct_checkpoints
+from megatrain_lightning.engine.device.rows import rows_of
+from megatrain_lightning.engine.device.sinks import Sinks
 
 
 class Streamer(Protocol):
-    """What a block's runner asks of the engine (engine/streamer.py's ``BlockStreamer``, which imports this
+    """What a block's runner asks of the engine (engine/device/streamer.py's ``BlockStreamer``, which imports this
     module)."""
 
     device: torch.device
@@ -90,23 +90,23 @@ class CallState:
         # parameters the block uses (themselves: the block reads them as attributes, not as arguments).
         self.grad_inputs: list[torch.Tensor] = []
         self.chained = 0
-        self.keep = False  # the call keeps its graph from the forward (engine/recompute.py)
+        self.keep = False  # the call keeps its graph from the forward (engine/device/recompute.py)
         self.kept: Any = None  # that graph (recompute.KeptGraph), until the backward
         self.unsplit: Callable[[torch.Tensor, tuple], Any] = lambda hidden, extra: hidden  # see split()
         self.extra: tuple = ()  # the output's other leaves
         self.own_input: torch.Tensor | None = None  # the forward's detached input, until the output is rebuilt
         self.changed: Mutations | None = None  # what the forward changed of the block's state
-        self.sinks: Sinks | None = None  # lists and dicts among the arguments (engine/sinks.py)
-        self.host_rngs: HostRngs | None = None  # random, NumPy and the block's generators (engine/replay.py)
+        self.sinks: Sinks | None = None  # lists and dicts among the arguments (engine/device/sinks.py)
+        self.host_rngs: HostRngs | None = None  # random, NumPy and the block's generators (engine/device/replay.py)
         self.recorded = 0  # how many tensors SideOutputs recorded in the forward
         self.side_index: list[int] = []  # which of them are outputs of the autograd node
         self.extra_ids: dict[int, int] = {}  # id of a tensor in `extra` -> its index among those outputs
         self.offload = False  # this call saves its input in host memory (the engine's decision for its pass)
         self.saved: Any = None  # the input in host memory when the call offloads it
-        self.row_chunk: int | None = None  # rows a chunk of this call computes (None: whole; engine/rows.py)
+        self.row_chunk: int | None = None  # rows a chunk of this call computes (None: whole; engine/device/rows.py)
         self.row_spans: list[tuple[int, int]] = []  # the call ran in these chunks of rows
         self.chunk_prints: list[Any] = []  # the forward's fingerprint of each chunk's output
-        self.drew = False  # the chunked forward drew random numbers (refused: engine/rows.py)
+        self.drew = False  # the chunked forward drew random numbers (refused: engine/device/rows.py)
         types = {"cpu", device.type}
         self.autocast = [
             (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t), torch.is_autocast_cache_enabled())
@@ -142,8 +142,8 @@ class CallState:
 
     def call(self, forward: Callable[..., Any], hidden: torch.Tensor, rows: tuple[int, int, int] | None = None) -> Any:
         """Run the block's own forward on `hidden` with the captured arguments (each run on its own copy of
-        the lists and dicts among them: engine/sinks.py); `rows` (rows of the call, start, end): `hidden` is
-        that chunk of the call's rows, and so are the per-row arguments it gets (engine/rows.py)."""
+        the lists and dicts among them: engine/device/sinks.py); `rows` (rows of the call, start, end): `hidden` is
+        that chunk of the call's rows, and so are the per-row arguments it gets (engine/device/rows.py)."""
         args, kwargs = (self.args, self.kwargs) if self.sinks is None else self.sinks.fresh()
         if rows is not None:
             args, kwargs = rows_of((args, kwargs), *rows)

@@ -47,7 +47,7 @@ from megatrain_lightning.engine.config import check_num_slots
 
 
 def issued(event: object) -> object:
-    """`event`, or, for an upload the stager still has in hand (engine/uploads.py), the event of its last
+    """`event`, or, for an upload the stager still has in hand (engine/device/uploads.py), the event of its last
     copy, once the stager has issued it."""
     resolve = getattr(event, "resolve", None)
     return resolve() if resolve is not None else event
@@ -116,7 +116,7 @@ class Streams:
         The weights' all-gathers run on the H2D stream and the gradients' exchange on the compute stream, each
         on its own communicator. Two NCCL collectives in flight at once on two communicators can hang: each
         kernel waits for its peers, and the ranks' GPUs may start them in different orders. Chained like this,
-        a rank has one in flight at a time, in the order issued, which every rank shares (engine/partition.py:
+        a rank has one in flight at a time, in the order issued, which every rank shares (engine/ranks.py:
         every collective is issued at a point that does not depend on timing)."""
         self.wait(stream, self._collective_end)
         self.run(stream, work)
@@ -148,7 +148,7 @@ class SlotPool:
         self.ready: list[object | None] = []
         self.free: list[object | None] = []
         self.last_use: list[int] = []
-        self.pins: list[int] = []  # calls that kept a graph over the slot's weights (engine/recompute.py)
+        self.pins: list[int] = []  # calls that kept a graph over the slot's weights (engine/device/recompute.py)
         self.grow_when_pinned = False  # recompute=False: a slot is added when every one is pinned
         self._clock = 0
         self.uploads = 0  # blocks uploaded since construction (tests read this)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatrain_lightning.engine.block_state import flatten
+from megatrain_lightning.engine.device.block_state import flatten
 
 
 class Sinks:

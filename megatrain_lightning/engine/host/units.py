@@ -14,14 +14,14 @@ consecutive parameters (a Llama block with a no-decay group for norms has four r
 | acc    | fp32           | 4           | only while gradients are being accumulated          |
 | (NVMe) | fp32 m, v      | 0 host      | with nvme_dir: m, v in files, a few units in flight  |
 
-With ``nvme_dir`` (engine/nvme.py) ``m`` and ``v`` stay None: the moments live in one file per unit and
+With ``nvme_dir`` (engine/host/nvme.py) ``m`` and ``v`` stay None: the moments live in one file per unit and
 come into working buffers a piece at a time for a step (or a checkpoint), through
 :meth:`HostUnit.moment_pieces`.
 
-With ``host_layout="lean"`` (engine/ring.py) there is no copy, and a slab only for a gradient that waits
+With ``host_layout="lean"`` (engine/host/ring.py) there is no copy, and a slab only for a gradient that waits
 for a clipped step: uploads and landings go through rings of a few buffers instead.
 
-Partitioned (data parallel over W ranks, engine/partition.py), a unit's buffers hold only this rank's
+Partitioned (data parallel over W ranks, engine/ranks.py), a unit's buffers hold only this rank's
 contiguous shard ``lo..hi`` of the flat layout. ``layout`` then describes the whole unit (each parameter,
 its offset in the full flat: what a device slot holds and a checkpoint names) and ``entries`` the shard:
 one piece per parameter it cuts, offset from ``lo``, flat, ``start`` elements into the parameter. The host
@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatrain_lightning.engine.nvme import NvmeTier
-from megatrain_lightning.engine.pinned import host_empty
+from megatrain_lightning.engine.host.nvme import NvmeTier
+from megatrain_lightning.engine.host.pinned import host_empty
 
 
 class GradState(enum.Enum):
@@ -176,7 +176,7 @@ class HostUnit:
         bounds: tuple[int, int] | None = None,
         device_numel: int | None = None,
     ) -> None:
-        """`keep_copy=False` (the lean layout, engine/ring.py): no persistent compute-dtype copy; uploads
+        """`keep_copy=False` (the lean layout, engine/host/ring.py): no persistent compute-dtype copy; uploads
         cast the master into a staging ring instead. In fp32 the master is the copy either way. `bounds`:
         partitioned, this rank's shard (lo, hi) of the flat layout; `device_numel`: the length of the unit's
         flat on the device (the layout padded to W equal shards)."""
@@ -275,7 +275,7 @@ class HostUnit:
         the host buffers themselves (one piece), or, on the NVMe tier, a working buffer per piece read from
         the unit's file and written back when the loop moves on if `write` (not if the loop body raised).
         `fresh`: the loop overwrites every element, so the file need not be read first. On the tier, lo and
-        hi must fall on piece boundaries (the gradient ring's pieces do: engine/ring.py). `only`: skip the
+        hi must fall on piece boundaries (the gradient ring's pieces do: engine/host/ring.py). `only`: skip the
         pieces that overlap none of these (start, end) ranges (a step reads no moments it does not update)."""
         hi = self.numel if hi is None else hi
         if self.tier is None:
@@ -414,7 +414,7 @@ def host_bytes_by_kind(
     speculative: bool = False,
 ) -> dict[str, int]:
     """Bytes per parameter of each host buffer kind (the table above), for a compute element size. The lean
-    layout (engine/ring.py) has no copy, and a per-unit slab only for gradients waiting for a clipped step;
+    layout (engine/host/ring.py) has no copy, and a per-unit slab only for gradients waiting for a clipped step;
     its rings (a few units' worth, not per parameter) are not in these figures."""
     lean = layout == "lean"
     copy = 0 if compute_elt == 4 or lean else compute_elt  # in fp32 the master is the copy

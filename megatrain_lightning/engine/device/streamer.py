@@ -7,7 +7,7 @@
     _run / _load       bind a slot (uploading it unless resident), enqueue the call, prefetch ahead
     _bound             a block's parameters and buffers pointed at the device for the duration of a call
 
-The streamer owns what only the block calls need: each block's runner (engine/block_fn.py, which asks it to
+The streamer owns what only the block calls need: each block's runner (engine/device/block_fn.py, which asks it to
 stream), the open calls of each block (whose backward has not run yet), where each parameter of a block sits
 in its modules (rebound to the slot for a call) and the device copies of the blocks' buffers. The engine
 (engine.py) builds it over the parts it holds (the slot pool, the host units and the host side, the keep
@@ -28,20 +28,20 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from megatrain_lightning.engine.block_fn import BlockRunner, CallState, SideOutputs, select_side
-from megatrain_lightning.engine.block_state import InputChain, Mutations, flatten
-from megatrain_lightning.engine.grad_sums import auto_sum_count
-from megatrain_lightning.engine.host import HostUnit
-from megatrain_lightning.engine.host_steps import HostSide, graph_task
+from megatrain_lightning.engine.device.block_fn import BlockRunner, CallState, SideOutputs, select_side
+from megatrain_lightning.engine.device.block_state import InputChain, Mutations, flatten
+from megatrain_lightning.engine.device.grad_sums import auto_sum_count
+from megatrain_lightning.engine.device.recompute import KeepPolicy, KeptGraph, nothing_saved
+from megatrain_lightning.engine.device.rows import RowChunks
+from megatrain_lightning.engine.device.saved_inputs import SavedInputs
+from megatrain_lightning.engine.device.streams import SlotPool
+from megatrain_lightning.engine.device.uploads import Uploader
+from megatrain_lightning.engine.host.host_steps import HostSide, graph_task
+from megatrain_lightning.engine.host.pending_reads import PendingReads
+from megatrain_lightning.engine.host.units import HostUnit
 from megatrain_lightning.engine.outer import OuterParams
-from megatrain_lightning.engine.partition import Ranks
-from megatrain_lightning.engine.pending_reads import PendingReads
-from megatrain_lightning.engine.recompute import KeepPolicy, KeptGraph, nothing_saved
-from megatrain_lightning.engine.rows import RowChunks
-from megatrain_lightning.engine.saved_inputs import SavedInputs
+from megatrain_lightning.engine.ranks import Ranks
 from megatrain_lightning.engine.self_checks import SelfChecks
-from megatrain_lightning.engine.streams import SlotPool
-from megatrain_lightning.engine.uploads import Uploader
 from megatrain_lightning.planning.device_memory import auto_slot_count
 
 log = logging.getLogger("megatrain_lightning")
@@ -100,18 +100,18 @@ class BlockStreamer:
 
     # -- the calls of one block ---------------------------------------------------------------------
     def offloads_call(self, idx: int, hidden: torch.Tensor) -> bool:
-        """Whether this call of block `idx` (under grad) saves its input on the host (engine/saved_inputs.py)."""
+        """Whether this call of block `idx` (under grad) saves its input on the host (engine/device/saved_inputs.py)."""
         first, count = self._spans[idx]
         return self.saved_inputs.offloads_call(idx - first, hidden, count)
 
     def chunks_call(self, idx: int, hidden: torch.Tensor) -> int | None:
         """The rows each chunk of this call of block `idx` (under grad) computes, None when it is whole
-        (engine/rows.py; 0: ``row_chunk="auto"`` measures its first chunk of one row)."""
+        (engine/device/rows.py; 0: ``row_chunk="auto"`` measures its first chunk of one row)."""
         return self.rows.size_for(idx, hidden)
 
     def keeps_call(self, idx: int, hidden: torch.Tensor) -> bool:
         """Whether this whole call of block `idx` (under grad) keeps its graph instead of a recompute
-        (engine/recompute.py; a call in chunks of rows never does: its graph is each chunk's, made again in
+        (engine/device/recompute.py; a call in chunks of rows never does: its graph is each chunk's, made again in
         backward)."""
         return self.keep.keeps(idx, *self._spans[idx], hidden)
 
@@ -156,7 +156,7 @@ class BlockStreamer:
 
     def size_sums(self) -> None:
         """``device_grad_sums="auto"``, after the first optimizer step (and the slots' sizing): as many blocks get
-        a device gradient sum as the memory left free allows (engine/grad_sums.auto_sum_count); none on a device
+        a device gradient sum as the memory left free allows (engine/device/grad_sums.auto_sum_count); none on a device
         with no memory measure (the CPU)."""
         measured, sums = self._memory_after_step(), self.host.sums
         if measured is None or sums is None:
@@ -172,7 +172,7 @@ class BlockStreamer:
         self, idx: int, state: CallState, hidden: torch.Tensor, input_requires_grad: bool, record: bool = True
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run block `idx`: (hidden output, side outputs for the autograd node), without a graph unless the
-        call keeps it (``state.keep``, engine/recompute.py: ``state.kept`` then holds it for the backward).
+        call keeps it (``state.keep``, engine/device/recompute.py: ``state.kept`` then holds it for the backward).
 
         When training (`record`), the input is handed over with the flag it will have in the recompute, and
         the tensors that may leave the block besides its output are recorded (see SideOutputs)."""
@@ -199,7 +199,7 @@ class BlockStreamer:
                     return self.rows.forward(idx, name, state, runner.inner, x, self.checks, state.row_chunk, measuring)
                 return state.call(runner.inner, x)
 
-        # Training: in grad mode, as ordinary training's forward and the recompute (engine/recompute.py).
+        # Training: in grad mode, as ordinary training's forward and the recompute (engine/device/recompute.py).
         with (torch.enable_grad() if keep else nothing_saved()) if record else torch.no_grad():
             result, kept = self._run(idx, +1, call, keep=keep)
             out, state.unsplit, state.extra = state.split(result)
@@ -225,7 +225,7 @@ class BlockStreamer:
             kept.x = x
             kept.outputs = [get_gradient_edge(t) if t.requires_grad else None for t in [out, *picked]]
             state.kept = kept
-        elif not chunked:  # (a chunked call's fingerprints are its chunks': engine/rows.py)
+        elif not chunked:  # (a chunked call's fingerprints are its chunks': engine/device/rows.py)
             self.checks.forward_done(state, [out, *picked])
         return out, picked
 
@@ -344,7 +344,7 @@ class BlockStreamer:
 
     def _prefetch_depth(self, direction: int) -> int:
         """How many blocks ahead of the one computing are uploaded now: as many as the other slots hold, unless
-        the ranks' uploads are collectives (engine/partition.py: ``prefetch_depth``)."""
+        the ranks' uploads are collectives (engine/ranks.py: ``prefetch_depth``)."""
         return self.ranks.prefetch_depth(self.pool.num_slots - 1, forward=direction > 0)
 
     @contextmanager

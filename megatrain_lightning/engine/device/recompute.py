@@ -5,9 +5,9 @@ runs without a graph and its backward runs it again with one. A call that *keeps
 forward with grad instead; its backward only differentiates that graph, so the block's forward is computed
 once. The graph holds the block's activations (the saved tensors of its ops) on the device until its
 backward, and the weights it computed with: those are the slot the block was streamed into, so the slot is
-pinned (engine/streams.py ``SlotPool.pin``) until the call's backward has run, and no upload may overwrite
-it. The graph's weights are fresh leaves over the slot (engine/streamer.py, ``BlockStreamer._bound``), not the block's own
-parameters, whose storage moves back to the host masters after every call.
+pinned (engine/device/streams.py ``SlotPool.pin``) until the call's backward has run, and no upload may overwrite
+it. The graph's weights are fresh leaves over the slot (engine/device/streamer.py, ``BlockStreamer._bound``), not
+the block's own parameters, whose storage moves back to the host masters after every call.
 
 ``recompute`` (EngineConfig, MegatrainStrategy):
 

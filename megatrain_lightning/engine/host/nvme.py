@@ -6,7 +6,7 @@ With ``nvme_dir`` the 8 bytes/param of fp32 ``m`` and ``v`` leave host memory. E
 release never ran). The files are scratch: a checkpoint holds everything a resume needs, and a resume
 writes the checkpoint's moments back into fresh files.
 
-The tier works in *pieces* (engine/ring.py): a unit's elements lo..hi, at most ``piece_numel`` of them,
+The tier works in *pieces* (engine/host/ring.py): a unit's elements lo..hi, at most ``piece_numel`` of them,
 stored in its file at byte ``lo * 8`` as m then v of the piece. Host memory holds at most ``buffers``
 working buffers (default 4), each one piece (both moments), however large the largest unit is. A buffer
 is bound to at most one piece and moves through::
@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatrain_lightning.engine.pinned import host_empty
+from megatrain_lightning.engine.host.pinned import host_empty
 
 BUFFERS = 4  # one stepping, one writing behind, two read ahead
 IO_THREADS = 2
@@ -131,7 +131,7 @@ class NvmeTier:
         self,
         directory: str,
         numel: int,
-        max_numel: int,  # elements per piece (engine/ring.py: piece_numel)
+        max_numel: int,  # elements per piece (engine/host/ring.py: piece_numel)
         *,
         buffers: int = BUFFERS,
         io_threads: int = IO_THREADS,

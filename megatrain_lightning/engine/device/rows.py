@@ -46,12 +46,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from megatrain_lightning.engine.block_state import flatten
+from megatrain_lightning.engine.device.block_state import flatten
 
 RowChunk = int | Literal["auto"] | None
 
 # "auto" gives a chunk's activations (the bytes its ops save for backward) at most this share of the device
-# memory free at its call: the rest is the backward's transients, about as large (engine/recompute.py).
+# memory free at its call: the rest is the backward's transients, about as large (engine/device/recompute.py).
 ROW_SHARE = 0.5
 
 
@@ -72,7 +72,7 @@ class RowChunks:
     """Decides which calls run in chunks of rows, and refuses the blocks that cannot (module docstring).
 
     ``row_chunk="auto"``: decided at each training call, from the device memory free then and the bytes the
-    block saves for backward (`estimate`, measured as ``recompute="auto"`` measures them, engine/recompute.py):
+    block saves for backward (`estimate`, measured as ``recompute="auto"`` measures them, engine/device/recompute.py):
     the most rows whose saved bytes fit :data:`ROW_SHARE` of the free memory, or the whole call when all of
     them do. A block not yet measured runs its first chunk on one row, measured, and the rest of the call in
     chunks sized from that. On a device with no memory measure (the CPU) every call is whole."""

@@ -1,6 +1,6 @@
 """How an offloaded block input is stored on the host: exactly, as bfloat16, or as fp8 with a scale per token.
 
-``offload_inputs_dtype`` trades exactness for host memory and link bytes (engine/saved_inputs.py). The
+``offload_inputs_dtype`` trades exactness for host memory and link bytes (engine/device/saved_inputs.py). The
 encoding runs on the device, on the compute stream, before the D2H copy; the decoding on the device, on the
 compute stream, after the H2D copy, so the link carries only the smaller form::
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from megatrain_lightning.engine.host import HostUnit
+from megatrain_lightning.engine.host.units import HostUnit
 from megatrain_lightning.models.hf_io import SOURCE_ATTR  # (set by the checkpoint loader, read and removed here)
 
 _local = threading.local()  # the hook below is process-wide; only the thread inside empty_init() is affected

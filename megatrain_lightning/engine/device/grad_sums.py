@@ -13,7 +13,7 @@ started on a unit holding no gradient, so an earlier host sum is never added in 
 
 A sum goes to the host early ("spilled", where it goes on as the host path's accumulator) when something
 needs the gradient there before the step's last backward: hooks reading ``.grad``, a gradient norm asked
-for, a block called again within one backward (its calls are summed on the host, engine/host_steps.Held),
+for, a block called again within one backward (its calls are summed on the host, engine/host/host_steps.Held),
 or an optimizer step taken on an accumulating backward.
 
 How many blocks get one (``EngineConfig.device_grad_sums``): a count, the first blocks of the model; or

@@ -1,6 +1,6 @@
 """Host -> device copies of a unit's weights: whole from its compute copy, or piece by piece through a
 staging ring where there is none (the lean layout casts the fp32 master into a staging buffer just
-before it goes up; engine/ring.py).
+before it goes up; engine/host/ring.py).
 
 The cast is host work as long as a memory pass over the unit, so it runs on a thread of its own, the
 stager, not on the thread that issues the kernels: that thread hands the upload over and goes on issuing
@@ -14,7 +14,7 @@ The stager issues the copies of an upload in order, after the waits the issuing 
 stream before handing it over; an upload's end is a :class:`Staged` event, which resolves to the CUDA event of
 its last copy once the stager has issued it. A partitioned upload ends in an all-gather, a collective
 that every rank must issue from its compute-issuing thread in the same order: it casts inline (the ranks'
-``stages_uploads``, engine/partition.py).
+``stages_uploads``, engine/ranks.py).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from megatrain_lightning.engine.host import HostUnit
-from megatrain_lightning.engine.partition import Ranks
-from megatrain_lightning.engine.ring import HostRing, pieces
+from megatrain_lightning.engine.host.ring import HostRing, pieces
+from megatrain_lightning.engine.host.units import HostUnit
+from megatrain_lightning.engine.ranks import Ranks
 
 
 class Staged:
@@ -51,7 +51,7 @@ class Uploader:
     """Issues the H2D copies of units' weights on the engine's H2D stream and counts their bytes."""
 
     def __init__(self, streams, stats: dict, piece: int, staging: HostRing | None, ranks: Ranks) -> None:
-        """`ranks` (engine/partition.py): each rank uploads its shard, then the ranks all-gather the rest."""
+        """`ranks` (engine/ranks.py): each rank uploads its shard, then the ranks all-gather the rest."""
         self.streams, self.stats, self.piece, self.staging = streams, stats, piece, staging
         self.ranks = ranks
         self._stager: ThreadPoolExecutor | None = None
@@ -79,7 +79,7 @@ class Uploader:
         h2d, base, done = self.streams.h2d, unit.lo, None  # (base: 0 for a whole unit)
         for lo, hi in pieces(unit.numel, unit.numel if unit.copy is not None else self.piece):
             buffer, source = (None, unit.copy[lo:hi]) if unit.copy is not None else self._cast(unit, lo, hi)
-            # (one copy, unless the slot's alignment padding separates parameters: engine/host.py)
+            # (one copy, unless the slot's alignment padding separates parameters: engine/host/units.py)
             for a, b, at in unit.slot_runs(base + lo, base + hi):
                 self.streams.copy(h2d, dst[at : at + b - a], source[a - base - lo : b - base - lo])
             done = self.streams.event(h2d)

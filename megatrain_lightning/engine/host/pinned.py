@@ -186,7 +186,7 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host buffer; page-locked when it is a DMA source or target so copies can be asynchronous. Every
     host buffer the engine owns comes from here.
 
-    Pinned buffers are registered at their exact size (engine/pinned.py), not taken from torch's caching
+    Pinned buffers are registered at their exact size (engine/host/pinned.py), not taken from torch's caching
     host allocator, which would round each one up to a power of two."""
     t = pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
     for observe in host_observers:

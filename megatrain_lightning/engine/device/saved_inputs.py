@@ -18,7 +18,7 @@ backward has run; the next copy into it waits for the upload that read it.
 what the pass would save and the device memory free for it (:func:`offload_needed`). Every block of the
 pass follows that decision: each call records where its input went, and its backward looks there.
 
-``offload_inputs_dtype`` stores the inputs in a smaller form (engine/input_codec.py): encoded on the compute
+``offload_inputs_dtype`` stores the inputs in a smaller form (engine/device/input_codec.py): encoded on the compute
 stream before the D2H copy, decoded on the compute stream after the H2D copy; the buffers, the pool and the
 events below see only the stored form. It does nothing to inputs kept on the device.
 """
@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 from megatrain_lightning.engine.config import OffloadInputs, OffloadInputsDtype, check_offload_inputs
-from megatrain_lightning.engine.host import HostMemoryError
-from megatrain_lightning.engine.input_codec import InputCodec
-from megatrain_lightning.engine.pinned import host_empty
-from megatrain_lightning.engine.streams import Streams
+from megatrain_lightning.engine.device.input_codec import InputCodec
+from megatrain_lightning.engine.device.streams import Streams
+from megatrain_lightning.engine.host.pinned import host_empty
+from megatrain_lightning.engine.host.units import HostMemoryError
 
 log = logging.getLogger("megatrain_lightning")
 

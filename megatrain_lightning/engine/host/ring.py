@@ -14,7 +14,7 @@ step) and a pinned gradient slab: 2 + 2 bytes/param in bf16. ``host_layout="lean
 A buffer is handed out again only after what last used it is complete: the H2D copy that read it (an
 event), or the host job that consumed it (a future).
 
-Both rings, and the NVMe tier's working buffers (engine/nvme.py), hold *pieces*, not units: a unit's
+Both rings, and the NVMe tier's working buffers (engine/host/nvme.py), hold *pieces*, not units: a unit's
 elements 0..n are cut into runs of :func:`piece_numel` elements, and an upload, a gradient landing, an
 Adam step and an NVMe read or write each go piece by piece. What the host holds in flight is then a few
 pieces, independent of how large the largest unit (a 128k x 16k embedding: 2B parameters) is:
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from megatrain_lightning.engine.pinned import host_empty
+from megatrain_lightning.engine.host.pinned import host_empty
 
 PIECE_MIN = 1 << 22
 """Elements per piece at least (16 MiB of fp32): each NVMe read or write stays one large sequential IO."""

@@ -2,7 +2,7 @@
 
 An object the engine holds (:class:`HostSide`); it owns the state of the gradients' way to the host
 (grad slots, rings, what is pending) and is given the units, streams, worker and counters. Every host-side computation runs on the engine's single worker thread
-(engine/worker.py: a unit's jobs in the order submitted, steps in the next forward's order); a unit's
+(engine/host/worker.py: a unit's jobs in the order submitted, steps in the next forward's order); a unit's
 ``future`` is its last job, and nothing overwrites a unit's slab or uploads its copy before that future
 has finished.
 
@@ -11,7 +11,7 @@ waits for the copy event, then keeps it (slab), adds it into the fp32 accumulato
 or, when it completes the step and nothing needs the global norm first, steps the unit right away.
 
 In the lean layout a gradient the worker consumes at once (into the accumulator, or by the step) skips the
-slab: it comes down piece by piece (engine/ring.py) into a ring, and each piece is landed (and stepped)
+slab: it comes down piece by piece (engine/host/ring.py) into a ring, and each piece is landed (and stepped)
 as soon as its copy is done, so the host holds a few pieces of gradient, not a unit's.
 
 A block called more than once before one backward (two forwards in one loss) has its calls' gradients
@@ -21,7 +21,7 @@ others come down through a ring and are added to it, and the last call lands the
 Hooks that read or edit gradients (``engine.gradients_visible``) get them after :meth:`HostSide.expose` has
 landed every one into the fp32 accumulator; :meth:`HostSide.take_back` folds what they left into it.
 
-A unit given a device sum (engine/grad_sums.py) adds its accumulating micro-batches' gradients on the device
+A unit given a device sum (engine/device/grad_sums.py) adds its accumulating micro-batches' gradients on the device
 instead, and the sum comes down once, at the step's last backward, into the accumulator.
 
 Why one file of about 780 lines: every path a gradient takes to the host (whole, in pieces, held for a
@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from megatrain_lightning.engine.grad_sums import DeviceGradSums
-from megatrain_lightning.engine.host import GradState, HostUnit, spans
-from megatrain_lightning.engine.partition import Ranks
-from megatrain_lightning.engine.ring import HostRing, pieces
+from megatrain_lightning.engine.device.grad_sums import DeviceGradSums
+from megatrain_lightning.engine.host.ring import HostRing, pieces
+from megatrain_lightning.engine.host.units import GradState, HostUnit, spans
+from megatrain_lightning.engine.ranks import Ranks
 from megatrain_lightning.engine.self_checks import gated
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.optim.kernels import AdamHyper
@@ -108,10 +108,10 @@ class HostSide:
         sums: DeviceGradSums | None = None,
     ) -> None:
         """`invalidate(i)`: block i's weights on the host changed, so a device slot holding it is stale.
-        `ranks` (engine/partition.py): each unit holds this rank's shard, its gradients reduce-scattered over
+        `ranks` (engine/ranks.py): each unit holds this rank's shard, its gradients reduce-scattered over
         the ranks (the whole unit and its own gradients with one rank)."""
         self.ranks = ranks
-        self.sums = sums  # engine/grad_sums.py: blocks whose micro-batch gradients are summed on the device
+        self.sums = sums  # engine/device/grad_sums.py: blocks whose micro-batch gradients are summed on the device
         self.blocks, self.outer, self.streams, self.worker, self.stats = blocks, outer, streams, worker, stats
         self.piece, self.tier, self.overlap_optimizer, self.invalidate = piece, tier, overlap_optimizer, invalidate
         self.speculative = speculative  # EngineConfig.speculative_step: see :class:`Speculation`
@@ -231,7 +231,7 @@ class HostSide:
         elif self.streams.is_cuda:
             flat.record_stream(self.streams.d2h)  # autograd's grad buffer lives until the copy has read it
 
-    # -- sums kept on the device (engine/grad_sums.py) ----------------------------------------------------
+    # -- sums kept on the device (engine/device/grad_sums.py) ----------------------------------------------------
     def sum_grads(
         self, unit: HostUnit, grads: list[torch.Tensor | None], present: list[bool], block_idx: int, more: bool
     ) -> bool:
@@ -347,7 +347,7 @@ class HostSide:
             slab = unit.ensure_slab()
             self.streams.copy(self.streams.d2h, slab, flat)
             done = self.streams.event(self.streams.d2h)
-            # A step waits its turn (engine/worker.py): the next forward's order, once its copy has landed.
+            # A step waits its turn (engine/host/worker.py): the next forward's order, once its copy has landed.
             rank = self.step_rank(unit) if hyper is not None else 0
             job = partial(self._land, unit, done, present, accumulate, want_norm, hyper, clamp)
             self.submit(unit, job, rank, done)
@@ -795,7 +795,7 @@ class HostSide:
                 unit.grad.landed(self._norms(unit))
             by_param.update((id(e.param), n) for e, n, g in zip(unit.entries, unit.grad.norms, unit.grad.present) if g)
         # clip_grad_norm_ walks the optimizer's parameters that have a gradient, in group order; so does this
-        # (with several ranks each parameter's norm is assembled from its pieces': engine/partition.py).
+        # (with several ranks each parameter's norm is assembled from its pieces': engine/ranks.py).
         return self.ranks.norms(by_param, self.param_order)
 
     def _step_unit(
@@ -903,7 +903,7 @@ class HostSide:
         self, unit: HostUnit, job: Callable[[], None], order: int = 0, event: Any = None, weights: Future | None = None
     ) -> None:
         """Queue `job` as `unit`'s last job: after its previous one and (if given) the copy `event`, at
-        `order` (engine/worker.py: 0 for landing and bookkeeping, a step's rank for steps). `weights`: the job
+        `order` (engine/host/worker.py: 0 for landing and bookkeeping, a step's rank for steps). `weights`: the job
         sets it once the unit's compute copy is current; otherwise an upload waits for the whole job."""
         if self.gate is not None:
             job = gated(self.gate, unit, job)

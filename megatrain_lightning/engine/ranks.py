@@ -66,7 +66,7 @@ class Ranks:
     # is uploaded when it runs. With W ranks an upload ends in an all-gather, a collective, which every rank
     # must issue alike whatever its own timing: a prefetch waits for the step instead.
     late_steps: bool
-    # The lean layout's uploads may be cast and issued on a thread of their own (engine/uploads.py). With W
+    # The lean layout's uploads may be cast and issued on a thread of their own (engine/device/uploads.py). With W
     # ranks an upload ends in an all-gather that every rank issues from its compute-issuing thread in the
     # same order, so it casts inline.
     stages_uploads: bool
@@ -91,7 +91,7 @@ class Ranks:
         raise NotImplementedError
 
     def unit_shard(self, numel: int) -> tuple[tuple[int, int] | None, int | None]:
-        """A unit of `numel` elements as engine/host.py's ``HostUnit`` takes it: (this rank's bounds, the
+        """A unit of `numel` elements as engine/host/units.py's ``HostUnit`` takes it: (this rank's bounds, the
         length of its flat on the device); (None, None) for the whole unit, laid out on the device as one
         process lays it out (each parameter aligned)."""
         raise NotImplementedError
