@@ -92,6 +92,9 @@ class ModelledStep:
         micro = f"{self.micro_batches} micro-batches of " if self.micro_batches > 1 else ""
         if self.row_chunk is not None and self.row_chunk < self.batch_size:
             slots += f", layer-major: block calls of {self.row_chunk} rows"
+        kept, discarded = self.trace.speculative
+        if kept or discarded:  # (a fake norm is taken as not clipped: every one is kept)
+            slots += f", speculative steps: {kept} kept, {discarded} discarded (taken as not clipped)"
         return [
             f"schedule model: {self.name} ({c.num_parameters() / 1e9:.2f}B params, {c.num_hidden_layers} blocks), "
             f"{micro}{self.batch_size} x {self.seq_len} tokens/step, {PRECISION}, clip {clip}, modelled {p.name}",
@@ -167,6 +170,7 @@ def modelled_step(
     grad_sums: int | str = 0,
     batch_size: int = 1,
     row_chunk: int | str | None = None,
+    speculative_step: bool = False,
 ) -> ModelledStep:
     """Record `steps` optimizer steps of `config` as the strategy runs them and replay them on `profile`
     (module docstring); with `gpus` > 1, one rank of that many joined by `link`, each step `micro_batches`
@@ -203,11 +207,12 @@ def modelled_step(
         grad_sums,
         batch_size,
         row_chunk=row_chunk,
+        speculative_step=speculative_step,
     )
     record_s = time.perf_counter() - t0
     timeline = replay(trace, profile, launch_s)
     flops = model_flops(config, micro_batches * batch_size * seq_len, seq_len)
-    summary = summarize(timeline, profile, flops, steps, clip is not None, micro_batches)
+    summary = summarize(timeline, profile, flops, steps, clip is not None, micro_batches, trace.speculative[0] > 0)
     if adam_source is None:
         adam_source = "28 B/param over host bandwidth" if profile.host_adam_gparams is None else "given"
     return ModelledStep(

@@ -391,6 +391,7 @@ _READS = {"cpu", "item", "tolist", "numpy", "__float__", "__int__", "__bool__"}
 def _patched_kernels(rec: Recorder) -> Iterator[None]:
     """Log the host kernels the engine calls (looked up in ``optim.kernels`` at call time)."""
     step, acc, norms, clip = kernels.adam_step_, kernels.accumulate_, kernels.param_norms, kernels.clip_coefficient
+    peek = kernels.adam_peek_
 
     def adam_step_(master, m, v, grad, copy, *args, **kwargs):
         written = 0 if copy is None else _nbytes(copy)
@@ -398,6 +399,14 @@ def _patched_kernels(rec: Recorder) -> Iterator[None]:
         if not isinstance(master, FakeTensor):  # the native kernel reads real memory only
             with rec.quiet():
                 step(master, m, v, grad, copy, *args, **kwargs)
+
+    def adam_peek_(master, m, v, grad, copy, *args, **kwargs):
+        # reads master, m, v and the gradient once; writes the copy (its scratch stays in the CPU's caches)
+        nbytes = _nbytes(master) + _nbytes(m) + _nbytes(v) + _nbytes(grad) + _nbytes(copy)
+        rec.host_work("speculate", master.numel(), nbytes)
+        if not isinstance(master, FakeTensor):
+            with rec.quiet():
+                peek(master, m, v, grad, copy, *args, **kwargs)
 
     def accumulate_(into, grad, first):
         rec.host_work("accumulate", into.numel(), _nbytes(into) * (1 if first else 2) + _nbytes(grad))
@@ -423,6 +432,7 @@ def _patched_kernels(rec: Recorder) -> Iterator[None]:
 
     with (
         _patched(kernels, "adam_step_", adam_step_),
+        _patched(kernels, "adam_peek_", adam_peek_),
         _patched(kernels, "accumulate_", accumulate_),
         _patched(kernels, "param_norms", param_norms),
         _patched(kernels, "clip_coefficient", clip_coefficient),

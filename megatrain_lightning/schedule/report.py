@@ -18,7 +18,10 @@ micro-batch's accumulation, which each unit's step waits for, joins it. With mic
 first forward, the last backward and the last accumulation are 1/K of the step's. ``bound_s`` is the
 larger of the busiest resource's time and that chain (a tie names the resource: with one micro-batch and
 no clipping the chain is the Adam time and the optimizer step's own few kernels, the host's time or a
-hair above it).
+hair above it). Speculative steps kept (``speculative_step``) take the chain off the norm: what the next
+forward waits for is each unit's speculative step, which starts as its gradient lands during the last
+backward (as an unclipped step does), and the step proper (masters and moments) waits for nothing the next
+forward does; so the chain is the unclipped one with the speculative steps' time in place of Adam's.
 """
 
 from __future__ import annotations
@@ -75,17 +78,24 @@ def steady_window(timeline: Timeline, step: int) -> tuple[float, float]:
 
 
 def summarize(
-    timeline: Timeline, profile: Profile, flops: float, step: int, clipped: bool = False, micro_batches: int = 1
+    timeline: Timeline,
+    profile: Profile,
+    flops: float,
+    step: int,
+    clipped: bool = False,
+    micro_batches: int = 1,
+    speculative: bool = False,
 ) -> Summary:
     """The figures of optimizer step `step` (the last recorded) of `timeline`, of `micro_batches` alike
-    micro-batches; `clipped`: the steps waited for a global gradient norm (see the module docstring)."""
+    micro-batches; `clipped`: the steps waited for a global gradient norm; `speculative`: speculative steps
+    were kept (see the module docstring)."""
     lo, hi = steady_window(timeline, step)
     mine = [iv for iv in timeline.intervals if iv.step == step]
     lanes = {**RESOURCES, **({"peer": "peer"} if any(iv.lane == "peer" for iv in mine) else {})}
     busy = {name: _total(mine, lane) for name, lane in lanes.items()}
     busy["issue"] = _total(mine, "issue")
     resource = max(lanes, key=lambda name: busy[name])
-    chain = chain_seconds(mine, micro_batches, clipped)
+    chain = chain_seconds(mine, micro_batches, clipped, speculative)
     longer = chain > busy[resource] * (1 + 1e-6)  # (a tie names the resource)
     bound, bound_s = (CHAIN, chain) if longer else (resource, busy[resource])
     blocked: dict[str, float] = defaultdict(float)
@@ -111,15 +121,21 @@ def summarize(
     )
 
 
-def chain_seconds(intervals: list[Interval], micro_batches: int = 1, clipped: bool = False) -> float:
+def chain_seconds(
+    intervals: list[Interval], micro_batches: int = 1, clipped: bool = False, speculative: bool = False
+) -> float:
     """The optimizer step's chain over one step's intervals of `micro_batches` alike micro-batches (module
     docstring): the host worker's Adam steps plus the GPU's work but 1/K of its forward; without clipping
-    1/K of its backward less and 1/K of the host's accumulation more."""
+    1/K of its backward less and 1/K of the host's accumulation more; with speculative steps kept, the
+    unclipped chain with their time in place of Adam's."""
     k = micro_batches
     gpu = [iv for iv in intervals if iv.lane == "compute"]
     host = _by(intervals, "host", lambda what: what)
-    chain = host.get("adam", 0.0) + sum(iv.seconds for iv in gpu) - _phase(gpu, "forward") / k
-    return chain if clipped else chain + (host.get("accumulate", 0.0) - _phase(gpu, "backward")) / k
+    optimizer = host.get("speculate", 0.0) if speculative else host.get("adam", 0.0)
+    chain = optimizer + sum(iv.seconds for iv in gpu) - _phase(gpu, "forward") / k
+    if clipped and not speculative:
+        return chain
+    return chain + (host.get("accumulate", 0.0) - _phase(gpu, "backward")) / k
 
 
 def _phase(intervals: list[Interval], prefix: str) -> float:

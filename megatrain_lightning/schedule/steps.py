@@ -105,6 +105,7 @@ def record_steps(
     grad_sums: int | str = 0,
     batch_size: int = 1,
     row_chunk: int | None = None,
+    speculative_step: bool = False,
 ) -> Trace:
     """The trace of `steps` bf16-mixed training steps of `config`, each of `micro_batches` micro-batches of
     `batch_size` x `tokens`, on fake tensors (measure.py's way: the engine and model run for real, the tensors have
@@ -118,7 +119,8 @@ def record_steps(
     there is no device to measure). `recompute`: the engine's option (True: every block is recomputed in
     backward; False or "auto": kept graphs stay in device memory and their blocks' forward is recorded once;
     without `device_memory` "auto" keeps none, as on a device with no memory measure). `row_chunk`: the engine's
-    option (layer-major calls of that many rows at a time). `data_parallel`: record one rank of that many GPUs instead (ranks.py), replayed live on
+    option (layer-major calls of that many rows at a time); `speculative_step` too (a fake norm has no value: the
+    recording takes it as not clipped, so every speculation is kept). `data_parallel`: record one rank of that many GPUs instead (ranks.py), replayed live on
     the rank's profile."""
     config = dataclasses.replace(config, token_chunk_size=tile)
     recorder = Recorder(profile, launch_s) if data_parallel is None else RankRecorder(data_parallel, profile, launch_s)
@@ -137,6 +139,7 @@ def record_steps(
                 recompute=recompute,
                 device_grad_sums=grad_sums,
                 row_chunk=row_chunk,
+                speculative_step=speculative_step,
             )
             engine = Engine(model, options, recorder.probes(device_memory))
             recorder.attach(engine)
@@ -144,6 +147,7 @@ def record_steps(
                 train_steps(engine, model, batch, recorder, steps, clip, micro_batches=micro_batches)
                 recorder.trace.slots = engine.pool.num_slots
                 recorder.trace.grad_sums = 0 if engine.host.sums is None else engine.host.sums.count
+                recorder.trace.speculative = (engine.stats["speculative_kept"], engine.stats["speculative_discarded"])
             finally:
                 recorder.detach()
                 release_quietly(engine)

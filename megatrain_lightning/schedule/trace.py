@@ -107,4 +107,5 @@ class Trace:
     job_after: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)  # (events, jobs) first
     slots: int = 0  # the engine's weight slots when the recording ended (num_slots="auto" grows them)
     grad_sums: int = 0  # blocks summing their gradients on the device when the recording ended (device_grad_sums)
+    speculative: tuple[int, int] = (0, 0)  # speculative steps kept and discarded over the recording (units)
     kept_calls: list[int] = field(default_factory=list)  # per recorded step, block calls that kept their graph
