@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+from typing import Any
 
 import pytest
 import torch
@@ -47,11 +48,12 @@ def train(
     accumulate: int,
     offload_inputs: bool = False,
     stored: str | None = None,
+    **extra: Any,
 ) -> Engine:
     """One optimizer step of `accumulate` micro-batches on the CPU, as the strategy drives the engine
-    (`stored`: offload_inputs_dtype)."""
+    (`stored`: offload_inputs_dtype; `extra`: more engine options)."""
     config = model.config
-    options = dict(offload_inputs=offload_inputs, offload_inputs_dtype=stored)
+    options = dict(offload_inputs=offload_inputs, offload_inputs_dtype=stored, **extra)
     engine = Engine(model, EngineConfig(device="cpu", precision=precision_of(dtype), **options))
     opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     tokens = torch.randint(0, config.vocab_size, (1, 32))
@@ -76,6 +78,21 @@ def test_host_estimate_matches_engine_accounting(dtype, accumulate):
     checked = host_bytes_per_param(dtype, training=True, accumulating=accumulate > 1) * engine.num_parameters()
     assert estimate.host_total == sum(measured.values()) == checked
     assert (estimate.host["acc"] > 0) == (measured["acc"] > 0) == (accumulate > 1)
+
+
+def test_speculative_steps_are_planned_as_the_engine_allocates_them():
+    """speculative_step: one more bf16 copy per parameter (the spare the steps write), in the planner's host
+    bytes as in the engine's buffers and its host-memory check."""
+    config = small_config()
+    engine = train(LlamaForCausalLM(config), torch.bfloat16, 1, speculative_step=True)
+    measured = engine.host_bytes()
+    estimate = plan(RunShape(config, 32, 1), EngineConfig(precision="bf16-mixed", speculative_step=True))
+    assert {k: v for k, v in estimate.host.items() if k != "activations"} == measured
+    assert measured["spare"] == 2 * engine.num_parameters() == measured["copy"]
+    checked = host_bytes_per_param(torch.bfloat16, training=True, speculative=True) * engine.num_parameters()
+    assert estimate.host_total == sum(measured.values()) == checked
+    plain = plan(RunShape(config, 32, 1), EngineConfig(precision="bf16-mixed"))
+    assert estimate.host_total - plain.host_total == measured["spare"] and plain.host["spare"] == 0
 
 
 @pytest.mark.parametrize(

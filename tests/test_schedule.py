@@ -358,6 +358,44 @@ def test_clipping_is_bound_by_the_backward_then_the_host_steps():
     assert (plain.bound, plain.bound_s, plain.chain_s) == ("gpu", 1.0, 1.0)
 
 
+def test_kept_speculative_steps_take_the_chain_off_the_norm():
+    """By hand, as above with clipping, but each unit's speculative step (0.6 s in all) ran during the backward
+    and was kept: the next forward waited for those, not for Adam (1 s, now the steps proper beside it), so
+    the chain is the unclipped one with 0.6 s in Adam's place: 0.6 + 1.0 - 0.2 - 0.8 = 0.6 s, and the bound
+    the busiest resource, the host's 1.6 s."""
+    timeline = Timeline(
+        intervals=[
+            Interval("compute", 0.0, 1.0, 1, "mm", "backward block 0"),
+            Interval("host", 1.0, 2.0, 2, "adam", "optimizer"),
+            Interval("compute", 1.0, 1.2, 2, "mm", "forward block 0"),
+            Interval("compute", 1.2, 2.0, 2, "mm", "backward block 0"),
+            Interval("host", 1.4, 2.0, 2, "speculate", "backward block 0"),
+        ]
+    )
+    kept = summarize(timeline, unit_profile(), 1e12, 2, clipped=True, speculative=True)
+    assert kept.chain_s == pytest.approx(0.6)
+    assert (kept.bound, kept.bound_s) == pytest.approx(("host", 1.6))
+    assert summarize(timeline, unit_profile(), 1e12, 2, clipped=True).chain_s == pytest.approx(1.8)
+
+
+def test_speculative_steps_are_recorded_beside_the_steps_proper(capsys):
+    """`megatrain schedule --clip 1.0 --speculative-step` on the tiny preset: every unit's speculative step is
+    host work of its own kind, reading master, m, v (fp32) and the gradient (bf16: one micro-batch's waits in
+    its slab) and writing the bf16 copy once, 16 bytes per parameter, kept every step (a fake norm counts as
+    not clipped); Adam proper still runs."""
+    args = ["schedule", "--model", "tiny", "--device", "a100", "--seq-len", "32", "--steps", "2", "--clip", "1.0"]
+    step = run([*args, "--speculative-step"])
+    out = capsys.readouterr().out
+    config = step.config
+    units = config.num_hidden_layers + 2 + (not config.tie_word_embeddings)  # blocks, embedding, norm, head
+    assert step.trace.speculative == (STEPS * units, 0)
+    assert f"speculative steps: {STEPS * units} kept, 0 discarded" in out
+    work = [w for job in step.trace.jobs for w in job if isinstance(w, HostWork) and w.kind == "speculate"]
+    assert sum(w.numel for w in work) == STEPS * config.num_parameters()
+    assert sum(w.nbytes for w in work) == (3 * 4 + 2 + 2) * STEPS * config.num_parameters()
+    assert step.summary.host_kinds["adam"] > 0 and step.summary.host_kinds["speculate"] > 0
+
+
 def test_with_accumulation_the_chain_holds_all_but_the_first_forward():
     """Two micro-batches after the host's 1 s of Adam and 0.4 s of accumulating (0.2 s each): forward 0.2 s
     and backward 0.8 s each. Only the first forward may overlap the previous step's Adam (block by block),
