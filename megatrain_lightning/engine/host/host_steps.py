@@ -913,10 +913,12 @@ class HostSide:
             unit.future.add_done_callback(partial(_settle, weights))
 
     def land_rank(self, unit: HostUnit) -> int:
-        """The order of a step proper after a kept speculative step: the next forward needs nothing of it (it
-        uploads the spare copy), the next backward its gradient buffers, which it ships in backward order:
-        1 for outer units, then 2 + (L-1-i) for block i."""
-        return 1 if unit in self.outer else 1 + len(self.blocks) - self.block_index[id(unit)]
+        """The order of a step proper after a kept speculative step: after every step and speculative step
+        (what the next forward waits for: ranks up to L + 1), since the next forward needs nothing of it (it
+        uploads the spare copy), and in the order the next backward ships into its gradient buffers: L + 2
+        for outer units, then L + 3 + (L-1-i) for block i."""
+        n = len(self.blocks)
+        return n + 2 if unit in self.outer else 2 * n + 2 - self.block_index[id(unit)]
 
     def step_rank(self, unit: HostUnit) -> int:
         """A step's order on the worker: 1 for outer units (``optimizer_step`` waits for them), then
