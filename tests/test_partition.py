@@ -76,7 +76,9 @@ def _train(
     opt = _optimizer(model, eps=1e-4 if run == "twice" else 1e-8)
     engine = None
     if rank is not None:
-        config = EngineConfig(device="cpu", precision="32-true", group=group, accumulating=True, **options)
+        config = EngineConfig(
+            **{"device": "cpu", "precision": "32-true", "group": group, "accumulating": True, **options}
+        )
         engine = Engine(model, config)
     step = opt if engine is None else engine.optimizer(opt)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -141,6 +143,15 @@ def _rank(rank: int, world: int, out: str) -> None:
                 params, _ = _train("plain", world, rank, dist.group.WORLD, save=f"{out}/{name}.ckpt", **options)
                 if rank == world - 1:
                     save_file(params, f"{out}/{name}.safetensors")
+            # Speculative steps (bf16: they write a spare compute copy; steps waiting for opt.step()): each rank
+            # speculates on its shards, and the run is the one without them.
+            for name, speculative in (("bf16", False), ("speculative", True)):
+                bf16 = dict(precision="bf16-true", overlap_optimizer=False, speculative_step=speculative)
+                params, stats = _train("plain", world, rank, dist.group.WORLD, **bf16)
+                if rank == world - 1:
+                    save_file(params, f"{out}/{name}.safetensors")
+                    with open(f"{out}/{name}.json", "w") as f:
+                        json.dump([stats["speculative_kept"], stats["speculative_discarded"]], f)
             # A checkpoint read back into the moments' files, and written again from them.
             model = own_llama(layers=3)
             engine = Engine(model, EngineConfig(device="cpu", precision="32-true", group=dist.group.WORLD, **options))
@@ -252,6 +263,13 @@ def test_ranks_train_as_ordinary_training_does_what_ddp_does(world, tmp_path):
         for state in states[1:]:
             assert all(torch.equal(a, b) for a, b in zip(_tensors(state), _tensors(states[0]), strict=True))
         assert torch.equal(states[0]["lm_head.weight"], plain["lm_head.weight"])
+        bf16, speculated = (load_file(f"{tmp_path}/{name}.safetensors") for name in ("bf16", "speculative"))
+        assert all(torch.equal(t, bf16[n]) for n, t in speculated.items())
+        steps, units = RUNS["plain"][0], 3 + 3  # blocks, and the embedding, final norm and head
+        assert [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("bf16", "speculative")] == [
+            [0, 0],
+            [steps * units, 0],
+        ]
         # Reading shards not uploaded yet changes the training: the recompute self-check stops it (on a rank
         # that saw other weights in the recompute than in the forward), or the weights come out different.
         skipped = load_file(f"{tmp_path}/skipped.safetensors")

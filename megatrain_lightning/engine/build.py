@@ -323,7 +323,7 @@ def worker_init(device: torch.device, host_threads: int | None = None, cpus: lis
 
 def pinnable(units: list[HostUnit], rings: list[HostRing | None]) -> list[torch.Tensor | None]:
     """The host buffers the engine may have page-locked: the units' and the rings'."""
-    return [t for unit in units for t in (unit.master, unit.copy, unit.slab)] + [
+    return [t for unit in units for t in (unit.master, unit.copy, unit.slab, unit.spare)] + [
         b for r in rings if r is not None for b in r.buffers
     ]
 
