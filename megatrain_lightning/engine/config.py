@@ -6,7 +6,7 @@ the ``megatrain`` command, a sweep's YAML) derives its parameters from these dec
 and calls the same check, so a bad value gets the same one-line error naming it and the fix wherever it
 enters. :class:`EngineConfig` runs them all in ``__post_init__``.
 
-Why one file of about 500 lines: it is the one declaration of every option (the point of it), and each
+Why one file of about 540 lines: it is the one declaration of every option (the point of it), and each
 option's check sits beside its field.
 
 Of the engine it imports only the option types (discover.py, device/recompute.py, device/rows.py); clients

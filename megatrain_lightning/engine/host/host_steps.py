@@ -24,10 +24,14 @@ landed every one into the fp32 accumulator; :meth:`HostSide.take_back` folds wha
 A unit given a device sum (engine/device/grad_sums.py) adds its accumulating micro-batches' gradients on the device
 instead, and the sum comes down once, at the step's last backward, into the accumulator.
 
-Why one file of about 780 lines: every path a gradient takes to the host (whole, in pieces, held for a
-second call, summed on the device, accumulated, shown to hooks, stepped at once or at the step) moves the
-unit's gradient state (host.UnitGrad, whose transitions are named), and this object decides which path
-each gradient takes; split, those decisions would be spread over several files.
+With ``speculative_step``, a unit whose gradient of the step's last backward has landed gets its Adam step
+taken at once into its spare copy (:class:`Speculation`); the optimizer step keeps it, and the next forward
+uploads it without waiting, when the step turns out to be the one it assumed.
+
+Why one file of about 940 lines: every path a gradient takes to the host (whole, in pieces, held for a
+second call, summed on the device, accumulated, shown to hooks, stepped at once, speculatively or at the
+step) moves the unit's gradient state (units.UnitGrad, whose transitions are named), and this object decides
+which path each gradient takes; split, those decisions would be spread over several files.
 """
 
 from __future__ import annotations
