@@ -114,6 +114,8 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
         refs, buffers = _build_blocks(engine, block_params, pin)
         outer_units = [_unit(engine, n, [(n, p)], pin, not lean) for n, p in outer]
         materialize.fill_units(model, engine.units + outer_units, empty)
+        for unit in engine.units + outer_units if training and config.speculative_step else ():
+            unit.ensure_spare()  # (the speculative steps' copies: host_steps.Speculation)
     except BaseException:
         pinned.unregister(pinnable(engine.units + outer_units, [staging_ring, grad_ring]))  # the limit ran out midway
         if engine.tier is not None:

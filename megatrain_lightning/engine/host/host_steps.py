@@ -121,9 +121,6 @@ class HostSide:
         self.speculative = speculative  # EngineConfig.speculative_step: see :class:`Speculation`
         self._specs: dict[HostUnit, Speculation] = {}
         self._scratch: torch.Tensor | None = None  # kernels.adam_peek_'s, made at the first speculative step
-        if speculative:
-            for unit in self.all_units():
-                unit.ensure_spare()
         self.block_index = {id(u): i for i, u in enumerate(blocks)}
         self.compute_dtype, self.device = blocks[0].compute_dtype, streams.device
         # The clipping norms taken here, on the host: as ordinary training takes them on this device, bit for bit
