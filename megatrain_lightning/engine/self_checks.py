@@ -306,11 +306,14 @@ class SelfChecks:
         unit = self.engine.units[idx]
         if unit.partitioned:
             return []
-        base, size = unit.master.data_ptr(), unit.master.element_size()
+        # (by storage and offset, not data_ptr: the schedule model's masters are fake tensors, which have none)
+        storage, base = unit.master.untyped_storage()._cdata, unit.master.storage_offset()
         return [
             j
             for j, e in enumerate(unit.layout)
-            if e.param.data_ptr() != base + e.offset * size or e.param.dtype != unit.master.dtype
+            if e.param.untyped_storage()._cdata != storage
+            or e.param.storage_offset() != base + e.offset
+            or e.param.dtype != unit.master.dtype
         ]
 
     def _readopt(self, idx: int, moved: list[int], refuse: bool) -> None:
