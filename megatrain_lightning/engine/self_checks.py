@@ -306,14 +306,22 @@ class SelfChecks:
         unit = self.engine.units[idx]
         if unit.partitioned:
             return []
-        # (by storage and offset, not data_ptr: the schedule model's masters are fake tensors, which have none)
-        storage, base = unit.master.untyped_storage()._cdata, unit.master.storage_offset()
+        size = unit.master.element_size()
+        if isinstance(unit.master, FakeTensor):  # (the schedule model's: no data pointers, a storage and offset)
+
+            def at(t: torch.Tensor) -> tuple[int | None, int]:
+                return t.untyped_storage()._cdata, t.storage_offset() * size
+
+        else:  # (data_ptr reads no values: a block's step still pending is not waited for, engine/host/pending_reads.py)
+
+            def at(t: torch.Tensor) -> tuple[int | None, int]:
+                return None, t.data_ptr()
+
+        storage, base = at(unit.master)
         return [
             j
             for j, e in enumerate(unit.layout)
-            if e.param.untyped_storage()._cdata != storage
-            or e.param.storage_offset() != base + e.offset
-            or e.param.dtype != unit.master.dtype
+            if at(e.param) != (storage, base + e.offset * size) or e.param.dtype != unit.master.dtype
         ]
 
     def _readopt(self, idx: int, moved: list[int], refuse: bool) -> None:
