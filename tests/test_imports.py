@@ -148,6 +148,21 @@ def test_the_engine_parts_reach_neither_its_facade_nor_its_build():
     assert not {m: t for m, t in parts.items() if t}
 
 
+def test_the_clients_reach_the_engine_only_through_its_public_face():
+    """The Lightning glue, the command line and the Ray jobs import the engine as ``megatrain_lightning.engine``
+    (its __init__: the facade, its options and its errors), never one of its modules; the optimizer likewise
+    only through its package."""
+    clients = {name: path for name, path in modules().items() if inside(name, "lightning", "cli")}
+    jobs = ROOT.parent / "ray_jobs"
+    clients.update({f"ray_jobs.{p.stem}": p for p in jobs.glob("*.py")})
+    assert f"{PACKAGE}.cli.env" in clients and "ray_jobs.sweep" in clients
+    private = {
+        name: sorted(m for m in imports(path, name) if m.startswith((f"{PACKAGE}.engine.", f"{PACKAGE}.optim.")))
+        for name, path in clients.items()
+    }
+    assert not {name: found for name, found in private.items() if found}
+
+
 def test_a_long_file_says_why():
     """Files of roughly 100-400 lines; one over 500 states the reason in its docstring ("Why one file")."""
     for path in modules().values():

@@ -9,7 +9,7 @@ from importlib import metadata
 
 import torch
 
-from megatrain_lightning.engine.host.host_memory import HostLimit, tightest_host_limit
+from megatrain_lightning.engine import HostLimit, optimizer_backend, tightest_host_limit
 
 
 def _version(package: str) -> str:
@@ -53,8 +53,6 @@ def _available(limit: HostLimit) -> str:
 
 def env_lines() -> list[str]:
     """What ``megatrain env`` prints: versions, devices, memory, CPU cores and the optimizer backend."""
-    from megatrain_lightning.optim import kernels, native
-
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     versions = [f"{name} {_version(name)}" for name in ("torch", "lightning", "megatrain_lightning", "transformers")]
     return [
@@ -63,5 +61,5 @@ def env_lines() -> list[str]:
         f"host memory: {total / 2**30:.1f} GiB total, {_available(tightest_host_limit())}",
         f"pinned-memory limit (ulimit -l, RLIMIT_MEMLOCK): {_memlock()}",
         f"CPU cores: {os.cpu_count()} (usable by this process: {len(os.sched_getaffinity(0))})",
-        f"optimizer backend: {kernels.backend()} (native kernel: {native.backend()})",
+        f"optimizer backend: {optimizer_backend()}",
     ]

@@ -5,6 +5,8 @@ the sweeps) use of it, and the errors it raises. Everything else in engine/ is i
     HostAdamW, GenericHostOptimizer      the host optimizers engine.optimizer() returns; check_optimizer
     HostMemoryError, NvmeTierError,      refusals that come before the engine allocates: the user's to fix
     PinnedMemoryError
+    HostLimit, tightest_host_limit,      the host memory a run may use on this machine and the optimizer's
+    optimizer_backend                    kernel (`megatrain env`)
 """
 
 from megatrain_lightning.engine.config import (
@@ -35,12 +37,13 @@ from megatrain_lightning.engine.discover import BlocksOption
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.engine.generic_optim import GenericHostOptimizer
 from megatrain_lightning.engine.host import materialize
+from megatrain_lightning.engine.host.host_memory import HostLimit, tightest_host_limit
 from megatrain_lightning.engine.host.materialize import empty_init
 from megatrain_lightning.engine.host.nvme import PREFIX as NVME_SCRATCH_PREFIX
 from megatrain_lightning.engine.host.nvme import NvmeTierError
 from megatrain_lightning.engine.host.pinned import PinnedMemoryError
 from megatrain_lightning.engine.host.units import HostMemoryError, HostUnit
-from megatrain_lightning.engine.optimizer import HostAdamW, check_optimizer
+from megatrain_lightning.engine.optimizer import HostAdamW, check_optimizer, optimizer_backend
 from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.optim.threads import usable_cpus
 
@@ -55,6 +58,7 @@ __all__ = [
     "EngineConfig",
     "GenericHostOptimizer",
     "HostAdamW",
+    "HostLimit",
     "HostMemoryError",
     "HostUnit",
     "NvmeTierError",
@@ -78,7 +82,9 @@ __all__ = [
     "forward_context",
     "int_or_auto",
     "materialize",
+    "optimizer_backend",
     "options_doc",
     "parameters",
+    "tightest_host_limit",
     "usable_cpus",
 ]

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from megatrain_lightning.engine.host.units import HostUnit, ParamEntry, spans
+from megatrain_lightning.optim import kernels, native
 from megatrain_lightning.optim.kernels import AdamHyper
 
 
@@ -287,3 +288,9 @@ class HostAdamW(torch.optim.Optimizer):
             if id(e.param) in loaded:
                 entry = loaded[id(e.param)]
                 unit.steps[i] = 0 if entry is None else int(entry["step"])
+
+
+def optimizer_backend() -> str:
+    """Which kernel the host steps run on, as ``megatrain env`` prints it: ``kernels.backend()`` (native or
+    torch, as ``MEGATRAIN_CPU_ADAM`` chooses) and what the native library loaded (its ISA, or why not)."""
+    return f"{kernels.backend()} (native kernel: {native.backend()})"
