@@ -31,7 +31,15 @@ def local_cluster(tmp_path_factory: pytest.TempPathFactory, num_gpus: int = 1) -
     tmp = tempfile.mkdtemp(prefix="mt-ray-")
     port = free_port()
     node = dict(num_cpus=1, num_gpus=num_gpus, memory=3 * 2**30)
-    head = dict(node, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port)
+    # Every port the head listens on is a free one (the GCS takes a free one itself when 6379 is taken; the
+    # dashboard agent's would be 52365): a second cluster on this machine (another checkout's suite) starts too.
+    head = dict(
+        node,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=port,
+        dashboard_agent_listen_port=free_port(),
+    )
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("TMPDIR", tmp)
