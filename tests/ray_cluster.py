@@ -43,6 +43,11 @@ def local_cluster(tmp_path_factory: pytest.TempPathFactory, num_gpus: int = 1) -
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("TMPDIR", tmp)
+            # No kills by Ray's memory monitor: it watches the whole machine's memory (both nodes are this
+            # machine, beside the rest of the suite and whatever else runs), and at 95% it killed the trials'
+            # workers while another checkout's suite loaded half a billion parameters; Ray Train then restarted
+            # them, which the tests count. The kernel's OOM killer still guards the machine.
+            mp.setenv("RAY_memory_monitor_refresh_ms", "0")
             mp.setattr(tempfile, "tempdir", None)  # this process's own temporary files follow TMPDIR too
             c = Cluster(initialize_head=True, head_node_args=head)
             try:

@@ -150,8 +150,8 @@ def test_the_engine_parts_reach_neither_its_facade_nor_its_build():
 
 def test_the_clients_reach_the_engine_only_through_its_public_face():
     """The Lightning glue, the command line and the Ray jobs import the engine as ``megatrain_lightning.engine``
-    (its __init__: the facade, its options and its errors), never one of its modules; the optimizer likewise
-    only through its package."""
+    (its __init__: the facade, its options and its errors), never one of its modules, nor one of optim/'s (the
+    kernels the engine wraps)."""
     clients = {name: path for name, path in modules().items() if inside(name, "lightning", "cli")}
     jobs = ROOT.parent / "ray_jobs"
     clients.update({f"ray_jobs.{p.stem}": p for p in jobs.glob("*.py")})
