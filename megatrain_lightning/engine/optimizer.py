@@ -15,7 +15,6 @@ from typing import Any, Protocol
 import torch
 
 from megatrain_lightning.engine.host.units import HostUnit, ParamEntry, spans
-from megatrain_lightning.optim import kernels, native
 from megatrain_lightning.optim.kernels import AdamHyper
 
 
@@ -293,4 +292,6 @@ class HostAdamW(torch.optim.Optimizer):
 def optimizer_backend() -> str:
     """Which kernel the host steps run on, as ``megatrain env`` prints it: ``kernels.backend()`` (native or
     torch, as ``MEGATRAIN_CPU_ADAM`` chooses) and what the native library loaded (its ISA, or why not)."""
+    from megatrain_lightning.optim import kernels, native  # (native: loaded only where asked, as kernels does)
+
     return f"{kernels.backend()} (native kernel: {native.backend()})"
