@@ -205,9 +205,11 @@ def test_odd_sized_parameters_are_aligned_in_their_slot_on_the_gpu():
     assert starts and all(p % 16 == 0 for p in starts)
 
 
-def cuda_loop(model, config: EngineConfig, micro: int = 3, steps: int = 2) -> tuple[list[float], list[float]]:
+def cuda_loop(
+    model, config: EngineConfig, micro: int = 3, steps: int = 2, after_step=None
+) -> tuple[list[float], list[float]]:
     """A plain accumulation loop on the GPU with the engine: `micro` micro-batches per step, clipped by norm
-    at 1.0. Returns the losses and each step's total norm."""
+    at 1.0; `after_step(engine)` runs after each optimizer step. Returns the losses and each step's total norm."""
     engine = Engine(model, config)
     opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
     losses, norms = [], []
@@ -223,6 +225,8 @@ def cuda_loop(model, config: EngineConfig, micro: int = 3, steps: int = 2) -> tu
         engine.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            after_step(engine)
     engine.flush()
     engine.close()
     return losses, norms
@@ -240,6 +244,21 @@ def test_device_grad_sums_on_cuda_are_the_host_paths_to_the_bit(precision):
     (losses, norms, params), (s_losses, s_norms, s_params) = runs[0], runs["auto"]
     assert s_losses == losses and s_norms == norms
     assert all(torch.equal(s_params[k], params[k]) for k in params)
+
+
+def test_auto_sums_have_their_buffers_and_pinned_accumulators_before_the_second_step():
+    """Pinning the fp32 accumulators a sum comes down into took seconds inside the first step with sums (the
+    first H200 run); they are made between the first and second steps, with the device sums."""
+    seen = []
+
+    def after_step(engine) -> None:
+        sums = engine.host.sums
+        granted = sums.granted()
+        seen.append((len(granted), all(u.acc is not None and u.acc.is_pinned() for u in granted), sums.nbytes()))
+
+    cuda_loop(hf_llama(layers=4), EngineConfig(device="cuda", device_grad_sums="auto"), after_step=after_step)
+    (count, pinned, nbytes), second = seen
+    assert count > 4 and pinned and nbytes > 0 and second == seen[0]
 
 
 def test_the_clipping_norm_on_cuda_is_ordinary_gpu_trainings_within_rounding():

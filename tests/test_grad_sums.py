@@ -219,3 +219,34 @@ def test_zoo_models_with_device_sums_train_as_ordinary_lightning_bit_for_bit(nam
     mt = entry.module(copy.deepcopy(model), loss_fn=entry.loss_fn, **dict(MODULE_KWARGS, schedule=OPT_STEPS))
     seeded_fit(trainer(MegatrainStrategy(device_grad_sums=2), **TRAIN_KWARGS), mt, batches)
     assert_bitwise(ref, mt)
+
+
+def test_sums_granted_after_the_first_step_are_allocated_then_and_train_as_the_host_path(monkeypatch):
+    """``device_grad_sums="auto"`` grants its sums after the first optimizer step; their buffers are allocated
+    then, between steps, not inside the next backward (on a GPU the accumulators a sum comes down into are
+    pinned there too, which took seconds in a step: tests/test_cuda.py). The CPU has no memory measure, so the
+    measure is stood in for with one that has room for every block; the sums then add what the host adds."""
+    from megatrain_lightning.engine.device.streamer import BlockStreamer
+
+    monkeypatch.setattr(BlockStreamer, "_memory_after_step", lambda self: (1 << 40, 0))
+    model = hf_llama(layers=LAYERS)
+    ref_model = copy.deepcopy(model)
+    reference = loop(ref_model, 0)
+    engine = Engine(model, EngineConfig(device="cpu", precision="32-true", device_grad_sums="auto"))
+    opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    losses, reserved = [], []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            loss = hf_loss(model, BATCHES[step * MICRO + micro])
+            with engine.backward(accumulate=micro < MICRO - 1):
+                (loss / MICRO).backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        reserved.append(engine.device_bytes()["grad_sums"])
+    granted = engine.host.sums.granted()
+    engine.close()
+    assert len(granted) > LAYERS  # every block, and the outer units
+    assert reserved == [4 * sum(u.device_numel for u in granted)] * STEPS
+    assert losses == reference[0]
+    same_state(model, ref_model)

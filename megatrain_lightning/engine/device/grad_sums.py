@@ -20,7 +20,8 @@ How many blocks get one (``EngineConfig.device_grad_sums``): a count, the first 
 "auto": after the first optimizer step, as many as the device memory left free by the weight slots allows
 (none on a device with no memory measure, the CPU). The parameters outside the blocks (embedding, final norm,
 head: their gradients come down through autograd's hooks) get sums too whenever a block does; "auto" counts
-them first. The buffers are allocated at a unit's first sum and kept.
+them first. The buffers are allocated when the units are granted them (HostSteps.reserve_sums: between the
+first and second steps) or else at a unit's first sum, and kept.
 """
 
 from __future__ import annotations
@@ -55,10 +56,7 @@ class DeviceGradSums:
         layout (compute dtype), or per parameter of the layout (None: got none, a zero as packing writes
         one). Runs on the compute stream, so a grad slot `grad` lives in is free once it is queued."""
         i = self._index[id(unit)]
-        buf = self._buffers.get(i)
-        if buf is None:
-            numel = grad.numel() if isinstance(grad, torch.Tensor) else unit.device_numel
-            buf = self._buffers[i] = torch.empty(numel, dtype=torch.float32, device=self.device)
+        buf = self._buffer(i, grad.numel() if isinstance(grad, torch.Tensor) else unit.device_numel)
         first = i not in self._open
         if isinstance(grad, torch.Tensor):
             _add(buf, grad, first)
@@ -68,6 +66,21 @@ class DeviceGradSums:
                 g = None if g is None else g.reshape(-1).to(unit.compute_dtype)
                 _add(buf[e.offset : e.offset + e.numel], g, first)
         self._open[i] = list(present) if first else [a or b for a, b in zip(self._open[i], present)]
+
+    def _buffer(self, i: int, numel: int) -> torch.Tensor:
+        buf = self._buffers.get(i)
+        if buf is None:
+            buf = self._buffers[i] = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return buf
+
+    def granted(self) -> list:
+        """The units allowed a sum now, in order."""
+        return [u for u in self.units if self.takes(u)]
+
+    def reserve(self, unit) -> None:
+        """Allocate `unit`'s sum now rather than at its first micro-batch (a whole unit's layout: not for a
+        partitioned one, whose sum is its shard's)."""
+        self._buffer(self._index[id(unit)], unit.device_numel)
 
     def close(self, unit) -> tuple[torch.Tensor, list[bool]]:
         """The unit's complete sum (a device buffer, read by the download queued next) and its presence flags."""
