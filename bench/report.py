@@ -146,7 +146,8 @@ def figures(state: dict, entry: dict) -> dict[str, Any] | None:
 
 
 def planned(state: dict, entry: dict) -> Any:
-    """The planner's Plan of a megatrain run: its shape, batch, slots and recompute, on this device's memory
+    """The planner's Plan of a megatrain run: its shape, batch, slots, recompute, device sums, row chunks and
+    speculative step, on this device's memory
     (none on the CPU: the plan then keeps no graph and sizes "auto" slots at their least)."""
     shape = dataclasses.replace(state["config"], num_hidden_layers=entry["layers"])
     return plan(
@@ -156,6 +157,9 @@ def planned(state: dict, entry: dict) -> Any:
             num_slots=state["num_slots"],
             clipping=bool(entry["clip"]),
             recompute="auto" if entry.get("recompute") is None else entry["recompute"],
+            device_grad_sums=entry.get("device_grad_sums") or 0,
+            row_chunk=entry.get("row_chunk"),
+            speculative_step=bool(entry.get("speculative_step")),
         ),
         gpu_mem=state.get("gpu_mem"),
     )

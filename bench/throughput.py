@@ -67,7 +67,7 @@ from timeline import OneStepTrace
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from megatrain_lightning.cli.commands import int_or_auto
+from megatrain_lightning.cli.commands import add_engine_flags, int_or_auto
 from megatrain_lightning.engine.host.host_memory import available_host_bytes
 from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
@@ -109,6 +109,14 @@ SUMS_NOTE = (
     "--device-grad-sums {}: that many blocks keep their fp32 gradient sums on the GPU across a step's "
     "micro-batches (MegatrainStrategy(device_grad_sums=)); the others, and every run without it, land each "
     "micro-batch's gradient on the host"
+)
+ROWS_NOTE = (
+    "--row-chunk {}: each block's training call runs in chunks of that many rows, every chunk through the block "
+    "before the next block (MegatrainStrategy(row_chunk=): layer-major)"
+)
+SPECULATIVE_NOTE = (
+    "--speculative-step: each unit's Adam step is taken as its last gradient lands, before the clip's norm is "
+    "known, into a spare compute copy (MegatrainStrategy(speculative_step=True))"
 )
 RECOMPUTE_CHOICES = {"true": True, "false": False, "auto": "auto"}
 
@@ -422,6 +430,18 @@ def run(spec: dict) -> dict:
     }
 
 
+PLANNED = ("device_grad_sums", "row_chunk", "speculative_step")  # strategy options the planner's GPU figure counts
+
+
+def option_notes(args: argparse.Namespace) -> list[str]:
+    """A note for each strategy option the megatrain runs were given beyond the strategy's defaults."""
+    return (
+        ([SUMS_NOTE.format(args.device_grad_sums)] if args.device_grad_sums else [])
+        + ([ROWS_NOTE.format(args.row_chunk)] if args.row_chunk is not None else [])
+        + ([SPECULATIVE_NOTE] if args.speculative_step else [])
+    )
+
+
 def megatrain_strategy(spec: dict) -> MegatrainStrategy:
     """The strategy of a megatrain run: the spec's options, the strategy's defaults for the rest."""
     return MegatrainStrategy(
@@ -429,6 +449,8 @@ def megatrain_strategy(spec: dict) -> MegatrainStrategy:
         recompute=spec.get("recompute", "auto"),
         compile_blocks=bool(spec.get("compile")),
         device_grad_sums=spec.get("device_grad_sums", 0),
+        row_chunk=spec.get("row_chunk"),
+        speculative_step=bool(spec.get("speculative_step")),
     )
 
 
@@ -530,6 +552,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="blocks whose gradient sums stay on the GPU across a step's micro-batches, or auto "
         "(MegatrainStrategy(device_grad_sums=); default 0, the strategy's: every gradient lands on the host)",
     )
+    add_engine_flags(ap, ("row_chunk", "speculative_step"), {"row_chunk": None, "speculative_step": False})
     add("--timeout", type=float, help="seconds a training run may take before it is killed (default 300)")
     add(
         "--budget-s",
@@ -591,8 +614,7 @@ def setup_state(args: argparse.Namespace, device: torch.device) -> dict:
     clips = {"both": [clip_val, 0.0], "on": [clip_val], "off": [0.0]}[args.clip]
     clips = list(dict.fromkeys(clips))  # a config without clipping gives one row, not two equal ones
     notes = [COMPILE_NOTE] if args.compile else []
-    if args.device_grad_sums:
-        notes.append(SUMS_NOTE.format(args.device_grad_sums))
+    notes += option_notes(args)
     notes.append(peers.NOTE)
     if args.dry:
         notes.append(
@@ -702,8 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     state = setup_state(args, device)
     if args.compile:
         log_line(COMPILE_NOTE)
-    if args.device_grad_sums:
-        log_line(SUMS_NOTE.format(args.device_grad_sums))
+    for note in option_notes(args):
+        log_line(note)
     state["peaks"] = {"matmul": matmul_peak(device), "copy": copy_peak(device)}
     if "megatrain" in args.parts:
         one_layer = build_model(dataclasses.replace(state["config"], num_hidden_layers=1), device, torch.bfloat16)
@@ -727,6 +749,8 @@ def main(argv: list[str] | None = None) -> int:
         "num_slots": args.num_slots,
         "compile": args.compile,
         "device_grad_sums": args.device_grad_sums,
+        "row_chunk": args.row_chunk,
+        "speculative_step": args.speculative_step,
         "threads": args.threads,
         "dry": args.dry,
     }
@@ -739,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
         if blocker:
             log_line(f"{label}: {blocker}")
         result = {"error": blocker} if blocker else spawn(spec, out, label, left)
-        kept = {k: spec.get(k) for k in ("kind", "tokens", "accumulate", "layers", "clip", "recompute")}
+        kept = {k: spec.get(k) for k in ("kind", "tokens", "accumulate", "layers", "clip", "recompute", *PLANNED)}
         state[where].append({**kept, "label": label, "result": result})
         save(state, out)
     print(save(state, out), end="")

@@ -473,3 +473,35 @@ def test_interval_union_and_shared_time():
     assert timeline.union([(5, 6), (0, 2), (1, 3)]) == [(0, 3), (5, 6)]
     assert timeline.busy([(0, 2), (1, 3), (5, 6)]) == 4
     assert timeline.shared([(0, 3), (5, 6)], [(2, 5.5)]) == 1.5
+
+
+def test_row_chunk_and_speculative_step_reach_the_strategy_and_the_notes():
+    args = tp.parse_args(["--dry", "--row-chunk", "1", "--speculative-step"])
+    spec = {"num_slots": "auto", "row_chunk": args.row_chunk, "speculative_step": args.speculative_step}
+    strategy = tp.megatrain_strategy(spec)
+    assert (strategy.row_chunk, strategy.speculative_step) == (1, True)
+    notes = tp.setup_state(args, torch.device("cpu"))["notes"]
+    assert any(n.startswith("--row-chunk 1:") for n in notes) and any(
+        n.startswith("--speculative-step:") for n in notes
+    )
+    plain = tp.parse_args(["--dry"])
+    assert (plain.row_chunk, plain.speculative_step) == (None, False)
+    assert tp.megatrain_strategy({"num_slots": "auto"}).row_chunk is None
+
+
+def test_the_planners_gpu_figure_counts_the_runs_device_sums_and_row_chunks():
+    """The first H200 run measured 17.2 GiB with device sums against a planner figure of 17.0 that left them
+    out (and 59.7 planned for a layer-major run that peaked at 9.8): the figure is planned with the run's options."""
+    from megatrain_lightning.models import LlamaConfig
+
+    state = {"config": LlamaConfig.from_preset("llama-3.2-1b"), "seq_len": 4096, "num_slots": "auto"}
+    state["gpu_mem"] = 139 << 30
+    run = {"layers": 16, "clip": 1.0, "recompute": "auto"}
+    whole = report.planned({**state, "micro_batch": 1}, {**run, "accumulate": 8}).gpu_peak
+    sums = report.planned({**state, "micro_batch": 1}, {**run, "accumulate": 8, "device_grad_sums": "auto"}).gpu_peak
+    assert sums - whole >= 4 * 16 * 60_000_000  # at least the blocks' fp32 sums (~61M parameters a block)
+    rows = {**state, "micro_batch": 8}
+    assert (
+        report.planned(rows, {**run, "accumulate": 1, "row_chunk": 1}).gpu_peak
+        < report.planned(rows, {**run, "accumulate": 1}).gpu_peak / 2
+    )
