@@ -13,6 +13,11 @@ Variants (all on the same 64M-parameter arrays, far beyond the last-level cache)
   native       megatrain_lightning.optim.native.adamw_step_(master, m, v, grad_bf16, copy_bf16, ...)
                bytes/param: 12 read (master, m, v) + 2 read (grad bf16) + 12 write (master, m, v)
                + 2 write (copy bf16) = 28 B/param
+  native peek  native.adamw_peek_(...): the same step's bf16 copy alone, master, m and v only read (a
+               speculative step): 12 read + 2 read (grad) + 2 write (copy) = 16 B/param
+  peek (copies)  kernels.peek_in_scratch: each 1M-element chunk of master, m and v copied into scratch and
+               stepped there by the native step, the other way to leave them unwritten: 28 B/param of the
+               step's plus 24 of the copies = 52 B/param
   triad        a = b + s*c over three fp32 arrays (torch.add(b, c, alpha=s, out=a)),
                bytes/element: 8 read + 4 write = 12 B
   triad (in place)  b = b + s*c (b.add_(c, alpha=s)): the same 12 B/element, in the optimizer's
@@ -43,9 +48,11 @@ import time
 
 import torch
 
-from megatrain_lightning.optim import native
+from megatrain_lightning.optim import kernels, native
 
 BYTES_NATIVE = 12 + 2 + 12 + 2
+BYTES_PEEK = 12 + 2 + 2
+BYTES_PEEK_COPIES = BYTES_NATIVE + 3 * 8  # (each chunk's copy: 4 read + 4 written, in three arrays)
 BYTES_TORCH_FUSED = (2 + 4) + (16 + 12) + (4 + 2)
 BYTES_TRIAD = 8 + 4
 
@@ -106,6 +113,27 @@ def main() -> int:
             master, m, v, grad_bf16, copy_bf16, lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD, step=step[0]
         )
 
+    hyper = kernels.AdamHyper(lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD, decoupled=True)
+    scratch = torch.empty(3, kernels.PEEK_CHUNK)
+
+    def run_peek():
+        native.adamw_peek_(
+            master,
+            m,
+            v,
+            grad_bf16,
+            copy_bf16,
+            lr=LR,
+            beta1=BETA1,
+            beta2=BETA2,
+            eps=EPS,
+            weight_decay=WD,
+            step=step[0] + 1,
+        )
+
+    def run_peek_in_copies():
+        kernels.peek_in_scratch(master, m, v, grad_bf16, copy_bf16, hyper, step[0] + 1, scratch)
+
     def run_torch_fused():
         grad_f32.copy_(grad_bf16)
         opt.step()
@@ -120,6 +148,8 @@ def main() -> int:
     variants = [
         ("torch fused", run_torch_fused, BYTES_TORCH_FUSED),
         ("native", run_native, BYTES_NATIVE),
+        ("native peek", run_peek, BYTES_PEEK),
+        ("peek (copies)", run_peek_in_copies, BYTES_PEEK_COPIES),
         ("triad", run_triad, BYTES_TRIAD),
         ("triad (in place)", run_triad_inplace, BYTES_TRIAD),
     ]

@@ -161,6 +161,33 @@ def test_isas_and_thread_counts_agree_bitwise(n):
 
 
 @requires_native
+@pytest.mark.parametrize("n", [1, 15, 33, 100_003])
+def test_a_peek_writes_the_steps_copy_to_the_bit_and_nothing_else(n):
+    """adamw_peek_ (a speculative step's kernel) against adamw_step_ on the same inputs: the same copy, bit
+    for bit, in every ISA, and master, m and v unchanged."""
+    g = torch.Generator().manual_seed(n)
+    for isa in _supported_isas():
+        native.set_isa(isa)
+        for grad_dtype in (torch.float32, torch.bfloat16):
+            for copy_dtype in (torch.float32, torch.bfloat16):
+                for decoupled, wd in ((True, 0.1), (False, 0.1), (True, 0.0)):
+                    master, m = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1
+                    v = torch.rand(n, generator=g) * 0.01
+                    grad = torch.randn(n, generator=g).to(grad_dtype)
+                    hyper = dict(lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=wd, step=3, decoupled=decoupled)
+                    before = [t.clone() for t in (master, m, v)]
+                    peeked = torch.empty(n, dtype=copy_dtype)
+                    native.adamw_peek_(master, m, v, grad, peeked, **hyper)
+                    assert all(torch.equal(as_bits(a), as_bits(b)) for a, b in zip((master, m, v), before))
+                    stepped = torch.empty(n, dtype=copy_dtype)
+                    native.adamw_step_(master, m, v, grad, stepped, **hyper)
+                    assert torch.equal(as_bits(peeked), as_bits(stepped)), (isa, grad_dtype, copy_dtype, decoupled)
+                    assert not torch.equal(master, before[0])  # (the step did step)
+    with pytest.raises(ValueError, match=r"^adamw_peek_: out_copy=None"):
+        native.adamw_peek_(master, m, v, grad, None, **hyper)
+
+
+@requires_native
 def test_set_isa_reports_and_caps():
     best = _supported_isas()[-1]
     assert native.set_isa("scalar") == "scalar"

@@ -23,7 +23,7 @@ from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.lightning.fabric import MegatrainFabricStrategy
 from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from megatrain_lightning.optim import kernels
-from tests.helpers import CausalLM, fit, hf_llama, hf_loss, token_batches, twin
+from tests.helpers import CausalLM, fit, hf_llama, hf_loss, requires_native, token_batches, twin
 
 pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need torch's own AdamW arithmetic
 
@@ -98,6 +98,17 @@ def test_kept_or_discarded_the_run_is_the_one_without_speculation(case):
     else:
         assert stats["speculative_kept"] == STEPS * units_of(b) and stats["speculative_discarded"] == 0
     assert plain[3]["speculative_kept"] == plain[3]["speculative_discarded"] == 0
+
+
+@requires_native
+def test_on_the_native_kernel_a_kept_speculation_is_the_run_without_it(monkeypatch):
+    """The native kernel's peek (the speculative step's new weights, master and moments only read) against the
+    native step of the run without speculation: the same run, bit for bit, every speculation kept."""
+    monkeypatch.setenv("MEGATRAIN_CPU_ADAM", "native")
+    a, b = twin(lambda: hf_llama(layers=LAYERS))
+    plain, speculated = loop(a, False, clip=NOT_CLIPPED), loop(b, True, clip=NOT_CLIPPED)
+    assert_same_run(speculated, plain)
+    assert speculated[3]["speculative_kept"] == STEPS * units_of(b)
 
 
 def _new_lr(engine, opt, step):

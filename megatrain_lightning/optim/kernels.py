@@ -113,9 +113,41 @@ def adam_peek_(
     step: int,
     scratch: torch.Tensor,
 ) -> None:
-    """Write into `copy` what :func:`adam_step_` (unscaled) would, leaving master, m and v as they are: each
-    chunk of them is copied into `scratch` (fp32, 3 x :data:`PEEK_CHUNK`) and stepped there by the same
-    kernel. The step is element-wise, so a chunk's elements come out as the whole segment's would."""
+    """Write into `copy` what :func:`adam_step_` (unscaled) would, leaving master, m and v as they are. The
+    native kernel reads them and writes the copy alone (its ``adamw_peek_``); torch's arithmetic copies each
+    chunk of them into `scratch` (fp32, 3 x :data:`PEEK_CHUNK`) and steps it there: the step is element-wise,
+    so a chunk's elements come out as the whole segment's would."""
+    if backend() == "native":
+        _native().adamw_peek_(
+            master,
+            m,
+            v,
+            grad,
+            copy,
+            lr=hp.lr,
+            beta1=hp.beta1,
+            beta2=hp.beta2,
+            eps=hp.eps,
+            weight_decay=hp.weight_decay,
+            step=step,
+            decoupled=hp.decoupled,
+        )
+        return
+    peek_in_scratch(master, m, v, grad, copy, hp, step, scratch)
+
+
+def peek_in_scratch(
+    master: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    grad: torch.Tensor,
+    copy: torch.Tensor,
+    hp: AdamHyper,
+    step: int,
+    scratch: torch.Tensor,
+) -> None:
+    """:func:`adam_peek_` by copies: each chunk of master, m and v stepped in `scratch` by :func:`adam_step_`
+    (the torch backend's way; bench/cpu_adam.py times it against the native peek)."""
     n = master.numel()
     for lo in range(0, n, PEEK_CHUNK):
         hi = min(n, lo + PEEK_CHUNK)

@@ -33,6 +33,7 @@ __all__ = [
     "load_error",
     "info",
     "adamw_step_",
+    "adamw_peek_",
     "grad_accumulate_",
     "sq_norm",
     "set_num_threads",
@@ -43,7 +44,7 @@ __all__ = [
 
 LIBRARY_MODULE = "megatrain_lightning._adamw_native"
 DISABLE_ENV = "MEGATRAIN_NATIVE_ADAMW"
-_ABI_VERSION = 2
+_ABI_VERSION = 3  # 3: adamw_peek
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _ISA_LEVELS = {name: level for level, name in _ISA_NAMES.items()}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -72,8 +73,9 @@ def _open_library() -> tuple[ctypes.CDLL, str]:
         raise ImportError(f"{path} has ABI version {abi}, this native.py expects {_ABI_VERSION} (stale build)")
 
     p, i, i64, d = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
-    lib.adamw_step.restype = i
-    lib.adamw_step.argtypes = [p, p, p, p, i, p, i, i64, d, d, d, d, d, d, d, d, i]
+    for name in ("adamw_step", "adamw_peek"):
+        getattr(lib, name).restype = i
+        getattr(lib, name).argtypes = [p, p, p, p, i, p, i, i64, d, d, d, d, d, d, d, d, i]
     lib.grad_accumulate.restype = i
     lib.grad_accumulate.argtypes = [p, p, i, i64, i]
     lib.sq_norm.restype = d
@@ -301,7 +303,66 @@ def adamw_step_(
     (``torch.optim.Adam``). ``out_copy`` (fp32 or bf16, or None) receives the new master, rounded to
     nearest even for bf16, in the same pass.
     """
-    fn = "adamw_step_"
+    _adam(
+        "adamw_step_",
+        master,
+        exp_avg,
+        exp_avg_sq,
+        grad,
+        out_copy,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step,
+        grad_scale,
+        decoupled,
+    )
+
+
+def adamw_peek_(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    out_copy: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_scale: float = 1.0,
+    decoupled: bool = True,
+) -> None:
+    """Write into ``out_copy`` the new weights :func:`adamw_step_` would write there, bit for bit, leaving
+    ``master``, ``exp_avg`` and ``exp_avg_sq`` as they are (read only): a step that may yet be discarded."""
+    if out_copy is None:
+        raise ValueError("adamw_peek_: out_copy=None; a peek writes its result there alone: pass a tensor")
+    _adam(
+        "adamw_peek_",
+        master,
+        exp_avg,
+        exp_avg_sq,
+        grad,
+        out_copy,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step,
+        grad_scale,
+        decoupled,
+    )
+
+
+def _adam(
+    fn, master, exp_avg, exp_avg_sq, grad, out_copy, lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled
+) -> None:
+    """adamw_step_ (``fn``) or adamw_peek_: the checks, then the library's call of that name."""
     lib = _require()
     _check(fn, "master", master, _F32)
     _check(fn, "exp_avg", exp_avg, _F32)
@@ -330,7 +391,7 @@ def adamw_step_(
     # exactly torch's _single_tensor_adam: bias_correction = 1 - beta**step, sqrt via ** 0.5
     bias_correction1 = 1 - beta1_f**step
     bias_correction2_sqrt = (1 - beta2_f**step) ** 0.5
-    rc = lib.adamw_step(
+    rc = getattr(lib, fn.removesuffix("_"))(
         master.data_ptr(),
         exp_avg.data_ptr(),
         exp_avg_sq.data_ptr(),
@@ -350,7 +411,7 @@ def adamw_step_(
         1 if decoupled else 0,
     )
     if rc != 0:
-        raise RuntimeError(f"{fn}: native adamw_step returned {rc}")
+        raise RuntimeError(f"{fn}: native {fn.removesuffix('_')} returned {rc}")
 
 
 def grad_accumulate_(acc: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
