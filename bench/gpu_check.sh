@@ -16,6 +16,8 @@
 #   sums        bench/throughput.py at 32k tokens per step (accumulate 8), recompute auto, clipped, with the
 #               gradient sums on the GPU (device_grad_sums auto): tokens/s beside the throughput step's same point
 #               without them (dry: SKIP; tests/test_bench_throughput.py checks the option reaches the runs)
+#   options     the sums step's point twice more, with speculative_step and with compile_blocks: tokens/s of each
+#               beside the sums step's (dry: SKIP)
 #   peers       FSDP CPU offload (and DeepSpeed ZeRO-3 offload when importable) at 4k tokens, clipped; tokens/s
 #               over megatrain's (recompute auto) from the throughput step (dry: SKIP, no Python started)
 #   fp8         bench/offload_inputs_dtype.py: the demo with offloaded inputs stored exactly and as fp8, one
@@ -47,7 +49,7 @@ mkdir -p "$OUT_DIR" || exit 2
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 SCALE=$((DRY ? 3 : 1))
 BUDGET=${GPU_CHECK_BUDGET_S:-$((540 * SCALE))}
-SELECTED=,${GPU_CHECK_STEPS:-env,install,pytest,throughput,sums,peers,fp8},
+SELECTED=,${GPU_CHECK_STEPS:-env,install,pytest,throughput,sums,options,peers,fp8},
 SITE=${TMPDIR:-/tmp}/gpu_check_site  # wheels from .whl/ (installed with --target, never into the image)
 # This checkout's code whatever an earlier editable install points at; the carried wheels after it.
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
@@ -195,6 +197,27 @@ step_sums() {
     return $rc
 }
 
+step_options() {
+    local left=$(($1 - 15)) each sums spec compiled
+    if [ "$DRY" = 1 ]; then
+        echo "KEY: dry run: nothing to compare without a GPU (the flags' path: tests/test_bench_throughput.py)"
+        return $SKIP_RC
+    fi
+    each=$((left / 2))
+    local args=(--shape llama-3.2-1b --seq-len 4096 --micro-batch 1 --tokens-per-step 32k --steps 2 --warmup 1
+        --parts megatrain --recompute auto --clip on --device-grad-sums auto --timeout "$each" --budget-s "$each")
+    python3 bench/throughput.py "${args[@]}" --speculative-step --out "$OUT_DIR/options-speculative"
+    local rc=$?
+    spec=$(auto_tokens_per_s "$OUT_DIR/options.log" 32768)
+    python3 bench/throughput.py "${args[@]}" --compile --out "$OUT_DIR/options-compile" >"$OUT_DIR/options-compile.log" 2>&1
+    rc=$((rc ? rc : $?))
+    compiled=$(auto_tokens_per_s "$OUT_DIR/options-compile.log" 32768)
+    sums=$(auto_tokens_per_s "$OUT_DIR/sums.log" 32768)
+    echo "KEY: 32768 tokens/step, clip 1, device sums: ${sums:-na} tok/s alone, ${spec:-na} with speculative_step," \
+        "${compiled:-na} with compile_blocks"
+    return $rc
+}
+
 step_peers() {
     local left=$(($1 - 15)) args mine point=4096
     if [ "$DRY" = 1 ]; then  # bench/throughput.py --dry marks every peer "skipped: needs CUDA" and no more
@@ -232,7 +255,7 @@ step_fp8() {
     return $rc
 }
 export -f step_env native_check step_install step_pytest run_cells step_throughput auto_tokens_per_s step_sums \
-    step_peers step_fp8
+    step_options step_peers step_fp8
 export SKIP_RC
 
 # -- running them -------------------------------------------------------------------------------------------
@@ -273,12 +296,13 @@ run_step install 90 1
 run_step pytest 120 1
 run_step throughput 180 1 60
 run_step sums 75 0 45
+run_step options 150 0 90  # (two runs of the sums step's point: compiling falls in the warm-up)
 run_step peers 180 0 30  # DeepSpeed builds its CPU Adam first: 98 s of its run on the first GPU machine
 run_step fp8 "$BUDGET" 0 30
 
 echo
 echo "figures per run (bench/throughput.py 'run:' lines; tables in $OUT_DIR/*/throughput.md):"
-grep -h '^run: ' "$OUT_DIR/throughput.log" "$OUT_DIR/sums.log" "$OUT_DIR/peers.log" 2>/dev/null | sed 's/^/  /'
+grep -h '^run: ' "$OUT_DIR"/{throughput,sums,options,options-compile,peers}.log 2>/dev/null | sed 's/^/  /'
 echo
 printf '%-11s %-8s %5s  %s\n' step status s "key figures"
 for i in "${!NAMES[@]}"; do

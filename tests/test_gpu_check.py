@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("env", "install", "pytest", "throughput", "sums", "peers", "fp8")
+STEPS = ("env", "install", "pytest", "throughput", "sums", "options", "peers", "fp8")
 ROW = re.compile(r"^(?P<step>\w+)\s+(?P<status>ok|FAIL|TIMEOUT|SKIP)\s+(?P<seconds>\d+)\s+(?P<key>.*)$")
 SUMMARY = re.compile(
     r"^gpu_check: mode=(?P<mode>\w+) steps=(?P<steps>\d+) ok=(?P<ok>\d+) fail=(?P<fail>\d+) "
@@ -46,7 +46,7 @@ def test_dry_run_reports_every_step_and_passes(tmp_path):
     rc, lines = gpu_check(tmp_path, "--dry-run")
     summary = SUMMARY.match(lines[-1])
     assert summary, lines[-1]
-    assert summary["mode"] == "dry" and summary["steps"] == "7" and summary["required_failed"] == "0"
+    assert summary["mode"] == "dry" and summary["steps"] == str(len(STEPS)) and summary["required_failed"] == "0"
     assert rc == 0, "\n".join(lines)
     table = rows(lines)
     assert list(table) == list(STEPS)
@@ -58,6 +58,7 @@ def test_dry_run_reports_every_step_and_passes(tmp_path):
         "pytest": "SKIP",
         "throughput": "ok",
         "sums": "SKIP",
+        "options": "SKIP",
         "peers": "SKIP",
         "fp8": "ok",
     }
@@ -85,7 +86,7 @@ def test_a_failed_required_step_sets_the_exit_code_and_the_rest_still_run(tmp_pa
     table = rows(lines)
     assert rc == 1
     assert table["env"]["status"] in ("FAIL", "TIMEOUT") and table["peers"]["status"] in ("FAIL", "TIMEOUT")
-    assert {table[s]["status"] for s in ("install", "pytest", "throughput", "sums", "fp8")} == {"SKIP"}
+    assert {table[s]["status"] for s in ("install", "pytest", "throughput", "sums", "options", "fp8")} == {"SKIP"}
     summary = SUMMARY.match(lines[-1])
     assert summary["mode"] == "gpu" and summary["required_failed"] == "1"
     assert int(summary["fail"]) + int(summary["timeout"]) == 2
