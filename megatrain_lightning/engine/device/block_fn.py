@@ -220,7 +220,9 @@ class SideOutputs:
 
     @contextmanager
     def recording(self) -> Iterator[SideOutputs]:
-        before = {(id(m), k): v for m in self.modules for k, v in m.__dict__.items() if isinstance(v, torch.Tensor)}
+        # (C-level copies of the attribute dicts: this runs for every block call; only what was rebound since is
+        # looked at afterwards)
+        snapshots = [(m, m.__dict__.copy()) for m in self.modules]
         # The global hook records only modules that carry hooks of their own and run inside the call (the
         # block's own hooks fire around it): without any there is nothing to record, and no hook is
         # registered (submodule calls stay on nn.Module's fast path; a compiled block sees no global hook).
@@ -231,11 +233,12 @@ class SideOutputs:
         finally:
             if handle is not None:
                 handle.remove()
-        for m in self.modules:
+        for m, before in snapshots:
             for k, v in m.__dict__.items():
-                if isinstance(v, torch.Tensor) and before.get((id(m), k)) is not v and v.is_floating_point():
+                was = before.get(k)
+                if was is not v and isinstance(v, torch.Tensor) and v.is_floating_point():
                     self.tensors.append(v)
-                    self.attrs.append((m, k, before.get((id(m), k))))
+                    self.attrs.append((m, k, was if isinstance(was, torch.Tensor) else None))
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if id(module) in self.ids and module._forward_hooks:

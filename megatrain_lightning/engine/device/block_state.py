@@ -114,6 +114,10 @@ class Mutations:
     def __bool__(self) -> bool:
         return bool(self.buffers or self.attrs)
 
+    def _name_of(self, module: nn.Module) -> str:
+        """`module`'s name in the block, for an error (looked up only then: the check runs for every block call)."""
+        return next((n for n, m in self.block.named_modules() if m is module), "")
+
     @contextmanager
     def replayed(self, block: str) -> Iterator[None]:
         """Run the recompute inside from the state the forward started from; afterwards put back the state
@@ -144,12 +148,11 @@ class Mutations:
         self._check(block, others, sizes)
 
     def _check(self, block: str, others: list, sizes: list) -> None:
-        names = {id(m): n for n, m in self.block.named_modules()}
         where = f"block {block} ({type(self.block).__name__})"
         for m, k, size in sizes:
             value = m.__dict__.get(k, ())
             if len(value) != size:
-                name = ".".join(p for p in (names.get(id(m), ""), k) if p)
+                name = ".".join(p for p in (self._name_of(m), k) if p)
                 raise RuntimeError(
                     f"{where} changed its {type(value).__name__} attribute {name!r} again in the recompute in "
                     "backward (a second time for one call): keep state a block's forward updates in a buffer or a "
@@ -157,7 +160,7 @@ class Mutations:
                 )
         for m, n, b, version in others:
             if m._buffers.get(n) is not b or b._version != version:
-                name = ".".join(p for p in (names.get(id(m), ""), n) if p)
+                name = ".".join(p for p in (self._name_of(m), n) if p)
                 raise RuntimeError(
                     f"{where} changed buffer {name!r} in the recompute in backward but not in its forward: a "
                     "streamed block must run the same code in both (make the update depend only on its inputs and "
