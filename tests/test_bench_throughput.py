@@ -505,3 +505,22 @@ def test_the_planners_gpu_figure_counts_the_runs_device_sums_and_row_chunks():
         report.planned(rows, {**run, "accumulate": 1, "row_chunk": 1}).gpu_peak
         < report.planned(rows, {**run, "accumulate": 1}).gpu_peak / 2
     )
+
+
+def test_block_overhead_times_both_loops_and_prints_its_line(monkeypatch, capsys):
+    """bench/block_overhead.py, shortened: the engine's and ordinary training's per-block-call times, positive,
+    in its table and its last line (the figures themselves are the benchmark's, not a test's)."""
+    import block_overhead
+
+    monkeypatch.setattr(sys, "argv", ["block_overhead.py", "--layers", "2", "--micro", "2", "--steps", "2"])
+    threads = torch.get_num_threads()
+    try:
+        assert block_overhead.main() == 0
+    finally:
+        torch.set_num_threads(threads)  # (it times on one thread)
+    out = capsys.readouterr().out.strip().splitlines()
+    line = re.fullmatch(
+        r"block_overhead: engine_ms_per_block_call=(\S+) ordinary_ms_per_block_call=(\S+) overhead_ms=\S+", out[-1]
+    )
+    assert line and float(line[1]) > 0 and float(line[2]) > 0
+    assert any(r.startswith("| engine (32-true") for r in out) and any(r.startswith("| ordinary") for r in out)
