@@ -53,6 +53,13 @@ def backend() -> str:
     return "torch"
 
 
+def _native_hyper(hp: AdamHyper) -> dict:
+    """`hp` as the native kernel's keywords."""
+    return dict(
+        lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps, weight_decay=hp.weight_decay, decoupled=hp.decoupled
+    )
+
+
 def adam_step_(
     master: torch.Tensor,
     m: torch.Tensor,
@@ -65,21 +72,7 @@ def adam_step_(
 ) -> None:
     """One Adam(W) step of a flat fp32 segment; `copy` (bf16/fp32) receives the new weights."""
     if backend() == "native":
-        _native().adamw_step_(
-            master,
-            m,
-            v,
-            grad,
-            copy,
-            lr=hp.lr,
-            beta1=hp.beta1,
-            beta2=hp.beta2,
-            eps=hp.eps,
-            weight_decay=hp.weight_decay,
-            step=step,
-            grad_scale=grad_scale,
-            decoupled=hp.decoupled,
-        )
+        _native().adamw_step_(master, m, v, grad, copy, **_native_hyper(hp), step=step, grad_scale=grad_scale)
         return
     g = grad if grad.dtype == torch.float32 else grad.float()
     if grad_scale != 1.0:
@@ -118,20 +111,7 @@ def adam_peek_(
     chunk of them into `scratch` (fp32, 3 x :data:`PEEK_CHUNK`) and steps it there: the step is element-wise,
     so a chunk's elements come out as the whole segment's would."""
     if backend() == "native":
-        _native().adamw_peek_(
-            master,
-            m,
-            v,
-            grad,
-            copy,
-            lr=hp.lr,
-            beta1=hp.beta1,
-            beta2=hp.beta2,
-            eps=hp.eps,
-            weight_decay=hp.weight_decay,
-            step=step,
-            decoupled=hp.decoupled,
-        )
+        _native().adamw_peek_(master, m, v, grad, copy, **_native_hyper(hp), step=step)
         return
     peek_in_scratch(master, m, v, grad, copy, hp, step, scratch)
 
