@@ -220,8 +220,7 @@ class SideOutputs:
 
     @contextmanager
     def recording(self) -> Iterator[SideOutputs]:
-        # (C-level copies of the attribute dicts: this runs for every block call; only what was rebound since is
-        # looked at afterwards)
+        # (C-level copies of the attribute dicts, as this runs per block call: what was rebound is looked at after)
         snapshots = [(m, m.__dict__.copy()) for m in self.modules]
         # The global hook records only modules that carry hooks of their own and run inside the call (the
         # block's own hooks fire around it): without any there is nothing to record, and no hook is
