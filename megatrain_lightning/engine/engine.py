@@ -215,8 +215,6 @@ class Engine:
             self.streamer.size_slots()  # the step's device memory is known now, its activations freed
         if self.optimizer_steps == 1 and self.config.device_grad_sums == "auto":
             self.streamer.size_sums()  # (with what the slots left)
-        if self.optimizer_steps == 1:
-            self.host.reserve_sums()  # the sums' buffers now, not inside the next backward
         # What the next forward reads first goes up now, each as soon as its own step is done: the outer
         # parameters (every device copy is current when this returns), then its first blocks. (Always, not
         # only when the steps happen to be done: the uploads a step makes do not depend on timing.)

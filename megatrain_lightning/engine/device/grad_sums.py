@@ -20,8 +20,8 @@ How many blocks get one (``EngineConfig.device_grad_sums``): a count, the first 
 "auto": after the first optimizer step, as many as the device memory left free by the weight slots allows
 (none on a device with no memory measure, the CPU). The parameters outside the blocks (embedding, final norm,
 head: their gradients come down through autograd's hooks) get sums too whenever a block does; "auto" counts
-them first. The buffers are allocated when the units are granted them (HostSteps.reserve_sums: between the
-first and second steps) or else at a unit's first sum, and kept.
+them first. The buffers are allocated as "auto" grants them, between the first and second steps
+(engine/host/host_steps.HostSide.reserve_sums), a count's at each unit's first sum; and kept.
 """
 
 from __future__ import annotations

@@ -164,6 +164,7 @@ class BlockStreamer:
         free, transient = measured
         outer = sum(u.device_numel for u in self.host.outer)
         sums.grow_to(auto_sum_count(free, transient, [u.device_numel for u in self.units], sums.count, outer))
+        self.host.reserve_sums()  # their buffers now, between steps, not inside the next backward
         log.info(
             "device_grad_sums='auto': %d of %d blocks sum their gradients on the device", sums.count, len(self.units)
         )

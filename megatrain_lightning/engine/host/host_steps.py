@@ -290,9 +290,9 @@ class HostSide:
         self._pending.add(unit)
 
     def reserve_sums(self) -> None:
-        """Allocate now, between steps, the device sum and the pinned fp32 accumulator (a sum's download
-        lands in it) of every unit allowed a sum, rather than at its first sum and first download, inside a
-        backward: pinning takes about a second per few GB of host memory and stalls the thread issuing that
+        """Allocate now, between steps (as ``device_grad_sums="auto"`` grants the sums, after the first step),
+        the device sum and the pinned fp32 accumulator (a sum's download lands in it) of every unit allowed a
+        sum, rather than at its first sum and first download, inside a backward: pinning takes about a second per few GB of host memory and stalls the thread issuing that
         backward (the first H200 run: a 1.24B model's first step with ``device_grad_sums="auto"`` took about
         2 s longer, and half its timed window). An accumulator holding a sum is kept as it is."""
         if self.sums is None:
