@@ -76,6 +76,10 @@ def submit(dashboard: str, entrypoint: str, s3_env: dict) -> tuple[object, str]:
         # Ray Train gives a worker group 60 s to start; on a busy 2-core machine (the suite's other worker
         # beside this one, and other jobs) starting trainers takes longer, and the run would fail, not wait.
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "900",
+        # No preemption watcher (an actor process per run) and no Ray Train metrics: the tests read neither, and
+        # on a 2-core machine every process Ray starts (each imports Ray, seconds of CPU) slows the whole suite.
+        "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+        "RAY_TRAIN_METRICS_ENABLED": "0",
     }
     return client, client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": env})
 
