@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatrain_lightning.engine import EngineConfig
-from megatrain_lightning.lightning.module import resolve_config
+from megatrain_lightning.models.named import resolve_config
 from megatrain_lightning.planning.planner import RunShape, choose_tiers, format_size, parse_size, plan
 from ray_jobs.config import SweepConfig, TrainConfig, apply
 

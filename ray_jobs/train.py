@@ -34,97 +34,18 @@ import argparse
 import json
 import os
 import sys
-import time
 from typing import Any
 
 import fsspec
-import lightning.pytorch as L
-import torch
-from lightning.pytorch.callbacks import Callback
 
 from megatrain_lightning.checkpoint import is_checkpoint
-from megatrain_lightning.lightning.data import TextDataModule
-from megatrain_lightning.lightning.module import CausalLMModule
 from megatrain_lightning.planning.planner import format_size
 from ray_jobs.config import SweepConfigError, TrainConfig, error_line, is_shipped, load, resolve
 from ray_jobs.resources import SweepRefused, Tier, check_workers_fit, planned_tier, strategy_options, trial_resources
 from ray_jobs.sweep import check_data_paths, check_unchanged, connect, driver_main, record_config
-from ray_jobs.trial import CHECKPOINT, Attempt, checkpoint_dir, trial_strategy
+from ray_jobs.trial import CHECKPOINT, checkpoint_dir, trial_strategy
 
 # ------------------------------------------------------------------------------------------- the workers
-
-
-class ReportedCheckpoints(Callback):
-    """Every `every` optimizer steps and at the end of training: a checkpoint written by every rank straight to
-    the run's storage, then reported to Ray Train where it lies (no copy), with the step's metrics.
-
-    `root` is the run's directory as an fsspec URL; Ray Train's own path for it (``get_storage()``) names the
-    same directory in its pyarrow filesystem. Saving and reporting are collective: every rank calls both, in the
-    same order (the report is also Ray's barrier)."""
-
-    def __init__(self, root: str, every: int) -> None:
-        self.root, self.every = root.rstrip("/"), every
-        self.saved = -1
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        step = trainer.global_step
-        if step and step % self.every == 0 and step != self.saved:
-            self.save(trainer)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.global_step != self.saved:
-            self.save(trainer)
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Each validation's metrics are a report of their own (no checkpoint): what a sweep's Tune sees."""
-        if not trainer.sanity_checking and trainer.state.fn == "fit":
-            import ray.train
-
-            ray.train.report(metrics(trainer))
-
-    def save(self, trainer: L.Trainer) -> None:
-        import ray.train
-        from ray.train import Checkpoint, CheckpointUploadMode
-
-        step = trainer.global_step
-        # weights_only=False: the whole training state, said outright (unsaid, Lightning logs that it defaulted)
-        trainer.save_checkpoint(f"{self.root}/{checkpoint_dir(step)}/{CHECKPOINT}", weights_only=False)
-        self.saved = step
-        storage = ray.train.get_context().get_storage()
-        reported = Checkpoint(
-            f"{storage.experiment_fs_path}/{checkpoint_dir(step)}", filesystem=storage.storage_filesystem
-        )
-        ray.train.report(metrics(trainer), checkpoint=reported, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-
-
-class Progress(Callback):
-    """Rank 0 prints the step, its micro-batch loss and the run's tokens per second (all ranks' tokens) every
-    ``log_every_n_steps`` optimizer steps; the latest figures also go into each report (:func:`metrics`)."""
-
-    def __init__(self) -> None:
-        self.tokens, self.since, self.step = 0, time.perf_counter(), -1
-        self.tokens_per_s = 0.0
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.tokens += batch[0].numel() * trainer.world_size
-        step = trainer.global_step
-        if step == self.step or step % max(1, trainer.log_every_n_steps):
-            return
-        self.step, now = step, time.perf_counter()
-        self.tokens_per_s = self.tokens / max(now - self.since, 1e-9)
-        self.tokens, self.since = 0, now
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if trainer.is_global_zero:  # (not print: Ray Train's patched print would show each line twice)
-            of = f"/{trainer.max_steps}" if trainer.max_steps > 0 else ""
-            sys.stdout.write(f"step {step}{of} loss {float(loss):.4f} tokens/s {self.tokens_per_s:,.0f}\n")
-            sys.stdout.flush()
-        trainer.callback_metrics["tokens_per_s"] = torch.tensor(self.tokens_per_s)
-
-
-def metrics(trainer: L.Trainer) -> dict[str, float]:
-    """The scalar metrics Lightning holds (train_loss, val_loss, tokens_per_s, ...) and the step."""
-    out = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1}
-    return {**out, "step": trainer.global_step}
 
 
 def validations_to_tune() -> Any:
@@ -161,8 +82,14 @@ def resume_url(root: str) -> str | None:
 def worker_loop(config: dict[str, Any]) -> dict[str, float]:
     """One rank of the run (Ray Train's ``train_loop_per_worker``): the training config `config["run"]`,
     checkpointing into `config["root"]`."""
+    import lightning.pytorch as L
     import ray.train
+    import torch
     from ray.train.lightning import RayLightningEnvironment
+
+    from megatrain_lightning.lightning.data import TextDataModule
+    from megatrain_lightning.lightning.module import CausalLMModule
+    from ray_jobs.callbacks import Attempt, Progress, ReportedCheckpoints, metrics
 
     run, root = config["run"], config["root"]
     rank = ray.train.get_context().get_world_rank()

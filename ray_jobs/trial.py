@@ -11,23 +11,18 @@ and resumes from it instead of from step 0. Each attempt that gets to training a
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
-import lightning.pytorch as L
-import torch
-from lightning.pytorch.callbacks import Callback
 
-from megatrain_lightning.checkpoint import ModelCheckpoint, is_checkpoint
+from megatrain_lightning.checkpoint import is_checkpoint
 from megatrain_lightning.engine import NVME_SCRATCH_PREFIX, usable_cpus
-from megatrain_lightning.lightning.data import TextDataModule
-from megatrain_lightning.lightning.module import CausalLMModule
-from megatrain_lightning.lightning.strategy import MegatrainStrategy
+
+if TYPE_CHECKING:
+    from megatrain_lightning.lightning.strategy import MegatrainStrategy
 
 Report = Callable[[dict[str, Any]], None]
 CHECKPOINT = "model.ckpt"  # a Ray Train run's checkpoint name inside each reported directory (ray_jobs/train.py)
@@ -36,54 +31,6 @@ CHECKPOINT = "model.ckpt"  # a Ray Train run's checkpoint name inside each repor
 def checkpoint_dir(step: int) -> str:
     """A Ray Train run's reported directory of its checkpoint at optimizer step `step`, within the run's."""
     return f"checkpoints/step-{step:08d}"
-
-
-class _Report(Callback):
-    """Hands the validation metrics (and the step) to Ray Tune after each validation."""
-
-    def __init__(self, report: Report) -> None:
-        self.report = report
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-        self.report({**metrics, "step": trainer.global_step})
-
-
-class _FinalCheckpoint(Callback):
-    """Saves the final state to `last.ckpt` whatever the interval (at train end the engine is still up)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # The whole training state, said outright: unsaid, Lightning logs "`weights_only` was not set,
-        # defaulting to `False`" (about what a save holds, not about unpickling anything on load).
-        trainer.save_checkpoint(self.path, weights_only=False)
-
-
-class Attempt(Callback):
-    """Records where each attempt of the trial started (after any resume); with `rank`, of that rank of a run of
-    several workers (``<time_ns>-rank<r>.json``, which also holds the rank and the number of ranks)."""
-
-    def __init__(self, trial_dir: str, rank: int | None = None) -> None:
-        self.trial_dir, self.rank = trial_dir, rank
-        self.recorded = False
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.record(trainer)
-
-    def record(self, trainer: L.Trainer) -> None:
-        self.recorded = True
-        fs, root = fsspec.core.url_to_fs(f"{self.trial_dir}/attempts")
-        record = {"pid": os.getpid(), "start_step": trainer.global_step, "time": time.time()}
-        name = f"{time.time_ns()}"
-        if self.rank is not None:
-            record.update(rank=self.rank, ranks=trainer.world_size)  # ranks: the strategy's, Ray's workers
-            name = f"{name}-rank{self.rank}"
-        fs.makedirs(root, exist_ok=True)  # a local directory must exist; object stores have none
-        fs.pipe_file(f"{root}/{name}.json", json.dumps(record).encode())
 
 
 def trial_strategy(options: dict[str, Any] | None, trial_dir: str) -> MegatrainStrategy:
@@ -96,6 +43,8 @@ def trial_strategy(options: dict[str, Any] | None, trial_dir: str) -> MegatrainS
     agent) leaves its scratch files behind (8 B/param), and the next attempt of the same trial, which Ray
     starts only after the previous one is gone, removes them before the engine checks the free space.
     """
+    from megatrain_lightning.lightning.strategy import MegatrainStrategy
+
     options = dict(options or {})
     if options.get("host_threads"):
         options["host_threads"] = min(options["host_threads"], len(usable_cpus()))
@@ -126,19 +75,27 @@ def run_trial(
 ) -> dict:
     """Train the config `run` (model / data / trainer sections), checkpointing to `trial_dir`, with
     ``MegatrainStrategy(**strategy)`` (see :func:`trial_strategy`)."""
+    import lightning.pytorch as L
+    import torch
+
+    from megatrain_lightning.checkpoint import ModelCheckpoint
+    from megatrain_lightning.lightning.data import TextDataModule
+    from megatrain_lightning.lightning.module import CausalLMModule
+    from ray_jobs.callbacks import Attempt, FinalCheckpoint, ReportValidations
+
     torch.manual_seed(int(run.get("seed", 0)))
     module = CausalLMModule(**run.get("model", {}))
     data = TextDataModule(**run.get("data", {"path": "builtin:python-docs"}))
     ckpt_dir = f"{trial_dir}/checkpoints"
     last = f"{ckpt_dir}/last.ckpt"
     attempt = Attempt(trial_dir)
-    callbacks: list[Callback] = [
+    callbacks: list[L.Callback] = [
         ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0, every_n_train_steps=checkpoint_every),
         attempt,
-        _FinalCheckpoint(last),
+        FinalCheckpoint(last),
     ]
     if report is not None:
-        callbacks.append(_Report(report))
+        callbacks.append(ReportValidations(report))
     trainer_kwargs = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
     trainer_kwargs.update(run.get("trainer", {}))
     megatrain = trial_strategy(strategy, trial_dir)

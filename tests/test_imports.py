@@ -1,10 +1,10 @@
 """The package's shape: no import cycle, the engine and the optimizer import no Lightning, optim/ imports nothing
-of engine/, and a file over 500 lines says why in its docstring.
+of engine/, a file over 500 lines says why in its docstring, and importing the package imports no Lightning.
 
 Imports are read from the source (ast), every ``import`` a module names: at the top, in functions, in ``try``,
 and under ``if TYPE_CHECKING:`` too (a module that needs another's type where that one imports it takes a
 Protocol instead). Importing ``a.b.c`` also runs the packages ``a`` and ``a.b``; those implicit edges are left
-out (every module would otherwise reach the package's ``__init__``, which imports the strategy), so a
+out (every module would otherwise reach the package's ``__init__``, which builds the strategies), so a
 package's own ``__init__`` imports count as its edges. The Lightning check below counts only imports that
 run."""
 
@@ -13,7 +13,11 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import megatrain_lightning
 
@@ -204,3 +208,35 @@ def test_the_package_top_holds_the_small_stable_set_and_the_configs_name_it():
         module, _, name = path.rpartition(".")
         assert module != "megatrain_lightning" or name in top.__all__, path
         assert getattr(importlib.import_module(module), name) is not None, path
+
+
+# A process that imports the package, and the modules a Ray driver or `megatrain plan` use, imports no Lightning;
+# once Lightning is imported, from anywhere (here: the package's own strategy, which imports it), both strategies are
+# registered, and the registered names build this package's classes.
+LIGHTNING_LAST = """
+import sys
+import megatrain_lightning as mt
+import megatrain_lightning.cli.main, megatrain_lightning.planning.planner, megatrain_lightning.schedule
+import ray_jobs.sweep, ray_jobs.train
+assert "lightning" not in sys.modules, sorted(m for m in sys.modules if m.startswith("lightning"))[:5]
+from megatrain_lightning import MegatrainStrategy
+import lightning as L
+trainer = L.Trainer(strategy="megatrain", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+assert type(trainer.strategy) is MegatrainStrategy, trainer.strategy
+assert type(L.Fabric(strategy="megatrain", accelerator="cpu", devices=1).strategy) is mt.MegatrainFabricStrategy
+print("ok")
+"""
+LIGHTNING_FIRST = """
+import lightning as L
+import megatrain_lightning as mt
+trainer = L.Trainer(strategy="megatrain", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+assert type(trainer.strategy) is mt.MegatrainStrategy, trainer.strategy
+assert type(L.Fabric(strategy="megatrain", accelerator="cpu", devices=1).strategy) is mt.MegatrainFabricStrategy
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("script", [LIGHTNING_LAST, LIGHTNING_FIRST], ids=["lightning-last", "lightning-first"])
+def test_the_package_imports_lightning_only_when_used_and_registers_its_strategies_either_way(script):
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -270,16 +270,16 @@ def test_numbers_written_like_1e_5_are_numbers(tmp_path):
 def test_the_final_checkpoint_says_it_holds_the_whole_state():
     """Lightning logs "`weights_only` was not set, defaulting to `False`" for a save that does not say: in a
     trial's log it read like an unrestricted load."""
-    from ray_jobs.trial import _FinalCheckpoint
+    from ray_jobs.callbacks import FinalCheckpoint
 
     saves = []
     trainer = types.SimpleNamespace(save_checkpoint=lambda path, **kwargs: saves.append((path, kwargs)))
-    _FinalCheckpoint("memory://t/last.ckpt").on_train_end(trainer, None)
+    FinalCheckpoint("memory://t/last.ckpt").on_train_end(trainer, None)
     assert saves == [("memory://t/last.ckpt", {"weights_only": False})]
 
 
 def test_attempt_files_are_named_by_start_time_as_documented(tmp_path):
-    from ray_jobs.trial import Attempt
+    from ray_jobs.callbacks import Attempt
 
     attempt = Attempt(str(tmp_path / "trial"))
     for step in (0, 10):
@@ -568,6 +568,7 @@ def test_a_trials_strategy_and_its_own_nvme_directory(tmp_path):
 
 
 def test_a_trial_trains_with_its_strategy(tmp_path, monkeypatch):
+    from megatrain_lightning.lightning import strategy as strategy_mod
     from megatrain_lightning.lightning.strategy import MegatrainStrategy
     from ray_jobs import trial as trial_mod
 
@@ -578,7 +579,7 @@ def test_a_trial_trains_with_its_strategy(tmp_path, monkeypatch):
             super().setup(trainer)
             used.append((self.engine.config.host_layout, self.engine.tier is not None, os.listdir(self.nvme_dir)))
 
-    monkeypatch.setattr(trial_mod, "MegatrainStrategy", Recording)
+    monkeypatch.setattr(strategy_mod, "MegatrainStrategy", Recording)  # (the trial imports it when it runs)
     drive = tmp_path / "nvme"
     drive.mkdir()
     run = {

@@ -22,7 +22,7 @@ import megatrain_lightning  # noqa: F401  (registers strategy="megatrain")
 from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.engine import EngineConfig, check_row_chunk, declared, int_or_auto
 from megatrain_lightning.lightning import plots
-from megatrain_lightning.lightning.module import resolve_config
+from megatrain_lightning.models.named import resolve_config
 from megatrain_lightning.planning.plan_any import ModelPlan, is_any_model, plan_from_args
 from megatrain_lightning.planning.planner import NVME_GBPS, Plan, RunShape, parse_size, plan
 from megatrain_lightning.schedule import LINKS, PROFILES, DataParallel, ModelledStep, modelled_step, profile

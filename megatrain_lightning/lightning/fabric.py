@@ -34,8 +34,7 @@ from typing import Any
 import torch
 from lightning.fabric.accelerators import Accelerator, CUDAAccelerator
 from lightning.fabric.plugins import CheckpointIO, Precision
-from lightning.fabric.strategies import STRATEGY_REGISTRY, DataParallelStrategy, Strategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies import DataParallelStrategy, Strategy
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
@@ -364,15 +363,6 @@ class MegatrainFabricStrategy(Strategy):
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         return obj
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry = STRATEGY_REGISTRY) -> None:
-        """``Fabric(strategy="megatrain")``; importing :mod:`megatrain_lightning` calls this."""
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
-            )
 
 
 MegatrainFabricStrategy.__init__.__signature__ = inspect.signature(MegatrainFabricStrategy.__init__).replace(

@@ -7,8 +7,6 @@ The model is named the way a user thinks of it: a preset (``"llama-3.1-8b"``), a
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,9 +16,9 @@ import lightning.pytorch as L
 import torch
 
 from megatrain_lightning.engine import materialize
-from megatrain_lightning.models import PRESETS, LlamaConfig, LlamaForCausalLM, load_hf_config, load_hf_weights
+from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM, load_hf_config, load_hf_weights
+from megatrain_lightning.models.named import resolve_config
 
-_HEAD_SHAPE_FIELDS = ("hidden_size", "num_attention_heads")
 _SHAPE_FIELDS = (
     "vocab_size",
     "hidden_size",
@@ -32,40 +30,6 @@ _SHAPE_FIELDS = (
     "attention_bias",
     "tie_word_embeddings",
 )
-
-
-def resolve_config(model: str | LlamaConfig, overrides: dict[str, Any] | None = None) -> LlamaConfig:
-    """The :class:`LlamaConfig` named by a preset, a HF config.json / checkpoint dir, or given directly.
-
-    Overriding ``hidden_size`` or ``num_attention_heads`` without ``head_dim`` re-derives ``head_dim``
-    (a preset's head_dim would otherwise silently stay and no longer match the new width).
-    """
-    config = model if isinstance(model, LlamaConfig) else _load_named(model)
-    overrides = dict(overrides or {})
-    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(
-            f"model overrides {unknown} are not LlamaConfig fields; valid fields: {', '.join(sorted(fields))}"
-        )
-    if "head_dim" not in overrides and any(k in overrides for k in _HEAD_SHAPE_FIELDS):
-        overrides["head_dim"] = None
-    return dataclasses.replace(config, **overrides)
-
-
-def _load_named(model: str) -> LlamaConfig:
-    if model.lower() in PRESETS:
-        return LlamaConfig.from_preset(model)
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return load_hf_config(path)
-    if path.is_file():
-        with open(path, encoding="utf-8") as f:
-            return LlamaConfig.from_hf_dict(json.load(f))
-    raise ValueError(
-        f"model={model!r} is neither a preset nor an existing Hugging Face config.json or checkpoint directory; "
-        f"presets: {', '.join(sorted(PRESETS))}"
-    )
 
 
 def check_init_from(config: LlamaConfig, init_from: str) -> None:

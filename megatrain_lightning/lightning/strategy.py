@@ -634,14 +634,6 @@ class MegatrainStrategy(ParallelStrategy):
         if "megatrain_rng" in checkpoint:
             _set_rng_state(checkpoint["megatrain_rng"])
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description="host-resident full-precision training, streaming blocks"
-            )
-
 
 OWN_CHECKS: dict[str, Callable[[Any], Any]] = {"checkpoint_format": check_checkpoint_format}
 """The strategy's options besides the engine's, each by its check (storage_options has its own: it is never quoted)."""
