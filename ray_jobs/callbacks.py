@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -19,9 +18,7 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ray_jobs.trial import CHECKPOINT, checkpoint_dir
-
-Report = Callable[[dict[str, Any]], None]
+from ray_jobs.trial import CHECKPOINT, Report, checkpoint_dir
 
 
 class ReportValidations(Callback):
@@ -33,8 +30,7 @@ class ReportValidations(Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-        self.report({**metrics, "step": trainer.global_step})
+        self.report(metrics(trainer))
 
 
 class FinalCheckpoint(Callback):

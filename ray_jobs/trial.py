@@ -81,7 +81,7 @@ def run_trial(
     from megatrain_lightning.checkpoint import ModelCheckpoint
     from megatrain_lightning.lightning.data import TextDataModule
     from megatrain_lightning.lightning.module import CausalLMModule
-    from ray_jobs.callbacks import Attempt, FinalCheckpoint, ReportValidations
+    from ray_jobs.callbacks import Attempt, FinalCheckpoint, ReportValidations, metrics
 
     torch.manual_seed(int(run.get("seed", 0)))
     module = CausalLMModule(**run.get("model", {}))
@@ -111,8 +111,7 @@ def run_trial(
         # validate the final weights so the trial still reports its metric.
         attempt.record(trainer)
         trainer.validate(module, data, verbose=False)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-    return {**metrics, "step": trainer.global_step, "checkpoint": last}
+    return {**metrics(trainer), "checkpoint": last}
 
 
 def resume_from(last: str) -> str | None:
