@@ -310,7 +310,10 @@ class SelfChecks:
         if isinstance(unit.master, FakeTensor):  # (the schedule model's: no data pointers, a storage and offset)
 
             def at(t: torch.Tensor) -> tuple[int | None, int]:
-                return t.untyped_storage()._cdata, t.storage_offset() * size
+                # (torch functions off: untyped_storage() could read values, so a pending step's watch waits on it;
+                # here only its identity is read, and a wait would put a stall in the model that a run has not)
+                with torch._C.DisableTorchFunction():
+                    return t.untyped_storage()._cdata, t.storage_offset() * size
 
         else:  # (data_ptr reads no values: a block's step still pending is not waited for, engine/host/pending_reads.py)
 
