@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
+from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.models.llama import document_segments
 from megatrain_lightning.models.tiling import (
@@ -21,6 +22,7 @@ from megatrain_lightning.models.tiling import (
     tile_bytes_per_token,
     tiled_core_bytes_per_token,
 )
+from tests import async_streams
 from tests.helpers import CausalLM, fit, own_loop, params_of
 
 TILE = 3
@@ -242,3 +244,24 @@ def test_grouped_query_attention_shares_kv_heads_in_bf16(dtype, monkeypatch):
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     expected = (heads, kv, True) if dtype == torch.bfloat16 else (heads, heads, False)
     assert seen and all(s == expected for s in seen)
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["room-for-two-inputs", "no-room"])
+def test_an_offloaded_input_comes_back_during_the_later_blocks_backward_where_memory_allows(monkeypatch, room):
+    """Memory readings (probes standing in for a device's) with room for a second input beside the first step's
+    measured transient: from the second step on, each offloaded input is prefetched before the later block's
+    backward, not after it, on copy streams that run nothing until waited for (tests/async_streams.py). Bit
+    for bit ordinary training either way; without room, no input is fetched early."""
+    async_streams.install(monkeypatch, hold=1.0)
+    ref_model, model = llama(), llama()
+    ref = own_loop(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-3), batches(3))
+    probes = Probes(device_free_bytes=lambda: 1 << 40 if room else 1 << 20, step_transient_bytes=lambda: 1 << 20)
+    options = EngineConfig(device="cpu", precision="32-true", offload_inputs=True, recompute=True, num_slots=2)
+    engine = Engine(model, options, probes)
+    got = own_loop(model, engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3)), batches(3))
+    early = engine.stats["early_input_fetches"]
+    engine.close()
+    assert got == ref
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    blocks = model.config.num_hidden_layers
+    assert early == (2 * (blocks - 1) if room else 0)  # steps 2 and 3: every block's input but the first's

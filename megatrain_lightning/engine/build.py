@@ -279,6 +279,7 @@ def _new_stats() -> dict[str, float]:
         "input_offload_bytes": 0,  # saved block inputs to the host and back, as stored (offload_inputs[_dtype])
         "kept_calls": 0,  # block calls that kept their graph for backward instead of a recompute (recompute)
         "offloaded_passes": 0,  # forward passes whose saved block inputs went to the host
+        "early_input_fetches": 0,  # offloaded inputs brought back during the later block's backward, not after
         "host_step_seconds": 0.0,  # worker: Adam steps
         "speculative_kept": 0,  # units whose speculative step the optimizer step kept (speculative_step)
         "speculative_discarded": 0,  # and those whose it discarded (clipped, or something changed since)

@@ -211,6 +211,8 @@ class Engine:
         stepped = self.host.step()
         self.outer.mark_stale(stepped)
         self.optimizer_steps += 1
+        if self.optimizer_steps == 1:
+            self.streamer.measure_step()  # (its activations freed: what it needed beyond what stays)
         if self.optimizer_steps == 1 and self.config.num_slots == "auto":
             self.streamer.size_slots()  # the step's device memory is known now, its activations freed
         if self.optimizer_steps == 1 and self.config.device_grad_sums == "auto":

@@ -81,6 +81,7 @@ class BlockStreamer:
         self.keep, self.saved_inputs, self.checks, self.reads = keep, saved_inputs, checks, reads
         self.rows = rows
         self._transient, self._free_device_bytes = transient, free_device_bytes
+        self._step_transient: int | None = None  # what the first step needed beyond the persistent buffers
         # Per block, (first block, number of blocks) of its stack: a stack's blocks are consecutive, and each
         # stack's forward pass is decided on anew (offloaded inputs, kept graphs).
         self._spans = spans
@@ -147,12 +148,23 @@ class BlockStreamer:
             free / 2**30,
         )
 
+    def measure_step(self) -> None:
+        """After the first optimizer step: read (and keep) what it needed beyond the persistent buffers."""
+        self._step_transient = self._transient()
+
     def _memory_after_step(self) -> tuple[int, int] | None:
         """(free device bytes, what the first step needed beyond the persistent buffers), read after that
         step; None on a device with no memory measure (the CPU)."""
-        transient = self._transient()
+        transient = self._step_transient
         free = None if transient is None else self._free_device_bytes()
         return None if free is None else (free, transient)
+
+    def _room_beside(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit on the device for the duration of a block's backward: the memory free now
+        holds them and the first step's whole transient besides (which held one block's backward with its
+        input). Not before that step is measured, nor on a device with no memory measure (the CPU)."""
+        measured = self._memory_after_step()
+        return measured is not None and measured[0] >= nbytes + measured[1]
 
     def size_sums(self) -> None:
         """``device_grad_sums="auto"``, after the first optimizer step (and the slots' sizing): as many blocks get
@@ -321,6 +333,14 @@ class BlockStreamer:
         (the block's parameters are bound to it too, for a checkpoint inside the block that recomputes)."""
         unit = self.units[idx]
         slot = self._load(idx, {idx}) if kept is None else kept.slot
+        # The next backward's offloaded input (None: its call kept it on the device, or there is none).
+        earlier = self._earlier_input(idx) if direction < 0 else None
+        if earlier is not None and earlier.device is None and self._room_beside(earlier.host.nbytes):
+            # Its copy runs during this backward, not after it (where the next backward would wait for the
+            # whole copy): it waits only for the compute issued before, as the memory it takes may have been
+            # freed by that compute (saved_inputs.prefetch).
+            self.saved_inputs.prefetch(earlier)
+            self.saved_inputs.stats["early_input_fetches"] += 1
         # (binding rewrites the parameters' .data, which reads nothing: outside the pending-reads mode too)
         with self.reads.suspended(), self._bound(idx, self.pool.acquire(slot, unit.slot_numel), fresh=keep) as leaves:
             out = fn()
@@ -330,18 +350,22 @@ class BlockStreamer:
         if keep:
             self.pool.pin(slot)
             kept = KeptGraph(slot, leaves, self.pool.unpin)
-        # Prefetch after enqueueing the compute, so waiting for a pending host step never delays it.
-        if direction < 0 and idx > 0:
-            earlier = self._forward_states[idx - 1]
-            state = earlier() if earlier is not None else None
-            # The next block's input, if its call offloaded it (prefetch(None) does nothing).
-            self.saved_inputs.prefetch(state.saved if state is not None else None)
+        # Otherwise prefetch after enqueueing the compute, whose end frees the memory it takes; a prefetch that
+        # started early is not started again.
+        self.saved_inputs.prefetch(earlier)
         depth = self._prefetch_depth(direction)
         ahead = [j for j in (idx + direction * k for k in range(1, depth + 1)) if 0 <= j < len(self.units)]
         for j in ahead:
             if self._load(j, {idx, *ahead}, wait=False) is None:
                 break  # steps finish in forward order (or every other slot is pinned): stop here
         return out, (kept if keep else None)
+
+    def _earlier_input(self, idx: int) -> Any:
+        """The offloaded input (saved_inputs.SavedInput) of the latest call of block `idx` - 1, which backward
+        reaches next; None when there is none."""
+        earlier = self._forward_states[idx - 1] if idx > 0 else None
+        state = earlier() if earlier is not None else None
+        return state.saved if state is not None else None
 
     def _prefetch_depth(self, direction: int) -> int:
         """How many blocks ahead of the one computing are uploaded now: as many as the other slots hold, unless
