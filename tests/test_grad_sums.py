@@ -13,6 +13,7 @@ from lightning.fabric import Fabric
 
 from megatrain_lightning import Engine, EngineConfig
 from megatrain_lightning.engine.device.grad_sums import auto_sum_count
+from megatrain_lightning.engine.host.host_steps import HostSide
 from megatrain_lightning.lightning.fabric import MegatrainFabricStrategy
 from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from tests.helpers import ZOO, CausalLM, assert_same, fit, hf_llama, hf_loss, token_batches, trainer, twin
@@ -98,6 +99,22 @@ def test_device_sums_train_as_the_host_path_and_ordinary_training_bit_for_bit(cl
     assert runs[0][2]["d2h_bytes"] - runs[LAYERS][2]["d2h_bytes"] == per_step * (LAYERS * block + outer)
     assert runs[0][2]["d2h_bytes"] - runs[1][2]["d2h_bytes"] == per_step * (block + outer)
     assert runs[LAYERS][2]["grad_sums"] == 4 * (LAYERS * block + outer) and runs[0][2]["grad_sums"] == 0
+
+
+def test_clipping_takes_the_norms_of_device_sums_on_the_device(monkeypatch):
+    """With every unit summed on the device, the clip's per-parameter norms are taken from each sum before it goes
+    down (as from a single micro-batch's gradient): no pass over the landed gradients on the host, whose result
+    the clip would otherwise wait for. Without sums, the host takes them. Equal norms either way (the test
+    above: bit for bit on the CPU)."""
+    taken = []
+    host_norms = HostSide._norms
+    monkeypatch.setattr(HostSide, "_norms", lambda self, unit: taken.append(unit) or host_norms(self, unit))
+    for sums in (LAYERS, 0):
+        taken.clear()
+        model = hf_llama(layers=LAYERS)
+        loop(model, sums, "norm")
+        outer = [n for n, _ in model.named_parameters() if not n.startswith("model.layers.")]  # a unit each
+        assert len(taken) == (0 if sums else STEPS * (LAYERS + len(outer))), sums
 
 
 def test_in_bf16_device_sums_add_the_same_fp32_numbers_as_the_host():

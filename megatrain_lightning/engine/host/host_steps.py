@@ -275,8 +275,8 @@ class HostSide:
         accumulator) and lands: stepped at once where the optimizer overlaps backward, else kept for the step."""
         eager = self._eager_ok()
         hyper = self.hyper() if eager else None
-        done, present = self._download_sum(unit)
-        want_norm = self.want_norms
+        done, present = self._download_sum(unit, whole=True)
+        want_norm = self.want_norms and unit.grad.device_norms is None
         rank = self.step_rank(unit) if hyper is not None else 0
         clamp = self._clip_value if eager else None
         self.submit(unit, partial(self._land_sum, unit, done, present, want_norm, hyper, clamp), rank, done)
@@ -313,8 +313,11 @@ class HostSide:
                 self.wait(unit)
                 self._spill(unit)
 
-    def _download_sum(self, unit: HostUnit) -> tuple[object, list[bool]]:
+    def _download_sum(self, unit: HostUnit, whole: bool = False) -> tuple[object, list[bool]]:
+        """Send the unit's device sum down into its fp32 accumulator; `whole`: it is the step's whole gradient of
+        the unit, whose per-parameter norms clipping then takes on the device (as of a single micro-batch's)."""
         total, present = self.sums.close(unit)
+        self._device_norms(unit, total[: unit.numel], present, single=whole)
         acc = unit.ensure_acc(pin=unit.pin and self.streams.is_cuda)
         self._before_download(total)
         self.streams.copy(self.streams.d2h, acc, total[: unit.numel])
