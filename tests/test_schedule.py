@@ -28,6 +28,7 @@ from megatrain_lightning.engine.host.pending_reads import PendingReads
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.planning.flops import matmul_params, model_flops
 from megatrain_lightning.schedule import PROFILES, Profile, Recorder, replay, summarize, table, train_steps
+from megatrain_lightning.schedule.modelled import modelled_step
 from megatrain_lightning.schedule.profiles import ADAM_BYTES_PER_PARAM, HOST_EFFICIENCY, LINK_EFFICIENCY, profile
 from megatrain_lightning.schedule.ranks import DataParallel
 from megatrain_lightning.schedule.replay import Interval, Replay, Timeline
@@ -415,6 +416,51 @@ def _spy(method, seen: list):
         return method(self, *args, **kwargs)
 
     return spied
+
+
+def _speculations_end(intervals: list[Interval]) -> dict[tuple[int, str], float]:
+    """(step, phase) -> when its last speculative step ended (phase "backward": the outer units', the
+    embedding's last)."""
+    ends: dict[tuple[int, str], float] = {}
+    for iv in intervals:
+        if iv.lane == "host" and iv.what == "speculate":
+            ends[iv.step, iv.phase] = max(iv.end, ends.get((iv.step, iv.phase), 0.0))
+    return ends
+
+
+def test_the_next_forward_waits_for_each_kept_speculative_step(capsys):
+    """Recorded with speculative steps on a slow host (tiny preset, clip 1.0, every speculation kept, host jobs
+    far longer than the GPU's work): block k's forward of the next step starts after block k's speculative step
+    has ended (it uploads the weights that step wrote), and the embedding's lookup after the embedding's."""
+    args = ["schedule", "--model", "tiny", "--device", "a100", "--seq-len", "32", "--steps", "3", "--clip", "1.0"]
+    step = run([*args, "--speculative-step", "--host-gbps", "0.01"])
+    intervals = step.timeline.intervals
+    spec_end = _speculations_end(intervals)
+
+    def first(step: int, phase: str, what: str | None = None) -> float:
+        return min(
+            iv.start
+            for iv in intervals
+            if iv.lane == "compute" and iv.step == step and iv.phase == phase and what in (None, iv.what)
+        )
+
+    for s in (1, 2):
+        for k in range(step.config.num_hidden_layers):
+            assert first(s + 1, f"forward block {k}") >= spec_end[s, f"backward block {k}"], (s, k)
+        assert first(s + 1, "forward", "embedding") >= spec_end[s, "backward"]
+
+
+def test_steps_proper_start_after_the_last_speculative_step():
+    """Recorded with speculative steps over a slow link (tiny preset, clip 1.0, every speculation kept): the head's
+    speculative step is done long before the embedding's gradient has come down, yet no step proper starts before
+    the step's last speculative step has ended (begun earlier, it would hold the one worker from what the next
+    forward waits for first)."""
+    slow_link = dataclasses.replace(PROFILES["a100"], link_gbps=0.1)
+    intervals = modelled_step(tiny(), slow_link, SEQ, clip=1.0, steps=3, speculative_step=True).timeline.intervals
+    spec_end = _speculations_end(intervals)
+    for s in (1, 2):
+        last = max(end for (t, _), end in spec_end.items() if t == s)
+        assert min(iv.start for iv in intervals if iv.lane == "host" and iv.what == "adam" and iv.step == s) >= last
 
 
 def test_with_accumulation_the_chain_holds_all_but_the_first_forward():

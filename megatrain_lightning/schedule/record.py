@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from megatrain_lightning.engine.host import host_steps
 from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.planning.measure import DeviceBytes, observe_host_allocations, storage_key, tensors_in
@@ -209,6 +210,10 @@ class Recorder:
         """What ``future.done()`` of host job `job` answers now (see the class docstring)."""
         return True if self.live is None else self.live.ended_by_now(job)
 
+    def running_job(self) -> int | None:
+        """The host job running on this thread now (None: the issuing thread's own code)."""
+        return getattr(self._local, "job", None)
+
     def run_job(self, job: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         outer, self._local.job = getattr(self._local, "job", None), job
         try:
@@ -350,8 +355,41 @@ class _Future:
         # answer (a prefetch depends on it).
         return self.inner.done() and self.recorder.job_done(self.job)
 
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        # (it ran, and what the callback settles is settled as of this job's end: see _Promise)
+        self.recorder.run_job(self.job, fn, (self,), {})
+
     def __getattr__(self, name: str) -> Any:  # exception(), ...: no event, so no synchronize()
         return getattr(self.inner, name)
+
+
+class _Promise(Future):
+    """A future the engine makes itself for a host job to settle (after a kept speculative step, that the unit's
+    compute copy holds the step's weights: host_steps.HostSide.step): done, and waited for, as the job that
+    settled it is, by the live replay. A second settle, which the engine tries when the replay's clock says the
+    first one has not happened yet, is the same event and changes nothing."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder, self.job = recorder, None
+
+    def set_result(self, result: Any) -> None:
+        if not super().done():
+            self.job = self.recorder.running_job()
+            super().set_result(result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        if not super().done():
+            self.job = self.recorder.running_job()
+            super().set_exception(exception)
+
+    def done(self) -> bool:
+        return super().done() and (self.job is None or self.recorder.job_done(self.job))
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self.job is not None:
+            self.recorder.log(Join(self.job, _where()))
+        return super().result(timeout)
 
 
 class _Ops(TorchDispatchMode):
@@ -435,6 +473,7 @@ def _patched_kernels(rec: Recorder) -> Iterator[None]:
             return clip(values, max_norm)
 
     with (
+        _patched(host_steps, "Future", lambda: _Promise(rec)),
         _patched(kernels, "adam_step_", adam_step_),
         _patched(kernels, "adam_peek_", adam_peek_),
         _patched(kernels, "accumulate_", accumulate_),

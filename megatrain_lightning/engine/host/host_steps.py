@@ -111,7 +111,7 @@ class HostSide:
         ranks: Ranks,
         sums: DeviceGradSums | None = None,
     ) -> None:
-        """`invalidate(i)`: block i's weights on the host changed, so a device slot holding it is stale.
+        """`invalidate(i)`: block i's weights on the host changed (stepped), so a device slot holding it is stale.
         `ranks` (engine/ranks.py): each unit holds this rank's shard, its gradients reduce-scattered over
         the ranks (the whole unit and its own gradients with one rank)."""
         self.ranks = ranks
@@ -394,21 +394,25 @@ class HostSide:
     def _speculate(self, unit: HostUnit) -> None:
         """The gradient just shipped completes the unit's step (the step's last backward, nothing stepping
         during it): queue its Adam step into the spare copy, unscaled, behind the landing."""
-        if not (
-            self.speculative
-            and self.mode == "step"
-            and not self.hold
-            and self.hyper is not None
-            and self.stepper is None
-            and self._clip_value is None
-            and unit.grad.held is None
-        ):
+        if not self.speculates() or unit.grad.held is not None:
             self._specs.pop(unit, None)
             return
         spec = Speculation(self.hyper(), unit.future)
         self.submit(unit, partial(self._step_aside, unit, spec), self.step_rank(unit))
         spec.future = unit.future
         self._specs[unit] = spec
+
+    def speculates(self) -> bool:
+        """Whether a gradient completing its unit's step now gets a speculative step: in the step's last backward
+        with ``speculative_step``, nothing stepping during it, no clipping by value said."""
+        return (
+            self.speculative
+            and self.mode == "step"
+            and not self.hold
+            and self.hyper is not None
+            and self.stepper is None
+            and self._clip_value is None
+        )
 
     def _step_aside(self, unit: HostUnit, spec: Speculation) -> None:
         """Worker: the unit's step as the optimizer would take it unclipped, the new weights into its spare copy
@@ -442,7 +446,8 @@ class HostSide:
             self.stats["speculative_discarded"] += 1  # (set as the step proper ends: see submit)
             return
         unit.copy, unit.spare = unit.spare, unit.copy
-        unit.spare_read, unit.upload_done = unit.upload_done, None
+        # (each buffer's last upload with it: the new copy's is the one that went up ahead, if any, streamer.py)
+        unit.spare_read, unit.upload_done = unit.upload_done, unit.spare_read
         spec.kept = True
         self.stats["speculative_kept"] += 1
         weights.set_result(None)
@@ -469,6 +474,10 @@ class HostSide:
     def weights_pending(self, unit: HostUnit) -> bool:
         pending = unit.weights if unit.weights is not None else unit.future
         return pending is not None and not pending.done()
+
+    def speculation(self, unit: HostUnit) -> Speculation | None:
+        """The speculative step queued for `unit` in this backward, if any (its ``future`` says when it is done)."""
+        return self._specs.get(unit)
 
     def forget_speculation(self) -> None:
         """The masters were written from outside (a checkpoint loaded): no speculative step stands."""
@@ -724,6 +733,10 @@ class HostSide:
         if todo:  # (after a backward that stepped everything, the plan it set reaches into the next one)
             self._read_ahead(todo)  # the moments come in while the clipping norm is being computed
         scale = self._clip_scale(todo, clip_val) if clip_val else 1.0
+        # Steps proper start once the last speculative step (the last gradient's: the embedding's) is done: the
+        # worker takes one job at a time, and one begun as that gradient lands would hold back what the next
+        # forward waits for first. They have until the next backward, which ships into what they read.
+        last_spec = next(reversed(self._specs.values())).future if self._specs else None
         for unit in todo:
             spec = self._kept(unit, hyper, scale, clamp)
             if spec is None:
@@ -732,7 +745,7 @@ class HostSide:
                 weights: Future = Future()
                 self.submit(unit, partial(self._keep, unit, spec, weights))
                 job = partial(self._step_proper, unit, hyper, scale, clamp, spec)
-                self.submit(unit, job, self.land_rank(unit), weights=weights)
+                self.submit(unit, job, self.land_rank(unit), weights=weights, after=last_spec)
             if id(unit) in self.block_index:
                 self.invalidate(self.block_index[id(unit)])
         self._specs.clear()
@@ -909,8 +922,9 @@ class HostSide:
         this the host buffers may be read or rewritten (checkpoints, loading weights, teardown)."""
         for unit in self.all_units():
             unit.wait()
-            if unit.upload_done is not None:
-                unit.upload_done.synchronize()
+            for read in (unit.upload_done, unit.spare_read):  # (an upload ahead reads the spare copy)
+                if read is not None:
+                    read.synchronize()
 
     def wait(self, unit: HostUnit) -> None:
         """Block on `unit`'s last host job, counting the time the device queue may starve meanwhile."""
@@ -922,14 +936,21 @@ class HostSide:
             unit.wait()
 
     def submit(
-        self, unit: HostUnit, job: Callable[[], None], order: int = 0, event: Any = None, weights: Future | None = None
+        self,
+        unit: HostUnit,
+        job: Callable[[], None],
+        order: int = 0,
+        event: Any = None,
+        weights: Future | None = None,
+        after: Future | None = None,
     ) -> None:
-        """Queue `job` as `unit`'s last job: after its previous one and (if given) the copy `event`, at
-        `order` (engine/host/worker.py: 0 for landing and bookkeeping, a step's rank for steps). `weights`: the job
-        sets it once the unit's compute copy is current; otherwise an upload waits for the whole job."""
+        """Queue `job` as `unit`'s last job: after its previous one, (if given) the copy `event` and another job
+        (`after`: its future), at `order` (engine/host/worker.py: 0 for landing and bookkeeping, a step's rank for
+        steps). `weights`: the job sets it once the unit's compute copy is current; otherwise an upload waits
+        for the whole job."""
         if self.gate is not None:
             job = gated(self.gate, unit, job)
-        unit.future = self.worker.submit(job, order=order, after=(unit.future, event))
+        unit.future = self.worker.submit(job, order=order, after=(unit.future, event, after))
         unit.weights = weights
         if weights is not None:  # set as the job ends at the latest, with its error if it failed
             unit.future.add_done_callback(partial(_settle, weights))
