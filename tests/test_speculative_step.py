@@ -20,6 +20,7 @@ from lightning.fabric import Fabric
 from lightning.pytorch import Callback
 
 from megatrain_lightning import Engine, EngineConfig
+from megatrain_lightning.engine.device.streamer import BlockStreamer
 from megatrain_lightning.lightning.fabric import MegatrainFabricStrategy
 from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from megatrain_lightning.optim import kernels
@@ -174,6 +175,51 @@ def test_the_next_forward_runs_before_the_steps_proper(monkeypatch):
     n = units_of(b)
     assert seen == [0, 0, n, n, 2 * n] and not timed_out  # (before each opt.step() and at the next forward)
     assert_same_run(speculated, plain)
+
+
+def _host_keeps_up(monkeypatch) -> None:
+    """Each block's speculative step is done before the next block's backward is issued (a host faster than the
+    backward), so every block but the last of a backward sends its new weights up ahead of the step."""
+    ahead = BlockStreamer._upload_ahead
+
+    def waiting(self, idx):
+        for j in self._ahead:
+            spec = self.host.speculation(self.units[j])
+            if spec is not None and spec.future is not None:
+                spec.future.exception()  # (waits for it)
+        ahead(self, idx)
+
+    monkeypatch.setattr(BlockStreamer, "_upload_ahead", waiting)
+
+
+def _forward_before_step(outputs: list):
+    """A forward between the step's last backward and the step (a metric on the pre-step weights)."""
+
+    def before_step(engine, opt, step):
+        with torch.no_grad():
+            outputs.append(hf_loss(engine.model, BATCHES[0]))
+
+    return before_step
+
+
+@pytest.mark.parametrize("case", ["kept", "discarded", "forward-before-step"])
+def test_weights_sent_up_ahead_of_the_step_are_used_only_where_it_kept_them(monkeypatch, case):
+    """Every block resident (one slot each): during the step's last backward each block's speculative weights go
+    up into the slot holding its present ones, and the next forward uses them when the step kept the
+    speculation. Clipped, it discards them, and the forward uploads the step's weights; a forward before the step
+    reads the present weights, not the ahead ones. Every run is the one without speculation, bit for bit."""
+    _host_keeps_up(monkeypatch)
+    clip = CLIPPED if case == "discarded" else NOT_CLIPPED
+    seen: dict[bool, list] = {False: [], True: []}
+    runs = {}
+    for speculative, model in zip((False, True), twin(lambda: hf_llama(layers=LAYERS))):
+        between = _forward_before_step(seen[speculative]) if case == "forward-before-step" else None
+        runs[speculative] = loop(model, speculative, clip=clip, num_slots=LAYERS, before_step=between)
+    assert_same_run(runs[True], runs[False])
+    assert seen[True] == seen[False] and len(seen[True]) == (STEPS if case == "forward-before-step" else 0)
+    # The blocks but the last of each backward went up ahead; the next forward of all steps but the last took them.
+    expected = 0 if case != "kept" else (STEPS - 1) * (LAYERS - 1)
+    assert runs[True][3]["uploads_ahead"] == expected
 
 
 def test_refused_where_there_is_no_compute_copy_or_another_optimizer():

@@ -147,7 +147,7 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
         tier=engine.tier,
         overlap_optimizer=config.overlap_optimizer,
         speculative=training and config.speculative_step,
-        invalidate=engine.pool.invalidate,
+        invalidate=engine.pool.stepped,
         ranks=ranks,
         sums=(
             DeviceGradSums(
@@ -279,6 +279,7 @@ def _new_stats() -> dict[str, float]:
         "input_offload_bytes": 0,  # saved block inputs to the host and back, as stored (offload_inputs[_dtype])
         "kept_calls": 0,  # block calls that kept their graph for backward instead of a recompute (recompute)
         "offloaded_passes": 0,  # forward passes whose saved block inputs went to the host
+        "uploads_ahead": 0,  # blocks whose speculative step's weights went up during the backward, and were kept
         "early_input_fetches": 0,  # offloaded inputs brought back during the later block's backward, not after
         "host_step_seconds": 0.0,  # worker: Adam steps
         "speculative_kept": 0,  # units whose speculative step the optimizer step kept (speculative_step)

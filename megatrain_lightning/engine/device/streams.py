@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 
@@ -150,6 +151,9 @@ class SlotPool:
         self.last_use: list[int] = []
         self.pins: list[int] = []  # calls that kept a graph over the slot's weights (engine/device/recompute.py)
         self.grow_when_pinned = False  # recompute=False: a slot is added when every one is pinned
+        # Next weights uploaded ahead into a slot (speculative steps, engine/device/streamer.py): block -> (slot,
+        # the upload's event, what says whether they became the block's weights). The slot holds no block.
+        self.staged: dict[int, tuple[int, object, Any]] = {}
         self._clock = 0
         self.uploads = 0  # blocks uploaded since construction (tests read this)
         self.grow(num_slots)
@@ -191,10 +195,40 @@ class SlotPool:
         return self.holder.index(idx) if idx in self.holder else None
 
     def invalidate(self, idx: int | None = None) -> None:
-        """Forget that a slot holds block `idx` (all blocks when None): its host weights changed."""
+        """Forget that a slot holds block `idx` (all blocks when None), or next weights of it: its host weights
+        were written from outside."""
+        self.stepped(idx)
+        for j in [j for j in self.staged if idx is None or j == idx]:
+            del self.staged[j]
+
+    def stepped(self, idx: int | None = None) -> None:
+        """Forget that a slot holds block `idx` (all blocks when None): an optimizer step changed its weights
+        (next weights uploaded ahead stay staged: whether they are the step's is :meth:`take_staged`'s caller's
+        to say)."""
         for s, held in enumerate(self.holder):
             if idx is None or held == idx:
                 self.holder[s] = None
+
+    def stage(self, idx: int, s: int, upload: Callable[[torch.Tensor], object], tag: Any) -> object:
+        """Upload next weights of block `idx` into slot `s`, which holds its present ones, behind the compute
+        that reads them; the slot then holds no block until :meth:`commit`. Returns the upload's event."""
+        self.streams.wait(self.streams.h2d, self.free[s])
+        event = upload(self.buffers[s])
+        self.holder[s] = None
+        self.staged[idx] = (s, event, tag)
+        self.last_use[s] = self._tick()
+        self.uploads += 1
+        return event
+
+    def take_staged(self, idx: int) -> tuple[int, object, Any] | None:
+        """(slot, event, tag) of next weights of block `idx` uploaded ahead and still there, forgotten here."""
+        return self.staged.pop(idx, None)
+
+    def commit(self, idx: int, s: int, event: object) -> int:
+        """Next weights staged in slot `s` (:meth:`take_staged`) are block `idx`'s weights now."""
+        self.holder[s], self.ready[s] = idx, event
+        self.last_use[s] = self._tick()
+        return s
 
     def load(
         self, idx: int, protect: set[int], upload: Callable[[torch.Tensor], object], optional: bool = False
@@ -237,9 +271,12 @@ class SlotPool:
         return sum(1 for n in self.pins if n)
 
     def _victim(self, protect: set[int], optional: bool = False) -> int | None:
+        staged = {s: j for j, (s, _, _) in self.staged.items()}
         candidates = [
             s for s, held in enumerate(self.holder) if not self.pins[s] and (held is None or held not in protect)
         ]
+        if any(s not in staged for s in candidates):  # a slot staged for a block is the last one taken
+            candidates = [s for s in candidates if s not in staged]
         if not candidates and optional:
             return None
         if not candidates and self.grow_when_pinned:
@@ -250,7 +287,10 @@ class SlotPool:
                 f"all {self.num_slots} weight slots hold protected blocks {sorted(protect)}; "
                 "increase num_slots or prefetch fewer blocks"
             )
-        return min(candidates, key=lambda s: (self.holder[s] is not None, self.last_use[s]))
+        victim = min(candidates, key=lambda s: (self.holder[s] is not None, self.last_use[s]))
+        if victim in staged:
+            del self.staged[staged[victim]]
+        return victim
 
     def _tick(self) -> int:
         self._clock += 1

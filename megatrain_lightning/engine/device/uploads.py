@@ -57,16 +57,17 @@ class Uploader:
         self._stager: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def upload(self, unit: HostUnit, dst: torch.Tensor) -> object:
+    def upload(self, unit: HostUnit, dst: torch.Tensor, source: torch.Tensor | None = None) -> object:
         """Issue the H2D copies of `unit`'s weights into `dst` (the caller made the H2D stream wait until
         `dst` may be overwritten). Returns the event of the last copy, which ends them all (one stream,
         in order), or a :class:`Staged` one when the stager casts and issues them. Partitioned, this rank's
         shard goes to its place in `dst` and an all-gather on the same stream brings the other ranks' shards;
-        the event ends that too."""
+        the event ends that too. `source`: another whole compute copy of the unit's weights than its own (the
+        spare copy a speculative step wrote)."""
         self.stats["h2d_bytes"] += unit.numel * dst.element_size()
         if unit.copy is None and self.ranks.stages_uploads:
-            return Staged(self._stage(lambda: self._copies(unit, dst)))
-        done = self._copies(unit, dst)
+            return Staged(self._stage(lambda: self._copies(unit, dst, None)))
+        done = self._copies(unit, dst, unit.copy if source is None else source)
         if unit.partitioned:
             whole = dst[: unit.device_numel]
             self.streams.collective(self.streams.h2d, lambda: self.ranks.gather(whole))
@@ -74,11 +75,12 @@ class Uploader:
             self.stats["allgather_bytes"] += whole.numel() * whole.element_size()
         return done
 
-    def _copies(self, unit: HostUnit, dst: torch.Tensor) -> object:
-        """The H2D copies of `unit` into `dst`, piece by piece; the event of the last."""
+    def _copies(self, unit: HostUnit, dst: torch.Tensor, copy: torch.Tensor | None) -> object:
+        """The H2D copies of `unit` into `dst` from its compute `copy` (None: cast from the master), piece by piece;
+        the event of the last."""
         h2d, base, done = self.streams.h2d, unit.lo, None  # (base: 0 for a whole unit)
-        for lo, hi in pieces(unit.numel, unit.numel if unit.copy is not None else self.piece):
-            buffer, source = (None, unit.copy[lo:hi]) if unit.copy is not None else self._cast(unit, lo, hi)
+        for lo, hi in pieces(unit.numel, unit.numel if copy is not None else self.piece):
+            buffer, source = (None, copy[lo:hi]) if copy is not None else self._cast(unit, lo, hi)
             # (one copy, unless the slot's alignment padding separates parameters: engine/host/units.py)
             for a, b, at in unit.slot_runs(base + lo, base + hi):
                 self.streams.copy(h2d, dst[at : at + b - a], source[a - base - lo : b - base - lo])
