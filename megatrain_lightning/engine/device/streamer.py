@@ -376,10 +376,11 @@ class BlockStreamer:
         micro-batch issued. Each block of this backward whose speculative step is done by now sends its new
         weights up into the slot that still holds its present ones (the copy waits for the backward's reads of
         them), so the next forward finds it resident. They become its weights when the step keeps the
-        speculation (:meth:`_load`); otherwise the slot is merely free. Only where a block's upload is its own
-        copy from its own compute copy: one rank, or ranks that upload alike (``late_steps``), not the lean
-        layout."""
-        if self.host.speculates() and self.ranks.late_steps:
+        speculation (:meth:`_load`); otherwise the slot is merely free. Only with a slot for every block (then
+        the backward uploads nothing, and these uploads take the link from nothing, nor a slot from a block
+        still to come), and where a block's upload is its own copy from its own compute copy: one rank, or ranks
+        that upload alike (``late_steps``), not the lean layout."""
+        if self.host.speculates() and self.ranks.late_steps and self.pool.num_slots >= len(self.units):
             self._ahead.append(idx)  # (its gradient, and so its speculative step, comes after this call)
             # The host's steps keep the GPU's pace, not this thread's: whether one is done is asked as the GPU
             # gets here, so this thread stays AHEAD_CALLS backward calls ahead of the GPU meanwhile (enough to
