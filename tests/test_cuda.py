@@ -10,6 +10,7 @@ import torch
 from megatrain_lightning import Engine, EngineConfig, MegatrainStrategy
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from tests.helpers import CausalLM, fit, hf_llama, hf_loss, params_of, token_batches, twin, update_error
+from tests.test_speculative_step import host_keeps_up
 
 pytestmark = pytest.mark.cuda
 
@@ -206,10 +207,11 @@ def test_odd_sized_parameters_are_aligned_in_their_slot_on_the_gpu():
 
 
 def cuda_loop(
-    model, config: EngineConfig, micro: int = 3, steps: int = 2, after_step=None
+    model, config: EngineConfig, micro: int = 3, steps: int = 2, after_step=None, max_norm: float = 1.0
 ) -> tuple[list[float], list[float]]:
     """A plain accumulation loop on the GPU with the engine: `micro` micro-batches per step, clipped by norm
-    at 1.0; `after_step(engine)` runs after each optimizer step. Returns the losses and each step's total norm."""
+    at `max_norm`; `after_step(engine)` runs after each optimizer step. Returns the losses and each step's total
+    norm."""
     engine = Engine(model, config)
     opt = engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
     losses, norms = [], []
@@ -222,7 +224,7 @@ def cuda_loop(
                 (loss / micro).backward()
             losses.append(loss.item())
         norms.append(float(engine.grad_norm()))
-        engine.clip_grad_norm_(1.0)
+        engine.clip_grad_norm_(max_norm)
         opt.step()
         opt.zero_grad()
         if after_step is not None:
@@ -297,3 +299,23 @@ def test_row_chunks_on_cuda_train_as_whole_calls_within_rounding():
     (whole, g_whole), (chunked, g_chunked) = runs[None], runs[2]
     assert abs(chunked - whole) <= 1e-6 * abs(whole)
     assert max(float((g_chunked[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in g_whole.items()) < 1e-5
+
+
+@pytest.mark.parametrize("max_norm", [1e6, 1e-3], ids=["kept", "discarded"])
+def test_speculative_steps_with_uploads_ahead_on_cuda_are_the_run_without_them(monkeypatch, max_norm):
+    """speculative_step with a slot for every block on the GPU: each block's speculative weights go up during the
+    backward into its slot (the host made to keep up, as in tests/test_speculative_step.py) and the next forward
+    uses them when the step keeps them. Losses, norms and weights equal to the bit to the run without the
+    option, whether the speculations were kept (not clipped) or discarded (clipped)."""
+    host_keeps_up(monkeypatch)
+    runs, ahead = {}, []
+    for speculative in (False, True):
+        model = hf_llama(layers=4)
+        config = EngineConfig(device="cuda", precision="bf16-mixed", speculative_step=speculative, num_slots=4)
+        count = (lambda engine: ahead.append(engine.stats["uploads_ahead"])) if speculative else None
+        runs[speculative] = (*cuda_loop(model, config, micro=1, steps=3, after_step=count, max_norm=max_norm),)
+        runs[speculative] += (params_of(model),)
+    (losses, norms, params), (s_losses, s_norms, s_params) = runs[False], runs[True]
+    assert s_losses == losses and s_norms == norms
+    assert all(torch.equal(s_params[k], params[k]) for k in params)
+    assert ahead[-1] == (2 * 3 if max_norm > 1 else 0)  # blocks 1..3 of the first two steps' backwards

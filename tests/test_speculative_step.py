@@ -177,7 +177,7 @@ def test_the_next_forward_runs_before_the_steps_proper(monkeypatch):
     assert_same_run(speculated, plain)
 
 
-def _host_keeps_up(monkeypatch) -> None:
+def host_keeps_up(monkeypatch) -> None:
     """Each block's speculative step is done before the next block's backward is issued (a host faster than the
     backward), so every block but the last of a backward sends its new weights up ahead of the step."""
     ahead = BlockStreamer._upload_ahead
@@ -208,7 +208,7 @@ def test_weights_sent_up_ahead_of_the_step_are_used_only_where_it_kept_them(monk
     up into the slot holding its present ones, and the next forward uses them when the step kept the
     speculation. Clipped, it discards them, and the forward uploads the step's weights; a forward before the step
     reads the present weights, not the ahead ones. Every run is the one without speculation, bit for bit."""
-    _host_keeps_up(monkeypatch)
+    host_keeps_up(monkeypatch)
     clip = CLIPPED if case == "discarded" else NOT_CLIPPED
     seen: dict[bool, list] = {False: [], True: []}
     runs = {}
