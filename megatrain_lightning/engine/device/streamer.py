@@ -168,10 +168,11 @@ class BlockStreamer:
 
     def _room_beside(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit on the device for the duration of a block's backward: the memory free now
-        holds them and the first step's whole transient besides (which held one block's backward with its
-        input). Not before that step is measured, nor on a device with no memory measure (the CPU)."""
+        holds them and twice the first step's whole transient besides (which held one block's backward with its
+        input; twice, for a later batch longer than the first). Not before that step is measured, nor on a
+        device with no memory measure (the CPU)."""
         measured = self._memory_after_step()
-        return measured is not None and measured[0] >= nbytes + measured[1]
+        return measured is not None and measured[0] >= nbytes + 2 * measured[1]
 
     def size_sums(self) -> None:
         """``device_grad_sums="auto"``, after the first optimizer step (and the slots' sizing): as many blocks get
