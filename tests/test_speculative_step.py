@@ -20,7 +20,7 @@ from lightning.fabric import Fabric
 from lightning.pytorch import Callback
 
 from megatrain_lightning import Engine, EngineConfig
-from megatrain_lightning.engine.device.streamer import BlockStreamer
+from megatrain_lightning.engine.device.ahead import UploadsAhead
 from megatrain_lightning.lightning.fabric import MegatrainFabricStrategy
 from megatrain_lightning.lightning.strategy import MegatrainStrategy
 from megatrain_lightning.optim import kernels
@@ -180,16 +180,16 @@ def test_the_next_forward_runs_before_the_steps_proper(monkeypatch):
 def host_keeps_up(monkeypatch) -> None:
     """Each block's speculative step is done before the next block's backward is issued (a host faster than the
     backward), so every block but the last of a backward sends its new weights up ahead of the step."""
-    ahead = BlockStreamer._upload_ahead
+    ahead = UploadsAhead.backward_call
 
     def waiting(self, idx):
-        for j in self._ahead:
+        for j in self.waiting:
             spec = self.host.speculation(self.units[j])
             if spec is not None and spec.future is not None:
                 spec.future.exception()  # (waits for it)
         ahead(self, idx)
 
-    monkeypatch.setattr(BlockStreamer, "_upload_ahead", waiting)
+    monkeypatch.setattr(UploadsAhead, "backward_call", waiting)
 
 
 def _forward_before_step(outputs: list):

@@ -23,7 +23,7 @@ A :class:`Recorder` is installed around an engine from outside, without a change
 On fake tensors the kernels only log (the native kernel cannot read a fake buffer); on real tensors they
 also run, and the copies are done at once, as on the CPU stand-in streams.
 
-Why one file of about 510 lines: the doubles above are one recording, installed and removed together around
+Why one file of about 550 lines: the doubles above are one recording, installed and removed together around
 one engine, each logging into the same trace in the order the threads issue; split, every part would need
 the recorder's state (the step and phase under way, the host buffers it has seen) handed across files.
 """

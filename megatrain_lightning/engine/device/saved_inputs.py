@@ -172,10 +172,13 @@ class SavedInputs:
         weakref.finalize(owner, self.give_back, saved)
         return saved
 
-    def prefetch(self, saved: SavedInput | None) -> None:
-        """Start copying a saved input back to the device (no-op if already on its way)."""
+    def prefetch(self, saved: SavedInput | None, early: bool = False) -> None:
+        """Start copying a saved input back to the device (no-op if already on its way). `early`: before the
+        compute of the backward that precedes its own (where there is room for it beside that backward's), so
+        the copy runs during that backward rather than after it, where its own backward would wait for it."""
         if saved is None or saved.device is not None:
             return
+        self.stats["early_input_fetches"] += int(early)
         s = self.streams
         saved.device = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=self.device)
         s.wait(s.h2d, saved.stored)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from megatrain_lightning.engine.device.ahead import UploadsAhead
 from megatrain_lightning.engine.device.block_fn import BlockRunner, CallState, SideOutputs, select_side
 from megatrain_lightning.engine.device.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.device.grad_sums import auto_sum_count
@@ -47,11 +48,6 @@ from megatrain_lightning.planning.device_memory import auto_slot_count
 log = logging.getLogger("megatrain_lightning")
 
 ParamRefs = list[tuple[nn.Module, str, int]]  # per block: (module, attribute, index in the unit's layout)
-
-
-# While speculative weights may go up ahead (BlockStreamer._upload_ahead), the issuing thread keeps this many
-# block calls of the backward issued beyond what the GPU has finished.
-AHEAD_CALLS = 2
 
 
 class BlockStreamer:
@@ -87,8 +83,7 @@ class BlockStreamer:
         self.rows = rows
         self._transient, self._free_device_bytes = transient, free_device_bytes
         self._step_transient: int | None = None  # what the first step needed beyond the persistent buffers
-        self._ahead: list[int] = []  # blocks of this backward whose speculative weights may go up ahead
-        self._issued: list[object] = []  # and the event after each one's backward (see _upload_ahead)
+        self.ahead = UploadsAhead(pool, units, host, uploads, ranks)  # (speculative steps: engine/device/ahead.py)
         # Per block, (first block, number of blocks) of its stack: a stack's blocks are consecutive, and each
         # stack's forward pass is decided on anew (offloaded inputs, kept graphs).
         self._spans = spans
@@ -341,14 +336,9 @@ class BlockStreamer:
         (the block's parameters are bound to it too, for a checkpoint inside the block that recomputes)."""
         unit = self.units[idx]
         slot = self._load(idx, {idx}) if kept is None else kept.slot
-        # The next backward's offloaded input (None: its call kept it on the device, or there is none).
-        earlier = self._earlier_input(idx) if direction < 0 else None
-        if earlier is not None and earlier.device is None and self._room_beside(earlier.host.nbytes):
-            # Its copy runs during this backward, not after it (where the next backward would wait for the
-            # whole copy): it waits only for the compute issued before, as the memory it takes may have been
-            # freed by that compute (saved_inputs.prefetch).
-            self.saved_inputs.prefetch(earlier)
-            self.saved_inputs.stats["early_input_fetches"] += 1
+        earlier = self._earlier_input(idx) if direction < 0 else None  # the next backward's offloaded input
+        if earlier is not None and self._room_beside(earlier.host.nbytes):
+            self.saved_inputs.prefetch(earlier, early=True)  # (its copy runs during this backward)
         # (binding rewrites the parameters' .data, which reads nothing: outside the pending-reads mode too)
         with self.reads.suspended(), self._bound(idx, self.pool.acquire(slot, unit.slot_numel), fresh=keep) as leaves:
             out = fn()
@@ -358,49 +348,14 @@ class BlockStreamer:
         if keep:
             self.pool.pin(slot)
             kept = KeptGraph(slot, leaves, self.pool.unpin)
-        # Otherwise prefetch after enqueueing the compute, whose end frees the memory it takes; a prefetch that
-        # started early is not started again.
-        self.saved_inputs.prefetch(earlier)
-        if direction < 0:
-            self._upload_ahead(idx)
-        elif self._ahead or self._issued:
-            self._ahead, self._issued = [], []  # (a forward: that backward is over)
+        self.saved_inputs.prefetch(earlier)  # (otherwise now: after the compute whose end frees its memory)
+        self.ahead.backward_call(idx) if direction < 0 else self.ahead.forward_call()
         depth = self._prefetch_depth(direction)
         ahead = [j for j in (idx + direction * k for k in range(1, depth + 1)) if 0 <= j < len(self.units)]
         for j in ahead:
             if self._load(j, {idx, *ahead}, wait=False) is None:
                 break  # steps finish in forward order (or every other slot is pinned): stop here
         return out, (kept if keep else None)
-
-    def _upload_ahead(self, idx: int) -> None:
-        """Speculative steps (engine/host/host_steps.py): block `idx` has had its backward of the step's last
-        micro-batch issued. Each block of this backward whose speculative step is done by now sends its new
-        weights up into the slot that still holds its present ones (the copy waits for the backward's reads of
-        them), so the next forward finds it resident. They become its weights when the step keeps the
-        speculation (:meth:`_load`); otherwise the slot is merely free. Only with a slot for every block (then
-        the backward uploads nothing, and these uploads take the link from nothing, nor a slot from a block
-        still to come), and where a block's upload is its own copy from its own compute copy: one rank, or ranks
-        that upload alike (``late_steps``), not the lean layout."""
-        if self.host.speculates() and self.ranks.late_steps and self.pool.num_slots >= len(self.units):
-            self._ahead.append(idx)  # (its gradient, and so its speculative step, comes after this call)
-            # The host's steps keep the GPU's pace, not this thread's: whether one is done is asked as the GPU
-            # gets here, so this thread stays AHEAD_CALLS backward calls ahead of the GPU meanwhile (enough to
-            # keep it fed: a call takes the GPU longer than it takes to issue wherever going up ahead pays).
-            self._issued.append(self.pool.streams.event())
-            if len(self._issued) > AHEAD_CALLS:
-                self._issued.pop(0).synchronize()
-        waiting = []
-        for j in self._ahead:
-            unit, slot = self.units[j], self.pool.slot_of(j)
-            if slot is None or unit.partitioned or unit.copy is None:
-                continue  # (not resident, or not uploaded from a whole compute copy)
-            spec = self.host.speculation(unit)
-            if spec is None or spec.future is None or not spec.future.done() or self.pool.pins[slot]:
-                waiting.append(j)  # not yet (until the next forward)
-            elif spec.future.exception() is None:
-                upload = functools.partial(self.uploads.upload, unit, source=unit.spare)
-                unit.spare_read = self.pool.stage(j, slot, upload, spec)  # (the next speculation waits for it)
-        self._ahead = waiting
 
     def _earlier_input(self, idx: int) -> Any:
         """The offloaded input (saved_inputs.SavedInput) of the latest call of block `idx` - 1, which backward
@@ -454,7 +409,7 @@ class BlockStreamer:
             if not wait and self.ranks.late_steps and self.host.weights_pending(unit):
                 return None
             self.host.wait_weights(unit)  # a pending optimizer step is still rewriting the copy
-            slot = self._ahead_of(idx)
+            slot = self.ahead.take(idx)  # (its next weights, if they went up ahead and are its weights now)
             if slot is None:
                 slot = self.pool.load(idx, protect, lambda dst: self.uploads.upload(unit, dst), optional=not wait)
             if slot is None:
@@ -463,15 +418,6 @@ class BlockStreamer:
         if unit.future is None or unit.future.done():  # (a kept speculative step: the master may still be stepping)
             self.reads.settled(unit)
         return slot
-
-    def _ahead_of(self, idx: int) -> int | None:
-        """The slot block `idx`'s weights went up into ahead of its step (:meth:`_upload_ahead`), if the step kept
-        the speculation they are (the caller waited for the step's keeping); None otherwise (the slot is free)."""
-        staged = self.pool.take_staged(idx)
-        if staged is None or not staged[2].kept:
-            return None
-        self.host.stats["uploads_ahead"] += 1
-        return self.pool.commit(idx, staged[0], staged[1])
 
     def _measuring(self, idx: int, x: torch.Tensor, held: list[Any] = ()) -> AbstractContextManager:
         """Count what block `idx`'s call saves for backward (``recompute="auto"`` sizes kept graphs by it,

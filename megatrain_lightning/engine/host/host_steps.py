@@ -28,7 +28,7 @@ With ``speculative_step``, a unit whose gradient of the step's last backward has
 taken at once into its spare copy (:class:`Speculation`); the optimizer step keeps it, and the next forward
 uploads it without waiting, when the step turns out to be the one it assumed.
 
-Why one file of about 940 lines: every path a gradient takes to the host (whole, in pieces, held for a
+Why one file of about 980 lines: every path a gradient takes to the host (whole, in pieces, held for a
 second call, summed on the device, accumulated, shown to hooks, stepped at once, speculatively or at the
 step) moves the unit's gradient state (units.UnitGrad, whose transitions are named), and this object decides
 which path each gradient takes; split, those decisions would be spread over several files.
