@@ -248,8 +248,8 @@ def test_grouped_query_attention_shares_kv_heads_in_bf16(dtype, monkeypatch):
 
 @pytest.mark.parametrize("room", [True, False], ids=["room-for-two-inputs", "no-room"])
 def test_an_offloaded_input_comes_back_during_the_later_blocks_backward_where_memory_allows(monkeypatch, room):
-    """Memory readings (probes standing in for a device's) with room for a second input beside the first step's
-    measured transient: from the second step on, each offloaded input is prefetched before the later block's
+    """Memory readings (probes standing in for a device's) with room for a second input beside twice the first
+    step's measured transient: from the second step on, each offloaded input is prefetched before the later block's
     backward, not after it, on copy streams that run nothing until waited for (tests/async_streams.py). Bit
     for bit ordinary training either way; without room, no input is fetched early."""
     async_streams.install(monkeypatch, hold=1.0)
