@@ -42,8 +42,8 @@ class UploadsAhead:
     def backward_call(self, idx: int) -> None:
         """Block `idx`'s backward of the step's last micro-batch has been issued: send up the next weights of
         every block of this backward whose speculative step is done by now. Only with a slot for every block,
-        and where a block's upload is its own copy from its own compute copy: one rank, or ranks that upload
-        alike (``late_steps``), not the lean layout."""
+        and where a block's upload is its own copy: one rank (``late_steps``; several upload shards and gather
+        them in one order). Every unit has a whole compute copy there, which speculative steps need."""
         if self.host.speculates() and self.ranks.late_steps and self.pool.num_slots >= len(self.units):
             self.waiting.append(idx)  # (its gradient, and so its speculative step, comes after this call)
             self._issued.append(self.pool.streams.event())
@@ -52,8 +52,8 @@ class UploadsAhead:
         still = []
         for j in self.waiting:
             unit, slot = self.units[j], self.pool.slot_of(j)
-            if slot is None or unit.partitioned or unit.copy is None:
-                continue  # (not resident, or not uploaded from a whole compute copy)
+            if slot is None:
+                continue  # (not resident)
             spec = self.host.speculation(unit)
             if spec is None or spec.future is None or not spec.future.done() or self.pool.pins[slot]:
                 still.append(j)  # not yet (until the next forward)
@@ -64,8 +64,8 @@ class UploadsAhead:
 
     def forward_call(self) -> None:
         """A forward: the backward whose weights could go up ahead is over."""
-        if self.waiting or self._issued:
-            self.waiting, self._issued = [], []
+        self.waiting.clear()
+        self._issued.clear()
 
     def take(self, idx: int) -> int | None:
         """The slot block `idx`'s next weights went up into, now its weights if the step kept the speculation
