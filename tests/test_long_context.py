@@ -246,22 +246,38 @@ def test_grouped_query_attention_shares_kv_heads_in_bf16(dtype, monkeypatch):
     assert seen and all(s == expected for s in seen)
 
 
-@pytest.mark.parametrize("room", [True, False], ids=["room-for-two-inputs", "no-room"])
-def test_an_offloaded_input_comes_back_during_the_later_blocks_backward_where_memory_allows(monkeypatch, room):
-    """Memory readings (probes standing in for a device's) with room for a second input beside twice the first
-    step's measured transient: from the second step on, each offloaded input is prefetched before the later block's
-    backward, not after it, on copy streams that run nothing until waited for (tests/async_streams.py). Bit
-    for bit ordinary training either way; without room, no input is fetched early."""
+# (the first step's sequence length, the later steps', free memory in transients beyond the later input, early?)
+EARLY_FETCH_CASES = {
+    "room": (16, 16, 1 << 20, True),
+    "no-room": (16, 16, -1, False),
+    "room-for-one-transient": (16, 16, 1, True),
+    "longer-batch-one-transient": (16, 32, 1, False),
+    "longer-batch-scaled-transient": (16, 32, 2, True),
+}
+
+
+@pytest.mark.parametrize("case", EARLY_FETCH_CASES)
+def test_an_offloaded_input_comes_back_during_the_later_blocks_backward_where_memory_allows(monkeypatch, case):
+    """Memory readings (probes standing in for a device's) with room for a second input beside the first step's
+    measured transient, that transient scaled by how much longer the later batches are than the first (twice
+    as long here: twice the transient): from the second step on, each offloaded input is prefetched before the
+    later block's backward, not after it, on copy streams that run nothing until waited for
+    (tests/async_streams.py). Bit for bit ordinary training either way; without room, no input is fetched early."""
+    first_seq, later_seq, transients, early_expected = EARLY_FETCH_CASES[case]
     async_streams.install(monkeypatch, hold=1.0)
+    data = batches(1, seq=first_seq) + batches(2, seq=later_seq)
     ref_model, model = llama(), llama()
-    ref = own_loop(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-3), batches(3))
-    probes = Probes(device_free_bytes=lambda: 1 << 40 if room else 1 << 20, step_transient_bytes=lambda: 1 << 20)
+    ref = own_loop(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-3), data)
+    transient = 1 << 20
+    later_input = 2 * later_seq * model.config.hidden_size * 4  # batch 2, fp32: the input it fetches
+    free = later_input + transients * transient if transients >= 0 else 1 << 10
+    probes = Probes(device_free_bytes=lambda: free, step_transient_bytes=lambda: transient)
     options = EngineConfig(device="cpu", precision="32-true", offload_inputs=True, recompute=True, num_slots=2)
     engine = Engine(model, options, probes)
-    got = own_loop(model, engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3)), batches(3))
+    got = own_loop(model, engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3)), data)
     early = engine.stats["early_input_fetches"]
     engine.close()
     assert got == ref
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
     blocks = model.config.num_hidden_layers
-    assert early == (2 * (blocks - 1) if room else 0)  # steps 2 and 3: every block's input but the first's
+    assert early == (2 * (blocks - 1) if early_expected else 0)  # steps 2 and 3: every block's input but the first's

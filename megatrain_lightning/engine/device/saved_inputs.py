@@ -92,6 +92,7 @@ class SavedInputs:
         self._announced = False
         self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
         self.buffers: list[torch.Tensor] = []  # every buffer allocated (host bytes, teardown)
+        self.largest = 0  # bytes of the largest input stored so far (what a step's transient held beside it)
 
     def offloads_call(self, idx: int, hidden: torch.Tensor, num_blocks: int) -> bool:
         """Whether this call of block `idx` (under grad) saves its input on the host.
@@ -168,6 +169,7 @@ class SavedInputs:
         if s.is_cuda:
             src.record_stream(s.d2h)  # the device tensor is freed after forward; the copy still reads it
         self.stats["input_offload_bytes"] += buf.nbytes
+        self.largest = max(self.largest, buf.nbytes)
         saved = SavedInput(buf, hidden.shape, hidden.dtype, stored=s.event(s.d2h))
         weakref.finalize(owner, self.give_back, saved)
         return saved

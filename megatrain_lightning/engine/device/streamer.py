@@ -79,15 +79,14 @@ class BlockStreamer:
     ) -> None:
         self.blocks, self.units, self.device, self.preserve_rng_state = blocks, units, device, preserve_rng_state
         self.ranks, self.pool, self.uploads, self.host, self.outer = ranks, pool, uploads, host, outer
-        self.keep, self.saved_inputs, self.checks, self.reads = keep, saved_inputs, checks, reads
-        self.rows = rows
+        self.keep, self.saved_inputs, self.checks, self.reads, self.rows = keep, saved_inputs, checks, reads, rows
         self._transient, self._free_device_bytes = transient, free_device_bytes
         self._step_transient: int | None = None  # what the first step needed beyond the persistent buffers
+        self._step_input = 0  # and the largest input it offloaded (bytes)
         self.ahead = UploadsAhead(pool, units, host, uploads, ranks)  # (speculative steps: engine/device/ahead.py)
         # Per block, (first block, number of blocks) of its stack: a stack's blocks are consecutive, and each
         # stack's forward pass is decided on anew (offloaded inputs, kept graphs).
-        self._spans = spans
-        self._param_refs = param_refs
+        self._spans, self._param_refs = spans, param_refs
         self._block_buffers = buffers  # (see block_buffers)
         self.grad_anchor = torch.empty(0, requires_grad=True)
         self.input_chain = InputChain()
@@ -151,8 +150,10 @@ class BlockStreamer:
         )
 
     def measure_step(self) -> None:
-        """After the first optimizer step: read (and keep) what it needed beyond the persistent buffers."""
+        """After the first optimizer step: keep what it needed beyond the persistent buffers, and the largest
+        input it offloaded (0: none)."""
         self._step_transient = self._transient()
+        self._step_input = self.saved_inputs.largest
 
     def _memory_after_step(self) -> tuple[int, int] | None:
         """(free device bytes, what the first step needed beyond the persistent buffers), read after that
@@ -162,12 +163,13 @@ class BlockStreamer:
         return None if free is None else (free, transient)
 
     def _room_beside(self, nbytes: int) -> bool:
-        """Whether `nbytes` more fit on the device for the duration of a block's backward: the memory free now
-        holds them and twice the first step's whole transient besides (which held one block's backward with its
-        input; twice, for a later batch longer than the first). Not before that step is measured, nor on a
-        device with no memory measure (the CPU)."""
+        """Whether an offloaded input of `nbytes` fits on the device during a block's backward: free memory holds
+        it and the first step's transient (one block's backward with its input), scaled by how much larger this
+        input is than that step's largest (a longer batch needs as much more). Not before that step is
+        measured, nor where it offloaded nothing, nor on a device with no memory measure (the CPU)."""
         measured = self._memory_after_step()
-        return measured is not None and measured[0] >= nbytes + 2 * measured[1]
+        scale = max(1.0, nbytes / self._step_input) if self._step_input else 0.0
+        return measured is not None and scale > 0 and measured[0] >= nbytes + measured[1] * scale
 
     def size_sums(self) -> None:
         """``device_grad_sums="auto"``, after the first optimizer step (and the slots' sizing): as many blocks get
