@@ -391,8 +391,14 @@ def schedule_parser() -> argparse.ArgumentParser:
     )
     add_engine_flags(
         ap,
-        ("num_slots", "device_grad_sums", "row_chunk", "speculative_step"),
-        {"num_slots": "auto", "device_grad_sums": 0, "row_chunk": None, "speculative_step": False},
+        ("num_slots", "device_grad_sums", "row_chunk", "speculative_step", "compile_blocks"),
+        {
+            "num_slots": "auto",
+            "device_grad_sums": 0,
+            "row_chunk": None,
+            "speculative_step": False,
+            "compile_blocks": False,
+        },
     )
     ap.add_argument(
         "--steps", type=int, default=3, help="optimizer steps recorded; the last is measured (default 3, at least 2)"
@@ -450,6 +456,7 @@ def schedule_command(argv: list[str]) -> ModelledStep:
         batch_size=args.batch_size,
         row_chunk=args.row_chunk,
         speculative_step=args.speculative_step,
+        compile_blocks=args.compile_blocks,
     )
     print("\n".join(step.report()), flush=True)
     return step

@@ -413,6 +413,7 @@ class EngineConfig:
         "more for other sequence lengths. Equal to eager training within round-off, not bit for bit. A block "
         "that cannot compile as one graph raises at its first call, naming its class.",
         _flag_check("compile_blocks"),
+        flag={"action": argparse.BooleanOptionalAction},
     )
     piece: int | None = option(
         None,

@@ -23,6 +23,7 @@ from megatrain_lightning.engine.device.recompute import check_recompute
 from megatrain_lightning.models import LlamaConfig
 from megatrain_lightning.planning import planner
 from megatrain_lightning.planning.flops import attention_flops, model_flops
+from megatrain_lightning.schedule.fusion import Fusion, block_fusion
 from megatrain_lightning.schedule.profiles import PEER_EFFICIENCY, Profile
 from megatrain_lightning.schedule.ranks import DataParallel
 from megatrain_lightning.schedule.replay import LAUNCH_S, Timeline, replay
@@ -59,6 +60,7 @@ class ModelledStep:
     recompute: bool | str = "auto"  # as asked; trace.kept_calls is what the engine kept
     batch_size: int = 1  # rows (sequences) per micro-batch
     row_chunk: int | None = None  # rows a block call computes at a time (layer-major; None: the micro-batch's)
+    fusion: Fusion | None = None  # compile_blocks modelled: inductor's fusion of a block (fusion.py)
 
     @property
     def step_tokens(self) -> int:
@@ -108,6 +110,7 @@ class ModelledStep:
             f"model FLOPs/step {flops:.4g} = 6·N·tokens (N: weight matrices and head) + causal attention forward and "
             f"backward {attention:.3g}; no recompute",
             *self._ranks_line(),
+            *([self.fusion.describe()] if self.fusion is not None else []),
         ]
 
     @property
@@ -171,11 +174,14 @@ def modelled_step(
     batch_size: int = 1,
     row_chunk: int | str | None = None,
     speculative_step: bool = False,
+    compile_blocks: bool = False,
 ) -> ModelledStep:
     """Record `steps` optimizer steps of `config` as the strategy runs them and replay them on `profile`
     (module docstring); with `gpus` > 1, one rank of that many joined by `link`, each step `micro_batches`
     of the rank's own. `row_chunk`: layer-major block calls of that many rows (engine/device/rows.py; "auto": as
-    many as the planner picks), the tile and the memory figures those of one chunk. A ValueError names a bad option."""
+    many as the planner picks), the tile and the memory figures those of one chunk. `compile_blocks`: the engine's option,
+    modelled from inductor's fusion of one block on the CPU (fusion.py; untiled blocks only). A ValueError names a bad
+    option."""
     check_options(seq_len, micro_batches, clip, num_slots, steps, batch_size)
     check_recompute(recompute)
     check_row_chunk(row_chunk)
@@ -189,6 +195,12 @@ def modelled_step(
     offload = planner.auto_offloads_inputs(config, seq_len, batch_size, PRECISION, FIRST_SLOTS, gpu_mem, row_chunk)
     transient = planner.free_and_transient(config, seq_len, batch_size, PRECISION, offload, gpu_mem, row_chunk)[1]
     memory = (gpu_mem - planner.CUDA_CONTEXT_BYTES, transient)  # free = this less what is live (Recorder.probes)
+    if compile_blocks and tile is not None:
+        raise ValueError(
+            f"compile_blocks=True with token tiles of {tile} is not modelled (fusion.py measures an untiled block): "
+            "fewer tokens per block call (--row-chunk, --seq-len) leave the block untiled"
+        )
+    fusion = block_fusion(config, PRECISION) if compile_blocks else None
     t0 = time.perf_counter()
     trace = record_steps(
         config,
@@ -208,6 +220,7 @@ def modelled_step(
         batch_size,
         row_chunk=row_chunk,
         speculative_step=speculative_step,
+        fusion=fusion,
     )
     record_s = time.perf_counter() - t0
     timeline = replay(trace, profile, launch_s)
@@ -236,6 +249,7 @@ def modelled_step(
         recompute=recompute,
         batch_size=batch_size,
         row_chunk=row_chunk,
+        fusion=fusion,
     )
 
 

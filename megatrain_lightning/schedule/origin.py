@@ -29,6 +29,7 @@ _STDLIB = os.path.dirname(os.__file__) + os.sep
 _MODES = {"__torch_function__", "__torch_dispatch__"}
 # Engine functions through which the model's own work runs: autograd differentiating a block's ops, and
 # the calls that run a block, so an op issued under them (and under no nearer engine function) is the model's.
+_ENGINE_MODULE = __package__.rsplit(".", 1)[0] + ".engine"  # megatrain_lightning.engine
 _RUNS_THE_MODEL = {"differentiate", "recompute", "forward", "backward", "__call__", "call"}
 
 
@@ -36,14 +37,35 @@ def origin() -> str:
     """Whose work the op being issued is: ``"engine:<function>"`` when the nearest caller outside torch, the
     standard library and this recorder is a function of the engine (engine/, optim/) other than those that
     run the model's code, else ``"model"`` (the model's forward, its autograd backward, the loss)."""
-    frame = sys._getframe(2)
+    code = _nearest_caller()
+    if code is not None and code.co_filename.startswith(_ENGINE) and code.co_name not in _RUNS_THE_MODEL:
+        return f"engine:{code.co_name}"
+    return "model"
+
+
+def compiled_graph() -> str | None:
+    """Which graph of a block compiled by ``compile_blocks=True`` an op issued during a block call belongs to:
+    ``"backward"`` while autograd runs a node of the block's own (a node of none of the engine's autograd
+    functions), ``"forward"`` when the model's own code issues it (the forward, and its recompute in backward);
+    None when an engine function issues it between the block's ops (rows.py summing its chunks' gradients),
+    which no compiled graph holds."""
+    node = torch._C._current_autograd_node()
+    forward_cls = getattr(node, "_forward_cls", None)
+    if node is not None and not getattr(forward_cls, "__module__", "").startswith(_ENGINE_MODULE):
+        return "backward"
+    code = _nearest_caller()
+    return "forward" if code is not None and not code.co_filename.startswith(_ENGINE) else None
+
+
+def _nearest_caller():
+    """The code of the nearest caller of the op being issued that does not only pass it on (torch, the standard
+    library, the recorder, a mode's ``__torch_function__``); None if there is none."""
+    frame = sys._getframe(3)
     while frame is not None:
         path = frame.f_code.co_filename
         passing = path.startswith(_PASSING) or frame.f_code.co_name in _MODES  # (a mode passes the caller's op on)
         if passing or (path.startswith(_STDLIB) and "site-packages" not in path):
             frame = frame.f_back
             continue
-        if path.startswith(_ENGINE) and frame.f_code.co_name not in _RUNS_THE_MODEL:
-            return f"engine:{frame.f_code.co_name}"
-        return "model"
-    return "model"
+        return frame.f_code
+    return None

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -97,8 +98,10 @@ class RankRecorder(Recorder):
     """A :class:`Recorder` that logs what one rank would issue (module docstring); of one GPU, what the plain
     recorder logs."""
 
-    def __init__(self, dp: DataParallel, profile: Profile | None = None, launch_s: float = LAUNCH_S) -> None:
-        super().__init__(None if profile is None else dp.rank_profile(profile), launch_s)
+    def __init__(
+        self, dp: DataParallel, profile: Profile | None = None, launch_s: float = LAUNCH_S, fusion: Any = None
+    ) -> None:
+        super().__init__(None if profile is None else dp.rank_profile(profile), launch_s, fusion)
         self.dp = dp
 
     def streams(self, device: torch.device) -> RecordingStreams:

@@ -23,7 +23,7 @@ A :class:`Recorder` is installed around an engine from outside, without a change
 On fake tensors the kernels only log (the native kernel cannot read a fake buffer); on real tensors they
 also run, and the copies are done at once, as on the CPU stand-in streams.
 
-Why one file of about 550 lines: the doubles above are one recording, installed and removed together around
+Why one file of about 570 lines: the doubles above are one recording, installed and removed together around
 one engine, each logging into the same trace in the order the threads issue; split, every part would need
 the recorder's state (the step and phase under way, the host buffers it has seen) handed across files.
 """
@@ -48,9 +48,10 @@ from megatrain_lightning.engine.host import host_steps
 from megatrain_lightning.engine.probes import Probes
 from megatrain_lightning.optim import kernels
 from megatrain_lightning.planning.measure import DeviceBytes, observe_host_allocations, storage_key, tensors_in
-from megatrain_lightning.schedule.origin import origin
+from megatrain_lightning.schedule.origin import compiled_graph, origin
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.replay import LAUNCH_S, Replay
+from megatrain_lightning.schedule.report import gpu_kind
 from megatrain_lightning.schedule.trace import (
     Copy,
     DeviceSync,
@@ -76,8 +77,9 @@ class Recorder:
     from timing (``future.done()``: is a block's optimizer step finished, may it be prefetched now?) gets
     the answer it would get on that device; without one every job counts as finished."""
 
-    def __init__(self, profile: Profile | None = None, launch_s: float = LAUNCH_S) -> None:
+    def __init__(self, profile: Profile | None = None, launch_s: float = LAUNCH_S, fusion: Any = None) -> None:
         self.trace = Trace()
+        self.fusion = fusion  # compile_blocks modelled: the block's memory-bound bytes scaled (fusion.py)
         self.live = None if profile is None else Replay(self.trace, profile, launch_s)
         self.step, self.stage = 0, "setup"
         self.block: tuple[str, int] | None = None
@@ -233,17 +235,21 @@ class Recorder:
 
     def op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Log one op of the issuing thread: a device kernel, or host work when it touches a host buffer."""
-        outs = tensors_in(out)
-        if not outs or func._overloadpacket in _NO_KERNEL or _is_view(func):
+        nbytes = kernel_bytes(func, args, kwargs, out)
+        if nbytes is None:
             return  # metadata, allocation or a view: no kernel runs
-        ins = tensors_in((args, kwargs))
-        nbytes = _moved(func, ins, outs)
+        outs, ins = tensors_in(out), tensors_in((args, kwargs))
         if self.in_job() or any(self.is_host(t) for t in ins + outs):  # the worker's arithmetic is host work
             self.host_work(func._overloadpacket.__name__, outs[0].numel(), nbytes)
             self.mark_host(outs)
             return
         flops, counted, attention, causal = _flops(func, args, kwargs, out)
         name = func._overloadpacket.__name__
+        if self.fusion is not None and self.block is not None and gpu_kind(name) == "memory-bound":
+            graph = compiled_graph()  # (the model's work in a compiled block: inductor's fused bytes)
+            if graph is not None:
+                self.trace.eager_block_bytes[graph] += nbytes
+                nbytes = round(nbytes * self.fusion.ratio(graph))
         self.log(Kernel(name, flops, counted, nbytes, attention, causal, self.step, self.phase, origin()))
 
 
@@ -515,6 +521,15 @@ def _is_view(func: Any) -> bool:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def kernel_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int | None:
+    """The bytes op `func` reads and writes as a device kernel; None when it runs none (metadata, an allocation,
+    a view)."""
+    outs = tensors_in(out)
+    if not outs or func._overloadpacket in _NO_KERNEL or _is_view(func):
+        return None
+    return _moved(func, tensors_in((args, kwargs)), outs)
 
 
 def _moved(func: Any, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> int:

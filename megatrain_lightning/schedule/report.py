@@ -111,7 +111,7 @@ def summarize(
         model_flops=flops,
         window=(lo, hi),
         busy=busy,
-        gpu_kinds=_by(mine, "compute", _gpu_kind),
+        gpu_kinds=_by(mine, "compute", gpu_kind),
         host_kinds=_by(mine, "host", lambda w: w),
         blocked={k: v for k, v in sorted(blocked.items(), key=lambda kv: -kv[1]) if v > 0},
         gpu_idle_s=(hi - lo) - _covered(compute, lo, hi),
@@ -167,7 +167,7 @@ def _listing(seconds: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.4f} s" for k, v in seconds.items()) or "-"
 
 
-def _gpu_kind(name: str) -> str:
+def gpu_kind(name: str) -> str:
     return "attention" if "attention" in name else "matmul" if name in MATMULS else "memory-bound"
 
 

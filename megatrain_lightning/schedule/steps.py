@@ -22,6 +22,7 @@ from megatrain_lightning.engine.config import EngineConfig
 from megatrain_lightning.engine.engine import Engine
 from megatrain_lightning.models import LlamaConfig, LlamaForCausalLM
 from megatrain_lightning.planning.measure import release_quietly
+from megatrain_lightning.schedule.fusion import Fusion
 from megatrain_lightning.schedule.profiles import Profile
 from megatrain_lightning.schedule.ranks import DataParallel, RankRecorder
 from megatrain_lightning.schedule.record import Recorder
@@ -106,6 +107,7 @@ def record_steps(
     batch_size: int = 1,
     row_chunk: int | None = None,
     speculative_step: bool = False,
+    fusion: Fusion | None = None,
 ) -> Trace:
     """The trace of `steps` bf16-mixed training steps of `config`, each of `micro_batches` micro-batches of
     `batch_size` x `tokens`, on fake tensors (measure.py's way: the engine and model run for real, the tensors have
@@ -121,9 +123,13 @@ def record_steps(
     without `device_memory` "auto" keeps none, as on a device with no memory measure). `row_chunk`: the engine's
     option (layer-major calls of that many rows at a time); `speculative_step` too (a fake norm has no value: the
     recording takes it as not clipped, so every speculation is kept). `data_parallel`: record one rank of that many GPUs instead (ranks.py), replayed live on
-    the rank's profile."""
+    the rank's profile. `fusion`: model ``compile_blocks=True`` (fusion.py: each block's memory-bound bytes scaled
+    as inductor fuses them; the engine itself runs eagerly on the fake tensors)."""
     config = dataclasses.replace(config, token_chunk_size=tile)
-    recorder = Recorder(profile, launch_s) if data_parallel is None else RankRecorder(data_parallel, profile, launch_s)
+    if data_parallel is None:
+        recorder = Recorder(profile, launch_s, fusion)
+    else:
+        recorder = RankRecorder(data_parallel, profile, launch_s, fusion)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = LlamaForCausalLM(config)  # built before recording: host memory the engine takes over
         batch = torch.zeros(batch_size, tokens, dtype=torch.int64)

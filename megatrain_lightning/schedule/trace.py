@@ -109,3 +109,5 @@ class Trace:
     grad_sums: int = 0  # blocks summing their gradients on the device when the recording ended (device_grad_sums)
     speculative: tuple[int, int] = (0, 0)  # speculative steps kept and discarded over the recording (units)
     kept_calls: list[int] = field(default_factory=list)  # per recorded step, block calls that kept their graph
+    # compile_blocks modelled (fusion.py): the eager bytes of the block kernels scaled, per compiled graph
+    eager_block_bytes: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})

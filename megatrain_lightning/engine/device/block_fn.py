@@ -388,7 +388,7 @@ class CompiledBlock:
         if own is None:
             self.fn = functools.partial(_shared_compiled(type(block).forward), block)
         else:  # a forward a library put on this instance: compiled for this block alone
-            self.fn = _compile(own)
+            self.fn = compiled(own)
         self.calls = 0  # calls that went into the compiled function
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -432,19 +432,18 @@ class CompiledBlock:
             )
 
 
-def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` through ``torch.compile`` with the options every compiled block call takes (see :class:`CompiledBlock`)."""
     from torch._inductor import config as inductor
 
-    options = {"fallback_random": True}
-    if hasattr(inductor, "emulate_precision_casts"):  # torch >= 2.6
-        options["emulate_precision_casts"] = True
-    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    casts = {"emulate_precision_casts": True} if hasattr(inductor, "emulate_precision_casts") else {}  # torch >= 2.6
+    return torch.compile(fn, fullgraph=True, dynamic=False, options={"fallback_random": True, **casts})
 
 
 @functools.cache
 def _shared_compiled(forward: Callable[..., Any]) -> Callable[..., Any]:
     """One compiled function per block class's ``forward``, for every engine in the process."""
-    return _compile(forward)
+    return compiled(forward)
 
 
 def _compile_failures() -> tuple[type[BaseException], ...]:
