@@ -287,6 +287,42 @@ def test_chunked_cross_entropy_under_autocast_backs_its_products_as_autocast_doe
     assert rel(gh, rh) < 1e-4 and rel(gw, rw) < 2**-7
 
 
+def _upcast_first_grads(hidden, weight, targets, chunk, autocast):
+    """The chunked loss's gradients by its math written out with every upcast taken first: the logits upcast to
+    fp32, shifted, exponentiated, scaled in fp32 and then cast; each chunk's weight product upcast, then summed."""
+    h, w = hidden.detach(), weight.detach()
+    context = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with context:
+        lse = torch.cat([torch.logsumexp((h[s : s + chunk] @ w.t()).float(), -1) for s in range(0, len(h), chunk)])
+    valid = targets != -100
+    scale = 1.0 / valid.sum().clamp(min=1).float()
+    grad_h, grad_w = torch.empty_like(h), torch.zeros(w.shape, dtype=torch.float32)
+    for s in range(0, len(h), chunk):
+        hc, v, t = h[s : s + chunk], valid[s : s + chunk], targets[s : s + chunk]
+        with context:
+            probs = ((hc @ w.t()).float() - lse[s : s + chunk].unsqueeze(1)).exp()
+            probs[torch.arange(len(hc)), torch.where(v, t, 0)] -= v.float()
+            g = (probs * torch.where(v, scale, 0.0).unsqueeze(1)).to(h.dtype)
+            grad_w += (g.t() @ hc).float()
+            grad_h[s : s + chunk] = g @ w
+    return grad_h, grad_w.to(w.dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "autocast"), [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
+)
+def test_chunked_cross_entropy_backward_is_its_math_with_every_upcast_taken_first(dtype, autocast):
+    """The backward writes fp32 only where fp32 is kept (models/loss.py: no fp32 copy of the logits, of the scaled
+    gradient or of each chunk's weight product) and gets the very bits of the formulas upcasting first."""
+    hidden, weight, targets = _ce_inputs(37, dtype=dtype)
+    targets[::5] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = chunked_cross_entropy(hidden, weight, targets, 8)
+    got = torch.autograd.grad(loss, (hidden, weight))
+    want = _upcast_first_grads(hidden, weight, targets, 8, autocast)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+
+
 # ---------------------------------------------------------------------------- RoPE
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatrain_lightning import Engine, EngineConfig
@@ -31,6 +32,7 @@ from megatrain_lightning.schedule import PROFILES, Profile, Recorder, replay, su
 from megatrain_lightning.schedule.modelled import modelled_step
 from megatrain_lightning.schedule.profiles import ADAM_BYTES_PER_PARAM, HOST_EFFICIENCY, LINK_EFFICIENCY, profile
 from megatrain_lightning.schedule.ranks import DataParallel
+from megatrain_lightning.schedule.record import kernel_bytes
 from megatrain_lightning.schedule.replay import Interval, Replay, Timeline
 from megatrain_lightning.schedule.report import CHAIN
 from megatrain_lightning.schedule.steps import record_steps
@@ -149,6 +151,29 @@ def test_recording_changes_nothing_the_engine_computes():
     recorded = recorded_run(1.0).weights
     assert plain.keys() == recorded.keys() and all(torch.equal(plain[k], recorded[k]) for k in plain)
     engine.close()
+
+
+def test_an_indexed_write_is_charged_for_the_elements_it_touches_not_its_whole_destination():
+    """The loss's backward subtracts 1 at each row's target in a [tokens, vocab] chunk (models/loss.py): a kernel
+    that reads the indices and values and writes as many elements, not one that moves the whole chunk."""
+    seen = {}
+
+    class Bytes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen[func._overloadpacket.__name__] = kernel_bytes(func, args, kwargs or {}, out)
+            return out
+
+    probs, rows, targets, ones = (
+        torch.zeros(64, 50_000),
+        torch.arange(64),
+        torch.zeros(64, dtype=torch.long),
+        torch.ones(64),
+    )
+    with Bytes():
+        probs[rows, targets] -= ones
+    read = rows.nbytes + targets.nbytes + ones.nbytes
+    assert read < seen["index_put_"] <= read + 2 * ones.nbytes < probs.nbytes // 1000
 
 
 def test_recorded_flops_equal_the_flop_counter():

@@ -409,9 +409,10 @@ class EngineConfig:
         False,
         "run each block's forward, and its recompute in backward, through ``torch.compile`` (one compiled "
         "function per block class, shared by all its blocks; see "
-        ":class:`~megatrain_lightning.engine.device.block_fn.CompiledBlock`): twice per run (without and with grad), "
-        "more for other sequence lengths. Equal to eager training within round-off, not bit for bit. A block "
-        "that cannot compile as one graph raises at its first call, naming its class.",
+        ":class:`~megatrain_lightning.engine.device.block_fn.CompiledBlock`): once per run in grad mode (forward "
+        "and recompute) and once without (validation), more for other sequence lengths. Equal to eager training "
+        "within round-off, not bit for bit. A block that cannot compile as one graph raises at its first call, "
+        "naming its class.",
         _flag_check("compile_blocks"),
         flag={"action": argparse.BooleanOptionalAction},
     )

@@ -20,6 +20,13 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (hidden @ weight.t()).float()
 
 
+# The backward's passes over a chunk's [tokens, vocab] logits (the largest tensors of a step) write fp32 only where
+# fp32 is kept: the subtraction of the log-sum-exp takes the compute-dtype logits and writes fp32 (its operand
+# upcast exactly, as .float() would), the scaling writes the compute dtype (rounded once, as .to() would), and the
+# weight's fp32 gradient sum adds each chunk's compute-dtype product in place. The same bits as upcasting first,
+# in fewer passes: no fp32 copy of the logits, of the scaled gradient or of each chunk's weight product.
+
+
 def _target_logits(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     # Ignored positions may hold any value (usually -100): gather at index 0 and mask afterwards.
     safe = torch.where(valid, targets, torch.zeros_like(targets))
@@ -77,18 +84,17 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h, v = _ChunkNorm(hidden[start:end], norm_weight, ctx.norm_eps, need_h, need_nw), valid[start:end]
-            g = _logit_grad(_chunk_logits(h.out, w), lse[start:end], targets[start:end], v, scale)
-            g = g.to(hidden.dtype)
+            g = _logit_grad(h.out @ w.t(), lse[start:end], targets[start:end], v, scale, hidden.dtype)
             if need_w:
                 # Each chunk's product may round to the compute dtype, but the running sum over
                 # chunks stays fp32 so long sequences do not lose small contributions.
-                grad_w32 += (g.t() @ h.out).float()
+                grad_w32 += g.t() @ h.out
             if need_h or need_nw:
                 gh, gnw = h.backward(g @ w)
                 if need_h:
                     grad_h[start:end] = gh
                 if need_nw:
-                    grad_nw32 += gnw.float()
+                    grad_nw32 += gnw
         grad_w = grad_w32.to(weight.dtype) if need_w else None
         grad_nw = grad_nw32.to(norm_weight.dtype) if need_nw else None
         return grad_h, grad_w, None, None, None, grad_nw, None
@@ -121,13 +127,18 @@ class _ChunkNorm:
         return tuple(next(grads) if t.requires_grad else None for t in self.inputs)
 
 
-def _logit_grad(logits, lse, targets, valid, scale):
-    """(softmax - onehot(target)) * scale for one chunk, zeroed on ignored rows; fp32, in place."""
-    probs = logits.sub_(lse.unsqueeze(1)).exp_()
+def _logit_grad(logits, lse, targets, valid, scale, dtype):
+    """(softmax - onehot(target)) * scale for one chunk, zeroed on ignored rows, computed in fp32 from the chunk's
+    `logits` (any float dtype) and given `dtype`; in place where the dtypes allow (see above)."""
+    shifted = logits.sub_(lse.unsqueeze(1)) if logits.dtype == torch.float32 else torch.sub(logits, lse.unsqueeze(1))
+    probs = shifted.exp_()
     rows = torch.arange(probs.shape[0], device=probs.device)
     safe = torch.where(valid, targets, torch.zeros_like(targets))
     probs[rows, safe] -= valid.to(probs.dtype)
-    return probs.mul_(torch.where(valid, scale, torch.zeros_like(scale)).unsqueeze(1))
+    factor = torch.where(valid, scale, torch.zeros_like(scale)).unsqueeze(1)
+    if dtype == torch.float32:
+        return probs.mul_(factor)
+    return torch.mul(probs, factor, out=torch.empty(probs.shape, dtype=dtype, device=probs.device))
 
 
 def chunked_cross_entropy(

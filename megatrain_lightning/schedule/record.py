@@ -512,6 +512,15 @@ _NO_KERNEL = {
     aten.set_,
 }
 _GATHERS = {aten.embedding, aten.index_select, aten.index, aten.gather}  # read what they write, not the table
+# In place into `self` at indices: they touch as many of its elements as the indices or values have, not all.
+_SCATTERS = {
+    aten.index_put_,
+    aten._index_put_impl_,
+    aten.scatter_,
+    aten.scatter_add_,
+    aten.index_add_,
+    aten.index_copy_,
+}
 
 
 def _is_view(func: Any) -> bool:
@@ -529,6 +538,9 @@ def kernel_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int | None:
     outs = tensors_in(out)
     if not outs or func._overloadpacket in _NO_KERNEL or _is_view(func):
         return None
+    if func._overloadpacket in _SCATTERS:  # read what they index and write back as many elements of `self`
+        rest = tensors_in((args[1:], kwargs))
+        return sum(_nbytes(t) for t in rest) + 2 * max(t.numel() for t in rest) * args[0].element_size()
     return _moved(func, tensors_in((args, kwargs)), outs)
 
 
