@@ -96,3 +96,13 @@ def test_compile_blocks_with_token_tiles_is_refused_before_anything_is_recorded(
     with pytest.raises(ValueError, match=r"compile_blocks=True with token tiles of \d+ is not modelled") as err:
         modelled_step(LlamaConfig.from_preset("llama-3.1-8b"), PROFILES["h100-sxm"], 131072, compile_blocks=True)
     assert "\n" not in str(err.value)
+
+
+def test_the_row_chunks_own_work_is_the_engines_not_the_models():
+    """In layer-major calls the engine sums each chunk's weight gradients in fp32 and gathers the chunks' input
+    gradients (engine/device/rows.py) between the block's ops: the report counts that as the engine's own work
+    (and a compiled block does not fuse it), while autograd differentiating the block stays the model's."""
+    found, _ = kernels(None, rows=2)
+    rows_work = {k.name for k in found if k.origin == "engine:backward"}
+    assert {"_to_copy", "add_"} <= rows_work
+    assert any(k.origin == "model" and "backward block" in k.phase and k.name == "mm" for k in found)
