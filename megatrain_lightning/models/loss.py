@@ -22,9 +22,10 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 # The backward's passes over a chunk's [tokens, vocab] logits (the largest tensors of a step) write fp32 only where
 # fp32 is kept: the subtraction of the log-sum-exp takes the compute-dtype logits and writes fp32 (its operand
-# upcast exactly, as .float() would), the scaling writes the compute dtype (rounded once, as .to() would), and the
-# weight's fp32 gradient sum adds each chunk's compute-dtype product in place. The same bits as upcasting first,
-# in fewer passes: no fp32 copy of the logits, of the scaled gradient or of each chunk's weight product.
+# upcast exactly, as .float() would), the scaling writes the dtype the products take (rounded once, as .to() or
+# autocast's cast would), and the weight's fp32 gradient sum adds each chunk's compute-dtype product in place. The
+# same bits as upcasting first, in fewer passes: no fp32 copy of the logits or of each chunk's weight product, and
+# the scaled gradient written once in the products' dtype.
 
 
 def _target_logits(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -81,10 +82,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_nw32 = torch.zeros(norm_weight.shape, dtype=torch.float32, device=hidden.device) if need_nw else None
+        # The gradient of the logits in the dtype its two products take it in: under autocast an fp32 one would be
+        # cast for each (twice, the same rounding each time), so it is written rounded once instead.
+        _, autocast, autocast_dtype = ctx.autocast
+        g_dtype = autocast_dtype if autocast and hidden.dtype == torch.float32 else hidden.dtype
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = start + ctx.chunk_size
             h, v = _ChunkNorm(hidden[start:end], norm_weight, ctx.norm_eps, need_h, need_nw), valid[start:end]
-            g = _logit_grad(h.out @ w.t(), lse[start:end], targets[start:end], v, scale, hidden.dtype)
+            g = _logit_grad(h.out @ w.t(), lse[start:end], targets[start:end], v, scale, g_dtype)
             if need_w:
                 # Each chunk's product may round to the compute dtype, but the running sum over
                 # chunks stays fp32 so long sequences do not lose small contributions.

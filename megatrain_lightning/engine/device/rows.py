@@ -220,7 +220,7 @@ class RowChunks:
         order; the gradients of the `weights` summed over the chunks in fp32, in chunk order, then given the
         dtype a whole call's gradients have. Returns (the input's gradient if `input_grad`, *the weights')."""
         (grad_out,) = grads_out  # (a chunked call has no side outputs and no grad arguments: refused)
-        grad_x = torch.zeros_like(hidden) if input_grad else None
+        grad_x = torch.empty_like(hidden) if input_grad else None  # (each chunk's rows written below)
         sums: list[torch.Tensor | None] = [None] * len(weights)
         rows, held = hidden.shape[0], [hidden, *flatten((state.args, state.kwargs))[0]]
         for (start, end), print_ in zip(state.row_spans, state.chunk_prints):
@@ -229,15 +229,16 @@ class RowChunks:
                 out = state.split(state.call(inner, x, rows=(rows, start, end)))[0]
             state.fingerprint = print_
             recompute_done([out])
-            if grad_out is None or not out.requires_grad:
-                continue
-            grads = list(
-                torch.autograd.grad(
-                    [out], ([x] if input_grad else []) + weights, [grad_out[start:end]], allow_unused=True
+            grads = []
+            if grad_out is not None and out.requires_grad:
+                grads = list(
+                    torch.autograd.grad(
+                        [out], ([x] if input_grad else []) + weights, [grad_out[start:end]], allow_unused=True
+                    )
                 )
-            )
-            if input_grad and (g := grads.pop(0)) is not None:
-                grad_x[start:end] = g
+            if input_grad:
+                g = grads.pop(0) if grads else None
+                grad_x[start:end] = 0 if g is None else g
             for k, g in enumerate(grads):
                 if g is not None:
                     sums[k] = g.to(torch.float32, copy=True) if sums[k] is None else sums[k].add_(g)
