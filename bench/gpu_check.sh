@@ -18,6 +18,8 @@
 #               without them (dry: SKIP; tests/test_bench_throughput.py checks the option reaches the runs)
 #   options     the sums step's point twice more, with speculative_step and with compile_blocks: tokens/s of each
 #               beside the sums step's (dry: SKIP)
+#   fusion      bench/fusion.py: one llama-3.2-1b block's memory-bound kernel time, eager and compiled, against
+#               the ratios the schedule model takes for compile_blocks (dry: SKIP; tests/test_fusion.py)
 #   peers       FSDP CPU offload (and DeepSpeed ZeRO-3 offload when importable) at 4k tokens, clipped; tokens/s
 #               over megatrain's (recompute auto) from the throughput step (dry: SKIP, no Python started)
 #   fp8         bench/offload_inputs_dtype.py: the demo with offloaded inputs stored exactly and as fp8, one
@@ -49,7 +51,7 @@ mkdir -p "$OUT_DIR" || exit 2
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 SCALE=$((DRY ? 3 : 1))
 BUDGET=${GPU_CHECK_BUDGET_S:-$((540 * SCALE))}
-SELECTED=,${GPU_CHECK_STEPS:-env,install,pytest,throughput,sums,options,peers,fp8},
+SELECTED=,${GPU_CHECK_STEPS:-env,install,pytest,throughput,sums,options,fusion,peers,fp8},
 SITE=${TMPDIR:-/tmp}/gpu_check_site  # wheels from .whl/ (installed with --target, never into the image)
 # This checkout's code whatever an earlier editable install points at; the carried wheels after it.
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
@@ -218,6 +220,17 @@ step_options() {
     return $rc
 }
 
+step_fusion() {
+    if [ "$DRY" = 1 ]; then
+        echo "KEY: dry run: nothing to time without a GPU (the model's ratios: tests/test_fusion.py)"
+        return $SKIP_RC
+    fi
+    python3 bench/fusion.py --model llama-3.2-1b --tokens 4096
+    local rc=$?
+    echo "KEY: $(grep -h '^fusion: ' "$OUT_DIR/fusion.log" | sed 's/^fusion: //')"
+    return $rc
+}
+
 step_peers() {
     local left=$(($1 - 15)) args mine point=4096
     if [ "$DRY" = 1 ]; then  # bench/throughput.py --dry marks every peer "skipped: needs CUDA" and no more
@@ -255,7 +268,7 @@ step_fp8() {
     return $rc
 }
 export -f step_env native_check step_install step_pytest run_cells step_throughput auto_tokens_per_s step_sums \
-    step_options step_peers step_fp8
+    step_options step_fusion step_peers step_fp8
 export SKIP_RC
 
 # -- running them -------------------------------------------------------------------------------------------
@@ -297,6 +310,7 @@ run_step pytest 120 1
 run_step throughput 180 1 60
 run_step sums 75 0 45
 run_step options 150 0 90  # (two runs of the sums step's point: compiling falls in the warm-up)
+run_step fusion 90 0 45  # (inductor compiles one block for the GPU, and measures it on the CPU for the model)
 run_step peers 180 0 30  # DeepSpeed builds its CPU Adam first: 98 s of its run on the first GPU machine
 run_step fp8 "$BUDGET" 0 30
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("env", "install", "pytest", "throughput", "sums", "options", "peers", "fp8")
+STEPS = ("env", "install", "pytest", "throughput", "sums", "options", "fusion", "peers", "fp8")
 ROW = re.compile(r"^(?P<step>\w+)\s+(?P<status>ok|FAIL|TIMEOUT|SKIP)\s+(?P<seconds>\d+)\s+(?P<key>.*)$")
 SUMMARY = re.compile(
     r"^gpu_check: mode=(?P<mode>\w+) steps=(?P<steps>\d+) ok=(?P<ok>\d+) fail=(?P<fail>\d+) "
@@ -59,6 +59,7 @@ def test_dry_run_reports_every_step_and_passes(tmp_path):
         "throughput": "ok",
         "sums": "SKIP",
         "options": "SKIP",
+        "fusion": "SKIP",
         "peers": "SKIP",
         "fp8": "ok",
     }
@@ -86,7 +87,8 @@ def test_a_failed_required_step_sets_the_exit_code_and_the_rest_still_run(tmp_pa
     table = rows(lines)
     assert rc == 1
     assert table["env"]["status"] in ("FAIL", "TIMEOUT") and table["peers"]["status"] in ("FAIL", "TIMEOUT")
-    assert {table[s]["status"] for s in ("install", "pytest", "throughput", "sums", "options", "fp8")} == {"SKIP"}
+    skipped = ("install", "pytest", "throughput", "sums", "options", "fusion", "fp8")
+    assert {table[s]["status"] for s in skipped} == {"SKIP"}
     summary = SUMMARY.match(lines[-1])
     assert summary["mode"] == "gpu" and summary["required_failed"] == "1"
     assert int(summary["fail"]) + int(summary["timeout"]) == 2
