@@ -414,7 +414,6 @@ class EngineConfig:
         "within round-off, not bit for bit. A block that cannot compile as one graph raises at its first call, "
         "naming its class.",
         _flag_check("compile_blocks"),
-        flag={"action": argparse.BooleanOptionalAction},
     )
     piece: int | None = option(
         None,

@@ -19,8 +19,8 @@ import torch
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ENGINE = tuple(os.path.join(_PACKAGE, d) + os.sep for d in ("engine", "optim"))
-# This module, the recorder, torch and planning/measure.py's device-bytes mode (stacked under the recorder) only pass an op on;
-# the recorded training loop (schedule/steps.py) is the user's code, its ops the model's.
+# This module, the recorder, torch and planning/measure.py's device-bytes mode (stacked under the recorder) only
+# pass an op on; the recorded training loop (schedule/steps.py) is the user's code, its ops the model's.
 _PASSING = (
     os.path.abspath(__file__),
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py"),
