@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatrain_lightning.engine.device.block_fn import compiled  # noqa: E402
 from megatrain_lightning.models import LlamaConfig  # noqa: E402
-from megatrain_lightning.models.llama import DecoderLayer, RotaryEmbedding  # noqa: E402
-from megatrain_lightning.schedule.fusion import block_fusion  # noqa: E402
+from megatrain_lightning.schedule.fusion import block_call, block_fusion  # noqa: E402
 
 ATTENTION = ("flash", "fmha", "attention")
 MATMUL = ("gemm", "nvjet", "cutlass", "xmma")
@@ -56,13 +55,8 @@ def memory_ms(run) -> float:
 
 def measure(config: LlamaConfig, tokens: int) -> dict[str, tuple[float, float]]:
     """Per graph (forward, backward): memory-bound milliseconds (eager, compiled) of one block on CUDA."""
-    torch.manual_seed(0)
-    block = DecoderLayer(config).to("cuda", torch.bfloat16)
+    block, x, cos, sin, grad = block_call(config, tokens, torch.bfloat16, "cuda")
     params = list(block.parameters())
-    cos, sin = RotaryEmbedding(config)(torch.arange(tokens).unsqueeze(0), torch.bfloat16)
-    cos, sin = cos.cuda(), sin.cuda()
-    x = torch.randn(1, tokens, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn_like(x)
     compiled_forward = compiled(type(block).forward)
     out = {}
     for name, fn in (("eager", block), ("compiled", lambda *a: compiled_forward(block, *a))):

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from megatrain_lightning.models import LlamaConfig
-from megatrain_lightning.models.llama import DecoderLayer, RotaryEmbedding
 from megatrain_lightning.schedule import PROFILES
-from megatrain_lightning.schedule.fusion import Fusion, _eager, block_fusion
+from megatrain_lightning.schedule.fusion import Fusion, _eager, block_call, block_fusion
 from megatrain_lightning.schedule.modelled import modelled_step
 from megatrain_lightning.schedule.report import gpu_kind
 from megatrain_lightning.schedule.steps import record_steps
@@ -34,11 +33,8 @@ def kernels(fusion: Fusion | None, rows: int = 1) -> tuple[list[Kernel], dict[st
 
 def eager_block(config: LlamaConfig, tokens: int) -> list[tuple[int, int]]:
     """(memory-bound kernels, bytes) of one block's eager forward and backward, bf16 under autocast."""
-    torch.manual_seed(0)
-    block = DecoderLayer(config).to(torch.bfloat16)
-    x = torch.randn(1, tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    cos, sin = RotaryEmbedding(config)(torch.arange(tokens).unsqueeze(0), torch.bfloat16)
-    return _eager(block, torch.bfloat16, x, cos, sin, torch.randn_like(x))
+    block, x, cos, sin, grad = block_call(config, tokens, torch.bfloat16)
+    return _eager(block, torch.bfloat16, x, cos, sin, grad)
 
 
 @pytest.mark.parametrize("rows", [1, 2], ids=["whole", "layer-major-rows"])

@@ -83,15 +83,10 @@ def block_fusion(config: LlamaConfig, precision: str = "bf16-mixed") -> Fusion:
 def _measure(config: LlamaConfig, precision: str) -> Fusion:
     t0 = time.perf_counter()
     dtype = compute_dtype(precision)
-    torch.manual_seed(0)
-    block = DecoderLayer(config).to(dtype)
-    rotary = RotaryEmbedding(config)
     autocast = dtype if precision.endswith("-mixed") else None
     eager, fused = [], []
     for tokens in LENGTHS:
-        x = torch.randn(1, tokens, config.hidden_size, dtype=dtype, requires_grad=True)
-        cos, sin = rotary(torch.arange(tokens).unsqueeze(0), dtype)
-        grad = torch.randn_like(x)
+        block, x, cos, sin, grad = block_call(config, tokens, dtype)
         eager.append(_eager(block, autocast, x, cos, sin, grad))
         fused.append(_compiled(block, autocast, x, cos, sin, grad))
     ratios = []
@@ -109,6 +104,16 @@ def _measure(config: LlamaConfig, precision: str) -> Fusion:
         fused_kernels=(fused[1][0][0], fused[1][1][0]),
         measure_s=time.perf_counter() - t0,
     )
+
+
+def block_call(config: LlamaConfig, tokens: int, dtype: torch.dtype, device: str = "cpu") -> tuple:
+    """One decoder block of `config` in `dtype` (seeded weights) and what a call of it over one row of `tokens`
+    takes: (block, hidden input requiring grad, cos, sin, a gradient of its output)."""
+    torch.manual_seed(0)
+    block = DecoderLayer(config).to(device, dtype)
+    cos, sin = (t.to(device) for t in RotaryEmbedding(config)(torch.arange(tokens).unsqueeze(0), dtype))
+    x = torch.randn(1, tokens, config.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    return block, x, cos, sin, torch.randn_like(x)
 
 
 def _autocast(dtype: torch.dtype | None):

@@ -47,12 +47,13 @@ def origin() -> str:
     return "model"
 
 
-def compiled_graph() -> str | None:
-    """Which graph of a block compiled by ``compile_blocks=True`` an op issued during a block call belongs to:
-    ``"backward"`` while autograd runs a node of the model's (the block's own), ``"forward"`` when the model's own
-    code issues it (the forward, and its recompute in backward); None for the engine's own work between the
-    block's ops (rows.py summing its chunks' gradients), which no compiled graph holds."""
-    if origin() != "model":
+def compiled_graph(whose: str) -> str | None:
+    """Which graph of a block compiled by ``compile_blocks=True`` an op issued during a block call belongs to, given
+    its :func:`origin` `whose`: ``"backward"`` while autograd runs a node of the model's (the block's own),
+    ``"forward"`` when the model's own code issues it (the forward, and its recompute in backward); None for the
+    engine's own work between the block's ops (rows.py summing its chunks' gradients), which no compiled graph
+    holds."""
+    if whose != "model":
         return None
     return "backward" if _in_model_node() else "forward"
 

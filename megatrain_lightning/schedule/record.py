@@ -99,7 +99,7 @@ class Recorder:
 
     def log(self, item: Any) -> None:
         """Append to the running host job's items while one runs, else to the issuing thread's."""
-        job = getattr(self._local, "job", None)
+        job = self.running_job()
         (self.trace.issue if job is None else self.trace.jobs[job]).append(item)
 
     @contextmanager
@@ -112,7 +112,7 @@ class Recorder:
             self._local.quiet -= 1
 
     def in_job(self) -> bool:
-        return getattr(self._local, "job", None) is not None
+        return self.running_job() is not None
 
     def is_quiet(self) -> bool:
         return getattr(self._local, "quiet", 0) > 0
@@ -217,7 +217,7 @@ class Recorder:
         return getattr(self._local, "job", None)
 
     def run_job(self, job: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        outer, self._local.job = getattr(self._local, "job", None), job
+        outer, self._local.job = self.running_job(), job
         try:
             return fn(*args, **kwargs)
         finally:
@@ -235,22 +235,22 @@ class Recorder:
 
     def op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Log one op of the issuing thread: a device kernel, or host work when it touches a host buffer."""
-        nbytes = kernel_bytes(func, args, kwargs, out)
+        outs, ins = tensors_in(out), tensors_in((args, kwargs))
+        nbytes = _kernel_bytes(func, args, kwargs, ins, outs)
         if nbytes is None:
             return  # metadata, allocation or a view: no kernel runs
-        outs, ins = tensors_in(out), tensors_in((args, kwargs))
         if self.in_job() or any(self.is_host(t) for t in ins + outs):  # the worker's arithmetic is host work
             self.host_work(func._overloadpacket.__name__, outs[0].numel(), nbytes)
             self.mark_host(outs)
             return
         flops, counted, attention, causal = _flops(func, args, kwargs, out)
-        name = func._overloadpacket.__name__
+        name, whose = func._overloadpacket.__name__, origin()
         if self.fusion is not None and self.block is not None and gpu_kind(name) == "memory-bound":
-            graph = compiled_graph()  # (the model's work in a compiled block: inductor's fused bytes)
+            graph = compiled_graph(whose)  # (the model's work in a compiled block: inductor's fused bytes)
             if graph is not None:
                 self.trace.eager_block_bytes[graph] += nbytes
                 nbytes = round(nbytes * self.fusion.ratio(graph))
-        self.log(Kernel(name, flops, counted, nbytes, attention, causal, self.step, self.phase, origin()))
+        self.log(Kernel(name, flops, counted, nbytes, attention, causal, self.step, self.phase, whose))
 
 
 # -- the doubles -----------------------------------------------------------------------------------------
@@ -535,13 +535,19 @@ def _nbytes(t: torch.Tensor) -> int:
 def kernel_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int | None:
     """The bytes op `func` reads and writes as a device kernel; None when it runs none (metadata, an allocation,
     a view)."""
-    outs = tensors_in(out)
+    return _kernel_bytes(func, args, kwargs, tensors_in((args, kwargs)), tensors_in(out))
+
+
+def _kernel_bytes(
+    func: Any, args: tuple, kwargs: dict, ins: list[torch.Tensor], outs: list[torch.Tensor]
+) -> int | None:
+    """:func:`kernel_bytes` given the op's tensors, `ins` and `outs`."""
     if not outs or func._overloadpacket in _NO_KERNEL or _is_view(func):
         return None
     if func._overloadpacket in _SCATTERS:  # read what they index and write back as many elements of `self`
         rest = tensors_in((args[1:], kwargs))
         return sum(_nbytes(t) for t in rest) + 2 * max(t.numel() for t in rest) * args[0].element_size()
-    return _moved(func, tensors_in((args, kwargs)), outs)
+    return _moved(func, ins, outs)
 
 
 def _moved(func: Any, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> int:

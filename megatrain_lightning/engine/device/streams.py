@@ -151,7 +151,7 @@ class SlotPool:
         self.last_use: list[int] = []
         self.pins: list[int] = []  # calls that kept a graph over the slot's weights (engine/device/recompute.py)
         self.grow_when_pinned = False  # recompute=False: a slot is added when every one is pinned
-        # Next weights uploaded ahead into a slot (speculative steps, engine/device/streamer.py): block -> (slot,
+        # Next weights uploaded ahead into a slot (speculative steps, engine/device/ahead.py): block -> (slot,
         # the upload's event, what says whether they became the block's weights). The slot holds no block.
         self.staged: dict[int, tuple[int, object, Any]] = {}
         self._clock = 0

@@ -446,7 +446,7 @@ class HostSide:
             self.stats["speculative_discarded"] += 1  # (set as the step proper ends: see submit)
             return
         unit.copy, unit.spare = unit.spare, unit.copy
-        # (each buffer's last upload with it: the new copy's is the one that went up ahead, if any, streamer.py)
+        # (each buffer's last upload with it: the new copy's is the one that went up ahead, if any: device/ahead.py)
         unit.spare_read, unit.upload_done = unit.upload_done, unit.spare_read
         spec.kept = True
         self.stats["speculative_kept"] += 1
