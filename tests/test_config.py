@@ -67,6 +67,7 @@ def test_plan_flags_are_the_declared_ones():
         "device_grad_sums",
         "row_chunk",
         "speculative_step",
+        "keep_attention",
     }
     assert declared_flags <= flags
 

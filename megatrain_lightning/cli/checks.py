@@ -16,7 +16,7 @@ from megatrain_lightning import checkpoint as mt_checkpoint
 from megatrain_lightning.checkpoint import trust
 from megatrain_lightning.checkpoint.options import check_storage_options
 from megatrain_lightning.cli.commands import read_config, user_error
-from megatrain_lightning.engine import check_offload_inputs_dtype, check_options, check_precision
+from megatrain_lightning.engine import check_keep_attention, check_offload_inputs_dtype, check_options, check_precision
 from megatrain_lightning.lightning.strategy import OWN_CHECKS, check_trainer_args
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -87,6 +87,7 @@ def check_strategy(strategy: Any, precision: Any) -> None:
     check_options(args, OWN_CHECKS)
     check_storage_options(args.get("storage_options"))  # e.g. a saved config's placeholders
     check_offload_inputs_dtype(args.get("offload_inputs_dtype"), _precision_name(precision))
+    check_keep_attention(bool(args.get("keep_attention")), args.get("offload_inputs_dtype"))
     nvme_dir = args.get("nvme_dir")
     if nvme_dir is not None and not Path(nvme_dir).is_dir():
         what = "is not a directory" if Path(nvme_dir).exists() else "does not exist"

@@ -391,8 +391,14 @@ def schedule_parser() -> argparse.ArgumentParser:
     )
     add_engine_flags(
         ap,
-        ("num_slots", "device_grad_sums", "row_chunk", "speculative_step"),
-        {"num_slots": "auto", "device_grad_sums": 0, "row_chunk": None, "speculative_step": False},
+        ("num_slots", "device_grad_sums", "row_chunk", "speculative_step", "keep_attention"),
+        {
+            "num_slots": "auto",
+            "device_grad_sums": 0,
+            "row_chunk": None,
+            "speculative_step": False,
+            "keep_attention": False,
+        },
     )
     # (compile_blocks declares no flag of its own: it changes nothing a plan counts; here it is modelled)
     ap.add_argument(
@@ -458,6 +464,7 @@ def schedule_command(argv: list[str]) -> ModelledStep:
         row_chunk=args.row_chunk,
         speculative_step=args.speculative_step,
         compile_blocks=args.compile_blocks,
+        keep_attention=args.keep_attention,
     )
     print("\n".join(step.report()), flush=True)
     return step

@@ -88,6 +88,7 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
         free,
         engine._host_room,
         config.offload_inputs_dtype,
+        config.keep_attention,
     )
     if training and engine.layout.repeated and _kv_cache_configs(model):
         raise ValueError(
@@ -186,10 +187,11 @@ def build(engine: Any, model: nn.Module, config: EngineConfig, probes: Probes) -
         rows=RowChunks(config.row_chunk, keep_free, engine.keep.estimate),
         transient=transient,
         free_device_bytes=free,
+        keep_attention=config.keep_attention,
     )
     engine.runners = engine.streamer.runners
     if config.compile_blocks:
-        compile_block_calls(engine.blocks, engine.runners)
+        compile_block_calls(engine.blocks, engine.runners, config.keep_attention)
     if engine.device.type == "cuda":
         engine.host.gate = engine.checks.gate  # a block's host jobs first read its recompute's comparison
 
@@ -279,6 +281,7 @@ def _new_stats() -> dict[str, float]:
         "input_offload_bytes": 0,  # saved block inputs to the host and back, as stored (offload_inputs[_dtype])
         "kept_calls": 0,  # block calls that kept their graph for backward instead of a recompute (recompute)
         "offloaded_passes": 0,  # forward passes whose saved block inputs went to the host
+        "kept_attention": 0,  # attention calls a recompute got from the forward instead of computing (keep_attention)
         "uploads_ahead": 0,  # blocks whose speculative step's weights went up during the backward, and were kept
         "early_input_fetches": 0,  # offloaded inputs brought back during the later block's backward, not after
         "host_step_seconds": 0.0,  # worker: Adam steps

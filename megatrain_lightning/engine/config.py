@@ -112,6 +112,15 @@ def check_offload_inputs_dtype(value: Any, precision: str | None = None) -> Offl
     return value
 
 
+def check_keep_attention(value: bool, offload_inputs_dtype: str | None) -> None:
+    """Kept attention outputs stand in only for a recompute from the forward's exact input: a ValueError otherwise."""
+    if value and offload_inputs_dtype is not None:
+        raise ValueError(
+            f"keep_attention=True with offload_inputs_dtype={offload_inputs_dtype!r}: the recompute starts from a "
+            "rounded input, so the forward's attention outputs are not its own; pass one or the other"
+        )
+
+
 def check_speculative_step(value: bool, precision: str, host_layout: str, nvme_dir: str | None) -> None:
     """A speculative step writes a spare compute copy, so it needs one: a ValueError naming what has none."""
     if not value:
@@ -368,6 +377,19 @@ class EngineConfig:
         check_recompute,
         flag={"type": _recompute_word, "metavar": "{auto,true,false}"},
     )
+    keep_attention: bool = option(
+        False,
+        "keep each recomputed block call's attention output and log-sum-exp from its forward (about as many bytes as "
+        "the block's input: beside it in pinned host memory when inputs are offloaded, else on the device) and hand "
+        "them to its recompute in backward, which then runs no attention forward: the same tensors attention's "
+        "backward gets in ordinary training, checked at each recompute (its query, key and value must be the "
+        "forward's). Works on ``F.scaled_dot_product_attention`` calls that torch runs as a fused kernel (flash, "
+        "memory-efficient, cuDNN); other attention is recomputed. With ``compile_blocks`` the attention call runs "
+        "eagerly between compiled pieces of the block. Not with ``offload_inputs_dtype`` (its recompute starts from "
+        "a rounded input) (engine/device/kept_attention.py).",
+        _flag_check("keep_attention"),
+        flag={"action": argparse.BooleanOptionalAction},
+    )
     offload_inputs_dtype: OffloadInputsDtype = option(
         None,
         "how offloaded block inputs are stored on the host (and cross the link): ``None`` (default) exactly; "
@@ -472,6 +494,7 @@ class EngineConfig:
                 declared.check(getattr(self, f.name))
         # the checks across options
         check_offload_inputs_dtype(self.offload_inputs_dtype, self.precision)
+        check_keep_attention(self.keep_attention, self.offload_inputs_dtype)
         check_speculative_step(self.speculative_step, self.precision, self.host_layout, self.nvme_dir)
 
     @property

@@ -156,13 +156,18 @@ class SelfChecks:
         before = getattr(state, "fingerprint", None)
         state.fingerprint = None
         now = fingerprint(outputs)
+        if self._lossy_input(state):
+            return  # (its recompute starts from a rounded input by design: offload_inputs_dtype)
+        self.agree(idx, before, now)
+
+    def agree(self, idx: int, before: torch.Tensor | None, now: torch.Tensor | None) -> None:
+        """Compare a fingerprint taken in block `idx`'s forward with the recompute's (its outputs', or the inputs of
+        an attention call whose outputs the forward kept: engine/device/kept_attention.py)."""
         if before is None or now is None or isinstance(now, FakeTensor) or _get_current_dispatch_mode() is not None:
             # A fake tensor has no values; under a dispatch mode (the planner's measurement, the schedule model's
             # recorder, FlopCounterMode) ops may run as decompositions that round differently with and without
             # grad. The reductions are made (and counted), not compared.
             return
-        if self._lossy_input(state):
-            return  # (its recompute starts from a rounded input by design: offload_inputs_dtype)
         unit = self.engine.units[idx]
         message = self._mismatch(unit.name)
         if now.device.type == "cpu":

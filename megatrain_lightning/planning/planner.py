@@ -253,6 +253,13 @@ def saved_input_bytes(config: LlamaConfig, tokens: int, precision: str, stored: 
     return tokens * config.hidden_size * (2 if stored == "bf16" else compute_bytes(precision))
 
 
+def kept_attention_bytes(config: LlamaConfig, tokens: int, precision: str) -> int:
+    """One block call's attention outputs kept for its recompute (keep_attention) for `tokens` tokens: the output, in
+    the compute dtype, and an fp32 log-sum-exp per head (engine/device/kept_attention.py)."""
+    heads = config.num_attention_heads
+    return tokens * heads * (config.head_dim * compute_bytes(precision) + 4)
+
+
 def largest_unit(config: LlamaConfig) -> int:
     """Parameters of the largest streamed unit: a decoder block, or the vocab x hidden embedding or head."""
     return max(block_numel(config), config.vocab_size * config.hidden_size)
@@ -271,11 +278,13 @@ def host_breakdown(
     num_slots: int = 2,
     inputs_dtype: OffloadInputsDtype = None,
     speculative: bool = False,
+    kept_attention: bool = False,
 ) -> dict[str, int]:
     """Host bytes per buffer kind, as the engine allocates them after the first training step, for host
     `layout` "default" or "lean" (with `clipping`: gradient clipping on); `nvme`: Adam m, v in files, the
     host holding only the units in flight. With `offload_inputs`, the pinned buffers holding every
-    block's input for a micro-batch of `tokens` tokens, stored as `inputs_dtype` (offload_inputs_dtype)."""
+    block's input for a micro-batch of `tokens` tokens, stored as `inputs_dtype` (offload_inputs_dtype), and with
+    `kept_attention` each block's attention outputs beside it (keep_attention)."""
     if layout not in ("default", "lean"):
         raise ValueError(f"layout={layout!r}: host_breakdown takes 'default' or 'lean' (plan() resolves 'auto')")
     elt, n = compute_bytes(precision), config.num_parameters()
@@ -287,10 +296,9 @@ def host_breakdown(
     if nvme:  # in the Adam line's place, so the table keeps its order
         held = NVME_PIECES_IN_FLIGHT * piece_numel(largest_unit(config)) * 8
         out = {("nvme_buffers" if k == "adam" else k): (held if k == "adam" else v) for k, v in out.items()}
-    inputs = (
-        config.num_hidden_layers * saved_input_bytes(config, tokens, precision, inputs_dtype) if offload_inputs else 0
-    )
-    return {**out, "activations": inputs}
+    one = saved_input_bytes(config, tokens, precision, inputs_dtype)
+    one += kept_attention_bytes(config, tokens, precision) if kept_attention else 0
+    return {**out, "activations": config.num_hidden_layers * one if offload_inputs else 0}
 
 
 def lean_breakdown(
@@ -755,6 +763,7 @@ class Plan:
             num_slots=self.num_slots,
             inputs_dtype=self.offload_inputs_dtype,
             speculative=self.options is not None and self.options.speculative_step,
+            kept_attention=self.options is not None and self.options.keep_attention,
         )
         return sum(per_node(one, self.devices, self.nodes).values())
 
@@ -1093,7 +1102,7 @@ _HOST_LABELS = {
     "spare": "spare compute copy ({copy}, speculative_step)",
     "slab": "pinned gradient slab ({dtype})",
     "acc": "fp32 gradient accumulator (only when accumulate > 1)",
-    "activations": "offloaded block inputs (pinned, offload_inputs{stored})",
+    "activations": "offloaded block inputs (pinned, offload_inputs{stored})",  # (keep_attention: its outputs too)
     "staging": "upload staging ring (4 pieces, {dtype})",
     "grad_ring": "gradient ring (a block's pieces + 1, {dtype})",
     "nvme_buffers": "Adam m + v of {units} pieces in flight (Adam on NVMe)",
@@ -1109,6 +1118,7 @@ _GPU_LABELS = {
     "recompute": "one block's recompute with grad (transient)",
     "loss": "chunked loss + head gradient (transient)",
     "kept_graphs": "kept graphs ({kept} blocks' activations, recompute)",
+    "kept_attention": "kept attention outputs and log-sum-exp (keep_attention)",
     "cuda_context": "CUDA context and allocator slack (allowance)",
     "collectives": "collective library buffers (allowance; collectives in place)",
     "peak": "peak (persistent + larger transient + context)",
@@ -1226,6 +1236,7 @@ def plan(
             num_slots=num_slots,
             inputs_dtype=offload_inputs_dtype,
             speculative=options.speculative_step,
+            kept_attention=options.keep_attention,
         )
         return per_node(one, devices, nodes)
 
@@ -1236,6 +1247,9 @@ def plan(
         items["collectives"] = (collectives, 0)
     if sums:
         items["grad_sums"] = (sums * sum_bytes + outer_sums, 0)
+    if options.keep_attention:  # beside the saved inputs: every block's, or the block in use's when offloaded
+        layers = 1 if offload_inputs else config.num_hidden_layers
+        items["kept_attention"] = (0, layers * kept_attention_bytes(config, 1, precision))
     rows = call_rows(micro_batch, row_chunk)
     tile = planned_tile(config, seq_len, rows, elt, room)
     core = planned_core(config, seq_len, rows, elt, room, tile)

@@ -175,13 +175,14 @@ def modelled_step(
     row_chunk: int | str | None = None,
     speculative_step: bool = False,
     compile_blocks: bool = False,
+    keep_attention: bool = False,
 ) -> ModelledStep:
     """Record `steps` optimizer steps of `config` as the strategy runs them and replay them on `profile`
     (module docstring); with `gpus` > 1, one rank of that many joined by `link`, each step `micro_batches`
     of the rank's own. `row_chunk`: layer-major block calls of that many rows (engine/device/rows.py; "auto": as
     many as the planner picks), the tile and the memory figures those of one chunk. `compile_blocks`: the engine's option,
-    modelled from inductor's fusion of one block on the CPU (fusion.py; untiled blocks only). A ValueError names a bad
-    option."""
+    modelled from inductor's fusion of one block on the CPU (fusion.py; untiled blocks only); `keep_attention` the
+    engine's option. A ValueError names a bad option."""
     check_options(seq_len, micro_batches, clip, num_slots, steps, batch_size)
     check_recompute(recompute)
     check_row_chunk(row_chunk)
@@ -221,6 +222,7 @@ def modelled_step(
         row_chunk=row_chunk,
         speculative_step=speculative_step,
         fusion=fusion,
+        keep_attention=keep_attention,
     )
     record_s = time.perf_counter() - t0
     timeline = replay(trace, profile, launch_s)

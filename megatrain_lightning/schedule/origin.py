@@ -19,13 +19,15 @@ import torch
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ENGINE = tuple(os.path.join(_PACKAGE, d) + os.sep for d in ("engine", "optim"))
-# This module, the recorder, torch and planning/measure.py's device-bytes mode (stacked under the recorder) only
-# pass an op on; the recorded training loop (schedule/steps.py) is the user's code, its ops the model's.
+# This module, the recorder, torch, planning/measure.py's device-bytes mode (stacked under the recorder) and the
+# engine's kept attention (which runs the model's attention call in its place) only pass an op on; the recorded
+# training loop (schedule/steps.py) is the user's code, its ops the model's.
 _PASSING = (
     os.path.abspath(__file__),
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "record.py"),
     os.path.dirname(torch.__file__) + os.sep,
     os.path.join(_PACKAGE, "planning", "measure.py"),
+    os.path.join(_PACKAGE, "engine", "device", "kept_attention.py"),  # (runs the model's attention call for it)
 )
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 _MODES = {"__torch_function__", "__torch_dispatch__"}

@@ -108,6 +108,7 @@ def record_steps(
     row_chunk: int | None = None,
     speculative_step: bool = False,
     fusion: Fusion | None = None,
+    keep_attention: bool = False,
 ) -> Trace:
     """The trace of `steps` bf16-mixed training steps of `config`, each of `micro_batches` micro-batches of
     `batch_size` x `tokens`, on fake tensors (measure.py's way: the engine and model run for real, the tensors have
@@ -122,7 +123,7 @@ def record_steps(
     backward; False or "auto": kept graphs stay in device memory and their blocks' forward is recorded once;
     without `device_memory` "auto" keeps none, as on a device with no memory measure). `row_chunk`: the engine's
     option (layer-major calls of that many rows at a time); `speculative_step` too (a fake norm has no value: the
-    recording takes it as not clipped, so every speculation is kept). `data_parallel`: record one rank of that many GPUs instead (ranks.py), replayed live on
+    recording takes it as not clipped, so every speculation is kept), and `keep_attention`. `data_parallel`: record one rank of that many GPUs instead (ranks.py), replayed live on
     the rank's profile. `fusion`: model ``compile_blocks=True`` (fusion.py: each block's memory-bound bytes scaled
     as inductor fuses them; the engine itself runs eagerly on the fake tensors)."""
     config = dataclasses.replace(config, token_chunk_size=tile)
@@ -146,6 +147,7 @@ def record_steps(
                 device_grad_sums=grad_sums,
                 row_chunk=row_chunk,
                 speculative_step=speculative_step,
+                keep_attention=keep_attention,
             )
             engine = Engine(model, options, recorder.probes(device_memory))
             recorder.attach(engine)

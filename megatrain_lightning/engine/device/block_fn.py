@@ -26,6 +26,10 @@ user set them, the input as it arrived), and both run in grad mode, as ordinary 
 path from those flags and the mode (CPU attention whose additive mask requires grad), and the same path
 all three times keeps the loss and the gradients bit for bit those of ordinary training. So a side output
 computed without grad (T5's cross-attention bias of zeros) leaves the node not requiring grad either.
+
+Why one file of about 530 lines: a block call's state (:class:`CallState`), its autograd node, its runner and its
+compiled form are the four sides of one call, each reading the others' fields; split, each file would import the
+rest back.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 from torch import nn
 
 from megatrain_lightning.engine.device.block_state import InputChain, Mutations, flatten
+from megatrain_lightning.engine.device.kept_attention import KEPT_CALL, Tape
 from megatrain_lightning.engine.device.replay import HostRngs, direct_checkpoints
 from megatrain_lightning.engine.device.rows import rows_of
 from megatrain_lightning.engine.device.sinks import Sinks
@@ -68,6 +73,8 @@ class Streamer(Protocol):
     def chunks_call(self, idx: int, hidden: torch.Tensor) -> int | None: ...
 
     def keeps_call(self, idx: int, hidden: torch.Tensor) -> bool: ...
+
+    def attention_tape(self, idx: int) -> Tape | None: ...
 
 
 class CallState:
@@ -107,6 +114,7 @@ class CallState:
         self.row_spans: list[tuple[int, int]] = []  # the call ran in these chunks of rows
         self.chunk_prints: list[Any] = []  # the forward's fingerprint of each chunk's output
         self.drew = False  # the chunked forward drew random numbers (refused: engine/device/rows.py)
+        self.tape: Tape | None = None  # its attention outputs kept for the recompute (engine/device/kept_attention.py)
         types = {"cpu", device.type}
         self.autocast = [
             (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t), torch.is_autocast_cache_enabled())
@@ -147,7 +155,9 @@ class CallState:
         args, kwargs = (self.args, self.kwargs) if self.sinks is None else self.sinks.fresh()
         if rows is not None:
             args, kwargs = rows_of((args, kwargs), *rows)
-        with direct_checkpoints() if torch.is_grad_enabled() else nullcontext():
+        grad = torch.is_grad_enabled()
+        tape = self.tape if grad else None
+        with direct_checkpoints() if grad else nullcontext(), tape.running() if tape is not None else nullcontext():
             if self.hidden_kw is None:
                 out = forward(hidden, *args, **kwargs)
             else:
@@ -195,11 +205,13 @@ class CallState:
                 stack.enter_context(self.host_rngs.replayed())
             for device_type, enabled, dtype, cache in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
+            if self.tape is not None:
+                stack.enter_context(self.tape.replay())
             yield
 
     def clear(self) -> None:
         self.args, self.kwargs, self.extra, self.saved, self.grad_inputs, self.changed = (), {}, (), None, [], None
-        self.kept = None
+        self.kept = self.tape = None
         self.row_spans, self.chunk_prints = [], []
         self.cpu_rng = self.dev_rng = None
         self.sinks = self.host_rngs = None
@@ -285,6 +297,8 @@ class _BlockFunction(torch.autograd.Function):
             ctx.save_for_backward(hidden)
         ctx.set_materialize_grads(False)  # an unused side output sends None, not a tensor of zeros
         out, side = engine.forward_block(runner.idx, state, hidden, hidden.requires_grad)
+        if state.tape is not None and state.offload:  # its attention outputs beside its input, on the host
+            state.tape.stow(functools.partial(engine.saved_inputs.store, owner=state))
         # A side output computed without grad (the forward ran in grad mode) needs none later either, as in
         # ordinary training: T5's cross-attention bias of zeros must not require grad in the next blocks.
         ctx.mark_non_differentiable(*(t for t in side if not t.requires_grad))
@@ -301,9 +315,10 @@ class _BlockFunction(torch.autograd.Function):
             hidden = engine.saved_inputs.fetch(state.saved)
         else:  # (a kept graph holds its input itself)
             hidden = None if state.keep else ctx.saved_tensors[0]
+        stowed = state.tape.bring(engine.saved_inputs.fetch) if state.tape is not None else []
         grads_in = engine.backward_block(ctx.runner.idx, state, hidden, [grad_out, *grad_side], needs)
-        if state.saved is not None:
-            engine.saved_inputs.give_back(state.saved)
+        for saved in [state.saved, *stowed] if state.saved is not None else stowed:
+            engine.saved_inputs.give_back(saved)
         state.clear()
         ctx.state = None
         return None, None, None, *grads_in
@@ -340,6 +355,7 @@ class BlockRunner:
         state.row_chunk = engine.chunks_call(self.idx, hidden)
         state.keep = state.row_chunk is None and engine.keeps_call(self.idx, hidden)
         state.offload = not state.keep and engine.offloads_call(self.idx, hidden)
+        state.tape = None if state.keep else engine.attention_tape(self.idx)
         links = engine.input_chain.inputs(self.idx, originals)
         out, *side = _BlockFunction.apply(self, state, engine.grad_anchor, hidden, *links, *params)
         if originals:
@@ -382,22 +398,31 @@ class CompiledBlock:
     updates differ by 8%, as much as bf16 from fp32).
     """
 
-    def __init__(self, block: nn.Module, own: Callable[..., Any] | None) -> None:
+    def __init__(self, block: nn.Module, own: Callable[..., Any] | None, kept_attention: bool = False) -> None:
         self.name = type(block).__qualname__
         self.submodules = [(n, m) for n, m in block.named_modules() if m is not block]
+        # With keep_attention each attention call runs eagerly between compiled pieces (engine/device/kept_attention.py):
+        # the graph breaks there, and anywhere else is refused after the call that compiled it (_other_breaks).
+        self.breaks = kept_attention
         if own is None:
-            self.fn = functools.partial(_shared_compiled(type(block).forward), block)
+            self.fn = functools.partial(_shared_compiled(type(block).forward, not kept_attention), block)
         else:  # a forward a library put on this instance: compiled for this block alone
-            self.fn = compiled(own)
+            self.fn = compiled(own, fullgraph=not kept_attention)
         self.calls = 0  # calls that went into the compiled function
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_hooks()
         self.calls += 1
+        breaks = dict(_graph_breaks()) if self.breaks else None
         try:
-            return self.fn(*args, **kwargs)
+            out = self.fn(*args, **kwargs)
         except _compile_failures() as e:
             raise RuntimeError(self._failure(e)) from e
+        if breaks is not None:
+            other = [r for r, n in _graph_breaks().items() if n > breaks.get(r, 0) and KEPT_CALL not in r]
+            if other:
+                raise RuntimeError(self._failure(RuntimeError(other[0])))
+        return out
 
     def _failure(self, e: BaseException) -> str:
         if type(e).__name__ == "FailOnRecompileLimitHit":
@@ -432,18 +457,24 @@ class CompiledBlock:
             )
 
 
-def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` through ``torch.compile`` with the options every compiled block call takes (see :class:`CompiledBlock`)."""
+def compiled(fn: Callable[..., Any], fullgraph: bool = True) -> Callable[..., Any]:
+    """`fn` through ``torch.compile`` with the options every compiled block call takes (see :class:`CompiledBlock`);
+    `fullgraph` False only where the attention calls run eagerly (keep_attention)."""
     from torch._inductor import config as inductor
 
     casts = {"emulate_precision_casts": True} if hasattr(inductor, "emulate_precision_casts") else {}  # torch >= 2.6
-    return torch.compile(fn, fullgraph=True, dynamic=False, options={"fallback_random": True, **casts})
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, options={"fallback_random": True, **casts})
 
 
 @functools.cache
-def _shared_compiled(forward: Callable[..., Any]) -> Callable[..., Any]:
+def _shared_compiled(forward: Callable[..., Any], fullgraph: bool) -> Callable[..., Any]:
     """One compiled function per block class's ``forward``, for every engine in the process."""
-    return compiled(forward)
+    return compiled(forward, fullgraph)
+
+
+def _graph_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks so far in this process, by reason."""
+    return torch._dynamo.utils.counters["graph_break"]
 
 
 def _compile_failures() -> tuple[type[BaseException], ...]:
@@ -455,10 +486,10 @@ def _compile_failures() -> tuple[type[BaseException], ...]:
     return (exc.TorchDynamoException, *(e for e in [getattr(exc, "FailOnRecompileLimitHit", None)] if e is not None))
 
 
-def compile_block_calls(blocks: list[nn.Module], runners: list[BlockRunner]) -> None:
+def compile_block_calls(blocks: list[nn.Module], runners: list[BlockRunner], kept_attention: bool = False) -> None:
     """Route each block's calls, forward and recompute, through ``torch.compile`` (:class:`CompiledBlock`)."""
     for block, runner in zip(blocks, runners):
-        runner.inner = CompiledBlock(block, runner.own)
+        runner.inner = CompiledBlock(block, runner.own, kept_attention)
 
 
 def _replace(leaves: tuple, ids: dict[int, int], side: list[torch.Tensor], passed: dict[int, torch.Tensor]) -> tuple:

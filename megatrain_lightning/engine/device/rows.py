@@ -182,7 +182,8 @@ class RowChunks:
         def run(part: torch.Tensor, n: int) -> torch.Tensor:
             return state.split(state.call(inner, part, rows=(rows, 0, n)))[0]
 
-        self.check_independent(idx, name, run, x, x.device, max(size, 1))
+        with state.tape.pause() if state.tape is not None else nullcontext():  # (trial calls keep nothing)
+            self.check_independent(idx, name, run, x, x.device, max(size, 1))
         held = [x, *flatten((state.args, state.kwargs))[0]]  # (a chunk's views of them hold no memory of its own)
         before, out, unsplit, start = rng_states(x.device), None, None, 0
         while start < rows:

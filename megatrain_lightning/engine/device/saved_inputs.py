@@ -82,12 +82,16 @@ class SavedInputs:
         free_bytes: Callable[[], int | None] = lambda: None,
         host_available: Callable[[], int] | None = None,
         stored_dtype: OffloadInputsDtype = None,
+        kept_attention: bool = False,
     ) -> None:
         self.streams, self.device, self.pin, self.stats = streams, device, pin, stats
         self.mode = check_offload_inputs(mode)
         self.codec = InputCodec(stored_dtype)
         self.free_bytes = free_bytes  # device memory free for saved inputs; None where "auto" keeps them there
         self.host_available = host_available  # host memory the OS can still hand out; None: unchecked
+        # keep_attention: each call's attention outputs are saved beside its input, as many bytes again (the width
+        # of attention's output is the hidden size in the decoders this targets; the log-sum-exp adds 4 bytes a head)
+        self.per_input = 2 if kept_attention else 1
         self._pass_offloads: bool | None = None  # the decision of the forward pass under way
         self._announced = False
         self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
@@ -116,7 +120,7 @@ class SavedInputs:
         pass that needs no new buffers (every later step) reads nothing."""
         numel, dtype = self.codec.stored(hidden)
         pooled = len(self._free.get((numel, dtype), []))
-        need = max(0, calls - pooled) * numel * dtype.itemsize
+        need = max(0, calls - pooled) * numel * dtype.itemsize * self.per_input
         if need == 0 or self.host_available is None:
             return
         have = self.host_available()
@@ -136,7 +140,7 @@ class SavedInputs:
         free = self.free_bytes()
         if free is None:
             return False
-        saved = num_blocks * hidden.numel() * hidden.element_size()
+        saved = num_blocks * hidden.numel() * hidden.element_size() * self.per_input
         offload = offload_needed(saved, free)
         if offload and not self._announced:
             self._announced = True  # once per run: the decision may flip with every step

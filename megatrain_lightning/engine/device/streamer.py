@@ -13,6 +13,9 @@ in its modules (rebound to the slot for a call) and the device copies of the blo
 (engine.py) builds it over the parts it holds (the slot pool, the host units and the host side, the keep
 policy, the saved inputs, the self-checks) and asks it only to size the slot pool after the first step, to
 upload the next forward's first blocks, and to give the blocks back when it closes.
+
+Why one file of about 520 lines: the forward and the backward of a block call share the slot binding, the
+prefetch ahead and the open calls' bookkeeping here; the decisions they consult live in the parts it is given.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from megatrain_lightning.engine.device.ahead import UploadsAhead
 from megatrain_lightning.engine.device.block_fn import BlockRunner, CallState, SideOutputs, select_side
 from megatrain_lightning.engine.device.block_state import InputChain, Mutations, flatten
 from megatrain_lightning.engine.device.grad_sums import auto_sum_count
+from megatrain_lightning.engine.device.kept_attention import Tape
 from megatrain_lightning.engine.device.recompute import KeepPolicy, KeptGraph, nothing_saved
 from megatrain_lightning.engine.device.rows import RowChunks
 from megatrain_lightning.engine.device.saved_inputs import SavedInputs
@@ -42,7 +46,7 @@ from megatrain_lightning.engine.host.pending_reads import PendingReads
 from megatrain_lightning.engine.host.units import HostUnit
 from megatrain_lightning.engine.outer import OuterParams
 from megatrain_lightning.engine.ranks import Ranks
-from megatrain_lightning.engine.self_checks import SelfChecks
+from megatrain_lightning.engine.self_checks import SelfChecks, fingerprint
 from megatrain_lightning.planning.device_memory import auto_slot_count
 
 log = logging.getLogger("megatrain_lightning")
@@ -76,7 +80,9 @@ class BlockStreamer:
         rows: RowChunks,
         transient: Callable[[], int | None],
         free_device_bytes: Callable[[], int | None],
+        keep_attention: bool = False,
     ) -> None:
+        self.keep_attention = keep_attention  # (engine/device/kept_attention.py)
         self.blocks, self.units, self.device, self.preserve_rng_state = blocks, units, device, preserve_rng_state
         self.ranks, self.pool, self.uploads, self.host, self.outer = ranks, pool, uploads, host, outer
         self.keep, self.saved_inputs, self.checks, self.reads, self.rows = keep, saved_inputs, checks, reads, rows
@@ -116,6 +122,14 @@ class BlockStreamer:
         (engine/device/recompute.py; a call in chunks of rows never does: its graph is each chunk's, made again in
         backward)."""
         return self.keep.keeps(idx, *self._spans[idx], hidden)
+
+    def attention_tape(self, idx: int) -> Tape | None:
+        """Where a new recomputed call of block `idx` keeps its attention outputs (None: keep_attention is off)."""
+        if not self.keep_attention:
+            return None
+        return Tape(
+            self.units[idx].name, fingerprint, functools.partial(self.checks.agree, idx), self.saved_inputs.stats
+        )
 
     def size_slots(self) -> None:
         """``num_slots="auto"``, after the first optimizer step: add the slots that the device memory the step
@@ -162,13 +176,14 @@ class BlockStreamer:
         free = None if transient is None else self._free_device_bytes()
         return None if free is None else (free, transient)
 
-    def _room_beside(self, nbytes: int) -> bool:
-        """Whether an offloaded input of `nbytes` fits on the device during a block's backward: free memory holds
-        it and the first step's transient (one block's backward with its input), scaled by how much larger this
-        input is than that step's largest (a longer batch needs as much more). Not before that step is
-        measured, nor where it offloaded nothing, nor on a device with no memory measure (the CPU)."""
+    def _room_beside(self, nbytes: int, input_bytes: int) -> bool:
+        """Whether an offloaded input of `input_bytes` (`nbytes` with the attention outputs kept beside it) fits on
+        the device during a block's backward: free memory holds it and the first step's transient (one block's
+        backward with its input), scaled by how much larger this input is than that step's largest (a longer batch
+        needs as much more). Not before that step is measured, nor where it offloaded nothing, nor on a device with
+        no memory measure (the CPU)."""
         measured = self._memory_after_step()
-        scale = max(1.0, nbytes / self._step_input) if self._step_input else 0.0
+        scale = max(1.0, input_bytes / self._step_input) if self._step_input else 0.0
         return measured is not None and scale > 0 and measured[0] >= nbytes + measured[1] * scale
 
     def size_sums(self) -> None:
@@ -313,6 +328,8 @@ class BlockStreamer:
             return self.rows.backward(state, runner.inner, hidden, grads_out, needs[0], weights, done, measuring)
 
         grads = list(self._run(idx, -1, recompute_rows if state.row_spans else recompute, kept=kept)[0])
+        if state.tape is not None:
+            state.tape.left_over()  # (before any of its gradient leaves)
         grads_in = [grads.pop(0) if need else None for need in needs]
         by_entry: list[torch.Tensor | None] = [None] * len(unit.layout)
         for i, g in zip(trained, grads):
@@ -338,9 +355,10 @@ class BlockStreamer:
         (the block's parameters are bound to it too, for a checkpoint inside the block that recomputes)."""
         unit = self.units[idx]
         slot = self._load(idx, {idx}) if kept is None else kept.slot
-        earlier = self._earlier_input(idx) if direction < 0 else None  # the next backward's offloaded input
-        if earlier is not None and self._room_beside(earlier.host.nbytes):
-            self.saved_inputs.prefetch(earlier, early=True)  # (its copy runs during this backward)
+        earlier = self._earlier_input(idx) if direction < 0 else []  # the next backward's offloaded input(s)
+        if earlier and self._room_beside(sum(e.host.nbytes for e in earlier), earlier[0].host.nbytes):
+            for e in earlier:
+                self.saved_inputs.prefetch(e, early=True)  # (its copy runs during this backward)
         # (binding rewrites the parameters' .data, which reads nothing: outside the pending-reads mode too)
         with self.reads.suspended(), self._bound(idx, self.pool.acquire(slot, unit.slot_numel), fresh=keep) as leaves:
             out = fn()
@@ -350,7 +368,8 @@ class BlockStreamer:
         if keep:
             self.pool.pin(slot)
             kept = KeptGraph(slot, leaves, self.pool.unpin)
-        self.saved_inputs.prefetch(earlier)  # (otherwise now: after the compute whose end frees its memory)
+        for e in earlier:
+            self.saved_inputs.prefetch(e)  # (otherwise now: after the compute whose end frees its memory)
         self.ahead.backward_call(idx) if direction < 0 else self.ahead.forward_call()
         depth = self._prefetch_depth(direction)
         ahead = [j for j in (idx + direction * k for k in range(1, depth + 1)) if 0 <= j < len(self.units)]
@@ -359,12 +378,14 @@ class BlockStreamer:
                 break  # steps finish in forward order (or every other slot is pinned): stop here
         return out, (kept if keep else None)
 
-    def _earlier_input(self, idx: int) -> Any:
+    def _earlier_input(self, idx: int) -> list[Any]:
         """The offloaded input (saved_inputs.SavedInput) of the latest call of block `idx` - 1, which backward
-        reaches next; None when there is none."""
+        reaches next, and the attention outputs offloaded beside it; none when it offloaded nothing."""
         earlier = self._forward_states[idx - 1] if idx > 0 else None
         state = earlier() if earlier is not None else None
-        return state.saved if state is not None else None
+        if state is None or state.saved is None:
+            return []
+        return [state.saved, *(state.tape.stowed() if state.tape is not None else ())]
 
     def _prefetch_depth(self, direction: int) -> int:
         """How many blocks ahead of the one computing are uploaded now: as many as the other slots hold, unless
