@@ -160,6 +160,19 @@ def test_a_recompute_with_another_number_of_attention_calls_is_refused():
         tape.left_over()
 
 
+def test_an_attention_with_dropout_is_refused():
+    # (On the CPU torch computes an attention with dropout by its math backend, which is recomputed: the fused
+    # kernels of a GPU take dropout, and a kernel handed back would not advance the generator.)
+    tape = Tape("layers.0", lambda ts: None, lambda a, b: None, {"kept_attention": 0})
+    q = torch.randn(1, 2, 4, 8)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    with pytest.raises(RuntimeError, match="block layers.0: keep_attention=True cannot keep an attention with dropout"):
+        tape.record(op, (q, q, q, 0.1), {})
+    assert len(tape.kept) == 0
+    tape.record(op, (q, q, q), {"dropout_p": 0.0})
+    assert len(tape.kept) == 1
+
+
 def test_keep_attention_refuses_a_lossy_input():
     with pytest.raises(ValueError, match="keep_attention=True with offload_inputs_dtype='fp8'"):
         EngineConfig(device="cpu", keep_attention=True, offload_inputs_dtype="fp8")

@@ -402,7 +402,7 @@ class CompiledBlock:
         self.name = type(block).__qualname__
         self.submodules = [(n, m) for n, m in block.named_modules() if m is not block]
         # With keep_attention each attention call runs eagerly between compiled pieces (engine/device/kept_attention.py):
-        # the graph breaks there, and anywhere else is refused after the call that compiled it (_other_breaks).
+        # the graph breaks there, and a break anywhere else is refused after the call that compiled it.
         self.breaks = kept_attention
         if own is None:
             self.fn = functools.partial(_shared_compiled(type(block).forward, not kept_attention), block)

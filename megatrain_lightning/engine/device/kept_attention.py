@@ -133,6 +133,14 @@ class Tape:
 
     # -- what the tap does at each attention kernel ---------------------------------------------------------------
     def record(self, op: Any, args: tuple, kwargs: dict) -> Any:
+        if _dropout(op, args, kwargs):
+            # Handed back, the kernel would not advance the generator as it did in the forward, and every random
+            # number the recompute draws after it would be another.
+            raise RuntimeError(
+                f"block {self.block}: keep_attention=True cannot keep an attention with dropout ({op}): its recompute "
+                "would draw other random numbers after it. Pass keep_attention=False, or set the attention's dropout "
+                "to 0 (Hugging Face: attention_dropout=0.0)"
+            )
         outputs = op(*args, **kwargs)
         # (aliases without autograd's history, which the forward's node is about to give the outputs themselves)
         held = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in outputs)
@@ -176,6 +184,16 @@ class _Stowed:
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
+
+
+def _dropout(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this attention kernel call drops out (its ``dropout_p`` argument, wherever its schema puts it)."""
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    at = names.index("dropout_p")
+    p = args[at] if at < len(args) else kwargs.get("dropout_p", 0.0)
+    return bool(p)
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
