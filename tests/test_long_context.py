@@ -281,3 +281,31 @@ def test_an_offloaded_input_comes_back_during_the_later_blocks_backward_where_me
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
     blocks = model.config.num_hidden_layers
     assert early == (2 * (blocks - 1) if early_expected else 0)  # steps 2 and 3: every block's input but the first's
+
+
+@pytest.mark.parametrize("room", ["input-and-attention", "input-only"])
+def test_attention_outputs_kept_beside_an_input_come_back_early_with_it_where_memory_allows(monkeypatch, room):
+    """keep_attention (engine/device/kept_attention.py): each call's attention output and log-sum-exp go to the host
+    beside its offloaded input and come back with it, early where the free memory holds all three beside the first
+    step's transient (the transient scaled by the input's size alone, not taken for a twice-longer batch), and
+    none early where it holds the input only. Bit for bit ordinary training either way."""
+    async_streams.install(monkeypatch, hold=1.0)
+    data = batches(3)
+    ref_model, model = llama(), llama()
+    ref = own_loop(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-3), data)
+    c, transient = model.config, 1 << 20
+    input_bytes = 2 * 16 * c.hidden_size * 4  # batch 2 x 16 tokens, fp32
+    kept_bytes = 2 * 16 * c.num_attention_heads * (c.head_dim * 4 + 4)  # the output and an fp32 log-sum-exp per head
+    free = input_bytes + transient + (kept_bytes if room == "input-and-attention" else 0)
+    probes = Probes(device_free_bytes=lambda: free, step_transient_bytes=lambda: transient)
+    options = EngineConfig(device="cpu", precision="32-true", offload_inputs=True, recompute=True, keep_attention=True)
+    engine = Engine(model, options, probes)
+    got = own_loop(model, engine.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3)), data)
+    stats = dict(engine.stats)
+    engine.close()
+    assert got == ref
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    blocks = c.num_hidden_layers
+    assert stats["kept_attention"] == 3 * blocks
+    # steps 2 and 3, every block but the first: its input, attention output and log-sum-exp
+    assert stats["early_input_fetches"] == (2 * (blocks - 1) * 3 if room == "input-and-attention" else 0)

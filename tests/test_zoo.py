@@ -49,6 +49,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from megatrain_lightning import MegatrainStrategy
 from megatrain_lightning.optim import kernels
 from tests.helpers import (
     AUX_COEF,
@@ -448,3 +449,29 @@ def test_use_cache_in_training_step_is_refused(make, monkeypatch):
     assert len(ref.losses) == 2
     with pytest.raises(RuntimeError, match=r"block model[\w.]*\.0 got a KV cache \(\w*Cache"):
         seeded_fit(trainer("megatrain"), mt, batches)
+
+
+# keep_attention (engine/device/kept_attention.py) on the zoo's models whose attention torch runs as a fused kernel
+# on the CPU with their dropout on: T5's position bias as a mask, Falcon, hybrids with attention blocks between
+# state-space ones, a frozen part (every other model's attention dropout takes torch's math backend, or the model
+# computes attention itself: recomputed as without the option, and bitwise too, measured). Bitwise to ordinary
+# training, and the kept outputs really stood in (the engine's count).
+KEPT_ATTENTION = ("llama-frozen", "falcon-new", "bamba", "zamba2", "t5")
+
+
+class KeptAttentionCount(Callback):
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.kept = trainer.strategy.engine.stats["kept_attention"]
+
+
+@pytest.mark.parametrize("name", KEPT_ATTENTION)
+def test_kept_attention_trains_like_ordinary_training(name, monkeypatch):
+    use_backend("torch", monkeypatch)
+    entry, steps = (ZOO[name], OPT_STEPS) if name in ZOO else (FAMILIES[name], FAMILY_STEPS)
+    batches = token_batches(steps * ACCUMULATE)
+    model, ref, _ = ordinary_fit(entry, batches, steps, **TRAIN_KWARGS)
+    mt = entry.module(copy.deepcopy(model), loss_fn=entry.loss_fn, **dict(MODULE_KWARGS, schedule=steps))
+    count = KeptAttentionCount()
+    seeded_fit(trainer(MegatrainStrategy(keep_attention=True), callbacks=[count], **TRAIN_KWARGS), mt, batches)
+    assert count.kept > 0
+    assert_bitwise(ref, mt)

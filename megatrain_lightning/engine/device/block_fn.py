@@ -298,7 +298,7 @@ class _BlockFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused side output sends None, not a tensor of zeros
         out, side = engine.forward_block(runner.idx, state, hidden, hidden.requires_grad)
         if state.tape is not None and state.offload:  # its attention outputs beside its input, on the host
-            state.tape.stow(functools.partial(engine.saved_inputs.store, owner=state))
+            state.tape.stow(functools.partial(engine.saved_inputs.store, owner=state, beside=True))
         # A side output computed without grad (the forward ran in grad mode) needs none later either, as in
         # ordinary training: T5's cross-attention bias of zeros must not require grad in the next blocks.
         ctx.mark_non_differentiable(*(t for t in side if not t.requires_grad))

@@ -160,10 +160,11 @@ class SavedInputs:
     def host_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
-    def store(self, hidden: torch.Tensor, owner: object) -> SavedInput:
+    def store(self, hidden: torch.Tensor, owner: object, beside: bool = False) -> SavedInput:
         """Start copying `hidden` (just produced on the compute stream) to a host buffer, held until
         :meth:`give_back` or until `owner` (the block call's state) is garbage: a graph dropped without
-        backward (a skipped step) must not keep its buffers from the pool."""
+        backward (a skipped step) must not keep its buffers from the pool. `beside`: not a block's input but a
+        tensor kept beside it (keep_attention), which :attr:`largest` does not count."""
         s = self.streams
         buf, last_read = self._take(*self.codec.stored(hidden))
         s.wait(s.d2h, last_read)  # the upload of the buffer's previous content has read it
@@ -173,7 +174,7 @@ class SavedInputs:
         if s.is_cuda:
             src.record_stream(s.d2h)  # the device tensor is freed after forward; the copy still reads it
         self.stats["input_offload_bytes"] += buf.nbytes
-        self.largest = max(self.largest, buf.nbytes)
+        self.largest = self.largest if beside else max(self.largest, buf.nbytes)
         saved = SavedInput(buf, hidden.shape, hidden.dtype, stored=s.event(s.d2h))
         weakref.finalize(owner, self.give_back, saved)
         return saved
