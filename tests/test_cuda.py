@@ -278,6 +278,28 @@ def test_the_clipping_norm_on_cuda_is_ordinary_gpu_trainings_within_rounding():
     assert abs(norms[0] / ordinary - 1) < 1e-6
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offloaded"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_kept_attention_on_cuda_is_the_recompute_to_the_bit(precision, offload):
+    """keep_attention (engine/device/kept_attention.py) with the GPU's fused kernels (memory-efficient in fp32, flash in
+    bf16): attention's backward gets the outputs the forward's kernel computed, which the recompute's kernel would
+    compute again identically, so losses, norms and weights equal the run without it to the bit (the recompute's
+    query/key/value check passes within its tolerance), and every recompute's attention was handed back."""
+    runs, kept = {}, {}
+
+    def count(engine):
+        kept[keep] = engine.stats["kept_attention"]
+
+    for keep in (False, True):
+        model = hf_llama(layers=4)
+        config = EngineConfig(device="cuda", precision=precision, offload_inputs=offload, keep_attention=keep)
+        runs[keep] = (*cuda_loop(model, config, after_step=count), params_of(model))
+    (losses, norms, params), (k_losses, k_norms, k_params) = runs[False], runs[True]
+    assert kept == {False: 0, True: 2 * 3 * 4}  # 2 steps x 3 micro-batches x 4 blocks
+    assert k_losses == losses and k_norms == norms
+    assert all(torch.equal(k_params[k], params[k]) for k in params)
+
+
 def test_row_chunks_on_cuda_train_as_whole_calls_within_rounding():
     """Layer-major calls of 2 rows on the GPU (engine/device/rows.py): the first loss as whole calls give it (each row
     computed alike; the behavioural row-independence check compares two GPU runs of the same shapes bit for bit,
