@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -91,26 +91,21 @@ class Tape:
         with _Redirect(self):
             yield
 
-    @contextmanager
-    def replay(self) -> Iterator[None]:
-        self.replaying = True
-        try:
-            yield
-        finally:
-            self.replaying = False
+    def replay(self) -> AbstractContextManager[None]:
+        """Inside, the calls hand back what the forward kept (the recompute)."""
+        return self._while("replaying")
 
-    @contextmanager
-    def pause(self) -> Iterator[None]:
+    def pause(self) -> AbstractContextManager[None]:
         """Inside, attention runs as it would without the tape (a trial call the engine makes besides the real ones)."""
-        self.paused = True
+        return self._while("paused")
+
+    @contextmanager
+    def _while(self, flag: str) -> Iterator[None]:
+        setattr(self, flag, True)
         try:
             yield
         finally:
-            self.paused = False
-
-    def nbytes(self) -> int:
-        """Bytes of the kept outputs on the device (those stowed elsewhere not counted)."""
-        return sum(t.nbytes for k in self.kept for t in k.outputs if isinstance(t, torch.Tensor))
+            setattr(self, flag, False)
 
     def stow(self, store: Callable[[torch.Tensor], Any]) -> None:
         """Move every kept output of two or more dimensions (the output and the log-sum-exp; not the scalars of a
