@@ -130,7 +130,9 @@ def run_pair(
     return ref, mt, start
 
 
-_ORDINARY: dict[tuple, tuple[nn.Module, CausalLM, dict]] = {}
+# Keyed by the entry's id; each value holds its entry, so that no later entry (a Zoo made inside a test) can be given
+# the id of one already collected and find that one's fit.
+_ORDINARY: dict[tuple, tuple[Zoo, nn.Module, CausalLM, dict]] = {}
 
 
 def ordinary_fit(entry: Zoo, batches: list, steps: int, **trainer_kwargs: Any) -> tuple[nn.Module, CausalLM, dict]:
@@ -144,8 +146,8 @@ def ordinary_fit(entry: Zoo, batches: list, steps: int, **trainer_kwargs: Any) -
         ref = entry.module(model, loss_fn=entry.loss_fn, **dict(MODULE_KWARGS, schedule=steps))
         ref.adam_inputs = AdamInputs()
         seeded_fit(trainer("auto", callbacks=[ref.adam_inputs], **trainer_kwargs), ref, batches)
-        _ORDINARY[key] = (initial, ref, start)
-    return _ORDINARY[key]
+        _ORDINARY[key] = (entry, initial, ref, start)
+    return _ORDINARY[key][1:]
 
 
 class AdamInputs(Callback):
