@@ -120,6 +120,26 @@ def test_offloaded_inputs_are_planned_as_the_engine_allocates_them(dtype, stored
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kept_attention_is_planned_as_the_engine_allocates_it(dtype):
+    """keep_attention with offloaded inputs: the planner's host bytes are the engine's pinned buffers, the inputs' and
+    each call's attention output and fp32 log-sum-exp beside them (engine/device/kept_attention.py); on the GPU the
+    block in use's kept outputs, or every block's while the inputs stay there."""
+    config = small_config()
+    engine = train(LlamaForCausalLM(config), dtype, accumulate=1, offload_inputs=True, keep_attention=True)
+    assert engine.stats["kept_attention"] == config.num_hidden_layers  # (the outputs did stand in)
+    shape, precision = RunShape(config, seq_len=32, micro_batch=1), PRECISION[dtype]
+    offloaded = plan(shape, EngineConfig(precision=precision, offload_inputs=True, keep_attention=True))
+    plain = plan(shape, EngineConfig(precision=precision, offload_inputs=True))
+    assert offloaded.host["activations"] == engine.saved_inputs.host_bytes() > plain.host["activations"]
+    per_call = (offloaded.host["activations"] - plain.host["activations"]) // config.num_hidden_layers
+    on_device = plan(shape, EngineConfig(precision=precision, offload_inputs=False, keep_attention=True))
+    assert (
+        offloaded.gpu["kept_attention"] == per_call
+        and on_device.gpu["kept_attention"] == per_call * config.num_hidden_layers
+    )
+
+
 def _rss_growth(dtype: torch.dtype) -> dict:
     """In a fresh process: resident-memory growth from handing a model to the engine through one step."""
     torch.manual_seed(0)
