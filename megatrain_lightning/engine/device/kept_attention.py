@@ -109,10 +109,12 @@ class Tape:
 
     def stow(self, store: Callable[[torch.Tensor], Any]) -> None:
         """Move every kept output of two or more dimensions (the output and the log-sum-exp; not the scalars of a
-        dropout's random state) to wherever `store` puts it (host memory), keeping the handle it returns."""
+        dropout's random state) to wherever `store` puts it (host memory), keeping the handle it returns. Each goes
+        in its own memory order (a kernel's output is often a transposed view), so no copy is made to flatten it,
+        and comes back with the same strides."""
         for k in self.kept:
             k.outputs = tuple(
-                _Stowed(store(t)) if isinstance(t, torch.Tensor) and t.dim() >= 2 else t for t in k.outputs
+                _Stowed.of(t, store) if isinstance(t, torch.Tensor) and t.dim() >= 2 else t for t in k.outputs
             )
 
     def stowed(self) -> list[Any]:
@@ -123,7 +125,7 @@ class Tape:
         """Put the stowed outputs back as tensors (`fetch` of each handle) before the recompute; the handles."""
         handles = self.stowed()
         for k in self.kept:
-            k.outputs = tuple(fetch(t.handle) if isinstance(t, _Stowed) else t for t in k.outputs)
+            k.outputs = tuple(t.back(fetch) if isinstance(t, _Stowed) else t for t in k.outputs)
         return handles
 
     # -- what the tap does at each attention kernel ---------------------------------------------------------------
@@ -173,12 +175,27 @@ class Tape:
 
 
 class _Stowed:
-    """A kept output moved out of the device: the handle its store returned."""
+    """A kept output moved out of the device: the handle its store returned, and the order of its dimensions in
+    memory (outermost first) it was stored in."""
 
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "order")
 
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
+    def __init__(self, handle: Any, order: list[int]) -> None:
+        self.handle, self.order = handle, order
+
+    @staticmethod
+    def of(t: torch.Tensor, store: Callable[[torch.Tensor], Any]) -> _Stowed:
+        order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
+        if not t.permute(order).is_contiguous():  # (not a permutation of a dense layout: stored as it reads)
+            order = list(range(t.dim()))
+        return _Stowed(store(t.permute(order)), order)
+
+    def back(self, fetch: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """The output on the device again, its shape and strides the forward's."""
+        inverse = [0] * len(self.order)
+        for at, dim in enumerate(self.order):
+            inverse[dim] = at
+        return fetch(self.handle).permute(inverse)
 
 
 def _dropout(op: Any, args: tuple, kwargs: dict) -> bool:
