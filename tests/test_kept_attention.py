@@ -207,3 +207,25 @@ def test_another_graph_break_is_refused_with_keep_attention(eager_backend):
     with pytest.raises(RuntimeError, match="could not compile decoder block class _Breaking as one graph"):
         net(torch.randn(2, 6, 8)).backward()
     engine.close()
+
+
+def test_stowed_outputs_come_back_with_the_forwards_strides_and_no_flattening_copy():
+    tape = Tape("b", lambda ts: None, lambda a, b: None, {"kept_attention": 0})
+    q = torch.randn(2, 3, 5, 8)
+    with tape.running():
+        F.scaled_dot_product_attention(q, q, q)
+    (kept,) = tape.kept
+    before = [(t.shape, t.stride(), t.clone()) for t in kept.outputs if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    assert any(stride != torch.empty(shape).stride() for shape, stride, _ in before)  # (the kernel's output is a view)
+    host = []
+
+    def store(t):
+        assert t.is_contiguous()  # stored as it lies in memory: a flat view, no copy
+        host.append(t.clone())
+        return len(host) - 1
+
+    tape.stow(store)
+    assert tape.bring(lambda h: host[h]) == [0, 1]
+    after = [t for t in kept.outputs if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    assert [(t.shape, t.stride()) for t in after] == [(shape, stride) for shape, stride, _ in before]
+    assert all(torch.equal(t, v) for t, (_, _, v) in zip(after, before))
