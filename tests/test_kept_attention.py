@@ -138,11 +138,22 @@ def test_a_recompute_whose_query_differs_is_refused():
     engine.close()
 
 
-def test_a_recompute_with_another_number_of_attention_calls_is_refused():
-    tape = Tape("b", lambda ts: None, lambda a, b: None, {"kept_attention": 0})
-    q = torch.randn(1, 2, 4, 8)
+def bare_tape(block: str = "b") -> Tape:
+    """A tape on its own: no fingerprints to compare, counters of its own."""
+    return Tape(block, lambda ts: None, lambda a, b: None, {"kept_attention": 0})
+
+
+def kept_call(tape: Tape, shape: tuple[int, ...]) -> torch.Tensor:
+    """One attention call the tape keeps; its query (key and value alike)."""
+    q = torch.randn(shape)
     with tape.running():
         F.scaled_dot_product_attention(q, q, q)
+    return q
+
+
+def test_a_recompute_with_another_number_of_attention_calls_is_refused():
+    tape = bare_tape()
+    q = kept_call(tape, (1, 2, 4, 8))
     with tape.running(), tape.replay():
         F.scaled_dot_product_attention(q, q, q)
         with pytest.raises(RuntimeError, match="more often than its forward"):
@@ -163,7 +174,7 @@ def test_a_recompute_with_another_number_of_attention_calls_is_refused():
 def test_an_attention_with_dropout_is_refused():
     # (On the CPU torch computes an attention with dropout by its math backend, which is recomputed: the fused
     # kernels of a GPU take dropout, and a kernel handed back would not advance the generator.)
-    tape = Tape("layers.0", lambda ts: None, lambda a, b: None, {"kept_attention": 0})
+    tape = bare_tape("layers.0")
     q = torch.randn(1, 2, 4, 8)
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     with pytest.raises(RuntimeError, match="block layers.0: keep_attention=True cannot keep an attention with dropout"):
@@ -210,10 +221,8 @@ def test_another_graph_break_is_refused_with_keep_attention(eager_backend):
 
 
 def test_stowed_outputs_come_back_with_the_forwards_strides_and_no_flattening_copy():
-    tape = Tape("b", lambda ts: None, lambda a, b: None, {"kept_attention": 0})
-    q = torch.randn(2, 3, 5, 8)
-    with tape.running():
-        F.scaled_dot_product_attention(q, q, q)
+    tape = bare_tape()
+    kept_call(tape, (2, 3, 5, 8))
     (kept,) = tape.kept
     before = [(t.shape, t.stride(), t.clone()) for t in kept.outputs if isinstance(t, torch.Tensor) and t.dim() >= 2]
     assert any(stride != torch.empty(shape).stride() for shape, stride, _ in before)  # (the kernel's output is a view)
