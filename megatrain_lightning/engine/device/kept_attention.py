@@ -1,7 +1,7 @@
 """Attention outputs kept from a block's forward, so that its recompute in backward does not run attention again.
 
 A recomputed block runs its forward twice: once in the forward pass, once in backward to rebuild its graph.
-The second run's attention forward (a quarter of attention's time at 8k tokens) only remakes what autograd saves
+The second run's attention forward (a fifth of attention's time at 8k tokens) only remakes what autograd saves
 for attention's backward: the output and the log-sum-exp of its rows. With ``keep_attention=True`` each block call
 keeps them from the forward instead (in host memory beside the block's input when the input is offloaded, else on
 the device) and the recompute is handed them back, so attention's backward runs on the very tensors the forward
