@@ -235,10 +235,11 @@ class Recorder:
 
     def op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Log one op of the issuing thread: a device kernel, or host work when it touches a host buffer."""
-        outs, ins = tensors_in(out), tensors_in((args, kwargs))
-        nbytes = _kernel_bytes(func, args, kwargs, ins, outs)
-        if nbytes is None:
+        outs = tensors_in(out)
+        if _no_kernel(func, outs):
             return  # metadata, allocation or a view: no kernel runs
+        ins = tensors_in((args, kwargs))
+        nbytes = _kernel_bytes(func, args, kwargs, ins, outs)
         if self.in_job() or any(self.is_host(t) for t in ins + outs):  # the worker's arithmetic is host work
             self.host_work(func._overloadpacket.__name__, outs[0].numel(), nbytes)
             self.mark_host(outs)
@@ -535,15 +536,17 @@ def _nbytes(t: torch.Tensor) -> int:
 def kernel_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int | None:
     """The bytes op `func` reads and writes as a device kernel; None when it runs none (metadata, an allocation,
     a view)."""
-    return _kernel_bytes(func, args, kwargs, tensors_in((args, kwargs)), tensors_in(out))
+    outs = tensors_in(out)
+    return None if _no_kernel(func, outs) else _kernel_bytes(func, args, kwargs, tensors_in((args, kwargs)), outs)
 
 
-def _kernel_bytes(
-    func: Any, args: tuple, kwargs: dict, ins: list[torch.Tensor], outs: list[torch.Tensor]
-) -> int | None:
-    """:func:`kernel_bytes` given the op's tensors, `ins` and `outs`."""
-    if not outs or func._overloadpacket in _NO_KERNEL or _is_view(func):
-        return None
+def _no_kernel(func: Any, outs: list[torch.Tensor]) -> bool:
+    """Whether op `func` with tensor outputs `outs` runs no device kernel (metadata, an allocation, a view)."""
+    return not outs or func._overloadpacket in _NO_KERNEL or _is_view(func)
+
+
+def _kernel_bytes(func: Any, args: tuple, kwargs: dict, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
+    """:func:`kernel_bytes` of an op that runs a kernel, given its tensors, `ins` and `outs`."""
     if func._overloadpacket in _SCATTERS:  # read what they index and write back as many elements of `self`
         rest = tensors_in((args[1:], kwargs))
         return sum(_nbytes(t) for t in rest) + 2 * max(t.numel() for t in rest) * args[0].element_size()
