@@ -284,6 +284,7 @@ def _new_stats() -> dict[str, float]:
         "kept_attention": 0,  # attention calls a recompute got from the forward instead of computing (keep_attention)
         "uploads_ahead": 0,  # blocks whose speculative step's weights went up during the backward, and were kept
         "early_input_fetches": 0,  # offloaded inputs brought back during the later block's backward, not after
+        "sums_held_for_the_link": 0,  # step's last sums that waited for the link, to go down needed first
         "host_step_seconds": 0.0,  # worker: Adam steps
         "speculative_kept": 0,  # units whose speculative step the optimizer step kept (speculative_step)
         "speculative_discarded": 0,  # and those whose it discarded (clipped, or something changed since)

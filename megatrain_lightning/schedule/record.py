@@ -212,6 +212,11 @@ class Recorder:
         """What ``future.done()`` of host job `job` answers now (see the class docstring)."""
         return True if self.live is None else self.live.ended_by_now(job)
 
+    def ended(self, event: int) -> bool:
+        """Whether recorded `event` is complete by the issuing thread's clock in the live replay (True without
+        one)."""
+        return True if self.live is None else self.live.event_ended_by_now(event)
+
     def running_job(self) -> int | None:
         """The host job running on this thread now (None: the issuing thread's own code)."""
         return getattr(self._local, "job", None)
@@ -289,6 +294,11 @@ class RecordingStreams:
 
     def synchronize(self) -> None:
         self.recorder.log(DeviceSync(_where()))
+
+    def ended(self, event: RecordedEvent) -> bool:
+        """A poll of `event`, answered by the live replay as the device would answer it now (logs nothing: the
+        decision taken on it is in what the engine issues next); complete without a profile."""
+        return self.recorder.ended(event.id)
 
     def copy(self, stream: torch.Stream | None, dst: torch.Tensor, src: torch.Tensor) -> None:
         rec = self.recorder

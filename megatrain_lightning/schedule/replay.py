@@ -124,6 +124,11 @@ class Replay:
         self.catch_up()
         return job in self.ended and self.ended[job] <= self.threads[0].clock
 
+    def event_ended_by_now(self, event: int) -> bool:
+        """Live replay: whether `event` is complete by the issuing thread's clock (a real ``event.query()``)."""
+        self.catch_up()
+        return event in self.events and self.events[event] <= self.threads[0].clock
+
     def _go(self, live: bool) -> None:
         """Advance both threads as far as the items allow (`live`: no job started past the clock of an
         issuing thread that has run out of items)."""

@@ -99,6 +99,10 @@ class Streams:
         if self.is_cuda and event is not None:
             (stream if stream is not None else self.compute()).wait_event(event)
 
+    def ended(self, event: object) -> bool:
+        """Whether the work before `event` has finished, without waiting (a poll)."""
+        return issued(event).query()
+
     def synchronize(self) -> None:
         """Block the host until every stream of the device, copies included, has finished its work."""
         if self.is_cuda:

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from megatrain_lightning.engine.device.grad_sums import DeviceGradSums
+from megatrain_lightning.engine.host.needed_first import NeededFirst
 from megatrain_lightning.engine.host.ring import HostRing, pieces
 from megatrain_lightning.engine.host.units import GradState, HostUnit, spans
 from megatrain_lightning.engine.ranks import Ranks
@@ -150,6 +151,9 @@ class HostSide:
         # Run first by every host job of a unit (engine/self_checks.py: on a GPU, whether the unit's recompute
         # agreed with its forward); None: nothing to check.
         self.gate: Callable[[HostUnit], None] | None = None
+        # With speculative steps, the step's last sums wait for room on the link and go needed first
+        # (engine/host/needed_first.py).
+        self.needed_first = NeededFirst(streams, stats)
 
     def all_units(self) -> list[HostUnit]:
         # Outer units first: the embedding is the first thing the next forward needs.
@@ -196,6 +200,7 @@ class HostSide:
 
         Partitioned, `flat` and `present` are the whole unit's: the mean over ranks is reduce-scattered on the
         device first, and this rank's shard goes down (a parameter has a gradient if any rank's has one)."""
+        self.needed_first.send_now(unit)  # (a second gradient of a unit lands after its first)
         if unit.partitioned:
             present = unit.piece_flags(self.ranks.any_rank(present))
             self.stats["reduce_scatter_bytes"] += unit.device_numel * flat.element_size()
@@ -274,13 +279,24 @@ class HostSide:
         """The unit's complete device sum goes down as the backward's one gradient of it (into the fp32
         accumulator) and lands: stepped at once where the optimizer overlaps backward, else kept for the step."""
         eager = self._eager_ok()
+        total, present = self._close_sum(unit, whole=True)
+        send = partial(self._send_sum, unit, block_idx, eager, total, present, self.streams.event())
+        if eager or not self.speculates() or not self.needed_first.defer(self.step_rank(unit), unit, send):
+            send()
+
+    def _send_sum(
+        self, unit: HostUnit, block_idx: int | None, eager: bool, total: torch.Tensor, present: list[bool], made: Any
+    ) -> object:
+        """:meth:`_ship_sum`'s download of the closed sum `total` (complete at the compute event `made`), its
+        landing and what follows it; now, or later in the next forward's order (engine/host/needed_first.py)."""
         hyper = self.hyper() if eager else None
-        done, present = self._download_sum(unit, whole=True)
+        done = self._send_down(unit, total, made)
         want_norm = self.want_norms and unit.grad.device_norms is None
         rank = self.step_rank(unit) if hyper is not None else 0
         clamp = self._clip_value if eager else None
         self.submit(unit, partial(self._land_sum, unit, done, present, want_norm, hyper, clamp), rank, done)
         self._shipped(unit, eager, block_idx)
+        return done
 
     def _spill(self, unit: HostUnit) -> None:
         """Something needs the gradient on the host before the step's last backward: the device sum goes down
@@ -308,20 +324,30 @@ class HostSide:
                     unit.ensure_acc(pin=True)
 
     def spill_all(self) -> None:
+        self.needed_first.flush()
         if self.sums is not None:
             for unit in self.sums.open_units():
                 self.wait(unit)
                 self._spill(unit)
 
-    def _download_sum(self, unit: HostUnit, whole: bool = False) -> tuple[object, list[bool]]:
-        """Send the unit's device sum down into its fp32 accumulator; `whole`: it is the step's whole gradient of
-        the unit, whose per-parameter norms clipping then takes on the device (as of a single micro-batch's)."""
+    def _download_sum(self, unit: HostUnit) -> tuple[object, list[bool]]:
+        """Send the unit's device sum down into its fp32 accumulator now."""
+        total, present = self._close_sum(unit)
+        return self._send_down(unit, total, self.streams.event()), present
+
+    def _close_sum(self, unit: HostUnit, whole: bool = False) -> tuple[torch.Tensor, list[bool]]:
+        """The unit's complete device sum and presence flags; `whole`: it is the step's whole gradient of the unit,
+        whose per-parameter norms clipping then takes on the device (as of a single micro-batch's)."""
         total, present = self.sums.close(unit)
         self._device_norms(unit, total[: unit.numel], present, single=whole)
+        return total, present
+
+    def _send_down(self, unit: HostUnit, total: torch.Tensor, made: Any) -> object:
+        """Copy the closed sum `total` into the unit's accumulator after the compute event `made`; the copy's event."""
         acc = unit.ensure_acc(pin=unit.pin and self.streams.is_cuda)
-        self._before_download(total)
+        self._before_download(total, made)
         self.streams.copy(self.streams.d2h, acc, total[: unit.numel])
-        return self.streams.event(self.streams.d2h), present
+        return self.streams.event(self.streams.d2h)
 
     def _land_sum(
         self,
@@ -376,9 +402,10 @@ class HostSide:
         self._shipped(unit, eager, block_idx)
         return done
 
-    def _before_download(self, flat: torch.Tensor) -> None:
+    def _before_download(self, flat: torch.Tensor, made: Any = None) -> None:
+        """Count the download of `flat` and hold the link for its compute (event `made`, else all issued so far)."""
         self.stats["d2h_bytes"] += flat.numel() * flat.element_size()
-        self.streams.wait(self.streams.d2h, self.streams.event())  # the gradient has been produced
+        self.streams.wait(self.streams.d2h, made if made is not None else self.streams.event())  # the gradient is made
 
     def _shipped(self, unit: HostUnit, eager: bool, block_idx: int | None) -> None:
         if eager:
@@ -464,6 +491,7 @@ class HostSide:
     def wait_weights(self, unit: HostUnit) -> None:
         """Block until the unit's compute copy holds its current weights: after a kept speculative step, at
         once (the master and moments may still be stepping); otherwise after its last host job."""
+        self.needed_first.send_now(unit)
         if unit.weights is None:
             self.wait(unit)
         elif not unit.weights.done():
@@ -523,6 +551,7 @@ class HostSide:
         """The sum held in the slab is complete: land it as the backward's one gradient of the unit, as
         :meth:`_ship_whole` lands one (stepped at once only when it is this backward's and the optimizer
         overlaps it; a sum left from an earlier backward, or landed by the optimizer step, waits for the step)."""
+        self.needed_first.send_now(unit)
         held = unit.grad.unhold()
         eager = this_pass and not held.accumulate and self._eager_ok()
         hyper = self.hyper() if eager else None
@@ -721,6 +750,7 @@ class HostSide:
     def step(self) -> set[HostUnit]:
         """Queue the optimizer step of every unit holding gradients (blocks in the next forward's order);
         returns the units stepped since the last step (during backward too)."""
+        self.needed_first.flush()  # (sent at the end of the backward already, unless it failed)
         if self.hyper is None:
             raise RuntimeError("no optimizer is attached to the engine: call engine.optimizer(torch.optim.AdamW(...))")
         clip_val, self._clip = self._clip, None
@@ -805,6 +835,7 @@ class HostSide:
     def grad_norm(self) -> torch.Tensor:
         """The total 2-norm of the gradient the next step uses, as ``clip_grad_norm_`` returns it: every
         gradient lands first (the per-unit norms taken now are kept for the step's clipping)."""
+        self.needed_first.flush()
         self._land_all_held()
         return kernels.total_norm(self._param_norms([u for u in self.all_units() if u in self._pending]))
 
@@ -894,6 +925,7 @@ class HostSide:
         """Drop the gradients not stepped yet (of `units` only, when given: one of several optimizers'). Nothing
         blocks: each such unit's reset is queued behind its landing jobs on the worker (after an optimizer step
         there are none, and nothing is queued)."""
+        self.needed_first.flush()
         units = self.all_units() if units is None else units
         dropped = self._pending.intersection(units)
         for unit in dropped:
@@ -909,6 +941,7 @@ class HostSide:
 
     # -- the worker -------------------------------------------------------------------------
     def close(self) -> None:
+        self.needed_first.flush()
         self.worker.shutdown(wait=True)
         self.grad_slots.clear()
         if self.sums is not None:
@@ -920,6 +953,7 @@ class HostSide:
     def flush(self) -> None:
         """Wait for every host job (landing, steps) and every upload reading a compute copy to finish: after
         this the host buffers may be read or rewritten (checkpoints, loading weights, teardown)."""
+        self.needed_first.flush()
         for unit in self.all_units():
             unit.wait()
             for read in (unit.upload_done, unit.spare_read):  # (an upload ahead reads the spare copy)
@@ -928,6 +962,7 @@ class HostSide:
 
     def wait(self, unit: HostUnit) -> None:
         """Block on `unit`'s last host job, counting the time the device queue may starve meanwhile."""
+        self.needed_first.send_now(unit)  # (its landing is its last job once its sum has gone down)
         if unit.future is not None and not unit.future.done():
             t0 = time.perf_counter()
             unit.wait()
