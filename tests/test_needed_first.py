@@ -43,7 +43,7 @@ def test_sums_wait_for_the_link_and_go_needed_first_bit_for_bit(monkeypatch):
     order = sent_ranks(monkeypatch)
     layers = 2 * IN_FLIGHT  # (more blocks than fit on the link)
     a, b = twin(lambda: hf_llama(layers))
-    options = dict(clip=NOT_CLIPPED, micro=2, device_grad_sums=layers)
+    options = dict(clip=NOT_CLIPPED, micro=2, device_grad_sums=layers, num_slots=layers)  # (uploads ahead)
     ordered = loop(a, True, **options)
     assert made and ordered[3]["speculative_kept"] > 0
     units = layers + units_of(a) - LAYERS  # the blocks, and the embedding, final norm and head
@@ -97,6 +97,15 @@ def test_a_unit_waiting_for_the_link_is_sent_before_anything_reads_it():
     # the last-needed IN_FLIGHT go at once (the link had room), unit 1 when asked for, unit 0 at the backward's end
     assert sent == [*reversed(range(2, n)), 1, "|", 0]
     assert stats["sums_held_for_the_link"] == 2 and not q.waiting()
+
+
+def test_with_fewer_slots_than_blocks_no_sum_waits(monkeypatch):
+    """Without a slot for every block (no uploads ahead) the sums go as they are made."""
+    install(monkeypatch, hold=1.0)
+    monkeypatch.setattr(AsyncStreams, "ended", lambda self, event: False)
+    layers = 2 * IN_FLIGHT
+    run = loop(hf_llama(layers), True, clip=NOT_CLIPPED, micro=2, device_grad_sums=layers, num_slots=2)
+    assert run[3]["speculative_kept"] > 0 and run[3]["sums_held_for_the_link"] == 0
 
 
 def test_the_schedule_model_answers_the_links_poll_live_and_the_step_is_shorter(monkeypatch):

@@ -39,12 +39,16 @@ class UploadsAhead:
         self.waiting: list[int] = []  # blocks whose speculative step is not done yet (or whose slot is pinned)
         self._issued: list[Any] = []  # the compute event after each of this backward's calls
 
+    def possible(self) -> bool:
+        """Whether a backward now sends weights up ahead: speculative steps, a slot for every block, one rank."""
+        return self.host.speculates() and self.ranks.late_steps and self.pool.num_slots >= len(self.units)
+
     def backward_call(self, idx: int) -> None:
         """Block `idx`'s backward of the step's last micro-batch has been issued: send up the next weights of
         every block of this backward whose speculative step is done by now. Only with a slot for every block,
         and where a block's upload is its own copy: one rank (``late_steps``; several upload shards and gather
         them in one order). Every unit has a whole compute copy there, which speculative steps need."""
-        if self.host.speculates() and self.ranks.late_steps and self.pool.num_slots >= len(self.units):
+        if self.possible():
             self.waiting.append(idx)  # (its gradient, and so its speculative step, comes after this call)
             self._issued.append(self.pool.streams.event())
             if len(self._issued) > AHEAD_CALLS:

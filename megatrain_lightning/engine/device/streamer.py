@@ -90,6 +90,7 @@ class BlockStreamer:
         self._step_transient: int | None = None  # what the first step needed beyond the persistent buffers
         self._step_input = 0  # and the largest input it offloaded (bytes)
         self.ahead = UploadsAhead(pool, units, host, uploads, ranks)  # (speculative steps: engine/device/ahead.py)
+        host.needed_first.when = self.ahead.possible  # the step's last sums go down needed first where it pays
         # Per block, (first block, number of blocks) of its stack: a stack's blocks are consecutive, and each
         # stack's forward pass is decided on anew (offloaded inputs, kept graphs).
         self._spans, self._param_refs = spans, param_refs

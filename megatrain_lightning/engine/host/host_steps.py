@@ -151,8 +151,8 @@ class HostSide:
         # Run first by every host job of a unit (engine/self_checks.py: on a GPU, whether the unit's recompute
         # agreed with its forward); None: nothing to check.
         self.gate: Callable[[HostUnit], None] | None = None
-        # With speculative steps, the step's last sums wait for room on the link and go needed first
-        # (engine/host/needed_first.py).
+        # With speculative steps and their weights going up ahead, the step's last sums wait for room on the link
+        # and go needed first (engine/host/needed_first.py; `when` set by the streamer).
         self.needed_first = NeededFirst(streams, stats)
 
     def all_units(self) -> list[HostUnit]:
@@ -281,7 +281,7 @@ class HostSide:
         eager = self._eager_ok()
         total, present = self._close_sum(unit, whole=True)
         send = partial(self._send_sum, unit, block_idx, eager, total, present, self.streams.event())
-        if eager or not self.speculates() or not self.needed_first.defer(self.step_rank(unit), unit, send):
+        if eager or not self.needed_first.when() or not self.needed_first.defer(self.step_rank(unit), unit, send):
             send()
 
     def _send_sum(
@@ -692,6 +692,7 @@ class HostSide:
     # -- gradients shown to hooks (engine.gradients_visible) --------------------------------------
     def expose(self) -> None:
         """Before hooks read the gradients: every gradient landed, in the fp32 accumulator `.grad` will view."""
+        self.needed_first.flush()
         self._land_all_held()
         self.flush()
         for unit in self.all_units():

@@ -1,15 +1,16 @@
 """The step's last gradient sums sent down in the order the next forward needs them.
 
-With gradient sums kept on the device and speculative steps, a step of micro-batches ends with every unit's
-fp32 sum going down (4 B/param) as its last backward ends: the head's first, the blocks' from the last one
-down, the embedding's last. A CUDA stream runs its copies in the order they were issued, so issued at once
-the embedding's sum, which the next forward needs first, waits behind every block's (at 8B on an H100, 0.6 s
-of downloads for a 0.37 s backward). Here a sum waits on the host instead while the link has
+With gradient sums kept on the device, speculative steps and a slot for every block (so that each block's next
+weights go up as soon as its speculative step is done: engine/device/ahead.py), a step of micro-batches ends
+with every unit's fp32 sum going down (4 B/param) as its last backward ends: the head's first, the blocks' from
+the last one down, the embedding's last. A CUDA stream runs its copies in the order they were issued, so issued
+at once the embedding's sum, which the next forward needs first, waits behind every block's (at 8B on an H100,
+0.6 s of downloads for a 0.37 s backward). Here a sum waits on the host instead while the link has
 :data:`IN_FLIGHT` of them still to finish, and each time the link has room the waiting sum whose unit the next
-forward reads first goes (the worker's rank of its speculative step, engine/host/worker.py): the blocks whose
-sums wait are then the ones the forward reaches last, and the embedding's goes next. At the end of the
-backward (autograd's final callback) every waiting sum is sent in that order; anything that reads or waits
-for a unit sends its sum first (:meth:`NeededFirst.send_now`), so no landing of a unit is ever reordered.
+forward reads first goes (the worker's rank of its speculative step, engine/host/worker.py): a sum that waits
+is passed by the later ones, which the forward needs sooner, and the embedding's goes almost at once. At the end
+of the backward (autograd's final callback) every waiting sum is sent in that order; anything that reads or
+waits for a unit sends its sum first (:meth:`NeededFirst.send_now`), so no landing of a unit is ever reordered.
 
 Only the order of the copies changes: each sum is the same bytes into the same accumulator, landed and
 stepped as before (tests/test_needed_first.py, bit for bit under copy streams that really run late).
@@ -54,6 +55,11 @@ class NeededFirst:
         self._sent: deque = deque()  # events of sums issued in this backward, oldest first
         self._seq = itertools.count()
         self._armed = False  # the final callback is queued for the running backward
+        # Whether sums may wait now: only where every block's next weights go up ahead (speculative steps, a slot
+        # for every block: engine/device/ahead.UploadsAhead.possible), so that the next forward waits on each
+        # unit's sum, step and upload alone. With fewer slots the forward's own uploads pace it, and sums held
+        # back made the step slower (8B, 4 x 4096, 14 slots: 2.672 s in landing order, 2.727 needed first).
+        self.when: Callable[[], bool] = lambda: False
 
     def defer(self, rank: int, unit: HostUnit, send: Callable[[], object]) -> bool:
         """Let `unit`'s sum wait for the link; False outside a backward (nothing would send it at the end):
