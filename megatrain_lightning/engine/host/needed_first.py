@@ -32,9 +32,7 @@ IN_FLIGHT = 3
 """Sums on the link (issued, not finished) beyond which the next one waits. The thread issuing the backward runs
 about two block calls ahead of the GPU, so of three such sums one is copying and two may still wait for their
 gradient; with two the link idled between checks (one per block's backward). Modelled for Llama 3.1 8B, 4 x
-4096 on h100-sxm (docs/benchmarks.md): 1 in flight 2.383 s, 2: 2.267, 3: 2.199, 4: 2.196, 6: 2.203.
-
-"""
+4096 on h100-sxm (docs/benchmarks.md): 1 in flight 2.383 s, 2: 2.267, 3: 2.199, 4: 2.196, 6: 2.203."""
 
 
 @dataclass(order=True)
