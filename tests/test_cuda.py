@@ -341,3 +341,32 @@ def test_speculative_steps_with_uploads_ahead_on_cuda_are_the_run_without_them(m
     assert s_losses == losses and s_norms == norms
     assert all(torch.equal(s_params[k], params[k]) for k in params)
     assert ahead[-1] == (2 * 3 if max_norm > 1 else 0)  # blocks 1..3 of the first two steps' backwards
+
+
+def test_needed_first_downloads_on_cuda_are_the_run_without_them(monkeypatch):
+    """Device sums over 3 micro-batches, speculative steps, a slot for every block: with the link polled busy
+    until the backward ends (so every sum beyond the first three waits and goes in the next forward's order, on
+    the real D2H stream) the run equals, to the bit, the one whose sums go as they are made
+    (engine/host/needed_first.py; tests/test_needed_first.py on the CPU)."""
+    from megatrain_lightning.engine.device.streams import Streams
+    from megatrain_lightning.engine.host.needed_first import NeededFirst
+
+    host_keeps_up(monkeypatch)
+    runs, held = {}, []
+    for ordered in (True, False):
+        with monkeypatch.context() as m:
+            if ordered:
+                m.setattr(Streams, "ended", lambda self, event: False)
+            else:
+                m.setattr(NeededFirst, "defer", lambda self, rank, unit, send: False)
+            model = hf_llama(layers=4)
+            config = EngineConfig(
+                device="cuda", precision="bf16-mixed", speculative_step=True, num_slots=4, device_grad_sums=4
+            )
+            count = lambda engine: held.append(engine.stats["sums_held_for_the_link"])  # noqa: E731
+            runs[ordered] = (*cuda_loop(model, config, micro=3, steps=3, after_step=count, max_norm=1e6),)
+            runs[ordered] += (params_of(model),)
+    (losses, norms, params), (o_losses, o_norms, o_params) = runs[False], runs[True]
+    assert o_losses == losses and o_norms == norms
+    assert all(torch.equal(o_params[k], params[k]) for k in params)
+    assert held[2] > 0 and held[-1] == 0  # sums waited in the ordered run, none in the other
