@@ -2,7 +2,7 @@
 
 Under copy streams that really run late (tests/async_streams.py), polled as a link that never has room before
 the backward ends, a step of micro-batches with every unit summed on the device and
-speculative steps: the sums beyond the first two wait and go in the next forward's order, and the run is the
+speculative steps: the sums beyond the first IN_FLIGHT wait and go in the next forward's order, and the run is the
 run without the ordering, bit for bit (the same bytes into the same accumulators, landed and stepped as before).
 """
 
@@ -51,9 +51,9 @@ def test_sums_wait_for_the_link_and_go_needed_first_bit_for_bit(monkeypatch):
     assert len(order) == steps * units and steps == 3  # every unit's sum of each step's last backward
     for s in range(steps):
         ranks = order[s * units : (s + 1) * units]
-        # the first IN_FLIGHT go as they come (the link had room); the rest waited and went needed first
-        assert ranks[IN_FLIGHT:] == sorted(ranks[IN_FLIGHT:]), ranks
-        assert ranks[IN_FLIGHT:] == [1, *range(2, 2 + layers - IN_FLIGHT + 2)]  # the embedding's, made last, first
+        # The first IN_FLIGHT go as they come (the link had room: the head's, the final norm's, the last block's);
+        # the rest waited and went needed first: the embedding's (rank 1), made last, then blocks 0, 1, ...
+        assert ranks[IN_FLIGHT:] == [1, *range(2, 2 + layers - IN_FLIGHT + 2)], ranks
     assert ordered[3]["sums_held_for_the_link"] == steps * (units - IN_FLIGHT)
 
     monkeypatch.setattr(NeededFirst, "defer", lambda self, rank, unit, send: False)  # sent at once
