@@ -128,3 +128,37 @@ def test_the_schedule_model_answers_the_links_poll_live_and_the_step_is_shorter(
     plain = record()
     assert ordered.busy["gpu"] == pytest.approx(plain.busy["gpu"])
     assert ordered.step_s < 0.9 * plain.step_s
+
+
+def test_a_backward_that_failed_leaves_its_sums_to_the_next_ones_final_callback():
+    """A backward that raises after a sum waited runs no final callback; the next backward queues its own, which
+    sends both (needed first)."""
+
+    class Busy:
+        def ended(self, event) -> bool:
+            return False
+
+    q = NeededFirst(Busy(), {"sums_held_for_the_link": 0})
+    sent: list[int] = []
+
+    def backward_deferring(ranks: list[int], fail: bool) -> None:
+        class Ship(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                for r in ranks:
+                    assert q.defer(r, object(), lambda r=r: sent.append(r) or r)
+                if fail:
+                    raise RuntimeError("a failing backward")
+                return g
+
+        Ship.apply(torch.ones(1, requires_grad=True)).sum().backward()
+
+    with pytest.raises(RuntimeError, match="a failing backward"):
+        backward_deferring([*range(IN_FLIGHT + 2, 1, -1)], fail=True)  # the first IN_FLIGHT go, the last waits
+    assert q.waiting() and sent == [*range(IN_FLIGHT + 2, 2, -1)]
+    backward_deferring([0], fail=False)
+    assert not q.waiting() and sent[IN_FLIGHT:] == [0, 2]

@@ -52,7 +52,7 @@ class NeededFirst:
         self._waiting: list[_Waiting] = []
         self._sent: deque = deque()  # events of sums issued in this backward, oldest first
         self._seq = itertools.count()
-        self._armed = False  # the final callback is queued for the running backward
+        self._armed: int | None = None  # the backward (autograd's graph task) whose final callback is queued
         # Whether sums may wait now: only where every block's next weights go up ahead (speculative steps, a slot
         # for every block: engine/device/ahead.UploadsAhead.possible), so that the next forward waits on each
         # unit's sum, step and upload alone. With fewer slots the forward's own uploads pace it, and sums held
@@ -62,12 +62,13 @@ class NeededFirst:
     def defer(self, rank: int, unit: HostUnit, send: Callable[[], object]) -> bool:
         """Let `unit`'s sum wait for the link; False outside a backward (nothing would send it at the end):
         the caller sends it now."""
-        if not self._armed:
+        task = torch._C._current_graph_task_id()
+        if self._armed != task:  # (a backward that failed left its callback unrun: this one gets its own)
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self.flush)
             except RuntimeError:  # "Final callbacks can only be installed during backward pass"
                 return False
-            self._armed = True
+            self._armed = task
         w = _Waiting(rank, next(self._seq), unit, send)
         self._waiting.append(w)
         self.pump()
@@ -97,7 +98,7 @@ class NeededFirst:
         """Every waiting sum, needed first (the end of the backward)."""
         self.pump(flush=True)
         self._sent.clear()
-        self._armed = False
+        self._armed = None
 
     def waiting(self) -> bool:
         return bool(self._waiting)
