@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from megatrain_lightning.cli.commands import resolve_config
+from megatrain_lightning.planning import planner
 from megatrain_lightning.schedule import modelled_step, profile
 from megatrain_lightning.schedule.floor import RESOURCES, floor_idle, least_idle, tail_units
 
@@ -60,7 +61,7 @@ def main() -> None:
         "| optimizer state | least idle: " + " / ".join(RESOURCES) + " | floor step | floor / lane | GPU memory more |"
     )
     print("|---|---|---|---|---|")
-    outer = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    outer = planner.outer_numel(config)  # the embedding, final norm and head: floor.py's two outer units
     for label, on_device, extra in (
         ("in host memory (the engine)", (), 0),
         ("embedding and head on the GPU", ("embedding", "head"), outer * MASTER_AND_MOMENTS),

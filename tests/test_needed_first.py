@@ -24,6 +24,29 @@ from tests.test_speculative_step import LAYERS, NOT_CLIPPED, assert_same_run, lo
 pytestmark = pytest.mark.usefixtures("torch_adam")  # bitwise comparisons need torch's own AdamW arithmetic
 
 
+class BusyLink:
+    """Streams whose link never has room: every sum beyond IN_FLIGHT waits."""
+
+    def ended(self, event) -> bool:
+        return False
+
+
+def in_backward(work) -> None:
+    """Run `work()` inside a backward pass (where NeededFirst can queue autograd's final callback)."""
+
+    class Ship(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            work()
+            return g
+
+    Ship.apply(torch.ones(1, requires_grad=True)).sum().backward()
+
+
 def sent_ranks(monkeypatch) -> list[int]:
     """The ranks of the sums in the order NeededFirst sends them (appended to as the runs go)."""
     order: list[int] = []
@@ -66,34 +89,22 @@ def test_a_unit_waiting_for_the_link_is_sent_before_anything_reads_it():
     """send_now sends one waiting sum out of order; flush sends the rest needed first; defer outside a
     backward says no (nothing would send it at the end)."""
 
-    class Busy:  # a link that never frees
-        def ended(self, event) -> bool:
-            return False
-
     stats = {"sums_held_for_the_link": 0}
-    q = NeededFirst(Busy(), stats)
+    q = NeededFirst(BusyLink(), stats)
     sent: list[str] = []
     assert not q.defer(0, object(), lambda: sent.append("outside"))  # no backward running
     assert sent == []
 
     n = IN_FLIGHT + 2
     units = [object() for _ in range(n)]  # unit i: rank i (needed i-th)
-    x = torch.ones(1, requires_grad=True)
 
-    class Ship(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t.clone()
+    def ship():
+        for i in reversed(range(n)):  # made last-needed first, as a backward makes them
+            assert q.defer(i, units[i], lambda i=i: sent.append(i) or i)
+        q.send_now(units[1])  # (it waits behind those on the link; unit 0 is needed before it)
+        sent.append("|")  # (the final callback runs after this backward returns)
 
-        @staticmethod
-        def backward(ctx, g):
-            for i in reversed(range(n)):  # made last-needed first, as a backward makes them
-                assert q.defer(i, units[i], lambda i=i: sent.append(i) or i)
-            q.send_now(units[1])  # (it waits behind those on the link; unit 0 is needed before it)
-            sent.append("|")  # (the final callback runs after this backward returns)
-            return g
-
-    Ship.apply(x).sum().backward()
+    in_backward(ship)
     # the last-needed IN_FLIGHT go at once (the link had room), unit 1 when asked for, unit 0 at the backward's end
     assert sent == [*reversed(range(2, n)), 1, "|", 0]
     assert stats["sums_held_for_the_link"] == 2 and not q.waiting()
@@ -134,28 +145,17 @@ def test_a_backward_that_failed_leaves_its_sums_to_the_next_ones_final_callback(
     """A backward that raises after a sum waited runs no final callback; the next backward queues its own, which
     sends both (needed first)."""
 
-    class Busy:
-        def ended(self, event) -> bool:
-            return False
-
-    q = NeededFirst(Busy(), {"sums_held_for_the_link": 0})
+    q = NeededFirst(BusyLink(), {"sums_held_for_the_link": 0})
     sent: list[int] = []
 
     def backward_deferring(ranks: list[int], fail: bool) -> None:
-        class Ship(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, t):
-                return t.clone()
+        def ship():
+            for r in ranks:
+                assert q.defer(r, object(), lambda r=r: sent.append(r) or r)
+            if fail:
+                raise RuntimeError("a failing backward")
 
-            @staticmethod
-            def backward(ctx, g):
-                for r in ranks:
-                    assert q.defer(r, object(), lambda r=r: sent.append(r) or r)
-                if fail:
-                    raise RuntimeError("a failing backward")
-                return g
-
-        Ship.apply(torch.ones(1, requires_grad=True)).sum().backward()
+        in_backward(ship)
 
     with pytest.raises(RuntimeError, match="a failing backward"):
         backward_deferring([*range(IN_FLIGHT + 2, 1, -1)], fail=True)  # the first IN_FLIGHT go, the last waits
